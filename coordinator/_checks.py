@@ -1,0 +1,89 @@
+"""Validation shared by the decider's handlers. Each check raises `Refusal` with a reason."""
+
+from __future__ import annotations
+
+import math
+
+from coordinator.state import EngineState, OwnerState, PoolState, State, TierState
+from events import NULL_BLOCK_ID, BlockRef, Reason
+
+MAX_BLOCKS_PER_POOL = 1 << 24
+MAX_ITEMS_PER_COMMAND = 1 << 16
+MAX_LEASE_SECONDS = 86_400.0
+
+
+class Refusal(Exception):
+    """Raised inside the decider only; `decide` turns it into a Refused/NoticeDropped event."""
+
+    def __init__(self, reason: Reason, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def engine(state: State, engine_id: str) -> EngineState:
+    found = state.engines.get(engine_id)
+    if found is None:
+        raise Refusal(Reason.UNKNOWN_ENGINE, f"engine {engine_id!r} was never declared")
+    return found
+
+
+def engine_in_step(state: State, engine_id: str) -> EngineState:
+    found = engine(state, engine_id)
+    if not found.step_open:
+        raise Refusal(Reason.NO_OPEN_STEP, f"engine {engine_id!r} has no open step")
+    return found
+
+
+def pool(eng: EngineState, pool_id: int) -> PoolState:
+    found = eng.pools.get(pool_id)
+    if found is None:
+        raise Refusal(Reason.UNKNOWN_POOL, f"engine {eng.engine_id!r} has no pool {pool_id}")
+    return found
+
+
+def tier(state: State, eng: EngineState, name: str) -> TierState:
+    found = state.tiers.get(name)
+    if found is None or name not in eng.tiers:
+        raise Refusal(Reason.UNKNOWN_TIER, f"engine {eng.engine_id!r} has no tier {name!r}")
+    return found
+
+
+def owner(state: State, eng: EngineState, owner_id: int) -> OwnerState:
+    found = state.owners.get(owner_id)
+    if found is None or found.engine_id != eng.engine_id:
+        raise Refusal(Reason.UNKNOWN_OWNER, f"engine {eng.engine_id!r} has no owner {owner_id}")
+    return found
+
+
+def block(eng: EngineState, ref: BlockRef) -> PoolState:
+    """A reference to a real, current slot (I1, I2); returns its pool."""
+    found = pool(eng, ref.pool_id)
+    if ref.block_id == NULL_BLOCK_ID:
+        raise Refusal(Reason.NULL_BLOCK, f"block 0 of pool {ref.pool_id} is the null block")
+    if not 0 < ref.block_id < found.spec.num_blocks:
+        raise Refusal(Reason.UNKNOWN_SLOT, f"pool {ref.pool_id} has no block {ref.block_id}")
+    current = found.generations[ref.block_id]
+    if ref.generation != current:
+        raise Refusal(
+            Reason.STALE_GENERATION,
+            f"block {ref.pool_id}/{ref.block_id} is at generation {current}, "
+            f"not {ref.generation}",
+        )
+    return found
+
+
+def count(value: int, limit: int, what: str) -> None:
+    if not 0 < value <= limit:
+        raise Refusal(Reason.INVALID_COUNT, f"{what} must be in 1..{limit}, got {value}")
+
+
+def unique_refs(refs: list[BlockRef], what: str) -> None:
+    count(len(refs), MAX_ITEMS_PER_COMMAND, f"number of {what}")
+    if len(set(refs)) != len(refs):
+        raise Refusal(Reason.INVALID_ARGUMENT, f"the same block appears twice among the {what}")
+
+
+def finite(value: float, what: str, *, low: float = 0.0, high: float = math.inf) -> None:
+    if not (math.isfinite(value) and low <= value <= high):
+        raise Refusal(Reason.INVALID_ARGUMENT, f"{what} must be in [{low}, {high}], got {value}")

@@ -1,0 +1,396 @@
+"""Decisions that involve tiers and workers: prefix lookup, store, load, state copy, reports."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from coordinator import _checks as check
+from coordinator._checks import Refusal
+from coordinator.commands import Command, LookupPrefix, PlanStateCopy, ReportRank, StartLoad, StartStore
+from coordinator.copy_plan import PlannedMove, overlapping_destinations, plan_copies
+from coordinator.keys import chain_keys, reuse_unit
+from coordinator.state import EngineState, JobState, PoolState, SlotStatus, State, TierState
+from events import (
+    BlockRef,
+    Event,
+    GroupHit,
+    JobFailed,
+    JobSucceeded,
+    KeyEvicted,
+    KeyPublished,
+    KeyQuarantined,
+    LoadItem,
+    LoadJobStarted,
+    PrefixLookedUp,
+    RankReported,
+    Reason,
+    Region,
+    StateCopyPlanned,
+    StoreItem,
+    StoreJobStarted,
+)
+
+Handler = Callable[[State, Any], list[Event]]
+
+
+# --- lookup --------------------------------------------------------------------------------------
+
+
+def _lookup_prefix(state: State, command: LookupPrefix) -> list[Event]:
+    """The longest boundary that is a whole reuse unit (I7) at which every group needed to
+    resume has a loadable key (I6), in this engine's namespace only (I9)."""
+    eng = check.engine_in_step(state, command.engine_id)
+    tier = check.tier(state, eng, command.tier)
+    groups = [p for p in eng.pools.values() if p.spec.kind != "encoder"]
+    unit = reuse_unit((p.spec.kind, p.spec.block_size) for p in groups)
+    tokens = command.token_ids
+    chains = {
+        p.spec.pool_id: chain_keys(eng.namespace_id, tokens, p.spec.block_size, command.extra_keys)
+        for p in groups
+    }
+
+    def loadable(pool: PoolState, index: int) -> bool:
+        entry = tier.entry(pool.spec.pool_id, chains[pool.spec.pool_id][index])
+        return entry is not None and not entry.quarantined and entry.namespace_id == eng.namespace_id
+
+    def needed(pool: PoolState, boundary: int) -> range:
+        """Block indexes a group must load to resume at `boundary`."""
+        size = pool.spec.block_size
+        end = boundary // size
+        if pool.spec.kind == "state":
+            return range(end - 1, end)  # the state at the boundary, nothing before it
+        if pool.spec.kind == "sliding_window" and pool.spec.sliding_window:
+            return range(max(0, (boundary - pool.spec.sliding_window) // size), end)
+        return range(0, end)
+
+    boundary = 0
+    if unit:
+        for candidate in range(len(tokens) // unit * unit, 0, -unit):
+            if all(all(loadable(p, i) for i in needed(p, candidate)) for p in groups):
+                boundary = candidate
+                break
+    hits = (
+        [GroupHit(p.spec.pool_id, [chains[p.spec.pool_id][i] for i in needed(p, boundary)]) for p in groups]
+        if boundary
+        else []
+    )
+    return [
+        PrefixLookedUp(
+            engine_id=eng.engine_id,
+            tier=tier.spec.name,
+            num_tokens=len(tokens),
+            reuse_unit=unit,
+            boundary=boundary,
+            hits=hits,
+        )
+    ]
+
+
+# --- store -----------------------------------------------------------------------------------------
+
+
+def _reserve_tier_slots(
+    tier: TierState, eng: EngineState, needed: int
+) -> tuple[list[int], list[KeyEvicted]]:
+    """Free slots first, then evict least recently used keys that no live lease holds (I12)."""
+    slots = list(tier.free)[:needed]
+    evictions: list[KeyEvicted] = []
+    if len(slots) < needed:
+        for slot, published in tier.lru.items():
+            entry = tier.entries[published.pool_id][published.key]
+            if entry.leased_at(eng.clock):
+                continue
+            evictions.append(
+                KeyEvicted(
+                    tier=tier.spec.name,
+                    pool_id=published.pool_id,
+                    key=published.key,
+                    tier_slot=slot,
+                    engine_id=eng.engine_id,
+                )
+            )
+            slots.append(slot)
+            if len(slots) == needed:
+                break
+    if len(slots) < needed:
+        raise Refusal(
+            Reason.TIER_FULL,
+            f"tier {tier.spec.name!r} can give {len(slots)} of {needed} slots: the rest are leased "
+            "or being stored",
+        )
+    return slots, evictions
+
+
+def _start_store(state: State, command: StartStore) -> list[Event]:
+    eng = check.engine_in_step(state, command.engine_id)
+    tier = check.tier(state, eng, command.tier)
+    check.unique_refs(command.blocks, "blocks to store")
+    to_store: list[tuple[BlockRef, bytes]] = []
+    skipped: list[bytes] = []
+    seen: set[tuple[int, bytes]] = set()
+    for ref in command.blocks:
+        pool = check.block(eng, ref)
+        if pool.spec.kind == "encoder":
+            raise Refusal(Reason.INVALID_ARGUMENT, f"pool {ref.pool_id} is an encoder pool")
+        key = pool.keys[ref.block_id]
+        if key is None or pool.status(ref.block_id) is not SlotStatus.ALLOCATED:
+            # I17: content that is still being computed or loaded is not stored.
+            raise Refusal(Reason.NOT_COMPUTED, f"block {ref.pool_id}/{ref.block_id} is not computed and held")
+        if (ref.pool_id, key) in seen or tier.entry(ref.pool_id, key) is not None:
+            skipped.append(key)  # I10: already there (or twice in this job): an idempotent skip
+            continue
+        seen.add((ref.pool_id, key))
+        to_store.append((ref, key))
+    slots, evictions = _reserve_tier_slots(tier, eng, len(to_store))
+    job_id = state.next_job_id
+    items = [
+        StoreItem(ref, key, slot, tier.generations[slot] + 1)
+        for (ref, key), slot in zip(to_store, slots, strict=True)
+    ]
+    events: list[Event] = [*evictions]
+    events.append(
+        StoreJobStarted(
+            job_id=job_id,
+            engine_id=eng.engine_id,
+            incarnation=eng.incarnation,
+            tier=tier.spec.name,
+            world_size=eng.world_size,
+            items=items,
+            already_published=skipped,
+        )
+    )
+    if not items:
+        events.append(JobSucceeded(job_id=job_id))
+    return events
+
+
+# --- load ------------------------------------------------------------------------------------------
+
+
+def _start_load(state: State, command: StartLoad) -> list[Event]:
+    eng = check.engine_in_step(state, command.engine_id)
+    tier = check.tier(state, eng, command.tier)
+    check.count(len(command.items), check.MAX_ITEMS_PER_COMMAND, "number of load items")
+    check.finite(command.lease_seconds, "lease_seconds", high=check.MAX_LEASE_SECONDS)
+    if command.lease_seconds <= 0:
+        raise Refusal(Reason.INVALID_ARGUMENT, "lease_seconds must be positive")
+    dests = [item.dest for item in command.items]
+    if len(set(dests)) != len(dests):
+        raise Refusal(Reason.INVALID_ARGUMENT, "two items load into the same destination block")
+    items = []
+    for request in command.items:
+        ref = request.dest
+        pool = check.block(eng, ref)
+        if pool.spec.kind == "encoder":
+            raise Refusal(Reason.INVALID_ARGUMENT, f"pool {ref.pool_id} is an encoder pool")
+        if pool.refs[ref.block_id] == 0:
+            raise Refusal(Reason.INVALID_ARGUMENT, f"destination {ref.pool_id}/{ref.block_id} is not allocated")
+        if pool.keys[ref.block_id] is not None:
+            raise Refusal(Reason.ALREADY_COMPUTED, f"destination {ref.pool_id}/{ref.block_id} is already computed")
+        if pool.pins[ref.block_id]:
+            raise Refusal(Reason.SLOT_PINNED, f"destination {ref.pool_id}/{ref.block_id} is written by another job")
+        entry = tier.entry(ref.pool_id, request.key)
+        if entry is None or entry.namespace_id != eng.namespace_id:
+            # I9: another namespace's key reads exactly like an absent one.
+            raise Refusal(
+                Reason.KEY_NOT_PUBLISHED,
+                f"key {request.key.hex()} of group {ref.pool_id} is not published in tier {tier.spec.name!r}",
+            )
+        if entry.quarantined:
+            raise Refusal(Reason.KEY_QUARANTINED, f"key {request.key.hex()} is quarantined")
+        items.append(LoadItem(request.key, entry.tier_slot, entry.tier_generation, ref))
+    return [
+        LoadJobStarted(
+            job_id=state.next_job_id,
+            engine_id=eng.engine_id,
+            incarnation=eng.incarnation,
+            tier=tier.spec.name,
+            world_size=eng.world_size,
+            items=items,
+            lease_expires_at=eng.clock + command.lease_seconds,
+        )
+    ]
+
+
+# --- state copies ---------------------------------------------------------------------------------
+
+
+def _plan_state_copy(state: State, command: PlanStateCopy) -> list[Event]:
+    eng = check.engine_in_step(state, command.engine_id)
+    pool = check.pool(eng, command.pool_id)
+    if pool.spec.kind == "encoder":
+        raise Refusal(Reason.INVALID_ARGUMENT, f"pool {pool.spec.pool_id} is an encoder pool")
+    check.count(len(command.moves), 4096, "number of moves")
+    limit = pool.spec.bytes_per_block
+    planned = []
+    touched: dict[BlockRef, None] = {}
+    destinations: dict[BlockRef, None] = {}
+    for index, move in enumerate(command.moves):
+        for ref, offset in ((move.src, move.src_offset), (move.dst, move.dst_offset)):
+            if ref.pool_id != pool.spec.pool_id:
+                raise Refusal(Reason.INVALID_ARGUMENT, f"move {index} leaves pool {pool.spec.pool_id}")
+            check.block(eng, ref)  # I2: never from or to the null block (seed 004)
+            if move.length <= 0 or offset < 0 or offset + move.length > limit:
+                raise Refusal(
+                    Reason.OUT_OF_BOUNDS,
+                    f"move {index}: [{offset}, {offset + move.length}) outside block of {limit} bytes",
+                )
+        if pool.status(move.src.block_id) is SlotStatus.FREE:
+            raise Refusal(Reason.INVALID_ARGUMENT, f"move {index} reads free block {move.src.block_id}")
+        if pool.refs[move.dst.block_id] == 0:
+            raise Refusal(Reason.INVALID_ARGUMENT, f"move {index} writes unowned block {move.dst.block_id}")
+        if pool.pins[move.dst.block_id]:
+            raise Refusal(Reason.SLOT_PINNED, f"move {index} writes block {move.dst.block_id}, which a job reads")
+        planned.append(
+            PlannedMove(
+                Region(move.src, move.src_offset, move.length), Region(move.dst, move.dst_offset, move.length)
+            )
+        )
+        touched[move.src] = None
+        touched[move.dst] = None
+        destinations[move.dst] = None
+    clash = overlapping_destinations(planned)
+    if clash is not None:
+        raise Refusal(Reason.OVERLAPPING_DESTINATIONS, f"moves {clash[0]} and {clash[1]} write the same bytes")
+    batches, scratch = plan_copies(planned)
+    job_id = state.next_job_id
+    events: list[Event] = [
+        StateCopyPlanned(
+            job_id=job_id,
+            engine_id=eng.engine_id,
+            incarnation=eng.incarnation,
+            pool_id=pool.spec.pool_id,
+            world_size=eng.world_size,
+            batches=batches,
+            scratch_bytes=scratch,
+            blocks=list(touched),
+            destinations=list(destinations),
+        )
+    ]
+    if not batches:
+        events.append(JobSucceeded(job_id=job_id))
+    return events
+
+
+# --- reports -----------------------------------------------------------------------------------------
+
+
+def _report_rank(state: State, command: ReportRank) -> list[Event]:
+    """A rank's report (I4): counted per (job_id, rank); duplicates and stale ones dropped."""
+    if not 0 < command.job_id < state.next_job_id:
+        raise Refusal(Reason.UNKNOWN_JOB, f"job {command.job_id} was never started")
+    job = state.jobs.get(command.job_id)
+    if job is None:
+        raise Refusal(Reason.STALE_JOB, f"job {command.job_id} already finished or was fenced")
+    decision = job.decision
+    if not 0 <= command.rank < decision.world_size:
+        raise Refusal(Reason.RANK_OUT_OF_RANGE, f"rank {command.rank} of world size {decision.world_size}")
+    report = RankReported(
+        job_id=command.job_id,
+        rank=command.rank,
+        ok=command.ok,
+        checksums=command.checksums,
+        error=command.error,
+    )
+    earlier = job.reports.get(command.rank)
+    if earlier is not None:
+        reason = Reason.DUPLICATE_REPORT if earlier == report else Reason.CONFLICTING_REPORT
+        raise Refusal(reason, f"job {command.job_id} rank {command.rank} already reported")
+    events: list[Event] = [report]
+    reports = {**job.reports, command.rank: report}
+    if len(reports) == decision.world_size:
+        events += _complete(state, job, reports)
+    return events
+
+
+def _complete(state: State, job: JobState, reports: dict[int, RankReported]) -> list[Event]:
+    decision = job.decision
+    job_id = decision.job_id
+    failed = sorted(rank for rank, report in reports.items() if not report.ok)
+    if failed:
+        return [JobFailed(job_id=job_id, reason=Reason.RANK_FAILED, detail=f"ranks {failed} failed")]
+    if isinstance(decision, StateCopyPlanned):
+        return [JobSucceeded(job_id=job_id)]
+    per_rank = [reports[rank].checksums for rank in range(decision.world_size)]
+    if any(len(sums) != len(decision.items) or not all(sums) for sums in per_rank):
+        # I5 / I11: every item needs a checksum from every rank, duplicates included.
+        return [JobFailed(job_id=job_id, reason=Reason.MISSING_CHECKSUM, detail="a rank left items unverified")]
+    tier = state.tiers[decision.tier]
+    events: list[Event] = []
+    if isinstance(decision, StoreJobStarted):
+        for index, item in enumerate(decision.items):
+            checksums = [sums[index] for sums in per_rank]
+            existing = tier.entry(item.source.pool_id, item.key)
+            if existing is None:
+                pool = state.engines[decision.engine_id].pools[item.source.pool_id]
+                events.append(
+                    KeyPublished(
+                        tier=tier.spec.name,
+                        namespace_id=state.engines[decision.engine_id].namespace_id,
+                        pool_id=item.source.pool_id,
+                        key=item.key,
+                        tier_slot=item.tier_slot,
+                        tier_generation=item.tier_generation,
+                        checksums=checksums,
+                        size_bytes=pool.spec.bytes_per_block,
+                        source_job=job_id,
+                    )
+                )
+            elif existing.checksums != checksums and not existing.quarantined:
+                # I10: same key, other bytes. Someone stored the wrong KV; trust neither.
+                events.append(
+                    KeyQuarantined(
+                        tier=tier.spec.name,
+                        pool_id=item.source.pool_id,
+                        key=item.key,
+                        reason=Reason.CHECKSUM_MISMATCH,
+                        job_id=job_id,
+                        detail=f"re-store by job {job_id} differs from job {existing.source_job}",
+                    )
+                )
+        events.append(JobSucceeded(job_id=job_id))
+        return events
+    # A load: it counts only if the lease held (I12), the keys were not evicted meanwhile and
+    # every destination verified against the published checksums (I11, I13).
+    clock = state.engines[decision.engine_id].clock
+    if clock > decision.lease_expires_at:
+        return [
+            JobFailed(
+                job_id=job_id,
+                reason=Reason.LEASE_EXPIRED,
+                detail=f"completed at {clock}, lease expired at {decision.lease_expires_at}",
+            )
+        ]
+    quarantined: dict[tuple[int, bytes], None] = {}
+    for index, load_item in enumerate(decision.items):
+        entry = tier.entry(load_item.dest.pool_id, load_item.key)
+        if entry is None or (entry.tier_slot, entry.tier_generation) != (load_item.tier_slot, load_item.tier_generation):
+            return [JobFailed(job_id=job_id, reason=Reason.KEY_EVICTED, detail=f"key {load_item.key.hex()} left the tier")]
+        if entry.quarantined:
+            return [JobFailed(job_id=job_id, reason=Reason.KEY_QUARANTINED, detail=f"key {load_item.key.hex()}")]
+        if [sums[index] for sums in per_rank] != entry.checksums:
+            quarantined[(load_item.dest.pool_id, load_item.key)] = None
+    if quarantined:
+        events += [
+            KeyQuarantined(
+                tier=tier.spec.name, pool_id=pool_id, key=key, reason=Reason.CHECKSUM_MISMATCH, job_id=job_id,
+                detail="loaded bytes differ from the published checksum",
+            )
+            for pool_id, key in quarantined
+            if not tier.entries[pool_id][key].quarantined
+        ]
+        events.append(
+            JobFailed(job_id=job_id, reason=Reason.CHECKSUM_MISMATCH, detail=f"{len(quarantined)} keys failed verification")
+        )
+        return events
+    return [JobSucceeded(job_id=job_id)]
+
+
+HANDLERS: dict[type[Command], Handler] = {
+    LookupPrefix: _lookup_prefix,
+    StartStore: _start_store,
+    StartLoad: _start_load,
+    PlanStateCopy: _plan_state_copy,
+    ReportRank: _report_rank,
+}

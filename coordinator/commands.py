@@ -1,0 +1,196 @@
+"""Commands: what engines and workers ask of the coordinator. The decider answers each with
+events, or with a `Refused` / `NoticeDropped` event naming the reason.
+
+A *notice* (FreeBlocks, FreeEncoderEntry, ReportRank) tells the coordinator something that
+already happened; a stale one is dropped. Every other command asks for a decision; an unsafe one
+is refused. Both are recorded (I1).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from events import BlockRef, NamespaceSpec, PoolSpec, TierSpec
+
+
+class Command(msgspec.Struct, frozen=True, kw_only=True, tag_field="command"):
+    pass
+
+
+class DeclareTier(Command, frozen=True, tag="declare_tier"):
+    spec: TierSpec
+
+
+class DeclareEngine(Command, frozen=True, tag="declare_engine"):
+    """Hello from an engine. Declaring a known engine again is a restart: a new incarnation."""
+
+    engine_id: str
+    namespace: NamespaceSpec
+    pools: list[PoolSpec]
+    world_size: int
+    tiers: list[str] = []
+    encoder_cache_tokens: int = 0
+
+
+class ResetCache(Command, frozen=True, tag="reset_cache"):
+    engine_id: str
+    reason: str = "reset_cache"
+
+
+class BeginStep(Command, frozen=True, tag="begin_step"):
+    engine_id: str
+    step: int
+    clock: float
+
+
+class EndStep(Command, frozen=True, tag="end_step"):
+    engine_id: str
+
+
+class StartOwner(Command, frozen=True, tag="start_owner"):
+    engine_id: str
+    req_id: str
+    resumed: bool = False
+
+
+class FinishOwner(Command, frozen=True, tag="finish_owner"):
+    """The request finished, was preempted or aborted: its refs are released."""
+
+    engine_id: str
+    owner_id: int
+    reason: str = "finished"
+
+
+class AllocateBlocks(Command, frozen=True, tag="allocate_blocks"):
+    """Managed pools: the coordinator picks `count` slots. Reported pools: the engine names
+    the slots it allocated in `block_ids` and the coordinator checks and records them."""
+
+    engine_id: str
+    owner_id: int
+    pool_id: int
+    count: int
+    block_ids: list[int] | None = None
+
+
+class ReuseBlocks(Command, frozen=True, tag="reuse_blocks"):
+    """Take a ref on computed blocks (a device prefix-cache hit)."""
+
+    engine_id: str
+    owner_id: int
+    blocks: list[BlockRef]
+
+
+class FreeBlocks(Command, frozen=True, tag="free_blocks"):
+    """Notice: the owner no longer needs these blocks."""
+
+    engine_id: str
+    owner_id: int
+    blocks: list[BlockRef]
+
+
+class MarkComputed(Command, frozen=True, tag="mark_computed"):
+    """The blocks (consecutive, in one pool) now hold the state of `token_ids`; the
+    coordinator assigns each its chained content key (I8)."""
+
+    engine_id: str
+    owner_id: int
+    blocks: list[BlockRef]
+    token_ids: list[int]
+    parent_key: bytes | None = None
+    extra_keys: list[str] = []
+
+
+class LookupPrefix(Command, frozen=True, tag="lookup_prefix"):
+    engine_id: str
+    tier: str
+    token_ids: list[int]
+    extra_keys: list[str] = []
+
+
+class StartStore(Command, frozen=True, tag="start_store"):
+    """Store computed blocks into a tier under their content keys."""
+
+    engine_id: str
+    tier: str
+    blocks: list[BlockRef]
+
+
+class LoadRequest(msgspec.Struct, frozen=True, array_like=True):
+    key: bytes
+    dest: BlockRef
+
+
+class StartLoad(Command, frozen=True, tag="start_load"):
+    """Load published keys into allocated, not yet computed blocks; the same key may appear
+    more than once (I11)."""
+
+    engine_id: str
+    tier: str
+    items: list[LoadRequest]
+    lease_seconds: float = 30.0
+
+
+class Move(msgspec.Struct, frozen=True, array_like=True):
+    """Copy `length` bytes from src block at src_offset to dst block at dst_offset."""
+
+    src: BlockRef
+    src_offset: int
+    dst: BlockRef
+    dst_offset: int
+    length: int
+
+
+class PlanStateCopy(Command, frozen=True, tag="plan_state_copy"):
+    """A batch of state moves with parallel-assignment meaning: every move reads the content
+    as it was before the batch (I15)."""
+
+    engine_id: str
+    pool_id: int
+    moves: list[Move]
+
+
+class ReportRank(Command, frozen=True, tag="report_rank"):
+    """Notice from one worker rank: its part of a job is done (ok) or failed."""
+
+    job_id: int
+    rank: int
+    ok: bool
+    checksums: list[bytes] = []
+    error: str = ""
+
+
+class AllocateEncoderEntry(Command, frozen=True, tag="allocate_encoder_entry"):
+    engine_id: str
+    entry_id: str
+    num_tokens: int
+
+
+class FreeEncoderEntry(Command, frozen=True, tag="free_encoder_entry"):
+    """Notice: the scheduler evicted this encoder-cache entry."""
+
+    engine_id: str
+    entry_id: str
+
+
+AnyCommand = (
+    DeclareTier
+    | DeclareEngine
+    | ResetCache
+    | BeginStep
+    | EndStep
+    | StartOwner
+    | FinishOwner
+    | AllocateBlocks
+    | ReuseBlocks
+    | FreeBlocks
+    | MarkComputed
+    | LookupPrefix
+    | StartStore
+    | StartLoad
+    | PlanStateCopy
+    | ReportRank
+    | AllocateEncoderEntry
+    | FreeEncoderEntry
+)
+
+NOTICES: tuple[type[Command], ...] = (FreeBlocks, FreeEncoderEntry, ReportRank)

@@ -1,0 +1,41 @@
+"""The pure core in one object: decide a command, fold what was decided, keep the events."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from coordinator.commands import AnyCommand, BeginStep, EndStep
+from coordinator.decider import decide
+from coordinator.projector import apply
+from coordinator.state import State
+from events import Event
+
+
+class CoordinatorCore:
+    """Decider + projector over one in-memory state; `events` is everything ever emitted.
+
+    The log (issue 3) and the sidecar wrap this: they persist each step's events before
+    acting on them. Nothing here does I/O.
+    """
+
+    def __init__(self, state: State | None = None) -> None:
+        self.state = State() if state is None else state
+        self.events: list[Event] = []
+
+    def execute(self, command: AnyCommand) -> list[Event]:
+        """Decide one command against the current state, then fold its events in order."""
+        events = decide(self.state, command)
+        for event in events:
+            apply(self.state, event)
+        self.events.extend(events)
+        return events
+
+    def run_step(
+        self, engine_id: str, step: int, clock: float, commands: Sequence[AnyCommand]
+    ) -> list[Event]:
+        """One scheduler iteration: begin, the commands in order, end-of-step reconciliation."""
+        emitted = self.execute(BeginStep(engine_id=engine_id, step=step, clock=clock))
+        for command in commands:
+            emitted += self.execute(command)
+        emitted += self.execute(EndStep(engine_id=engine_id))
+        return emitted

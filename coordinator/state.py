@@ -1,0 +1,209 @@
+"""The coordinator's domain state: pure data, folded from events by coordinator.projector.
+
+Every type here is a msgspec Struct, so the whole state encodes to msgpack in one call; that
+encoding is the snapshot, and its digest is what I18 compares. Containers are dicts and lists
+only (insertion-ordered), never sets, so the same events always give the same bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import blake3
+import msgspec
+
+from events import (
+    NULL_BLOCK_ID,
+    BlockRef,
+    LoadJobStarted,
+    NamespaceSpec,
+    PoolSpec,
+    RankReported,
+    StateCopyPlanned,
+    StoreJobStarted,
+    TierSpec,
+)
+
+
+class SlotStatus(enum.StrEnum):
+    FREE = "free"
+    """No refs, no pins, no cached content."""
+    CACHED_FREE = "cached_free"
+    """No refs, no pins; keeps its computed content for reuse until reallocated (LRU)."""
+    ALLOCATED = "allocated"
+    """Held by at least one owner."""
+    DRAINING = "draining"
+    """No owner left, but a job in flight still pins it (I3)."""
+    NULL = "null"
+
+
+class PoolState(msgspec.Struct, kw_only=True):
+    """One pool's slots as parallel lists indexed by block_id (compact: well under 300 B/slot)."""
+
+    spec: PoolSpec
+    generations: list[int]
+    refs: list[int]
+    pins: list[int]
+    keys: list[bytes | None]
+    """The content key of a computed block, kept while cached-free."""
+    free: dict[int, None]
+    """Clean free slots in allocation order (an insertion-ordered set)."""
+    cached: dict[int, None]
+    """Cached-free slots, least recently freed first."""
+
+    @classmethod
+    def new(cls, spec: PoolSpec) -> PoolState:
+        n = spec.num_blocks
+        return cls(
+            spec=spec,
+            generations=[0] * n,
+            refs=[0] * n,
+            pins=[0] * n,
+            keys=[None] * n,
+            free=dict.fromkeys(range(1, n)),
+            cached={},
+        )
+
+    def status(self, block_id: int) -> SlotStatus:
+        if block_id == NULL_BLOCK_ID:
+            return SlotStatus.NULL
+        if self.refs[block_id] > 0:
+            return SlotStatus.ALLOCATED
+        if self.pins[block_id] > 0:
+            return SlotStatus.DRAINING
+        if self.keys[block_id] is not None:
+            return SlotStatus.CACHED_FREE
+        return SlotStatus.FREE
+
+    def ref(self, block_id: int) -> BlockRef:
+        return BlockRef(self.spec.pool_id, block_id, self.generations[block_id])
+
+
+class OwnerState(msgspec.Struct, kw_only=True):
+    """One lifetime of a request and the slots it holds refs on."""
+
+    owner_id: int
+    engine_id: str
+    req_id: str
+    blocks: dict[int, dict[int, int]] = msgspec.field(default_factory=dict)
+    """pool_id -> block_id -> the generation the owner holds."""
+
+
+class EngineState(msgspec.Struct, kw_only=True):
+    engine_id: str
+    incarnation: int
+    namespace_id: bytes
+    world_size: int
+    pools: dict[int, PoolState]
+    tiers: list[str]
+    encoder_cache_tokens: int = 0
+    encoder_entries: dict[str, int] = msgspec.field(default_factory=dict)
+    """entry_id -> tokens it occupies."""
+    step: int = -1
+    """The last step begun."""
+    clock: float = 0.0
+    step_open: bool = False
+    pending_freed_blocks: list[BlockRef] = msgspec.field(default_factory=list)
+    pending_freed_encoder: list[str] = msgspec.field(default_factory=list)
+    pending_removed_keys: list[tuple[str, int, bytes]] = msgspec.field(default_factory=list)
+    """(tier, pool_id, key) evicted during the open step."""
+
+    @property
+    def encoder_used(self) -> int:
+        return sum(self.encoder_entries.values())
+
+
+class KeyEntry(msgspec.Struct, kw_only=True, gc=False):
+    """A published key in a tier."""
+
+    namespace_id: bytes
+    tier_slot: int
+    tier_generation: int
+    checksums: list[bytes]
+    """One per rank, as reported by the store job that published it."""
+    size_bytes: int
+    source_job: int
+    quarantined: bool = False
+    leases: dict[int, float] | None = None
+    """load job_id -> lease expiry (engine clock seconds)."""
+
+    def leased_at(self, now: float) -> bool:
+        return bool(self.leases) and any(expiry > now for expiry in self.leases.values())  # type: ignore[union-attr]
+
+
+class PublishedRef(msgspec.Struct, frozen=True, array_like=True):
+    pool_id: int
+    key: bytes
+
+
+class TierState(msgspec.Struct, kw_only=True):
+    """A tier's slots (always managed by kvledger) and the keys published in it."""
+
+    spec: TierSpec
+    generations: list[int]
+    free: dict[int, None]
+    lru: dict[int, PublishedRef]
+    """Published slots, least recently used first: eviction takes the first unleased one."""
+    entries: dict[int, dict[bytes, KeyEntry]]
+    """pool_id (cache group) -> key -> entry."""
+
+    @classmethod
+    def new(cls, spec: TierSpec) -> TierState:
+        return cls(
+            spec=spec,
+            generations=[0] * spec.num_slots,
+            free=dict.fromkeys(range(spec.num_slots)),
+            lru={},
+            entries={},
+        )
+
+    def entry(self, pool_id: int, key: bytes) -> KeyEntry | None:
+        group = self.entries.get(pool_id)
+        return None if group is None else group.get(key)
+
+
+JobDecision = StoreJobStarted | LoadJobStarted | StateCopyPlanned
+
+
+class JobState(msgspec.Struct, kw_only=True):
+    """A job in flight: the decision that started it and the reports received per rank (I4)."""
+
+    decision: JobDecision
+    reports: dict[int, RankReported] = msgspec.field(default_factory=dict)
+
+    @property
+    def job_id(self) -> int:
+        return self.decision.job_id
+
+
+class State(msgspec.Struct, kw_only=True):
+    """Everything the coordinator knows. Finished jobs leave `jobs`; ids below `next_job_id`
+    that are not in flight are stale (finished or fenced)."""
+
+    namespaces: dict[bytes, NamespaceSpec] = msgspec.field(default_factory=dict)
+    tiers: dict[str, TierState] = msgspec.field(default_factory=dict)
+    engines: dict[str, EngineState] = msgspec.field(default_factory=dict)
+    owners: dict[int, OwnerState] = msgspec.field(default_factory=dict)
+    jobs: dict[int, JobState] = msgspec.field(default_factory=dict)
+    next_owner_id: int = 1
+    next_job_id: int = 1
+    last_event: int = 0
+    """How many events have been folded in."""
+
+
+SNAPSHOT_SCHEMA_VERSION = 1
+_snapshot_encoder = msgspec.msgpack.Encoder()
+_snapshot_decoder = msgspec.msgpack.Decoder(State)
+
+
+def encode_state(state: State) -> bytes:
+    """The canonical bytes of a state: equal states, equal bytes (I18)."""
+    return _snapshot_encoder.encode(state)
+
+
+def decode_state(data: bytes) -> State:
+    return _snapshot_decoder.decode(data)
+
+
+def state_digest(state: State) -> str:
+    return blake3.blake3(encode_state(state)).hexdigest()

@@ -1,0 +1,342 @@
+"""The event language: every fact kvledger records, as a msgspec Struct with a stable tag.
+
+Rules (DESIGN.md, "The log"): tags never change; fields are only added, with defaults, and a
+change that cannot be expressed that way bumps `schema_version` and registers an upcaster in
+events._codec. Refusals and dropped notices are events too: forensics must see what was refused.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+
+from events._reasons import Reason
+from events._values import BlockRef, CopyOp, NamespaceSpec, PoolSpec, TierSpec
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """Base of every event. `schema_version` is the version this code writes."""
+
+    schema_version: ClassVar[int] = 1
+
+
+# --- declarations -------------------------------------------------------------------------
+
+
+class NamespaceRegistered(Event, frozen=True, tag="namespace_registered"):
+    namespace_id: bytes
+    spec: NamespaceSpec
+
+
+class TierDeclared(Event, frozen=True, tag="tier_declared"):
+    spec: TierSpec
+
+
+class EngineDeclared(Event, frozen=True, tag="engine_declared"):
+    """An engine's first incarnation, or a restart (a new incarnation, I16)."""
+
+    engine_id: str
+    incarnation: int
+    namespace_id: bytes
+    pools: list[PoolSpec]
+    world_size: int
+    tiers: list[str]
+    encoder_cache_tokens: int = 0
+
+
+class EngineReset(Event, frozen=True, tag="engine_reset"):
+    """The old incarnation ends: owners end, device slots free, jobs fenced (I16). Published
+    keys in tiers survive; generations keep counting so old references stay stale (I1)."""
+
+    engine_id: str
+    incarnation: int
+    """The new incarnation."""
+    reason: str
+
+
+# --- steps ---------------------------------------------------------------------------------
+
+
+class StepBegan(Event, frozen=True, tag="step_began"):
+    engine_id: str
+    step: int
+    clock: float
+    """The engine's clock reading, seconds: time enters the pure core only as data."""
+
+
+class StepEnded(Event, frozen=True, tag="step_ended"):
+    """End-of-step truth (I14): the notices consumers get describe the state after the step."""
+
+    engine_id: str
+    step: int
+    freed_blocks: list[BlockRef]
+    freed_encoder_entries: list[str]
+    removed_keys: list[bytes]
+
+
+# --- owners and blocks ---------------------------------------------------------------------
+
+
+class OwnerStarted(Event, frozen=True, tag="owner_started"):
+    """One lifetime of a request. A resumed request is a new owner; req_id is metadata."""
+
+    engine_id: str
+    owner_id: int
+    req_id: str
+    resumed: bool = False
+
+
+class OwnerFinished(Event, frozen=True, tag="owner_finished"):
+    engine_id: str
+    owner_id: int
+    reason: str
+
+
+class BlocksAllocated(Event, frozen=True, tag="blocks_allocated"):
+    """Each block carries its new generation (I1)."""
+
+    engine_id: str
+    owner_id: int
+    blocks: list[BlockRef]
+
+
+class BlocksReused(Event, frozen=True, tag="blocks_reused"):
+    """The owner takes a ref on computed blocks (a device prefix-cache hit)."""
+
+    engine_id: str
+    owner_id: int
+    blocks: list[BlockRef]
+
+
+class BlocksReleased(Event, frozen=True, tag="blocks_released"):
+    """The owner drops its refs; a pinned slot drains instead of freeing (I3)."""
+
+    engine_id: str
+    owner_id: int
+    blocks: list[BlockRef]
+
+
+class ComputedBlock(msgspec.Struct, frozen=True, array_like=True):
+    block: BlockRef
+    key: bytes
+
+
+class BlocksComputed(Event, frozen=True, tag="blocks_computed"):
+    """The blocks' content is complete; each now has its chained content key (I8, I17)."""
+
+    engine_id: str
+    blocks: list[ComputedBlock]
+
+
+class GroupHit(msgspec.Struct, frozen=True, array_like=True):
+    pool_id: int
+    keys: list[bytes]
+    """The published keys to load for this group, in token order."""
+
+
+class PrefixLookedUp(Event, frozen=True, tag="prefix_looked_up"):
+    """A lookup's answer, kept for forensics: the boundary and what each group would load."""
+
+    engine_id: str
+    tier: str
+    num_tokens: int
+    reuse_unit: int
+    boundary: int
+    hits: list[GroupHit]
+
+
+# --- jobs ------------------------------------------------------------------------------------
+
+
+class StoreItem(msgspec.Struct, frozen=True, array_like=True):
+    source: BlockRef
+    key: bytes
+    tier_slot: int
+    tier_generation: int
+
+
+class StoreJobStarted(Event, frozen=True, tag="store_job_started"):
+    """A decision: each rank copies each source block into its tier slot and reports a
+    checksum. The source slots are pinned until every rank reports (I3)."""
+
+    job_id: int
+    engine_id: str
+    incarnation: int
+    tier: str
+    world_size: int
+    items: list[StoreItem]
+    already_published: list[bytes] = []
+    """Keys the command asked for that the tier already holds: an idempotent skip (I10)."""
+
+
+class LoadItem(msgspec.Struct, frozen=True, array_like=True):
+    key: bytes
+    tier_slot: int
+    tier_generation: int
+    dest: BlockRef
+
+
+class LoadJobStarted(Event, frozen=True, tag="load_job_started"):
+    """A decision: each rank fills every destination (duplicates included, I11), verifies it
+    against the published checksum (I13) and reports. Keys are leased until `lease_expires_at`
+    (I12)."""
+
+    job_id: int
+    engine_id: str
+    incarnation: int
+    tier: str
+    world_size: int
+    items: list[LoadItem]
+    lease_expires_at: float
+
+
+class StateCopyPlanned(Event, frozen=True, tag="state_copy_planned"):
+    """A decision: run `batches` in order; the copies inside one batch are independent (I15)."""
+
+    job_id: int
+    engine_id: str
+    incarnation: int
+    pool_id: int
+    world_size: int
+    batches: list[list[CopyOp]]
+    scratch_bytes: int
+    blocks: list[BlockRef]
+    """Every slot the plan reads or writes; pinned until the job ends."""
+    destinations: list[BlockRef]
+
+
+class RankReported(Event, frozen=True, tag="rank_reported"):
+    job_id: int
+    rank: int
+    ok: bool
+    checksums: list[bytes]
+    """One per item of the job, in item order."""
+    error: str = ""
+
+
+class JobSucceeded(Event, frozen=True, tag="job_succeeded"):
+    job_id: int
+
+
+class JobFailed(Event, frozen=True, tag="job_failed"):
+    job_id: int
+    reason: Reason
+    detail: str = ""
+
+
+class JobFenced(Event, frozen=True, tag="job_fenced"):
+    """The job's incarnation ended; its late reports will be dropped (I16)."""
+
+    job_id: int
+
+
+# --- tiers -----------------------------------------------------------------------------------
+
+
+class KeyPublished(Event, frozen=True, tag="key_published"):
+    """The key is loadable: every rank stored it and reported a checksum (I5)."""
+
+    tier: str
+    namespace_id: bytes
+    pool_id: int
+    key: bytes
+    tier_slot: int
+    tier_generation: int
+    checksums: list[bytes]
+    """One per rank."""
+    size_bytes: int
+    source_job: int
+
+
+class KeyEvicted(Event, frozen=True, tag="key_evicted"):
+    tier: str
+    pool_id: int
+    key: bytes
+    tier_slot: int
+    engine_id: str
+    """The engine whose step evicted it (its StepEnded carries the removal notice)."""
+
+
+class KeyQuarantined(Event, frozen=True, tag="key_quarantined"):
+    """A violation: the key is never loadable again until evicted (I10, I13)."""
+
+    tier: str
+    pool_id: int
+    key: bytes
+    reason: Reason
+    job_id: int
+    detail: str = ""
+
+
+# --- encoder cache -----------------------------------------------------------------------------
+
+
+class EncoderEntryAllocated(Event, frozen=True, tag="encoder_entry_allocated"):
+    engine_id: str
+    entry_id: str
+    num_tokens: int
+
+
+class EncoderEntryFreed(Event, frozen=True, tag="encoder_entry_freed"):
+    engine_id: str
+    entry_id: str
+
+
+# --- refusals and dropped notices ------------------------------------------------------------
+
+
+class Refused(Event, frozen=True, tag="refused"):
+    """A command the decider rejected. The state is unchanged."""
+
+    engine_id: str
+    command: str
+    reason: Reason
+    detail: str
+
+
+class NoticeDropped(Event, frozen=True, tag="notice_dropped"):
+    """A stale notice or report the decider dropped (I1, I4, I14, I16). The state is unchanged."""
+
+    engine_id: str
+    notice: str
+    reason: Reason
+    detail: str
+
+
+EVENT_TYPES: tuple[type[Event], ...] = (
+    NamespaceRegistered,
+    TierDeclared,
+    EngineDeclared,
+    EngineReset,
+    StepBegan,
+    StepEnded,
+    OwnerStarted,
+    OwnerFinished,
+    BlocksAllocated,
+    BlocksReused,
+    BlocksReleased,
+    BlocksComputed,
+    PrefixLookedUp,
+    StoreJobStarted,
+    LoadJobStarted,
+    StateCopyPlanned,
+    RankReported,
+    JobSucceeded,
+    JobFailed,
+    JobFenced,
+    KeyPublished,
+    KeyEvicted,
+    KeyQuarantined,
+    EncoderEntryAllocated,
+    EncoderEntryFreed,
+    Refused,
+    NoticeDropped,
+)
+
+
+def event_tag(event_type: type[Event]) -> str:
+    """The stable string tag of an event type."""
+    tag = event_type.__struct_config__.tag
+    assert isinstance(tag, str)
+    return tag
