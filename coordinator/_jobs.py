@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -50,9 +51,15 @@ def _lookup_prefix(state: State, command: LookupPrefix) -> list[Event]:
         for p in groups
     }
 
-    def loadable(pool: PoolState, index: int) -> bool:
-        entry = tier.entry(pool.spec.pool_id, chains[pool.spec.pool_id][index])
-        return entry is not None and not entry.quarantined and entry.namespace_id == eng.namespace_id
+    def loadable_prefix_sums(pool: PoolState) -> list[int]:
+        """sums[i] = how many of the first i blocks have a loadable key (I9: this namespace)."""
+        group = tier.entries.get(pool.spec.pool_id, {})
+        sums = [0]
+        for key in chains[pool.spec.pool_id]:
+            entry = group.get(key)
+            usable = entry is not None and not entry.quarantined and entry.namespace_id == eng.namespace_id
+            sums.append(sums[-1] + usable)
+        return sums
 
     def needed(pool: PoolState, boundary: int) -> range:
         """Block indexes a group must load to resume at `boundary`."""
@@ -64,10 +71,17 @@ def _lookup_prefix(state: State, command: LookupPrefix) -> list[Event]:
             return range(max(0, (boundary - pool.spec.sliding_window) // size), end)
         return range(0, end)
 
+    sums = {p.spec.pool_id: loadable_prefix_sums(p) for p in groups}
+
+    def valid(pool: PoolState, boundary: int) -> bool:
+        span = needed(pool, boundary)
+        counts = sums[pool.spec.pool_id]
+        return counts[span.stop] - counts[span.start] == len(span)
+
     boundary = 0
     if unit:
         for candidate in range(len(tokens) // unit * unit, 0, -unit):
-            if all(all(loadable(p, i) for i in needed(p, candidate)) for p in groups):
+            if all(valid(p, candidate) for p in groups):
                 boundary = candidate
                 break
     hits = (
@@ -91,15 +105,16 @@ def _lookup_prefix(state: State, command: LookupPrefix) -> list[Event]:
 
 
 def _reserve_tier_slots(
-    tier: TierState, eng: EngineState, needed: int
+    tier: TierState, eng: EngineState, needed: int, keep: set[tuple[int, bytes]]
 ) -> tuple[list[int], list[KeyEvicted]]:
-    """Free slots first, then evict least recently used keys that no live lease holds (I12)."""
-    slots = list(tier.free)[:needed]
+    """Free slots first, then evict least recently used keys that no live lease holds (I12)
+    and that this very decision does not rely on (`keep`: keys it reports as published)."""
+    slots = list(itertools.islice(tier.free, needed))
     evictions: list[KeyEvicted] = []
     if len(slots) < needed:
         for slot, published in tier.lru.items():
             entry = tier.entries[published.pool_id][published.key]
-            if entry.leased_at(eng.clock):
+            if entry.leased_at(eng.clock) or (published.pool_id, published.key) in keep:
                 continue
             evictions.append(
                 KeyEvicted(
@@ -128,6 +143,7 @@ def _start_store(state: State, command: StartStore) -> list[Event]:
     check.unique_refs(command.blocks, "blocks to store")
     to_store: list[tuple[BlockRef, bytes]] = []
     skipped: list[bytes] = []
+    kept: set[tuple[int, bytes]] = set()
     seen: set[tuple[int, bytes]] = set()
     for ref in command.blocks:
         pool = check.block(eng, ref)
@@ -139,10 +155,11 @@ def _start_store(state: State, command: StartStore) -> list[Event]:
             raise Refusal(Reason.NOT_COMPUTED, f"block {ref.pool_id}/{ref.block_id} is not computed and held")
         if (ref.pool_id, key) in seen or tier.entry(ref.pool_id, key) is not None:
             skipped.append(key)  # I10: already there (or twice in this job): an idempotent skip
+            kept.add((ref.pool_id, key))
             continue
         seen.add((ref.pool_id, key))
         to_store.append((ref, key))
-    slots, evictions = _reserve_tier_slots(tier, eng, len(to_store))
+    slots, evictions = _reserve_tier_slots(tier, eng, len(to_store), kept)
     job_id = state.next_job_id
     items = [
         StoreItem(ref, key, slot, tier.generations[slot] + 1)
@@ -354,7 +371,7 @@ def _complete(state: State, job: JobState, reports: dict[int, RankReported]) -> 
     # A load: it counts only if the lease held (I12), the keys were not evicted meanwhile and
     # every destination verified against the published checksums (I11, I13).
     clock = state.engines[decision.engine_id].clock
-    if clock > decision.lease_expires_at:
+    if clock >= decision.lease_expires_at:  # a lease is live while clock < expiry
         return [
             JobFailed(
                 job_id=job_id,

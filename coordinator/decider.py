@@ -210,7 +210,7 @@ def _end_step(state: State, command: EndStep) -> list[Event]:
         )
 
     freed_blocks = []
-    for ref in eng.pending_freed_blocks:
+    for ref in dict.fromkeys(eng.pending_freed_blocks):  # freed, reused, freed: one notice
         pool = eng.pools[ref.pool_id]
         still_free = pool.generations[ref.block_id] == ref.generation and pool.status(
             ref.block_id

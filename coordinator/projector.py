@@ -89,6 +89,13 @@ def _release_slot(engine: EngineState, pool: PoolState, block_id: int) -> None:
     engine.pending_freed_blocks.append(BlockRef(pool.spec.pool_id, block_id, pool.generations[block_id]))
 
 
+def _pin(pool: PoolState, block_id: int) -> None:
+    """A job holds the slot: whatever its refs, it leaves the free lists until unpinned (I3)."""
+    pool.pins[block_id] += 1
+    if block_id in pool.cached:  # a copy may read a cached-free block
+        del pool.cached[block_id]
+
+
 def _unpin(engine: EngineState, pool: PoolState, block_id: int) -> None:
     """A job lets go of a slot; the slot frees if no owner holds it either (I3)."""
     pool.pins[block_id] -= 1
@@ -251,7 +258,7 @@ def _store_job_started(state: State, event: StoreJobStarted) -> None:
     pools = state.engines[event.engine_id].pools
     tier = state.tiers[event.tier]
     for item in event.items:
-        pools[item.source.pool_id].pins[item.source.block_id] += 1
+        _pin(pools[item.source.pool_id], item.source.block_id)
         del tier.free[item.tier_slot]
         tier.generations[item.tier_slot] = item.tier_generation
 
@@ -262,7 +269,7 @@ def _load_job_started(state: State, event: LoadJobStarted) -> None:
     pools = state.engines[event.engine_id].pools
     tier = state.tiers[event.tier]
     for item in event.items:
-        pools[item.dest.pool_id].pins[item.dest.block_id] += 1
+        _pin(pools[item.dest.pool_id], item.dest.block_id)
         entry = tier.entries[item.dest.pool_id][item.key]
         if entry.leases is None:
             entry.leases = {}
@@ -274,7 +281,7 @@ def _state_copy_planned(state: State, event: StateCopyPlanned) -> None:
     state.next_job_id = event.job_id + 1
     pool = state.engines[event.engine_id].pools[event.pool_id]
     for ref in event.blocks:
-        pool.pins[ref.block_id] += 1
+        _pin(pool, ref.block_id)
     for ref in event.destinations:
         pool.keys[ref.block_id] = None  # I17: being written, so no longer a hit
 
