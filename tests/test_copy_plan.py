@@ -117,4 +117,4 @@ def test_I15_a_move_downstream_of_a_cycle_does_not_loop() -> None:
     moves = [_move(4, 0, 2, 8, 8), _move(2, 0, 3, 0, 16), _move(3, 0, 2, 0, 8)]
     batches = _check(moves, n=4)
     saves = [op for op in batches[0] if op.dst.block is None]
-    assert len(saves) == 1 and saves[0].src.block.block_id in (2, 3)  # type: ignore[union-attr]
+    assert len(saves) == 1 and saves[0].src.block.block_id in (2, 3)
