@@ -1,0 +1,41 @@
+"""The durable log: one interface (EventLog), a SQL backend (SQLite default, PostgreSQL)."""
+
+from __future__ import annotations
+
+from events.log._contract import (
+    AppendBatch,
+    AppendResult,
+    EventLog,
+    LogError,
+    LogUnavailable,
+    PendingEvent,
+    ProjectionTransaction,
+    SchemaMismatch,
+    Snapshot,
+    StoredEvent,
+    WrongExpectedVersion,
+)
+from events.log._open import open_log, schema_revision, upgrade_log
+from events.log._sql import SqlEventLog
+from events.log._urls import data_dir, mask, normalize
+
+__all__ = [
+    "AppendBatch",
+    "AppendResult",
+    "EventLog",
+    "LogError",
+    "LogUnavailable",
+    "PendingEvent",
+    "ProjectionTransaction",
+    "SchemaMismatch",
+    "Snapshot",
+    "SqlEventLog",
+    "StoredEvent",
+    "WrongExpectedVersion",
+    "data_dir",
+    "mask",
+    "normalize",
+    "open_log",
+    "schema_revision",
+    "upgrade_log",
+]

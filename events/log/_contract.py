@@ -1,0 +1,128 @@
+"""The log contract every backend implements (DESIGN.md, "The log").
+
+* Append-only. Unique (stream_id, stream_version), unique event_id, and a global sequence that
+  is commit-ordered: a reader that has seen sequence N never later finds a new event below N.
+* One append is atomic and names the version it expects each stream to be at. A command id
+  makes it idempotent: a retry returns the original positions and appends nothing.
+* Checkpoints commit in the same transaction as the projection rows they describe.
+* Snapshots are caches: (global seq, state, schema version, digest), always rebuildable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
+
+import msgspec
+
+
+class PendingEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """An encoded event about to be appended (see events.EventCodec.encode)."""
+
+    event_id: str
+    step: int
+    recorded_at: float
+    event_type: str
+    schema_version: int
+    payload: bytes
+
+
+class StoredEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """An event as committed: its position in the global order and in its stream."""
+
+    global_seq: int
+    event_id: str
+    stream_id: str
+    stream_version: int
+    """1 for a stream's first event."""
+    step: int
+    recorded_at: float
+    event_type: str
+    schema_version: int
+    payload: bytes
+
+
+class AppendBatch(msgspec.Struct, frozen=True, kw_only=True):
+    """One stream's part of an atomic append."""
+
+    stream_id: str
+    expected_version: int
+    """The stream's version before this append; 0 for a new stream."""
+    events: Sequence[PendingEvent]
+    command_id: str | None = None
+
+
+class AppendResult(msgspec.Struct, frozen=True, kw_only=True):
+    stream_id: str
+    first_seq: int
+    """0 when the batch had no events."""
+    last_seq: int
+    stream_version: int
+    """The stream's version after the append."""
+    duplicate: bool = False
+    """True when the command id had been appended before: nothing was appended now."""
+
+
+class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
+    global_seq: int
+    """The state includes every event up to and including this sequence."""
+    schema_version: int
+    digest: str
+    state: bytes
+    created_at: float
+
+
+class LogError(RuntimeError):
+    """Base of the log's infrastructure errors."""
+
+
+class WrongExpectedVersion(LogError):
+    def __init__(self, stream_id: str, expected: int, actual: int) -> None:
+        super().__init__(f"stream {stream_id!r} is at version {actual}, the append expected {expected}")
+        self.stream_id, self.expected, self.actual = stream_id, expected, actual
+
+
+class LogUnavailable(LogError):
+    """The log's database cannot be reached or opened. The message masks passwords."""
+
+
+class SchemaMismatch(LogError):
+    """The log's schema is newer than this code, or behind it where upgrading is manual."""
+
+
+class ProjectionTransaction(Protocol):
+    """A transaction for projection rows; `advance` writes the checkpoint in it."""
+
+    @property
+    def connection(self) -> Any: ...
+
+    async def advance(self, global_seq: int) -> None: ...
+
+
+class EventLog(Protocol):
+    """The interface the coordinator, the sidecar and the forensic tools use."""
+
+    url: str
+
+    async def append(self, batches: Sequence[AppendBatch]) -> list[AppendResult]: ...
+
+    async def read(self, after_seq: int = 0, limit: int = 10_000) -> list[StoredEvent]: ...
+
+    def tail(self, after_seq: int = 0, batch: int = 10_000) -> AsyncIterator[StoredEvent]: ...
+
+    async def head(self) -> int: ...
+
+    async def stream_version(self, stream_id: str) -> int: ...
+
+    async def stream_versions(self) -> dict[str, int]: ...
+
+    async def checkpoint(self, name: str) -> int: ...
+
+    def projection_transaction(self, name: str) -> AbstractAsyncContextManager[ProjectionTransaction]: ...
+
+    async def save_snapshot(self, snapshot: Snapshot) -> None: ...
+
+    async def snapshots(self, limit: int = 5) -> list[Snapshot]: ...
+
+    async def close(self) -> None: ...

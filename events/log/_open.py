@@ -1,0 +1,103 @@
+"""Opening a log: reach the database, check its schema, upgrade SQLite by itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import filelock
+import sqlalchemy as sa
+import structlog
+
+import migrations
+from events.log._contract import LogUnavailable, SchemaMismatch
+from events.log._sql import SqlEventLog, make_engine
+from events.log._urls import mask, normalize
+
+log = structlog.get_logger("kvledger.log")
+
+
+async def schema_revision(url: str | None) -> tuple[str | None, str]:
+    """(the database's revision, this code's head) without changing anything."""
+    target = normalize(url)
+    engine = make_engine(target)
+    try:
+        async with engine.connect() as conn:
+            return await conn.run_sync(migrations.current), migrations.head()
+    except (OSError, sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
+        raise LogUnavailable(f"cannot reach log {mask(target)}: {_first_line(exc)}") from exc
+    finally:
+        await engine.dispose()
+
+
+async def upgrade_log(url: str | None) -> str:
+    """Bring the log's schema to head (what `kvledger db upgrade` does); returns the revision."""
+    target = normalize(url)
+    engine = make_engine(target)
+    try:
+        await _check_not_newer(engine, target)
+        async with engine.begin() as conn:
+            await conn.run_sync(migrations.upgrade)
+        log.info("log_upgraded", url=mask(target), revision=migrations.head())
+        return migrations.head()
+    except (OSError, sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
+        raise LogUnavailable(f"cannot reach log {mask(target)}: {_first_line(exc)}") from exc
+    finally:
+        await engine.dispose()
+
+
+async def open_log(url: str | None = None) -> SqlEventLog:
+    """Open the log at `url` (a path, sqlite:// or postgresql://; None: the default file).
+
+    SQLite upgrades its own schema under a file lock. PostgreSQL behind head is refused with the
+    command to run. A schema newer than this code is refused, naming both revisions."""
+    target = normalize(url)
+    masked = mask(target)
+    if target.get_backend_name() == "sqlite" and target.database:
+        await anyio.to_thread.run_sync(lambda: Path(str(target.database)).parent.mkdir(parents=True, exist_ok=True))
+    engine = make_engine(target)
+    try:
+        revision = await _check_not_newer(engine, target)
+        if revision != migrations.head():
+            if target.get_backend_name() != "sqlite":
+                raise SchemaMismatch(
+                    f"log {masked} is at schema {revision or 'none'}, this kvledger needs {migrations.head()}: "
+                    f"run `kvledger db upgrade --log {masked}`"
+                )
+            await _upgrade_sqlite(engine, target)
+    except (OSError, sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
+        await engine.dispose()
+        raise LogUnavailable(f"cannot open log {masked}: {_first_line(exc)}") from exc
+    except BaseException:
+        await engine.dispose()
+        raise
+    return SqlEventLog(engine, masked)
+
+
+async def _check_not_newer(engine: sa.ext.asyncio.AsyncEngine, target: sa.URL) -> str | None:
+    async with engine.connect() as conn:
+        revision = await conn.run_sync(migrations.current)
+    if revision is not None and not migrations.known(revision):
+        raise SchemaMismatch(
+            f"log {mask(target)} was written by a newer kvledger (schema {revision}); "
+            f"this one knows up to {migrations.head()}"
+        )
+    return revision
+
+
+async def _upgrade_sqlite(engine: sa.ext.asyncio.AsyncEngine, target: sa.URL) -> None:
+    # Two processes opening one new file must not both run the migrations.
+    lock = filelock.FileLock(f"{target.database}.lock", timeout=60)
+    await anyio.to_thread.run_sync(lock.acquire)
+    try:
+        async with engine.begin() as conn:
+            if await conn.run_sync(migrations.current) != migrations.head():
+                await conn.run_sync(migrations.upgrade)
+                log.info("log_upgraded", url=mask(target), revision=migrations.head())
+    finally:
+        await anyio.to_thread.run_sync(lock.release)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc)
+    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__

@@ -1,0 +1,114 @@
+"""Shared fixtures: a log URL per backend, each test on fresh storage.
+
+PostgreSQL tests talk to the real server at $KVLEDGER_TEST_PG (default
+postgresql://postgres@127.0.0.1:5432/test), each in a database of its own. Where no server
+answers they are skipped with the reason printed; with KVLEDGER_REQUIRE_POSTGRES=1 (set by
+.ci/run) that skip is a failure instead, so CI always exercises PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import anyio
+import asyncpg
+import pytest
+
+PG_URL = os.environ.get("KVLEDGER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
+REQUIRE_PG = os.environ.get("KVLEDGER_REQUIRE_POSTGRES") == "1"
+BACKENDS = ["sqlite", "postgresql"]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _admin_dsn() -> str:
+    return PG_URL.replace("postgresql+asyncpg://", "postgresql://")
+
+
+async def _pg_reachable() -> str | None:
+    try:
+        with anyio.fail_after(5):
+            conn = await asyncpg.connect(_admin_dsn())
+        await conn.close()
+        return None
+    except Exception as exc:  # noqa: BLE001 - any failure means "no server here"
+        return f"{type(exc).__name__}: {exc}"
+
+
+_pg_problem: list[str | None] = []
+
+
+def pg_problem() -> str | None:
+    if not _pg_problem:
+        _pg_problem.append(anyio.run(_pg_reachable))
+    return _pg_problem[0]
+
+
+def _new_pg_database() -> str:
+    name = f"kvl_test_{uuid.uuid4().hex[:12]}"
+
+    async def create() -> None:
+        conn = await asyncpg.connect(_admin_dsn())
+        try:
+            await conn.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await conn.close()
+
+    anyio.run(create)
+    return name
+
+
+def _drop_pg_database(name: str) -> None:
+    async def drop() -> None:
+        conn = await asyncpg.connect(_admin_dsn())
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await conn.close()
+
+    anyio.run(drop)
+
+
+def require_postgres() -> None:
+    problem = pg_problem()
+    if problem is None:
+        return
+    message = f"PostgreSQL at {PG_URL} is not reachable ({problem})"
+    if REQUIRE_PG:
+        pytest.fail(message + "; KVLEDGER_REQUIRE_POSTGRES=1 makes this a failure")
+    pytest.skip(message)
+
+
+@pytest.fixture(params=BACKENDS)
+def log_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A URL of an empty log, on SQLite (a new file) or PostgreSQL (a new database)."""
+    if request.param == "sqlite":
+        yield str(tmp_path / "log.sqlite")
+        return
+    require_postgres()
+    name = _new_pg_database()
+    base = PG_URL.rsplit("/", 1)[0]
+    try:
+        yield f"{base}/{name}"
+    finally:
+        _drop_pg_database(name)
+
+
+@pytest.fixture
+async def event_log(log_url: str) -> AsyncIterator[object]:
+    """An open, upgraded log on each backend."""
+    from events.log import open_log, upgrade_log
+
+    if log_url.startswith("postgresql"):
+        await upgrade_log(log_url)
+    log = await open_log(log_url)
+    try:
+        yield log
+    finally:
+        await log.close()
