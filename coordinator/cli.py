@@ -1,8 +1,9 @@
-"""`kvledger`: the command line. Today: `demo`. serve, replay, audit, verify, db, bench come
-with the issues that build them."""
+"""`kvledger`: the command line. Today: `demo` and `db`. serve, replay, audit, verify and bench
+come with the issues that build them."""
 
 from __future__ import annotations
 
+import anyio
 import msgspec
 import structlog
 import typer
@@ -13,6 +14,11 @@ app = typer.Typer(help="kvledger: an event-sourced coordinator for LLM KV caches
 log = structlog.get_logger("kvledger.cli")
 
 _STYLE = {"ok": "green", "refused": "bold red", "dropped": "yellow", "violation": "bold magenta"}
+
+
+db = typer.Typer(help="The log's database schema.", no_args_is_help=True)
+app.add_typer(db, name="db")
+LOG_OPTION = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="SQLite path or URL, or PostgreSQL URL (default: the data directory's SQLite file).")
 
 
 @app.callback()
@@ -45,3 +51,37 @@ def demo(
     log.info("demo_finished", events=result.events, rows=len(result.rows), replay_equal=result.digest == result.replay_digest)
     if result.digest != result.replay_digest:
         raise typer.Exit(code=1)
+
+
+@db.command("upgrade")
+def db_upgrade(log_url: str | None = LOG_OPTION) -> None:
+    """Bring the log's schema to this kvledger's head (PostgreSQL needs this before serving)."""
+    from events.log import LogError, mask, normalize, upgrade_log
+
+    try:
+        revision = anyio.run(upgrade_log, log_url)
+    except (LogError, ValueError) as error:
+        typer.echo(f"kvledger db upgrade: {error}", err=True)
+        raise typer.Exit(code=1) from None
+    typer.echo(f"{mask(normalize(log_url))}: schema at {revision} (head)")
+
+
+@db.command("status")
+def db_status(log_url: str | None = LOG_OPTION) -> None:
+    """Show the log's schema revision against this kvledger's head."""
+    from events.log import LogError, mask, normalize, schema_revision
+
+    try:
+        revision, head = anyio.run(schema_revision, log_url)
+    except (LogError, ValueError) as error:
+        typer.echo(f"kvledger db status: {error}", err=True)
+        raise typer.Exit(code=1) from None
+    import migrations
+
+    if revision == head:
+        verdict = "up to date"
+    elif revision is not None and not migrations.known(revision):
+        verdict = "NEWER than this kvledger: upgrade kvledger"
+    else:
+        verdict = "behind: run `kvledger db upgrade`"
+    typer.echo(f"{mask(normalize(log_url))}: schema {revision or 'none'}, head {head}: {verdict}")

@@ -18,16 +18,20 @@ class CoordinatorCore:
     acting on them. Nothing here does I/O.
     """
 
-    def __init__(self, state: State | None = None) -> None:
+    def __init__(self, state: State | None = None, *, keep_events: bool = True) -> None:
         self.state = State() if state is None else state
         self.events: list[Event] = []
+        """Everything emitted, for tests and the demo; a long-running service passes
+        keep_events=False because its events live in the log."""
+        self._keep_events = keep_events
 
     def execute(self, command: AnyCommand) -> list[Event]:
         """Decide one command against the current state, then fold its events in order."""
         events = decide(self.state, command)
         for event in events:
             apply(self.state, event)
-        self.events.extend(events)
+        if self._keep_events:
+            self.events.extend(events)
         return events
 
     def run_step(

@@ -8,6 +8,7 @@ import anyio
 import filelock
 import sqlalchemy as sa
 import structlog
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 import migrations
 from events.log._contract import LogUnavailable, SchemaMismatch
@@ -74,9 +75,9 @@ async def open_log(url: str | None = None) -> SqlEventLog:
     return SqlEventLog(engine, masked)
 
 
-async def _check_not_newer(engine: sa.ext.asyncio.AsyncEngine, target: sa.URL) -> str | None:
+async def _check_not_newer(engine: AsyncEngine, target: sa.URL) -> str | None:
     async with engine.connect() as conn:
-        revision = await conn.run_sync(migrations.current)
+        revision: str | None = await conn.run_sync(migrations.current)
     if revision is not None and not migrations.known(revision):
         raise SchemaMismatch(
             f"log {mask(target)} was written by a newer kvledger (schema {revision}); "
@@ -85,7 +86,7 @@ async def _check_not_newer(engine: sa.ext.asyncio.AsyncEngine, target: sa.URL) -
     return revision
 
 
-async def _upgrade_sqlite(engine: sa.ext.asyncio.AsyncEngine, target: sa.URL) -> None:
+async def _upgrade_sqlite(engine: AsyncEngine, target: sa.URL) -> None:
     # Two processes opening one new file must not both run the migrations.
     lock = filelock.FileLock(f"{target.database}.lock", timeout=60)
     await anyio.to_thread.run_sync(lock.acquire)
