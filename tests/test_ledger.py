@@ -126,3 +126,28 @@ async def test_refusals_are_committed_to_the_log(event_log: EventLog) -> None:
     assert refused and refused[0].reason is Reason.UNKNOWN_OWNER
     stored = await event_log.read(commit.first_seq - 1, commit.last_seq - commit.first_seq + 1)
     assert "refused" in [s.event_type for s in stored]
+
+
+async def test_sqlite_work_never_runs_on_the_event_loop(tmp_path: pytest.TempPathFactory) -> None:
+    """STYLE 10: every SQLite statement of a ledger's life runs in aiosqlite's thread. SQLite's
+    trace callback fires in the thread that executes each statement; record them all."""
+    import threading
+    from pathlib import Path
+
+    from events.log import SqlEventLog, open_log
+
+    event_log = await open_log(str(Path(str(tmp_path)) / "trace.sqlite"))
+    assert isinstance(event_log, SqlEventLog)
+    executed_in: list[int] = []
+    async with event_log.engine.connect() as conn:
+        raw = await conn.get_raw_connection()
+        await raw.driver_connection.set_trace_callback(lambda _sql: executed_in.append(threading.get_ident()))  # type: ignore[union-attr]
+    ledger = await Ledger.open(event_log, snapshot_every=2)
+    await _declare(ledger)
+    await _serve_request(ledger, 1, clock=1.0)
+    await ledger.close()
+    await event_log.read(0)
+    assert event_log.engine.pool.checkedin() == 1  # one pooled connection: the traced one
+    assert len(executed_in) > 20
+    assert threading.get_ident() not in executed_in
+    await event_log.close()
