@@ -147,7 +147,7 @@ async def test_sqlite_work_never_runs_on_the_event_loop(tmp_path: pytest.TempPat
     await _serve_request(ledger, 1, clock=1.0)
     await ledger.close()
     await event_log.read(0)
-    assert event_log.engine.pool.checkedin() == 1  # one pooled connection: the traced one
+    assert event_log.engine.pool.checkedin() == 1  # type: ignore[attr-defined]  # one pooled connection: the traced one
     assert len(executed_in) > 20
     assert threading.get_ident() not in executed_in
     await event_log.close()
