@@ -10,12 +10,12 @@ originally committed events and appends nothing.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable, Sequence
 
 import anyio
 import msgspec
 import structlog
+import uuid_utils
 
 from coordinator.commands import AnyCommand, DeclareTier, ReportRank
 from coordinator.core import CoordinatorCore
@@ -108,11 +108,13 @@ class Ledger:
     ) -> Commit:
         events = decide()
         now = time.time()
+        # Time-ordered ids (uuid7): random uuid4s scatter inserts across the unique index on
+        # event_id (ops/bench/log.py measured several times the pages written per commit).
         pending = []
         for event in events:
             event_type, version, payload = self.codec.encode(event)
             pending.append(
-                PendingEvent(event_id=uuid.uuid4().hex, step=step, recorded_at=now, event_type=event_type,
+                PendingEvent(event_id=uuid_utils.uuid7().hex, step=step, recorded_at=now, event_type=event_type,
                              schema_version=version, payload=payload)
             )
         expected = self._versions.get(stream, 0)

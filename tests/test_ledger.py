@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+import sqlalchemy as sa
 from structlog.testing import capture_logs
 
 from coordinator.commands import (
@@ -137,17 +138,25 @@ async def test_sqlite_work_never_runs_on_the_event_loop(tmp_path: pytest.TempPat
     from events.log import SqlEventLog, open_log
 
     event_log = await open_log(str(Path(str(tmp_path)) / "trace.sqlite"))
-    assert isinstance(event_log, SqlEventLog)
+    assert isinstance(event_log, SqlEventLog) and event_log.blocking_engine is not None
     executed_in: list[int] = []
+
+    def trace(_sql: str) -> None:
+        executed_in.append(threading.get_ident())
+
+    # The hot paths (append, read) run on a pysqlite engine in worker threads ...
+    sa.event.listen(event_log.blocking_engine, "connect", lambda dbapi, _record: dbapi.set_trace_callback(trace))
+    # ... and the rest on aiosqlite, whose pooled connection already exists.
     async with event_log.engine.connect() as conn:
         raw = await conn.get_raw_connection()
-        await raw.driver_connection.set_trace_callback(lambda _sql: executed_in.append(threading.get_ident()))  # type: ignore[union-attr]
+        await raw.driver_connection.set_trace_callback(trace)  # type: ignore[union-attr]
     ledger = await Ledger.open(event_log, snapshot_every=2)
     await _declare(ledger)
     await _serve_request(ledger, 1, clock=1.0)
     await ledger.close()
     await event_log.read(0)
     assert event_log.engine.pool.checkedin() == 1  # type: ignore[attr-defined]  # one pooled connection: the traced one
+    assert len(set(executed_in)) >= 2  # both engines' threads executed statements
     assert len(executed_in) > 20
     assert threading.get_ident() not in executed_in
     await event_log.close()

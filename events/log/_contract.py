@@ -28,8 +28,9 @@ class PendingEvent(msgspec.Struct, frozen=True, kw_only=True):
     payload: bytes
 
 
-class StoredEvent(msgspec.Struct, frozen=True, kw_only=True):
-    """An event as committed: its position in the global order and in its stream."""
+class StoredEvent(msgspec.Struct, frozen=True, gc=False):
+    """An event as committed: its position in the global order and in its stream. Fields are
+    positional in the order of the events table's columns, so a row unpacks into one."""
 
     global_seq: int
     event_id: str

@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 import migrations
 from events.log._contract import LogUnavailable, SchemaMismatch
-from events.log._sql import SqlEventLog, make_engine
+from events.log._sql import SqlEventLog, make_blocking_sqlite_engine, make_engine
 from events.log._urls import mask, normalize
 
 log = structlog.get_logger("kvledger.log")
@@ -72,7 +72,8 @@ async def open_log(url: str | None = None) -> SqlEventLog:
     except BaseException:
         await engine.dispose()
         raise
-    return SqlEventLog(engine, masked)
+    blocking = make_blocking_sqlite_engine(target) if target.get_backend_name() == "sqlite" else None
+    return SqlEventLog(engine, masked, blocking)
 
 
 async def _check_not_newer(engine: AsyncEngine, target: sa.URL) -> str | None:

@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 import uuid
+
+import uuid_utils
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -110,7 +112,7 @@ def encode_all(workload: Workload) -> list[PendingEvent]:
         event_type, schema_version, payload = codec.encode(event)
         pending.append(
             PendingEvent(
-                event_id=uuid.uuid4().hex, step=step, recorded_at=clock,
+                event_id=uuid_utils.uuid7().hex, step=step, recorded_at=clock,
                 event_type=event_type, schema_version=schema_version, payload=payload,
             )
         )
