@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from events.log._contract import (
     AppendBatch,
+    AppendRejected,
     AppendResult,
     EventLog,
     LogError,
@@ -21,6 +22,7 @@ from events.log._urls import data_dir, mask, normalize
 
 __all__ = [
     "AppendBatch",
+    "AppendRejected",
     "AppendResult",
     "EventLog",
     "LogError",

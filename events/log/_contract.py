@@ -84,6 +84,10 @@ class WrongExpectedVersion(LogError):
         self.stream_id, self.expected, self.actual = stream_id, expected, actual
 
 
+class AppendRejected(LogError):
+    """The database refused the append (a duplicate event id, say); nothing of it was kept."""
+
+
 class LogUnavailable(LogError):
     """The log's database cannot be reached or opened. The message masks passwords."""
 

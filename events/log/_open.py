@@ -55,7 +55,10 @@ async def open_log(url: str | None = None) -> SqlEventLog:
     target = normalize(url)
     masked = mask(target)
     if target.get_backend_name() == "sqlite" and target.database:
-        await anyio.to_thread.run_sync(lambda: Path(str(target.database)).parent.mkdir(parents=True, exist_ok=True))
+        try:
+            await anyio.to_thread.run_sync(lambda: Path(str(target.database)).parent.mkdir(parents=True, exist_ok=True))
+        except OSError as exc:
+            raise LogUnavailable(f"cannot open log {masked}: {exc}") from exc
     engine = make_engine(target)
     try:
         revision = await _check_not_newer(engine, target)

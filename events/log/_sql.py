@@ -9,6 +9,7 @@ Blocking SQLite work runs in aiosqlite's thread, never on the event loop.
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -22,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from events.log import _schema as t
 from events.log._contract import (
     AppendBatch,
+    AppendRejected,
     AppendResult,
     Snapshot,
     StoredEvent,
@@ -33,6 +35,8 @@ log = structlog.get_logger("kvledger.log")
 
 ADVISORY_LOCK_KEY = 0x6B766C6564676572  # "kvledger": serializes appends on PostgreSQL
 NOTIFY_CHANNEL = "kvl_events"
+WRITE_OPTION = "kvledger_write"
+"""Execution option marking a transaction that writes (SQLite: BEGIN IMMEDIATE)."""
 POLL_SECONDS = 0.2
 
 
@@ -74,7 +78,10 @@ def _configure_sqlite(sync_engine: sa.Engine) -> None:
 
     @sa.event.listens_for(sync_engine, "begin")
     def _on_begin(connection: sa.Connection) -> None:
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        # Writers take the write lock up front, so appends serialize in commit order; readers
+        # begin deferred and never wait for a writer (WAL gives them a snapshot).
+        writing = connection.get_execution_options().get(WRITE_OPTION, False)
+        connection.exec_driver_sql("BEGIN IMMEDIATE" if writing else "BEGIN")
 
 
 _READ_SQL = (
@@ -110,19 +117,35 @@ class SqlEventLog:
             results = await anyio.to_thread.run_sync(self._append_blocking, batches, limiter=self._writer)
             self._wake()
             return results
-        async with self.engine.begin() as conn:
-            if self.dialect == "postgresql":
-                await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADVISORY_LOCK_KEY})
-            results = await conn.run_sync(_append_sync, batches)
-            if self.dialect == "postgresql" and any(not r.duplicate and r.last_seq for r in results):
-                await conn.execute(sa.text(f"NOTIFY {NOTIFY_CHANNEL}"))
+        try:
+            async with self._write() as conn:
+                if self.dialect == "postgresql":
+                    await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADVISORY_LOCK_KEY})
+                results = await conn.run_sync(_append_sync, batches)
+                if self.dialect == "postgresql" and any(not r.duplicate and r.last_seq for r in results):
+                    await conn.execute(sa.text(f"NOTIFY {NOTIFY_CHANNEL}"))
+        except sa.exc.IntegrityError as error:
+            raise AppendRejected(f"append refused by {self.url}: {error.orig}") from error
         self._wake()
         return results
 
     def _append_blocking(self, batches: Sequence[AppendBatch]) -> list[AppendResult]:
         assert self.blocking_engine is not None
-        with self.blocking_engine.begin() as conn:
-            return _append_sync(conn, batches)
+        with self.blocking_engine.connect() as conn:
+            conn.execution_options(**{WRITE_OPTION: True})
+            try:
+                with conn.begin():
+                    return _append_sync(conn, batches)
+            except (sqlite3.IntegrityError, sa.exc.IntegrityError) as error:
+                raise AppendRejected(f"append refused by {self.url}: {error}") from error
+
+    @asynccontextmanager
+    async def _write(self) -> AsyncIterator[AsyncConnection]:
+        """A transaction that writes: on SQLite it takes the write lock when it begins."""
+        async with self.engine.connect() as conn:
+            await conn.execution_options(**{WRITE_OPTION: True})
+            async with conn.begin():
+                yield conn
 
     def _wake(self) -> None:
         event, self._appended = self._appended, anyio.Event()
@@ -196,11 +219,11 @@ class SqlEventLog:
     @asynccontextmanager
     async def projection_transaction(self, name: str) -> AsyncIterator[SqlProjectionTransaction]:
         """Projection rows and their checkpoint commit together, or neither does."""
-        async with self.engine.begin() as conn:
+        async with self._write() as conn:
             yield SqlProjectionTransaction(conn, name, self.dialect)
 
     async def save_snapshot(self, snapshot: Snapshot) -> None:
-        async with self.engine.begin() as conn:
+        async with self._write() as conn:
             await conn.execute(
                 t.snapshots.insert().values(
                     global_seq=snapshot.global_seq,
