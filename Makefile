@@ -27,6 +27,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python ops/bench/projector.py
+	$(BIN)/python ops/bench/log.py
 
 lint: $(STAMP)
 	$(BIN)/python -m mypy
