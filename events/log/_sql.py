@@ -4,7 +4,9 @@ Commit order: every append runs serialized (`BEGIN IMMEDIATE` on SQLite, a trans
 advisory lock on PostgreSQL) and assigns `global_seq` explicitly as max + 1. So sequences are
 gapless and a reader can never see N + 1 before N commits: the skipped-row bug of logs that
 take ids from a sequence and commit out of order (eventsourcing's comment on table locking).
-Blocking SQLite work runs in aiosqlite's thread, never on the event loop.
+SQLite work never runs on the event loop: appends and reads (the hot paths) run on a pysqlite
+engine in worker threads, one hop per call (writes through a one-slot limiter); projections,
+snapshots and small queries go through aiosqlite's thread.
 """
 
 from __future__ import annotations
