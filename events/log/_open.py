@@ -18,9 +18,23 @@ from events.log._urls import mask, normalize
 log = structlog.get_logger("kvledger.log")
 
 
+async def _prepare(url: str | None) -> sa.URL:
+    """The normalized URL; for SQLite, its directory exists (or LogUnavailable says why).
+
+    Checked before any engine exists: a failed aiosqlite connect leaves a thread behind that can
+    outlive its event loop."""
+    target = normalize(url)
+    if target.get_backend_name() == "sqlite" and target.database:
+        try:
+            await anyio.to_thread.run_sync(lambda: Path(str(target.database)).parent.mkdir(parents=True, exist_ok=True))
+        except OSError as exc:
+            raise LogUnavailable(f"cannot open log {mask(target)}: {exc}") from exc
+    return target
+
+
 async def schema_revision(url: str | None) -> tuple[str | None, str]:
     """(the database's revision, this code's head) without changing anything."""
-    target = normalize(url)
+    target = await _prepare(url)
     engine = make_engine(target)
     try:
         async with engine.connect() as conn:
@@ -33,7 +47,7 @@ async def schema_revision(url: str | None) -> tuple[str | None, str]:
 
 async def upgrade_log(url: str | None) -> str:
     """Bring the log's schema to head (what `kvledger db upgrade` does); returns the revision."""
-    target = normalize(url)
+    target = await _prepare(url)
     engine = make_engine(target)
     try:
         await _check_not_newer(engine, target)
@@ -52,13 +66,8 @@ async def open_log(url: str | None = None) -> SqlEventLog:
 
     SQLite upgrades its own schema under a file lock. PostgreSQL behind head is refused with the
     command to run. A schema newer than this code is refused, naming both revisions."""
-    target = normalize(url)
+    target = await _prepare(url)
     masked = mask(target)
-    if target.get_backend_name() == "sqlite" and target.database:
-        try:
-            await anyio.to_thread.run_sync(lambda: Path(str(target.database)).parent.mkdir(parents=True, exist_ok=True))
-        except OSError as exc:
-            raise LogUnavailable(f"cannot open log {masked}: {exc}") from exc
     engine = make_engine(target)
     try:
         revision = await _check_not_newer(engine, target)
