@@ -194,3 +194,11 @@ AnyCommand = (
 )
 
 NOTICES: tuple[type[Command], ...] = (FreeBlocks, FreeEncoderEntry, ReportRank)
+
+
+def command_tag(command: Command | type[Command]) -> str:
+    """The stable string tag of a command (what `Refused.command` records)."""
+    command_type = command if isinstance(command, type) else type(command)
+    tag = command_type.__struct_config__.tag
+    assert isinstance(tag, str)
+    return tag

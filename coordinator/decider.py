@@ -31,6 +31,7 @@ from coordinator.commands import (
     ResetCache,
     ReuseBlocks,
     StartOwner,
+    command_tag,
 )
 from coordinator.keys import content_key, namespace_id, namespace_problems
 from coordinator.state import EngineState, SlotStatus, State
@@ -72,8 +73,7 @@ def decide(state: State, command: AnyCommand) -> list[Event]:
 
 
 def _refusal_event(state: State, command: Command, refusal: Refusal) -> Event:
-    tag = type(command).__struct_config__.tag
-    assert isinstance(tag, str)
+    tag = command_tag(command)
     engine_id = getattr(command, "engine_id", "")
     if isinstance(command, ReportRank):
         job = state.jobs.get(command.job_id)

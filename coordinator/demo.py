@@ -33,6 +33,7 @@ from coordinator.commands import (
     StartLoad,
     StartOwner,
     StartStore,
+    command_tag,
 )
 from coordinator.core import CoordinatorCore
 from coordinator.describe import describe
@@ -112,11 +113,11 @@ def run_demo() -> DemoResult:
 
     def do(command: AnyCommand, shows: str = "") -> list[Event]:
         events = core.execute(command)
-        label = type(command).__struct_config__.tag
+        label = command_tag(command)
         engine_id = getattr(command, "engine_id", "")
         engine = core.state.engines.get(engine_id)
         rows.append(
-            Row(engine_id or "-", max(engine.step, 0) if engine else 0, str(label), _verdict(events), "; ".join(describe(e) for e in events), shows)
+            Row(engine_id or "-", max(engine.step, 0) if engine else 0, label, _verdict(events), "; ".join(describe(e) for e in events), shows)
         )
         return events
 

@@ -17,7 +17,7 @@ from coordinator.commands import (
 )
 from coordinator.core import CoordinatorCore
 from coordinator.projector import project
-from coordinator.state import encode_state
+from coordinator.state import State, encode_state
 from events import (
     BlockRef,
     BlocksAllocated,
@@ -165,12 +165,16 @@ def replay_matches(core: CoordinatorCore) -> bool:
     return encode_state(project(core.events)) == encode_state(core.state)
 
 
-def state_bytes(core: CoordinatorCore) -> bytes:
+def quiet_bytes(state: State) -> bytes:
     """The state's canonical bytes with `last_event` left out: every event, a refusal included,
     bumps that counter, so "the state is unchanged" means equal bytes apart from it."""
     import msgspec
 
-    return encode_state(msgspec.structs.replace(core.state, last_event=0))
+    return encode_state(msgspec.structs.replace(state, last_event=0))
+
+
+def state_bytes(core: CoordinatorCore) -> bytes:
+    return quiet_bytes(core.state)
 
 
 def rejected(core: CoordinatorCore, command: object, kind: type[Event], reason: object) -> Event:

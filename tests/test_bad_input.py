@@ -20,6 +20,7 @@ import msgspec
 import pytest
 
 from coordinator.commands import (
+    command_tag,
     NOTICES,
     AllocateBlocks,
     AllocateEncoderEntry,
@@ -43,7 +44,6 @@ from coordinator.commands import (
     StartStore,
 )
 from coordinator.core import CoordinatorCore
-from coordinator.state import encode_state
 from events import (
     BlockRef,
     BlocksAllocated,
@@ -55,6 +55,7 @@ from events import (
     Refused,
 )
 from tests.builders import (
+    state_bytes,
     ENGINE,
     TIER,
     allocate,
@@ -109,34 +110,25 @@ class World:
         return self.recycled_now if pool_id == REPORTED else self.published_block
 
 
-def quiet_bytes(core: CoordinatorCore) -> bytes:
-    """The state's encoding without `last_event`, which every event (refusals too) bumps."""
-    return encode_state(msgspec.structs.replace(core.state, last_event=0))
-
-
-def tag_of(command: AnyCommand) -> str:
-    tag = type(command).__struct_config__.tag
-    assert isinstance(tag, str)
-    return tag
 
 
 def assert_rejected(core: CoordinatorCore, command: AnyCommand, reason: Reason, *names: str) -> Refused | NoticeDropped:
     """One Refused (NoticeDropped for a notice) with `reason`, naming `names`; nothing changed."""
-    before = quiet_bytes(core)
+    before = state_bytes(core)
     logged = len(core.events)
     events = core.execute(command)
     assert len(events) == 1, events
     [event] = events
     if isinstance(command, NOTICES):
         assert isinstance(event, NoticeDropped), event
-        assert event.notice == tag_of(command)
+        assert event.notice == command_tag(command)
     else:
         assert isinstance(event, Refused), event
-        assert event.command == tag_of(command)
+        assert event.command == command_tag(command)
     assert event.reason == reason, event
     for name in names:
         assert name in event.detail, (name, event.detail)
-    assert quiet_bytes(core) == before, f"refusing {command!r} changed the state"
+    assert state_bytes(core) == before, f"refusing {command!r} changed the state"
     assert core.events[logged:] == [event], "the refusal must be recorded in the log"
     return event
 

@@ -41,6 +41,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from coordinator.commands import (
+    command_tag,
     NOTICES,
     AllocateBlocks,
     AllocateEncoderEntry,
@@ -107,6 +108,7 @@ from events import (
     StoreJobStarted,
 )
 from tests.builders import (
+    quiet_bytes,
     ENGINE,
     TIER,
     allocate,
@@ -144,15 +146,6 @@ WEIGHTS_REVISIONS = ("sha256:1111", "sha256:3333")
 hits nor loadable for the new one (I9; seed 003)."""
 
 
-def quiet_bytes(state: State) -> bytes:
-    """The state's encoding without `last_event`, which every event (refusals too) bumps."""
-    return encode_state(msgspec.structs.replace(state, last_event=0))
-
-
-def tag_of(command: AnyCommand) -> str:
-    tag = type(command).__struct_config__.tag
-    assert isinstance(tag, str)
-    return tag
 
 
 @dataclass
@@ -959,7 +952,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
             reason, name = Reason.POOL_LAYOUT_CHANGED, repr(ENGINE)
         event = self.rejected(self.execute(command), reason)
         assert name in event.detail, (command, event)
-        assert (event.notice if isinstance(event, NoticeDropped) else event.command) == tag_of(command)
+        assert (event.notice if isinstance(event, NoticeDropped) else event.command) == command_tag(command)
 
     @precondition(lambda self: not self.step_open)
     @rule(
