@@ -17,7 +17,7 @@ import structlog
 from coordinator.projector import project
 from coordinator.state import SNAPSHOT_SCHEMA_VERSION, State, decode_state, encode_state, state_digest
 from events import Event, EventCodec, EventDecodeError
-from events.log import EventLog, Snapshot, StoredEvent
+from events.log import EventLog, Snapshot, StoredEvent, StoredStep
 
 log = structlog.get_logger("kvledger.recovery")
 
@@ -29,16 +29,44 @@ def decode(codec: EventCodec, stored: StoredEvent) -> Event:
     return codec.decode(stored.event_type, stored.schema_version, stored.payload, position=stored.global_seq)
 
 
-async def stored_events(event_log: EventLog, after_seq: int = 0, until_seq: int | None = None) -> AsyncIterator[list[StoredEvent]]:
-    """Batches of committed events after `after_seq`, up to `until_seq` (default: the head now)."""
+async def stored_steps(event_log: EventLog, after_seq: int = 0, until_seq: int | None = None) -> AsyncIterator[list[StoredStep]]:
+    """Batches of committed steps holding the events after `after_seq`, up to `until_seq`
+    (default: the head now). The first step may begin at or before `after_seq`."""
     last = after_seq
     end = await event_log.head() if until_seq is None else until_seq
     while last < end:
-        batch = await event_log.read(last, min(READ_BATCH, end - last))
+        batch = await event_log.read_steps(last, min(READ_BATCH, end - last))
         if not batch:
             return
         yield batch
-        last = batch[-1].global_seq
+        last = batch[-1].last_seq
+
+
+def decode_step(
+    codec: EventCodec, step: StoredStep, after_seq: int = 0, on_skip: Callable[[EventDecodeError], None] | None = None
+) -> list[Event]:
+    """The step's events after `after_seq`: in one decode call when every schema in it is current
+    and no byte is corrupt; otherwise one event at a time, so an error names its global sequence.
+    With `on_skip`, an undecodable event is reported to it and skipped instead of raised."""
+    events: list[Event] | None = None
+    if codec.all_current(step.schemas):
+        try:
+            events = codec.decode_concatenated(step.payload, step.count)
+        except msgspec.DecodeError:
+            events = None  # find and name the culprit below
+    if events is not None:
+        return events if step.first_seq > after_seq else events[after_seq - step.first_seq + 1 :]
+    decoded = []
+    for stored in step.events():
+        if stored.global_seq <= after_seq:
+            continue
+        try:
+            decoded.append(decode(codec, stored))
+        except EventDecodeError as error:
+            if on_skip is None:
+                raise
+            on_skip(error)
+    return decoded
 
 
 async def replay(
@@ -53,7 +81,6 @@ async def replay(
 ) -> tuple[State, int]:
     """Fold every committed event after `after_seq` into `state`; returns (state, last seq)."""
     state = State() if state is None else state
-    last = after_seq
     # Replay allocates millions of short-lived containers and makes no cycles; the cyclic
     # collector rescanning the growing state on every generation-0 pass cost about 3x in decode
     # (ops/bench/log.py). Pause it for the replay and restore it after.
@@ -76,20 +103,16 @@ async def _replay_batches(
     on_progress: Callable[[int], None] | None,
 ) -> tuple[State, int]:
     last = after_seq
-    async for batch in stored_events(event_log, after_seq):
-        if skip_undecodable:
-            decoded = []
-            for stored in batch:
-                try:
-                    decoded.append(decode(codec, stored))
-                except EventDecodeError as error:
-                    log.warning("event_skipped", global_seq=stored.global_seq, event_type=stored.event_type, error=str(error))
-                    if on_skip is not None:
-                        on_skip(error)
-        else:
-            decoded = [decode(codec, stored) for stored in batch]
-        project(decoded, state)
-        last = batch[-1].global_seq
+
+    def skipped(error: EventDecodeError) -> None:
+        log.warning("event_skipped", global_seq=error.position, event_type=error.event_type, error=str(error))
+        if on_skip is not None:
+            on_skip(error)
+
+    async for batch in stored_steps(event_log, after_seq):
+        for step in batch:
+            project(decode_step(codec, step, last, skipped if skip_undecodable else None), state)
+            last = step.last_seq
         if on_progress is not None:
             on_progress(last)
     return state, last

@@ -42,3 +42,7 @@ def current(connection: sa.Connection) -> str | None:
 
 def upgrade(connection: sa.Connection, revision: str = "head") -> None:
     command.upgrade(config(connection), revision)
+
+
+def downgrade(connection: sa.Connection, revision: str) -> None:
+    command.downgrade(config(connection), revision)

@@ -14,6 +14,7 @@ from events.log._contract import (
     SchemaMismatch,
     Snapshot,
     StoredEvent,
+    StoredStep,
     WrongExpectedVersion,
 )
 from events.log._open import open_log, schema_revision, upgrade_log
@@ -33,6 +34,7 @@ __all__ = [
     "Snapshot",
     "SqlEventLog",
     "StoredEvent",
+    "StoredStep",
     "WrongExpectedVersion",
     "data_dir",
     "mask",

@@ -29,8 +29,7 @@ class PendingEvent(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class StoredEvent(msgspec.Struct, frozen=True, gc=False):
-    """An event as committed: its position in the global order and in its stream. Fields are
-    positional in the order of the events table's columns, so a row unpacks into one."""
+    """An event as committed: its position in the global order and in its stream."""
 
     global_seq: int
     event_id: str
@@ -42,6 +41,72 @@ class StoredEvent(msgspec.Struct, frozen=True, gc=False):
     event_type: str
     schema_version: int
     payload: bytes
+
+
+class StepEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One event's entry in its step's header: everything but the payload bytes."""
+
+    event_id: str
+    event_type: str
+    schema_version: int
+    length: int
+    """Bytes of this event's payload in the step's concatenated payload."""
+    step: int
+    recorded_at: float
+
+
+_header_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(list[StepEntry])
+
+
+def schemas_of(events: Sequence[PendingEvent]) -> str:
+    """The step's distinct "type@schema_version" values, sorted and comma-joined."""
+    return ",".join(sorted({f"{e.event_type}@{e.schema_version}" for e in events}))
+
+
+def pack_step(events: Sequence[PendingEvent]) -> tuple[str, bytes, bytes]:
+    """(schemas, header, payload) of one step's row: payloads are kept byte for byte."""
+    header = _header_encoder.encode(
+        [StepEntry(e.event_id, e.event_type, e.schema_version, len(e.payload), e.step, e.recorded_at) for e in events]
+    )
+    return schemas_of(events), header, b"".join(e.payload for e in events)
+
+
+class StoredStep(msgspec.Struct, frozen=True, gc=False):
+    """One stream's part of one committed append, as stored: its events' payloads concatenated.
+    Replay decodes `payload` in one call when every schema in `schemas` is current
+    (events.EventCodec.decode_concatenated); `events()` splits it into StoredEvents."""
+
+    first_seq: int
+    last_seq: int
+    stream_id: str
+    first_version: int
+    schemas: str
+    header: bytes
+    payload: bytes
+
+    @property
+    def count(self) -> int:
+        return self.last_seq - self.first_seq + 1
+
+    def events(self) -> list[StoredEvent]:
+        entries = _header_decoder.decode(self.header)
+        if len(entries) != self.count:
+            raise ValueError(
+                f"step at global sequence {self.first_seq} of stream {self.stream_id!r}: the header lists "
+                f"{len(entries)} events, the row spans {self.count}"
+            )
+        stored, offset, payload = [], 0, self.payload
+        for index, entry in enumerate(entries):
+            end = offset + entry.length
+            stored.append(
+                StoredEvent(
+                    self.first_seq + index, entry.event_id, self.stream_id, self.first_version + index,
+                    entry.step, entry.recorded_at, entry.event_type, entry.schema_version, payload[offset:end],
+                )
+            )
+            offset = end
+        return stored
 
 
 class AppendBatch(msgspec.Struct, frozen=True, kw_only=True):
@@ -113,6 +178,11 @@ class EventLog(Protocol):
     async def append(self, batches: Sequence[AppendBatch]) -> list[AppendResult]: ...
 
     async def read(self, after_seq: int = 0, limit: int = 10_000) -> list[StoredEvent]: ...
+
+    async def read_steps(self, after_seq: int = 0, limit: int = 10_000) -> list[StoredStep]:
+        """The steps holding events after_seq + 1 .. after_seq + limit, whole: the first may start
+        at or before after_seq, the last may end after the limit. Replay's fast path."""
+        ...
 
     def tail(self, after_seq: int = 0, batch: int = 10_000) -> AsyncIterator[StoredEvent]: ...
 

@@ -7,6 +7,11 @@ take ids from a sequence and commit out of order (eventsourcing's comment on tab
 SQLite work never runs on the event loop: appends and reads (the hot paths) run on a pysqlite
 engine in worker threads, one hop per call (writes through a one-slot limiter); projections,
 snapshots and small queries go through aiosqlite's thread.
+
+Storage: one `kvl_steps` row per stream per append, holding the step's events' payloads
+concatenated, with a header naming each event (id, type, schema version, length); event ids go
+to `kvl_event_ids`, whose primary key keeps them unique. A reader splits a step back into events
+(`StoredStep.events`), or replay decodes the whole payload in one call.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import sqlalchemy as sa
@@ -29,7 +34,9 @@ from events.log._contract import (
     AppendResult,
     Snapshot,
     StoredEvent,
+    StoredStep,
     WrongExpectedVersion,
+    pack_step,
 )
 from events.log._urls import mask
 
@@ -86,15 +93,29 @@ def _configure_sqlite(sync_engine: sa.Engine) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE" if writing else "BEGIN")
 
 
-_READ_SQL = (
-    "SELECT global_seq, event_id, stream_id, stream_version, step, recorded_at, event_type, "
-    "schema_version, payload FROM kvl_events WHERE global_seq > ? ORDER BY global_seq LIMIT ?"
+_STEP_COLUMNS = "first_seq, last_seq, stream_id, first_version, schemas, header, payload"
+_READ_STEPS_SQL = (
+    # The step holding after + 1 starts at the greatest first_seq <= after + 1; every step that
+    # starts up to after + limit holds some of the events asked for. Both bounds use the primary key.
+    f"SELECT {_STEP_COLUMNS} FROM kvl_steps WHERE first_seq >= "
+    "coalesce((SELECT max(first_seq) FROM kvl_steps WHERE first_seq <= :after + 1), 0) "
+    "AND first_seq <= :after + :limit ORDER BY first_seq"
 )
-_COLUMNS = ("global_seq", "event_id", "stream_id", "stream_version", "step", "recorded_at", "event_type", "schema_version", "payload")
-_INSERT_SQL = (
-    "INSERT INTO kvl_events (global_seq, event_id, stream_id, stream_version, step, recorded_at, "
-    "event_type, schema_version, payload) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+_READ_STEPS = sa.text(_READ_STEPS_SQL).bindparams(
+    sa.bindparam("after", type_=sa.BigInteger), sa.bindparam("limit", type_=sa.BigInteger)
 )
+_HEAD_SQL = "SELECT last_seq FROM kvl_steps ORDER BY first_seq DESC LIMIT 1"
+_INSERT_STEP_SQL = (
+    "INSERT INTO kvl_steps (first_seq, last_seq, stream_id, first_version, step, recorded_at, schemas, header, payload) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_INSERT_IDS_SQL = "INSERT INTO kvl_event_ids (event_id, global_seq) VALUES (?, ?)"
+
+
+def events_of(steps: Sequence[StoredStep], after_seq: int, limit: int) -> list[StoredEvent]:
+    """The events after `after_seq` in `steps`, at most `limit` of them."""
+    stored = [event for step in steps for event in step.events() if event.global_seq > after_seq]
+    return stored[:limit]
 
 
 class SqlEventLog:
@@ -156,18 +177,23 @@ class SqlEventLog:
     # --- reading ---------------------------------------------------------------------------
 
     async def read(self, after_seq: int = 0, limit: int = 10_000) -> list[StoredEvent]:
-        if self.blocking_engine is not None:
-            return await anyio.to_thread.run_sync(self._read_blocking, after_seq, limit)
-        query = sa.select(t.events).where(t.events.c.global_seq > after_seq).order_by(t.events.c.global_seq).limit(limit)
-        async with self.engine.connect() as conn:
-            rows = (await conn.execute(query)).all()
-        return [StoredEvent(*row) for row in rows]
+        return events_of(await self.read_steps(after_seq, limit), after_seq, limit)
 
-    def _read_blocking(self, after_seq: int, limit: int) -> list[StoredEvent]:
+    async def read_steps(self, after_seq: int = 0, limit: int = 10_000) -> list[StoredStep]:
+        if limit <= 0:
+            return []
+        if self.blocking_engine is not None:
+            return await anyio.to_thread.run_sync(self._read_steps_blocking, after_seq, limit)
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(_READ_STEPS, {"after": after_seq, "limit": limit})).all()
+        return [StoredStep(*row) for row in rows]
+
+    def _read_steps_blocking(self, after_seq: int, limit: int) -> list[StoredStep]:
         assert self.blocking_engine is not None
         with self.blocking_engine.connect() as conn:
-            cursor = conn.connection.driver_connection.execute(_READ_SQL, (after_seq, limit))  # type: ignore[union-attr]
-            return [StoredEvent(*row) for row in cursor.fetchall()]
+            driver = conn.connection.driver_connection
+            cursor = driver.execute(_READ_STEPS_SQL, {"after": after_seq, "limit": limit})  # type: ignore[union-attr]
+            return [StoredStep(*row) for row in cursor.fetchall()]
 
     async def tail(self, after_seq: int = 0, batch: int = 10_000) -> AsyncIterator[StoredEvent]:
         """Every committed event after `after_seq`, in order, forever: woken by appends in this
@@ -198,7 +224,7 @@ class SqlEventLog:
 
     async def head(self) -> int:
         async with self.engine.connect() as conn:
-            value = (await conn.execute(sa.select(sa.func.max(t.events.c.global_seq)))).scalar()
+            value = (await conn.execute(sa.text(_HEAD_SQL))).scalar()
         return int(value or 0)
 
     async def stream_version(self, stream_id: str) -> int:
@@ -269,54 +295,129 @@ class SqlProjectionTransaction:
 
 def _append_sync(conn: sa.Connection, batches: Sequence[AppendBatch]) -> list[AppendResult]:
     """The body of one append transaction (runs with the append serialized)."""
+    rows: _Rows = _SqliteRows(conn.connection.driver_connection) if conn.dialect.name == "sqlite" else _CoreRows(conn)
     results = []
-    next_seq = int(conn.execute(sa.select(sa.func.max(t.events.c.global_seq))).scalar() or 0) + 1
+    next_seq = rows.head() + 1
     for batch in batches:
         if batch.command_id is not None:
-            done = conn.execute(sa.select(t.commands).where(t.commands.c.command_id == batch.command_id)).first()
+            done = rows.command(batch.command_id)
             if done is not None:
-                results.append(
-                    AppendResult(
-                        stream_id=done.stream_id,
-                        first_seq=done.first_seq,
-                        last_seq=done.last_seq,
-                        stream_version=done.stream_version,
-                        duplicate=True,
-                    )
-                )
+                results.append(done)
                 continue
-        current = conn.execute(sa.select(t.streams.c.version).where(t.streams.c.stream_id == batch.stream_id)).scalar()
-        actual = int(current or 0)
+        current = rows.stream_version(batch.stream_id)
+        actual = current or 0
         if actual != batch.expected_version:
             raise WrongExpectedVersion(batch.stream_id, batch.expected_version, actual)
-        rows = [
-            (next_seq + index, event.event_id, batch.stream_id, actual + index + 1, event.step,
-             event.recorded_at, event.event_type, event.schema_version, event.payload)
-            for index, event in enumerate(batch.events)
-        ]
-        if rows:
-            if conn.dialect.name == "sqlite":
-                # Straight to the DBAPI: SQLAlchemy's per-row parameter handling cost ~10%.
-                conn.connection.driver_connection.executemany(_INSERT_SQL, rows)  # type: ignore[union-attr]
-            else:
-                conn.execute(t.events.insert(), [dict(zip(_COLUMNS, row, strict=True)) for row in rows])
-            version = actual + len(rows)
-            if current is None:
-                conn.execute(t.streams.insert().values(stream_id=batch.stream_id, version=version))
-            else:
-                conn.execute(t.streams.update().where(t.streams.c.stream_id == batch.stream_id).values(version=version))
-        first, last = (next_seq, next_seq + len(rows) - 1) if rows else (0, 0)
-        next_seq += len(rows)
-        result = AppendResult(stream_id=batch.stream_id, first_seq=first, last_seq=last, stream_version=actual + len(rows))
-        if batch.command_id is not None:
-            conn.execute(
-                t.commands.insert().values(
-                    command_id=batch.command_id,
-                    stream_id=batch.stream_id,
-                    first_seq=first,
-                    last_seq=last,
-                    stream_version=result.stream_version,
-                )
+        count = len(batch.events)
+        first, last = (next_seq, next_seq + count - 1) if count else (0, 0)
+        if count:
+            events = batch.events
+            schemas, header, payload = pack_step(events)
+            rows.insert_step(
+                (first, last, batch.stream_id, actual + 1, events[0].step, events[0].recorded_at, schemas, header, payload),
+                [(event.event_id, first + index) for index, event in enumerate(events)],
             )
+            rows.set_stream_version(batch.stream_id, actual + count, new=current is None)
+        next_seq += count
+        result = AppendResult(stream_id=batch.stream_id, first_seq=first, last_seq=last, stream_version=actual + count)
+        if batch.command_id is not None:
+            rows.insert_command(batch.command_id, result)
         results.append(result)
     return results
+
+
+StepRow = tuple[int, int, str, int, int, float, str, bytes, bytes]
+"""kvl_steps' columns in table order."""
+
+
+class _Rows(Protocol):
+    """The statements one append runs, on one connection inside its transaction."""
+
+    def head(self) -> int: ...
+
+    def command(self, command_id: str) -> AppendResult | None: ...
+
+    def stream_version(self, stream_id: str) -> int | None: ...
+
+    def insert_step(self, step: StepRow, ids: list[tuple[str, int]]) -> None: ...
+
+    def set_stream_version(self, stream_id: str, version: int, *, new: bool) -> None: ...
+
+    def insert_command(self, command_id: str, result: AppendResult) -> None: ...
+
+
+class _SqliteRows:
+    """Straight to sqlite3: SQLAlchemy's per-statement work was a quarter of an append
+    (ops/bench/log.py, profiled)."""
+
+    def __init__(self, driver: Any) -> None:
+        self.driver = driver
+
+    def head(self) -> int:
+        row = self.driver.execute(_HEAD_SQL).fetchone()
+        return int(row[0]) if row else 0
+
+    def command(self, command_id: str) -> AppendResult | None:
+        row = self.driver.execute(
+            "SELECT stream_id, first_seq, last_seq, stream_version FROM kvl_commands WHERE command_id = ?", (command_id,)
+        ).fetchone()
+        if row is None:
+            return None
+        return AppendResult(stream_id=row[0], first_seq=row[1], last_seq=row[2], stream_version=row[3], duplicate=True)
+
+    def stream_version(self, stream_id: str) -> int | None:
+        row = self.driver.execute("SELECT version FROM kvl_streams WHERE stream_id = ?", (stream_id,)).fetchone()
+        return None if row is None else int(row[0])
+
+    def insert_step(self, step: StepRow, ids: list[tuple[str, int]]) -> None:
+        self.driver.execute(_INSERT_STEP_SQL, step)
+        self.driver.executemany(_INSERT_IDS_SQL, ids)
+
+    def set_stream_version(self, stream_id: str, version: int, *, new: bool) -> None:
+        if new:
+            self.driver.execute("INSERT INTO kvl_streams (stream_id, version) VALUES (?, ?)", (stream_id, version))
+        else:
+            self.driver.execute("UPDATE kvl_streams SET version = ? WHERE stream_id = ?", (version, stream_id))
+
+    def insert_command(self, command_id: str, result: AppendResult) -> None:
+        self.driver.execute(
+            "INSERT INTO kvl_commands (command_id, stream_id, first_seq, last_seq, stream_version) VALUES (?, ?, ?, ?, ?)",
+            (command_id, result.stream_id, result.first_seq, result.last_seq, result.stream_version),
+        )
+
+
+class _CoreRows:
+    """The same statements in SQLAlchemy Core, for every other database."""
+
+    def __init__(self, conn: sa.Connection) -> None:
+        self.conn = conn
+
+    def head(self) -> int:
+        return int(self.conn.exec_driver_sql(_HEAD_SQL).scalar() or 0)
+
+    def command(self, command_id: str) -> AppendResult | None:
+        done = self.conn.execute(sa.select(t.commands).where(t.commands.c.command_id == command_id)).first()
+        if done is None:
+            return None
+        return AppendResult(stream_id=done.stream_id, first_seq=done.first_seq, last_seq=done.last_seq,
+                            stream_version=done.stream_version, duplicate=True)
+
+    def stream_version(self, stream_id: str) -> int | None:
+        value = self.conn.execute(sa.select(t.streams.c.version).where(t.streams.c.stream_id == stream_id)).scalar()
+        return None if value is None else int(value)
+
+    def insert_step(self, step: StepRow, ids: list[tuple[str, int]]) -> None:
+        self.conn.execute(t.steps.insert().values(dict(zip(t.steps.c.keys(), step, strict=True))))
+        self.conn.execute(t.event_ids.insert(), [{"event_id": event_id, "global_seq": seq} for event_id, seq in ids])
+
+    def set_stream_version(self, stream_id: str, version: int, *, new: bool) -> None:
+        if new:
+            self.conn.execute(t.streams.insert().values(stream_id=stream_id, version=version))
+        else:
+            self.conn.execute(t.streams.update().where(t.streams.c.stream_id == stream_id).values(version=version))
+
+    def insert_command(self, command_id: str, result: AppendResult) -> None:
+        self.conn.execute(
+            t.commands.insert().values(command_id=command_id, stream_id=result.stream_id, first_seq=result.first_seq,
+                                       last_seq=result.last_seq, stream_version=result.stream_version)
+        )
