@@ -10,19 +10,20 @@ originally committed events and appends nothing.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 
 import anyio
 import msgspec
 import structlog
 import uuid_utils
 
-from coordinator.commands import AnyCommand, DeclareTier, ReportRank
+from coordinator.commands import AnyCommand, BeginStep, DeclareTier, EndStep, ReportRank
 from coordinator.core import CoordinatorCore
 from coordinator.recovery import decode, make_snapshot, recover
 from coordinator.state import State
-from events import Event, EventCodec
-from events.log import AppendBatch, EventLog, PendingEvent
+from events import Event, EventCodec, StepBegan, StepEnded
+from events.log import AppendBatch, AppendRejected, AppendResult, EventLog, PendingEvent
 
 log = structlog.get_logger("kvledger.ledger")
 
@@ -46,6 +47,36 @@ def stream_for(state: State, command: AnyCommand) -> str:
         job = state.jobs.get(command.job_id)
         return f"engine/{job.decision.engine_id}" if job is not None else "reports"
     return f"engine/{command.engine_id}"
+
+
+class Step(msgspec.Struct, frozen=True, kw_only=True):
+    """One scheduler step of one engine: begin, the commands, end-of-step (I14)."""
+
+    engine_id: str
+    step: int
+    clock: float
+    commands: Sequence[AnyCommand]
+    command_id: str | None = None
+
+
+class Single(msgspec.Struct, frozen=True, kw_only=True):
+    """One command outside any step (a tier declaration, an engine's hello, a worker's report)."""
+
+    command: AnyCommand
+    command_id: str | None = None
+
+
+Transaction = Step | Single
+
+
+class StepCommit(msgspec.Struct, frozen=True, kw_only=True):
+    """A committed step, command by command: what the sidecar answers an engine."""
+
+    commit: Commit
+    began: list[Event]
+    results: list[list[Event]]
+    """The events each command produced, in command order; a refusal is a `Refused` event."""
+    ended: list[Event]
 
 
 class Ledger:
@@ -75,27 +106,36 @@ class Ledger:
     def state(self) -> State:
         return self.core.state
 
+    @asynccontextmanager
+    async def committed(self) -> AsyncIterator[State]:
+        """The state with nothing uncommitted in it: waits out a commit in flight. For read-only
+        answers (the sidecar's Lookup) that must never show what the log has not taken."""
+        async with self._lock:
+            yield self.core.state
+
     async def execute(self, command: AnyCommand, *, command_id: str | None = None) -> Commit:
         """Decide one command and commit its events."""
-        async with self._lock:
-            stream = stream_for(self.state, command)
-            return await self._commit(stream, lambda: self.core.execute(command), step=-1, command_id=command_id)
+        [commit] = await self.commit_group([Single(command=command, command_id=command_id)])
+        assert isinstance(commit, Commit)
+        return commit
 
     async def run_step(
         self, engine_id: str, step: int, clock: float, commands: Sequence[AnyCommand], *, command_id: str | None = None
     ) -> Commit:
         """One scheduler step as one atomic append: begin, the commands, end-of-step (I14)."""
+        [result] = await self.commit_group(
+            [Step(engine_id=engine_id, step=step, clock=clock, commands=commands, command_id=command_id)]
+        )
+        return result.commit if isinstance(result, StepCommit) else result
+
+    async def commit_group(self, transactions: Sequence[Transaction]) -> list[StepCommit | Commit]:
+        """Decide every transaction in order, then commit them all in one atomic append (group
+        commit): each keeps its own stream and command id, and a stream's transactions keep their
+        order. A command id that is already committed is not decided again: its original events
+        come back with `duplicate=True`. If the append fails, nothing of the group is committed,
+        the state is rebuilt from the log, and the error propagates."""
         async with self._lock:
-            commit = await self._commit(
-                f"engine/{engine_id}",
-                lambda: self.core.run_step(engine_id, step, clock, commands),
-                step=step,
-                command_id=command_id,
-            )
-            self._steps_since_snapshot += 1
-            if self._steps_since_snapshot >= self._snapshot_every:
-                await self._snapshot()
-            return commit
+            return await self._commit_group(transactions)
 
     async def close(self) -> None:
         """Clean shutdown: leave a snapshot so the next start replays only what follows."""
@@ -103,39 +143,109 @@ class Ledger:
             if self._steps_since_snapshot:
                 await self._snapshot()
 
-    async def _commit(
-        self, stream: str, decide: Callable[[], list[Event]], *, step: int, command_id: str | None
-    ) -> Commit:
-        events = decide()
+    async def _commit_group(self, transactions: Sequence[Transaction]) -> list[StepCommit | Commit]:
+        ids = [tx.command_id for tx in transactions if tx.command_id is not None]
+        done = await self.log.find_commands(ids) if ids else {}
+        try:
+            batches, decided, first_of = self._decide_group(transactions, done)
+        except BaseException:
+            # A bug in the core: what it folded of this group is in memory only. Rebuild.
+            with anyio.CancelScope(shield=True):
+                await self._rebuild("decide_failed")
+            raise
+        results: dict[int, StepCommit | Commit] = {}
+        if batches:
+            try:
+                appended = await self.log.append(batches)
+            except BaseException:
+                # The state ran ahead of a log that did not take the group: rebuild it from the log.
+                with anyio.CancelScope(shield=True):
+                    await self._rebuild("append_failed")
+                raise
+            if any(r.duplicate for r in appended):
+                # Another writer committed one of these ids between our check and our append.
+                await self._rebuild("retried_command")
+                raise AppendRejected(
+                    "another writer committed one of this group's command ids while it was being decided; "
+                    "the rest were committed: retry each with its command id to get its result"
+                )
+            for (index, stream, events, detail), result in zip(decided, appended, strict=True):
+                self._versions[stream] = result.stream_version
+                self.last_seq = max(self.last_seq, result.last_seq)
+                commit = Commit(events=events, stream_id=stream, first_seq=result.first_seq, last_seq=result.last_seq)
+                results[index] = commit if detail is None else msgspec.structs.replace(detail, commit=commit)
+                if detail is not None:
+                    self._steps_since_snapshot += 1
+        for index, tx in enumerate(transactions):
+            if index not in results:
+                assert tx.command_id is not None
+                original = done.get(tx.command_id)
+                earlier = results[first_of[tx.command_id]] if original is None else None
+                results[index] = await self._retried(tx, original, earlier)
+        if self._steps_since_snapshot >= self._snapshot_every:
+            await self._snapshot()
+        return [results[index] for index in range(len(transactions))]
+
+    def _decide_group(
+        self, transactions: Sequence[Transaction], done: dict[str, AppendResult]
+    ) -> tuple[list[AppendBatch], list[tuple[int, str, list[Event], StepCommit | None]], dict[str, int]]:
+        """Decide and fold each new transaction in memory, in order. Returns the batches to append,
+        what each decided, and the index of each command id's first transaction (a command id
+        repeated inside the group, or already committed, is not decided again)."""
+        batches: list[AppendBatch] = []
+        decided: list[tuple[int, str, list[Event], StepCommit | None]] = []
+        first_of: dict[str, int] = {}
+        expected = dict(self._versions)
         now = time.time()
+        for index, tx in enumerate(transactions):
+            if tx.command_id is not None:
+                if tx.command_id in done or tx.command_id in first_of:
+                    continue  # answered from the log, or from its first copy
+                first_of[tx.command_id] = index
+            detail: StepCommit | None = None
+            if isinstance(tx, Step):
+                stream, step = f"engine/{tx.engine_id}", tx.step
+                began = self.core.execute(BeginStep(engine_id=tx.engine_id, step=tx.step, clock=tx.clock))
+                per_command = [self.core.execute(command) for command in tx.commands]
+                ended = self.core.execute(EndStep(engine_id=tx.engine_id))
+                events = began + [e for produced in per_command for e in produced] + ended
+                detail = StepCommit(commit=_PLACEHOLDER, began=began, results=per_command, ended=ended)
+            else:
+                stream, step = stream_for(self.state, tx.command), -1
+                events = self.core.execute(tx.command)
+            version = expected.get(stream, 0)
+            batches.append(AppendBatch(stream_id=stream, expected_version=version,
+                                       events=self._pending(events, step, now), command_id=tx.command_id))
+            expected[stream] = version + len(events)
+            decided.append((index, stream, events, detail))
+        return batches, decided, first_of
+
+    def _pending(self, events: list[Event], step: int, now: float) -> list[PendingEvent]:
         # Time-ordered ids (uuid7): random uuid4s scatter inserts across the unique index on
         # event_id (ops/bench/log.py measured several times the pages written per commit).
+        encode = self.codec.encode
         pending = []
         for event in events:
-            event_type, version, payload = self.codec.encode(event)
-            pending.append(
-                PendingEvent(event_id=uuid_utils.uuid7().hex, step=step, recorded_at=now, event_type=event_type,
-                             schema_version=version, payload=payload)
-            )
-        expected = self._versions.get(stream, 0)
-        try:
-            (result,) = await self.log.append(
-                [AppendBatch(stream_id=stream, expected_version=expected, events=pending, command_id=command_id)]
-            )
-        except BaseException:
-            # The state ran ahead of a log that did not take the step: rebuild it from the log.
-            with anyio.CancelScope(shield=True):
-                await self._rebuild("append_failed")
-            raise
-        if result.duplicate:
-            await self._rebuild("retried_command")
-            stored = await self.log.read(result.first_seq - 1, result.last_seq - result.first_seq + 1) if result.last_seq else []
-            log.info("command_retried", command_id=command_id, stream=stream, first_seq=result.first_seq)
-            return Commit(events=[decode(self.codec, s) for s in stored], stream_id=stream,
-                          first_seq=result.first_seq, last_seq=result.last_seq, duplicate=True)
-        self._versions[stream] = result.stream_version
-        self.last_seq = max(self.last_seq, result.last_seq)
-        return Commit(events=events, stream_id=stream, first_seq=result.first_seq, last_seq=result.last_seq)
+            event_type, version, payload = encode(event)
+            pending.append(PendingEvent(event_id=uuid_utils.uuid7().hex, step=step, recorded_at=now,
+                                        event_type=event_type, schema_version=version, payload=payload))
+        return pending
+
+    async def _retried(
+        self, tx: Transaction, original: AppendResult | None, same_group: StepCommit | Commit | None
+    ) -> StepCommit | Commit:
+        """The answer to a command id that was committed before (or earlier in this group)."""
+        if same_group is not None:
+            commit = same_group.commit if isinstance(same_group, StepCommit) else same_group
+            commit = msgspec.structs.replace(commit, duplicate=True)
+            return msgspec.structs.replace(same_group, commit=commit) if isinstance(same_group, StepCommit) else commit
+        assert original is not None
+        stored = await self.log.read(original.first_seq - 1, original.last_seq - original.first_seq + 1) if original.last_seq else []
+        events = [decode(self.codec, s) for s in stored]
+        log.info("command_retried", command_id=tx.command_id, stream=original.stream_id, first_seq=original.first_seq)
+        commit = Commit(events=events, stream_id=original.stream_id, first_seq=original.first_seq,
+                        last_seq=original.last_seq, duplicate=True)
+        return split_step(commit) if isinstance(tx, Step) else commit
 
     async def _rebuild(self, reason: str) -> None:
         state, self.last_seq = await recover(self.log, self.codec)
@@ -148,3 +258,20 @@ class Ledger:
         await self.log.save_snapshot(snapshot)
         self._steps_since_snapshot = 0
         log.info("snapshot_saved", global_seq=snapshot.global_seq, bytes=len(snapshot.state))
+
+
+_PLACEHOLDER = Commit(events=[], stream_id="", first_seq=0, last_seq=0)
+
+
+def split_step(commit: Commit) -> StepCommit:
+    """A retried step's committed events, regrouped: StepBegan first, the end-of-step events from
+    StepEnded's reconciliation last. Per-command grouping is not stored in the log, so a retry
+    gets every command's events as one group (the events themselves are the originals)."""
+    events = commit.events
+    began = events[:1] if events and isinstance(events[0], StepBegan) else []
+    end = len(events)
+    while end > len(began) and not isinstance(events[end - 1], StepEnded):
+        end -= 1
+    ended = events[end - 1 : end] if end > len(began) else []
+    middle = events[len(began) : end - 1] if ended else events[len(began) :]
+    return StepCommit(commit=commit, began=began, results=[middle], ended=ended)

@@ -227,6 +227,31 @@ class SqlEventLog:
             value = (await conn.execute(sa.text(_HEAD_SQL))).scalar()
         return int(value or 0)
 
+    async def find_commands(self, command_ids: Sequence[str]) -> dict[str, AppendResult]:
+        if not command_ids:
+            return {}
+        if self.blocking_engine is not None:
+            return await anyio.to_thread.run_sync(self._find_commands_blocking, list(command_ids))
+        query = sa.select(t.commands).where(t.commands.c.command_id.in_(list(command_ids)))
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+        return {
+            row.command_id: AppendResult(stream_id=row.stream_id, first_seq=row.first_seq, last_seq=row.last_seq,
+                                         stream_version=row.stream_version, duplicate=True)
+            for row in rows
+        }
+
+    def _find_commands_blocking(self, command_ids: list[str]) -> dict[str, AppendResult]:
+        assert self.blocking_engine is not None
+        found = {}
+        with self.blocking_engine.connect() as conn:
+            rows = _SqliteRows(conn.connection.driver_connection)
+            for command_id in command_ids:
+                result = rows.command(command_id)
+                if result is not None:
+                    found[command_id] = result
+        return found
+
     async def stream_version(self, stream_id: str) -> int:
         async with self.engine.connect() as conn:
             value = (await conn.execute(sa.select(t.streams.c.version).where(t.streams.c.stream_id == stream_id))).scalar()
