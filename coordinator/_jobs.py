@@ -39,9 +39,12 @@ Handler = Callable[[State, Any], list[Event]]
 
 
 def _lookup_prefix(state: State, command: LookupPrefix) -> list[Event]:
+    return [prefix_hit(state, command, check.engine_in_step(state, command.engine_id))]
+
+
+def prefix_hit(state: State, command: LookupPrefix, eng: EngineState) -> PrefixLookedUp:
     """The longest boundary that is a whole reuse unit (I7) at which every group needed to
     resume has a loadable key (I6), in this engine's namespace only (I9)."""
-    eng = check.engine_in_step(state, command.engine_id)
     tier = check.tier(state, eng, command.tier)
     groups = [p for p in eng.pools.values() if p.spec.kind != "encoder"]
     unit = reuse_unit((p.spec.kind, p.spec.block_size) for p in groups)
@@ -89,16 +92,14 @@ def _lookup_prefix(state: State, command: LookupPrefix) -> list[Event]:
         if boundary
         else []
     )
-    return [
-        PrefixLookedUp(
-            engine_id=eng.engine_id,
-            tier=tier.spec.name,
-            num_tokens=len(tokens),
-            reuse_unit=unit,
-            boundary=boundary,
-            hits=hits,
-        )
-    ]
+    return PrefixLookedUp(
+        engine_id=eng.engine_id,
+        tier=tier.spec.name,
+        num_tokens=len(tokens),
+        reuse_unit=unit,
+        boundary=boundary,
+        hits=hits,
+    )
 
 
 # --- store -----------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""`kvledger`: the command line. Today: `demo` and `db`. serve, replay, audit, verify and bench
+"""`kvledger`: the command line. Today: `demo`, `db` and `serve`. replay, audit, verify and bench
 come with the issues that build them."""
 
 from __future__ import annotations
@@ -85,3 +85,71 @@ def db_status(log_url: str | None = LOG_OPTION) -> None:
     else:
         verdict = "behind: run `kvledger db upgrade`"
     typer.echo(f"{mask(normalize(log_url))}: schema {revision or 'none'}, head {head}: {verdict}")
+
+
+def _address(text: str | None, option: str) -> tuple[str, int] | None:
+    """HOST:PORT (IPv6 in brackets) as a tuple; "off" or empty: None."""
+    if not text or text.lower() == "off":
+        return None
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise typer.BadParameter(f"{text!r} is not HOST:PORT", param_hint=option)
+    return host.strip("[]"), int(port)
+
+
+def configure_json_logs() -> None:
+    """structlog JSON lines on stderr: what a sidecar's log collector reads."""
+    import logging
+    import sys
+
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+@app.command()
+def serve(
+    log_url: str | None = LOG_OPTION,
+    socket_path: str | None = typer.Option(None, "--socket", envvar="KVLEDGER_SOCKET", help="Unix socket path (default: kvledger.sock in the data directory); created mode 0600."),
+    tcp: str | None = typer.Option(None, "--tcp", envvar="KVLEDGER_TCP", help="Also listen on TCP HOST:PORT (loopback only unless --allow-remote); needs --token."),
+    token: str = typer.Option("", "--token", envvar="KVLEDGER_TOKEN", help="Shared secret clients send in Hello; required for --tcp.", show_default=False),
+    http: str = typer.Option("127.0.0.1:9464", "--http", envvar="KVLEDGER_HTTP", help="HOST:PORT for /metrics, /healthz and /readyz; 'off' disables."),
+    max_frame: int = typer.Option(16 << 20, "--max-frame", envvar="KVLEDGER_MAX_FRAME", help="Largest frame accepted, bytes."),
+    subscriber_buffer: int = typer.Option(10_000, "--subscriber-buffer", envvar="KVLEDGER_SUBSCRIBER_BUFFER", help="Decisions a worker may fall behind before it is cut off (it resumes)."),
+    snapshot_every: int = typer.Option(1000, "--snapshot-every", envvar="KVLEDGER_SNAPSHOT_EVERY", help="Steps between snapshots (one is also written at shutdown)."),
+    allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow --tcp/--http on a non-loopback address."),
+) -> None:
+    """Run the sidecar: the coordinator on its log, on a Unix socket (and TCP if asked)."""
+    from coordinator.sidecar.server import ConfigError, ServeConfig, Sidecar, run_sidecar
+    from events.log import LogError, data_dir
+
+    configure_json_logs()
+    config = ServeConfig(
+        log_url=log_url, socket_path=socket_path or str(data_dir() / "kvledger.sock"), tcp=_address(tcp, "--tcp"),
+        token=token, http=_address(http, "--http"), max_frame=max_frame, subscriber_buffer=subscriber_buffer,
+        snapshot_every=snapshot_every, allow_remote=allow_remote,
+    )
+
+    def started(sidecar: Sidecar) -> None:
+        where = sidecar.where()
+        typer.echo(
+            f"kvledger serving: log {where['log']}, socket {where['socket']}"
+            + (f", tcp {where['tcp']}" if where["tcp"] else "")
+            + (f", http {where['http']}/metrics /healthz /readyz" if where["http"] else ", http off")
+            + f", at global sequence {where['global_seq']}"
+        )
+
+    try:
+        anyio.run(lambda: run_sidecar(config, on_started=started))
+    except (ConfigError, LogError, OSError) as error:
+        typer.echo(f"kvledger serve: {error}", err=True)
+        raise typer.Exit(code=2 if isinstance(error, ConfigError) else 1) from None

@@ -26,6 +26,7 @@ from coordinator.commands import (
     FinishOwner,
     FreeBlocks,
     FreeEncoderEntry,
+    LookupPrefix,
     MarkComputed,
     ReportRank,
     ResetCache,
@@ -53,6 +54,7 @@ from events import (
     NoticeDropped,
     OwnerFinished,
     OwnerStarted,
+    PrefixLookedUp,
     Reason,
     Refused,
     StepBegan,
@@ -70,6 +72,17 @@ def decide(state: State, command: AnyCommand) -> list[Event]:
         return handler(state, command)
     except Refusal as refusal:
         return [_refusal_event(state, command, refusal)]
+
+
+def lookup(state: State, command: LookupPrefix) -> PrefixLookedUp | Refused:
+    """The read-only fast path of LookupPrefix: the same answer, outside any step, recorded
+    nowhere (the sidecar's Lookup). A refusal comes back as the Refused event it would be."""
+    try:
+        return _jobs.prefix_hit(state, command, check.engine(state, command.engine_id))
+    except Refusal as refusal:
+        event = _refusal_event(state, command, refusal)
+        assert isinstance(event, Refused)
+        return event
 
 
 def _refusal_event(state: State, command: Command, refusal: Refusal) -> Event:

@@ -6,6 +6,7 @@ Everything kvledger decides is one of these events; `EventCodec` turns them into
 from __future__ import annotations
 
 from events._catalog import (
+    AnyEvent,
     Event,
     NamespaceRegistered,
     TierDeclared,
@@ -69,6 +70,7 @@ __all__ = [
     "EngineDeclared",
     "EngineReset",
     "Envelope",
+    "AnyEvent",
     "Event",
     "EventCodec",
     "EventDecodeError",

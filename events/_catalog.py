@@ -343,3 +343,34 @@ def event_tag(event_type: type[Event]) -> str:
     tag = event_type.__struct_config__.tag
     assert isinstance(tag, str)
     return tag
+
+AnyEvent = (
+    NamespaceRegistered
+    | TierDeclared
+    | EngineDeclared
+    | EngineReset
+    | StepBegan
+    | StepEnded
+    | OwnerStarted
+    | OwnerFinished
+    | BlocksAllocated
+    | BlocksReused
+    | BlocksReleased
+    | BlocksComputed
+    | PrefixLookedUp
+    | StoreJobStarted
+    | LoadJobStarted
+    | StateCopyPlanned
+    | RankReported
+    | JobSucceeded
+    | JobFailed
+    | JobFenced
+    | KeyPublished
+    | KeyEvicted
+    | KeyQuarantined
+    | EncoderEntryAllocated
+    | EncoderEntryFreed
+    | Refused
+    | NoticeDropped
+)
+"""Every event type, as one tagged union: what a message field holding any event is typed as."""

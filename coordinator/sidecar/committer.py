@@ -1,0 +1,107 @@
+"""Group commit: transactions that arrive while a commit is in flight are committed together.
+
+Connections submit transactions and wait; one task takes everything queued (up to a limit),
+commits it with `Ledger.commit_group` in one append, publishes the decisions, then wakes the
+waiters. There is no timer: under light load a group is one transaction and waits for nothing;
+under load the groups grow by themselves. A waiter that goes away does not cancel its commit,
+so a client that reconnects and retries its command id gets the committed result.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import anyio
+import structlog
+
+from coordinator.ledger import Commit, Ledger, StepCommit, Transaction
+from coordinator.sidecar.hub import DecisionHub
+from coordinator.sidecar.metrics import SidecarMetrics
+
+log = structlog.get_logger("kvledger.committer")
+
+MAX_GROUP = 64
+
+
+class ShuttingDown(Exception):
+    """The sidecar is draining: it takes no new transactions."""
+
+
+class _Waiter:
+    __slots__ = ("tx", "done", "result", "error")
+
+    def __init__(self, tx: Transaction) -> None:
+        self.tx = tx
+        self.done = anyio.Event()
+        self.result: StepCommit | Commit | None = None
+        self.error: BaseException | None = None
+
+
+class Committer:
+    def __init__(self, ledger: Ledger, hub: DecisionHub, metrics: SidecarMetrics, max_group: int = MAX_GROUP) -> None:
+        self.ledger = ledger
+        self.hub = hub
+        self.metrics = metrics
+        self.max_group = max_group
+        self._queue: deque[_Waiter] = deque()
+        self._wake = anyio.Event()
+        self._closing = False
+        self.failure: str | None = None
+        """Why the log stopped taking appends, if it did: readiness reports it."""
+
+    async def submit(self, tx: Transaction) -> StepCommit | Commit:
+        """Commit one transaction (with whatever else is queued) and return its result."""
+        if self._closing:
+            raise ShuttingDown("the sidecar is shutting down; retry against the restarted one")
+        waiter = _Waiter(tx)
+        self._queue.append(waiter)
+        self._wake.set()
+        with anyio.CancelScope(shield=True):
+            # Leaving early would not undo the commit; wait so the result is never lost.
+            await waiter.done.wait()
+        if waiter.error is not None:
+            raise waiter.error
+        assert waiter.result is not None
+        return waiter.result
+
+    def close(self) -> None:
+        """Take no new transactions; `run` returns once the queue is empty."""
+        self._closing = True
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            while not self._queue:
+                if self._closing:
+                    return
+                await self._wake.wait()
+                self._wake = anyio.Event()
+            group = [self._queue.popleft() for _ in range(min(self.max_group, len(self._queue)))]
+            await self._commit(group)
+
+    async def _commit(self, group: list[_Waiter]) -> None:
+        started = time.perf_counter()
+        try:
+            results = await self.ledger.commit_group([w.tx for w in group])
+        except Exception as error:  # noqa: BLE001 - every waiter gets the error; the loop goes on
+            self.metrics.append_errors.inc()
+            self.failure = f"{type(error).__name__}: {error}"
+            log.error("commit_failed", transactions=len(group), error=self.failure)
+            for waiter in group:
+                waiter.error = error
+                waiter.done.set()
+            return
+        self.failure = None
+        published = []
+        for waiter, result in zip(group, results, strict=True):
+            waiter.result = result
+            commit = result.commit if isinstance(result, StepCommit) else result
+            if not commit.duplicate:
+                published.append((commit.events, commit.first_seq))
+                self.metrics.committed(commit.events)
+        self.hub.publish(published, self.ledger.last_seq)
+        self.metrics.group_size.observe(len(group))
+        for waiter in group:
+            waiter.done.set()
+        log.debug("group_committed", transactions=len(group), seconds=time.perf_counter() - started, global_seq=self.ledger.last_seq)

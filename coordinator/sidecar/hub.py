@@ -1,0 +1,123 @@
+"""Fan-out of committed decisions to worker subscriptions, each with a bounded buffer.
+
+A subscription first catches up from the log (everything committed after its `from_seq` up to
+the hub's high-water mark when it registered), then takes live decisions, which the committer
+publishes right after each commit. Registration and publication both run on the event loop
+without awaiting in between, so the handover has no gap and no repeat. A subscription whose
+buffer fills is closed with the sequence it can resume from; the others are not slowed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncIterator
+
+import anyio
+import structlog
+
+from coordinator.recovery import decode_step, stored_steps
+from coordinator.sidecar.protocol import Decision, decisions_for
+from events import Event, EventCodec
+from events.log import EventLog
+
+log = structlog.get_logger("kvledger.hub")
+
+DEFAULT_BUFFER = 10_000
+"""Decisions a subscription may hold undelivered before it is cut off."""
+
+
+class SlowSubscriber(Exception):
+    def __init__(self, resume_from: int, capacity: int) -> None:
+        super().__init__(f"subscriber fell {capacity} decisions behind; resume from sequence {resume_from}")
+        self.resume_from = resume_from
+
+
+class Subscription:
+    def __init__(self, engine_id: str, rank: int, from_seq: int, registered_at: int, capacity: int) -> None:
+        self.engine_id = engine_id
+        self.rank = rank
+        self.from_seq = from_seq
+        self.registered_at = registered_at
+        """Decisions up to this sequence come from the log; later ones from `offer`."""
+        self.capacity = capacity
+        self.delivered = from_seq
+        """The last sequence handed to the connection."""
+        self._pending: deque[Decision] = deque()
+        self._wake = anyio.Event()
+        self.overflowed = False
+
+    def offer(self, decisions: list[Decision]) -> None:
+        if self.overflowed:
+            return
+        if len(self._pending) + len(decisions) > self.capacity:
+            self.overflowed = True
+            self._pending.clear()
+        else:
+            self._pending.extend(decisions)
+        self._wake.set()
+
+    async def live(self) -> list[Decision]:
+        """The next live decisions; raises SlowSubscriber once the buffer overflowed."""
+        while not self._pending and not self.overflowed:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+        if self.overflowed:
+            raise SlowSubscriber(self.delivered, self.capacity)
+        items = [d for d in self._pending if d.seq > self.delivered]
+        self._pending.clear()
+        return items
+
+
+class DecisionHub:
+    def __init__(self, event_log: EventLog, codec: EventCodec, last_seq: int, capacity: int = DEFAULT_BUFFER) -> None:
+        self.log = event_log
+        self.codec = codec
+        self.last_seq = last_seq
+        """The highest committed sequence published so far."""
+        self.capacity = capacity
+        self.subscriptions: set[Subscription] = set()
+
+    def register(self, engine_id: str, rank: int, from_seq: int) -> Subscription:
+        subscription = Subscription(engine_id, rank, from_seq, self.last_seq, self.capacity)
+        self.subscriptions.add(subscription)
+        return subscription
+
+    def unregister(self, subscription: Subscription) -> None:
+        self.subscriptions.discard(subscription)
+
+    def publish(self, commits: list[tuple[list[Event], int]], last_seq: int) -> None:
+        """After a commit: offer each subscription its decisions among (events, first_seq)."""
+        for subscription in self.subscriptions:
+            decisions = [
+                d for events, first in commits
+                for d in decisions_for(events, first, subscription.engine_id, subscription.rank)
+            ]
+            if decisions:
+                subscription.offer(decisions)
+        self.last_seq = max(self.last_seq, last_seq)
+
+    async def stream(self, subscription: Subscription) -> AsyncIterator[list[Decision]]:
+        """Every decision for the subscription after its from_seq, in order, forever."""
+        async for decisions in self._catch_up(subscription):
+            yield decisions
+        while True:
+            decisions = await subscription.live()
+            if decisions:
+                yield decisions
+
+    async def _catch_up(self, subscription: Subscription) -> AsyncIterator[list[Decision]]:
+        if subscription.from_seq >= subscription.registered_at:
+            return
+        async for steps in stored_steps(self.log, subscription.from_seq, subscription.registered_at):
+            decisions = []
+            for step in steps:
+                if step.first_seq > subscription.registered_at:
+                    break
+                after = max(subscription.from_seq, step.first_seq - 1)
+                events = decode_step(self.codec, step, after)
+                decisions += [
+                    d for d in decisions_for(events, after + 1, subscription.engine_id, subscription.rank)
+                    if d.seq <= subscription.registered_at
+                ]
+            if decisions:
+                yield decisions

@@ -1,0 +1,264 @@
+"""The sidecar protocol: length-prefixed msgpack frames (msgspec), one message per frame.
+
+A frame is a 4-byte big-endian length, then that many bytes: one msgpack map tagged by its
+`msg` field. The first message on a connection is `Hello`, carrying PROTOCOL_VERSION; engines
+then send `Step`, `Execute` and `Lookup`, workers `Subscribe` and `Report`, anyone `Health`.
+Each request gets exactly one reply, in request order. After `Subscribe` the server also pushes
+`Decisions` frames on that connection; a client tells them apart by their tag.
+
+Anything the server cannot take gets an `Error` naming a stable `ErrorCode`; `fatal` says the
+server closes the connection after it (the others go on serving). Pure: no I/O here.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Literal, Union, cast
+
+import msgspec
+
+from coordinator.commands import AnyCommand, DeclareEngine, ReportRank
+from events import AnyEvent, Event, LoadJobStarted, PrefixLookedUp, Refused, StateCopyPlanned, StoreJobStarted, TierSpec
+
+PROTOCOL_VERSION = 1
+HEADER_BYTES = 4
+DEFAULT_MAX_FRAME = 16 << 20
+"""Bytes; `kvledger serve --max-frame` changes it."""
+
+
+class ErrorCode(enum.StrEnum):
+    """Stable codes of `Error` replies. Values are part of the protocol: add, never rename."""
+
+    MALFORMED_FRAME = "malformed_frame"  # not msgpack, or not a map with a known shape
+    FRAME_TOO_LARGE = "frame_too_large"  # fatal: the rest of the frame is not read
+    UNKNOWN_MESSAGE = "unknown_message"  # a `msg` tag this server does not know
+    INVALID_MESSAGE = "invalid_message"  # a known tag with missing or mistyped fields
+    PROTOCOL_MISMATCH = "protocol_mismatch"  # fatal
+    HELLO_FIRST = "hello_first"  # a request before Hello
+    UNAUTHORIZED = "unauthorized"  # fatal: missing or wrong token
+    WRONG_ROLE = "wrong_role"  # e.g. a Step on a worker's connection
+    REFUSED = "refused"  # the engine declaration itself was refused (the reason is in the message)
+    SLOW_SUBSCRIBER = "slow_subscriber"  # fatal: resume with Subscribe(from_seq=resume_from)
+    SHUTTING_DOWN = "shutting_down"  # fatal: retry against the restarted server
+    COMMIT_FAILED = "commit_failed"  # nothing of the request was committed; retry with the same command id
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="msg"):
+    pass
+
+
+# --- client -> server ----------------------------------------------------------------------
+
+
+class Hello(Message, frozen=True, tag="hello"):
+    """Opens a connection. Engines declare themselves; workers name their engine and rank.
+
+    An engine that reconnects (the sidecar restarted, the socket dropped) sends the incarnation
+    it runs: if that is the engine's current incarnation nothing is declared again and its jobs
+    go on. A fresh start sends 0 and is declared: a new incarnation that fences the old one's
+    jobs (I16)."""
+
+    protocol: int
+    role: Literal["engine", "worker", "observer"]
+    engine_id: str = ""
+    token: str = ""
+    declare: DeclareEngine | None = None
+    incarnation: int = 0
+    tiers: list[TierSpec] = []
+    """Tiers to declare before the engine; declaring a known tier with the same spec is a no-op."""
+    rank: int = 0
+    """Workers: the tensor-parallel rank this worker serves."""
+
+
+class Step(Message, frozen=True, tag="step"):
+    """One scheduler step: the server runs BeginStep, the commands, EndStep, as one transaction."""
+
+    step: int
+    clock: float
+    commands: list[AnyCommand]
+    command_id: str
+    """Unique per step; a retry with the same id returns the committed result exactly once."""
+
+
+class Execute(Message, frozen=True, tag="execute"):
+    """One command outside any step (a tier declaration, a cache reset)."""
+
+    command: AnyCommand
+    command_id: str
+
+
+class Subscribe(Message, frozen=True, tag="subscribe"):
+    """Stream the committed decisions for this worker's engine and rank after `from_seq`."""
+
+    from_seq: int = 0
+
+
+class Report(Message, frozen=True, tag="report"):
+    """A worker's result for one (job, rank). Reports are idempotent (I4)."""
+
+    report: ReportRank
+    command_id: str = ""
+
+
+class Lookup(Message, frozen=True, tag="lookup"):
+    """Read-only: the longest loadable prefix in a tier, from committed state; nothing is logged."""
+
+    tier: str
+    token_ids: list[int]
+    extra_keys: list[str] = []
+
+
+class Health(Message, frozen=True, tag="health"):
+    pass
+
+
+ClientMessage = Union[Hello, Step, Execute, Subscribe, Report, Lookup, Health]  # noqa: UP007
+CLIENT_TAGS = frozenset({"hello", "step", "execute", "subscribe", "report", "lookup", "health"})
+
+
+# --- server -> client ----------------------------------------------------------------------
+
+DecisionEvent = StoreJobStarted | LoadJobStarted | StateCopyPlanned
+DECISION_TYPES = (StoreJobStarted, LoadJobStarted, StateCopyPlanned)
+
+
+class Decision(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A committed decision and its global sequence: workers resume after the last one they did."""
+
+    seq: int
+    event: DecisionEvent
+
+
+class Welcome(Message, frozen=True, tag="welcome"):
+    protocol: int
+    server: str
+    engine_id: str = ""
+    incarnation: int = 0
+    head_seq: int = 0
+    events: list[AnyEvent] = []
+    """What the Hello committed (the engine's declaration); empty on a reconnect."""
+
+
+class StepResult(Message, frozen=True, tag="step_result"):
+    command_id: str
+    step: int
+    first_seq: int
+    last_seq: int
+    duplicate: bool
+    """A retry of a committed step: the events are the committed ones, all in `results[0]`."""
+    began: list[AnyEvent]
+    results: list[list[AnyEvent]]
+    """Per command, in order: its events; a refusal is a `Refused` event."""
+    ended: list[AnyEvent]
+    decisions: list[Decision]
+
+
+class Committed(Message, frozen=True, tag="committed"):
+    """The reply to Execute and Report."""
+
+    command_id: str
+    first_seq: int
+    last_seq: int
+    duplicate: bool
+    events: list[AnyEvent]
+
+
+class Decisions(Message, frozen=True, tag="decisions"):
+    items: list[Decision]
+
+
+class LookupResult(Message, frozen=True, tag="lookup_result"):
+    answer: PrefixLookedUp | Refused
+
+
+class HealthResult(Message, frozen=True, tag="health_result"):
+    ready: bool
+    reason: str
+    head_seq: int
+    engines: list[str]
+    subscribers: int
+    server: str
+
+
+class Error(Message, frozen=True, tag="error"):
+    code: ErrorCode
+    message: str
+    fatal: bool = False
+    resume_from: int | None = None
+    """SLOW_SUBSCRIBER: the last sequence delivered; subscribe again from it."""
+
+
+ServerMessage = Union[Welcome, StepResult, Committed, Decisions, LookupResult, HealthResult, Error]  # noqa: UP007
+
+
+# --- frames ----------------------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+_client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+_server_decoder = msgspec.msgpack.Decoder(ServerMessage)
+_tag_only = msgspec.msgpack.Decoder(dict[str, object])
+
+
+class FrameError(ValueError):
+    """A frame that cannot be taken; `code` says why (an ErrorCode)."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def frame(message: Message) -> bytes:
+    """One message as a frame: 4-byte big-endian length, then the msgpack body."""
+    body = _encoder.encode(message)
+    return len(body).to_bytes(HEADER_BYTES, "big") + body
+
+
+def frame_length(header: bytes, limit: int) -> int:
+    length = int.from_bytes(header, "big")
+    if length > limit:
+        raise FrameError(ErrorCode.FRAME_TOO_LARGE, f"frame of {length} bytes is over the limit of {limit} bytes")
+    return length
+
+
+def decode_client(body: bytes) -> ClientMessage:
+    """A client message, or FrameError naming what is wrong with it."""
+    try:
+        return _client_decoder.decode(body)
+    except msgspec.ValidationError as error:
+        raise _explain(body, error) from error
+    except msgspec.DecodeError as error:
+        raise FrameError(ErrorCode.MALFORMED_FRAME, f"frame is not a msgpack message: {error}") from error
+
+
+def decode_server(body: bytes) -> ServerMessage:
+    try:
+        return _server_decoder.decode(body)
+    except msgspec.DecodeError as error:
+        raise FrameError(ErrorCode.MALFORMED_FRAME, f"server sent an undecodable frame: {error}") from error
+
+
+def _explain(body: bytes, error: msgspec.ValidationError) -> FrameError:
+    try:
+        tag = _tag_only.decode(body).get("msg")
+    except msgspec.DecodeError:
+        return FrameError(ErrorCode.MALFORMED_FRAME, f"frame is not a msgpack map: {error}")
+    if not isinstance(tag, str):
+        return FrameError(ErrorCode.MALFORMED_FRAME, f"message has no string 'msg' tag: {error}")
+    if tag not in CLIENT_TAGS:
+        return FrameError(ErrorCode.UNKNOWN_MESSAGE, f"unknown message type {tag!r}; this server knows {sorted(CLIENT_TAGS)}")
+    return FrameError(ErrorCode.INVALID_MESSAGE, f"message {tag!r} is invalid: {error}")
+
+
+def decisions_for(events: Sequence[Event], first_seq: int, engine_id: str, rank: int) -> list[Decision]:
+    """The decisions among one commit's events that the worker (engine_id, rank) must act on."""
+    return [
+        Decision(first_seq + index, event)
+        for index, event in enumerate(events)
+        if isinstance(event, DECISION_TYPES) and event.engine_id == engine_id and rank < event.world_size
+    ]
+
+
+def any_events(events: Sequence[Event]) -> list[AnyEvent]:
+    """Events as a message field holds them (every Event is one of AnyEvent's members)."""
+    return cast(list[AnyEvent], list(events))

@@ -1,0 +1,492 @@
+"""`kvledger serve`: the sidecar. It owns the ledger, listens on a Unix socket (and on TCP when
+asked), speaks coordinator/sidecar/protocol.py, and serves /metrics, /healthz and /readyz.
+
+The step pipeline: decide -> end-of-step reconciliation -> one atomic append (group commit) ->
+publish decisions -> reply. Nothing is answered or published before the log took it.
+
+One connection's bad frame gets an Error on that connection only. SIGTERM (or SIGINT) stops
+accepting, finishes the steps in flight, writes a snapshot and returns; the process exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import os
+import signal
+import socket
+import stat
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import structlog
+import uvicorn
+import uuid_utils
+from anyio.abc import ByteStream, SocketStream, TaskGroup
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from coordinator.commands import AnyCommand, DeclareTier, LookupPrefix
+from coordinator.decider import lookup
+from coordinator.ledger import Commit, Ledger, Single, Step as LedgerStep, StepCommit
+from coordinator.sidecar import protocol as p
+from coordinator.sidecar.committer import Committer, ShuttingDown
+from coordinator.sidecar.http import make_app
+from coordinator.sidecar.hub import DEFAULT_BUFFER, DecisionHub, SlowSubscriber, Subscription
+from coordinator.sidecar.metrics import SidecarMetrics
+from events import EngineDeclared, Refused
+from events.log import EventLog, LogError, open_log
+
+log = structlog.get_logger("kvledger.sidecar")
+
+SERVER_NAME = "kvledger/0.1"
+
+
+class ServeConfig(msgspec.Struct, kw_only=True):
+    log_url: str | None = None
+    socket_path: str
+    tcp: tuple[str, int] | None = None
+    token: str = ""
+    http: tuple[str, int] | None = None
+    max_frame: int = p.DEFAULT_MAX_FRAME
+    subscriber_buffer: int = DEFAULT_BUFFER
+    snapshot_every: int = 1000
+    allow_remote: bool = False
+    """Let --tcp/--http bind a non-loopback address (the operator asked for it explicitly)."""
+
+
+class ConfigError(ValueError):
+    """A configuration the sidecar refuses to start with; the message says what to change."""
+
+
+def check_config(config: ServeConfig) -> None:
+    if config.tcp is not None and not config.token:
+        raise ConfigError("--tcp needs a token (--token or KVLEDGER_TOKEN): TCP clients must authenticate")
+    for name, address in (("--tcp", config.tcp), ("--http", config.http)):
+        if address is not None and not config.allow_remote and not _is_loopback(address[0]):
+            raise ConfigError(f"{name} {address[0]} is not a loopback address; pass --allow-remote to listen on it")
+    if config.max_frame < 1024:
+        raise ConfigError(f"--max-frame {config.max_frame} is below 1024 bytes")
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+class Session:
+    """What a connection's Hello established."""
+
+    def __init__(self, role: str, engine_id: str, rank: int) -> None:
+        self.role = role
+        self.engine_id = engine_id
+        self.rank = rank
+        self.subscribed = False
+
+
+class Connection:
+    def __init__(self, stream: ByteStream, peer: str) -> None:
+        self.stream = stream
+        self.peer = peer
+        self._send_lock = anyio.Lock()
+
+    async def send(self, message: p.Message) -> None:
+        async with self._send_lock:
+            await self.stream.send(p.frame(message))
+
+
+class Sidecar:
+    def __init__(self, ledger: Ledger, config: ServeConfig) -> None:
+        self.ledger = ledger
+        self.config = config
+        self.metrics = SidecarMetrics(lambda: ledger.state)
+        self.hub = DecisionHub(ledger.log, ledger.codec, ledger.last_seq, config.subscriber_buffer)
+        self.committer = Committer(ledger, self.hub, self.metrics)
+        self.accepting = False
+        self.draining = False
+        self.http_address: tuple[str, int] | None = None
+        self.tcp_address: tuple[str, int] | None = None
+
+    # --- readiness -------------------------------------------------------------------------
+
+    def readiness(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "shutting down"
+        if not self.accepting:
+            return False, "starting"
+        if self.committer.failure is not None:
+            return False, f"the log refused the last append: {self.committer.failure}"
+        return True, "ready"
+
+    def health(self) -> p.HealthResult:
+        ready, reason = self.readiness()
+        return p.HealthResult(
+            ready=ready, reason=reason, head_seq=self.ledger.last_seq, engines=sorted(self.ledger.state.engines),
+            subscribers=len(self.hub.subscriptions), server=SERVER_NAME,
+        )
+
+    # --- serving ---------------------------------------------------------------------------
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run until `stop()` (or SIGTERM/SIGINT when installed by `run_sidecar`), then drain."""
+        self._stop = anyio.Event()
+        async with anyio.create_task_group() as service:
+            service.start_soon(self.committer.run)
+            async with anyio.create_task_group() as doors:
+                listeners = await self._listeners()
+                for listener in listeners:
+                    doors.start_soon(listener.serve, self._connection_task(service))
+                if self.config.http is not None:
+                    await doors.start(self._serve_http)
+                self.accepting = True
+                self.metrics.ready.set(1)
+                log.info("sidecar_started", **self.where())
+                task_status.started()
+                await self._stop.wait()
+                # Stop accepting: close the doors; connections already open live in `service`.
+                self.draining = True
+                self.accepting = False
+                self.metrics.ready.set(0)
+                doors.cancel_scope.cancel()
+            for listener in listeners:
+                await listener.aclose()
+            self.committer.close()  # finishes what is queued, takes nothing new
+            with anyio.move_on_after(30):
+                while self.committer._queue:  # noqa: SLF001 - wait for the queue to drain
+                    await anyio.sleep(0.01)
+            service.cancel_scope.cancel()
+        with anyio.CancelScope(shield=True):
+            await self.ledger.close()
+        if self.config.socket_path:
+            Path(self.config.socket_path).unlink(missing_ok=True)
+        log.info("sidecar_stopped", global_seq=self.ledger.last_seq)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def where(self) -> dict[str, Any]:
+        return {
+            "log": self.ledger.log.url,
+            "socket": self.config.socket_path,
+            "tcp": f"{self.tcp_address[0]}:{self.tcp_address[1]}" if self.tcp_address else None,
+            "http": f"http://{self.http_address[0]}:{self.http_address[1]}" if self.http_address else None,
+            "global_seq": self.ledger.last_seq,
+        }
+
+    async def _listeners(self) -> list[Any]:
+        listeners: list[Any] = []
+        path = Path(self.config.socket_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() or path.is_symlink():
+            if not stat.S_ISSOCK(path.lstat().st_mode):
+                raise ConfigError(f"--socket {path} exists and is not a socket; refusing to replace it")
+            path.unlink()
+        previous = os.umask(0o177)  # the socket is created owner-only, never briefly open
+        try:
+            unix = await anyio.create_unix_listener(path)
+        finally:
+            os.umask(previous)
+        os.chmod(path, 0o600)
+        listeners.append(unix)
+        if self.config.tcp is not None:
+            host, port = self.config.tcp
+            tcp = await anyio.create_tcp_listener(local_host=host, local_port=port)
+            host_port = tcp.extra(anyio.abc.SocketAttribute.local_address)
+            assert isinstance(host_port, tuple)
+            self.tcp_address = (str(host_port[0]), int(host_port[1]))
+            listeners.append(tcp)
+        return listeners
+
+    async def _serve_http(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        assert self.config.http is not None
+        host, port = self.config.http
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+        self.http_address = sock.getsockname()[:2]
+        server = _HttpServer(uvicorn.Config(make_app(self), log_config=None, access_log=False, lifespan="off"))
+        task_status.started()
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            sock.close()
+
+    def _connection_task(self, service: TaskGroup) -> Callable[[SocketStream], Awaitable[None]]:
+        async def accept(stream: SocketStream) -> None:
+            # Connections run in the service task group, so closing the doors does not cut them.
+            service.start_soon(self._handle, stream)
+
+        return accept
+
+    async def _handle(self, stream: SocketStream) -> None:
+        try:
+            peer = str(stream.extra(anyio.abc.SocketAttribute.remote_address, "unix"))
+        except Exception:  # noqa: BLE001
+            peer = "unix"
+        is_tcp = self.config.tcp is not None and stream.extra(anyio.abc.SocketAttribute.family) != socket.AF_UNIX
+        conn = Connection(stream, peer)
+        self.metrics.connections.inc()
+        try:
+            async with stream, anyio.create_task_group() as tasks:
+                await self._converse(conn, tasks, is_tcp)
+                tasks.cancel_scope.cancel()
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
+            pass
+        finally:
+            self.metrics.connections.dec()
+
+    async def _converse(self, conn: Connection, tasks: TaskGroup, is_tcp: bool) -> None:
+        reader = BufferedByteReceiveStream(conn.stream)
+        session: Session | None = None
+        while True:
+            try:
+                header = await reader.receive_exactly(p.HEADER_BYTES)
+            except (anyio.EndOfStream, anyio.IncompleteRead):
+                return
+            try:
+                length = p.frame_length(header, self.config.max_frame)
+            except p.FrameError as error:
+                await self._error(conn, error.code, str(error), fatal=True)
+                return
+            body = await reader.receive_exactly(length)
+            try:
+                message = p.decode_client(body)
+            except p.FrameError as error:
+                await self._error(conn, error.code, str(error))
+                continue
+            if session is None:
+                if not isinstance(message, p.Hello):
+                    await self._error(conn, p.ErrorCode.HELLO_FIRST, f"send Hello first, not {type(message).__name__}")
+                    continue
+                session, fatal = await self._hello(conn, message, is_tcp)
+                if fatal:
+                    return
+                continue
+            if self.draining and not isinstance(message, p.Health):
+                await self._error(conn, p.ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down", fatal=True)
+                return
+            if isinstance(message, p.Subscribe):
+                await self._subscribe(conn, session, message, tasks)
+                continue
+            reply = await self._dispatch(session, message)
+            if isinstance(reply, p.Error):
+                self.metrics.protocol_errors.labels(reply.code.value).inc()
+            await conn.send(reply)
+            if isinstance(reply, p.Error) and reply.fatal:
+                return
+
+    async def _error(self, conn: Connection, code: p.ErrorCode, message: str, *, fatal: bool = False) -> None:
+        self.metrics.protocol_errors.labels(code.value).inc()
+        log.warning("protocol_error", peer=conn.peer, code=code.value, error=message, fatal=fatal)
+        await conn.send(p.Error(code=code, message=message, fatal=fatal))
+
+    # --- hello -----------------------------------------------------------------------------
+
+    async def _hello(self, conn: Connection, hello: p.Hello, is_tcp: bool) -> tuple[Session | None, bool]:
+        """(the session, whether the connection must close)."""
+        if hello.protocol != p.PROTOCOL_VERSION:
+            await self._error(conn, p.ErrorCode.PROTOCOL_MISMATCH,
+                              f"client speaks protocol {hello.protocol}, this server speaks {p.PROTOCOL_VERSION}", fatal=True)
+            return None, True
+        if (is_tcp or self.config.token) and not hmac.compare_digest(hello.token.encode(), self.config.token.encode()):
+            # The token itself is never logged.
+            await self._error(conn, p.ErrorCode.UNAUTHORIZED, "missing or wrong token", fatal=True)
+            return None, True
+        if hello.role == "observer":
+            await conn.send(p.Welcome(protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, head_seq=self.ledger.last_seq))
+            return Session("observer", "", 0), False
+        if not hello.engine_id:
+            await self._error(conn, p.ErrorCode.INVALID_MESSAGE, f"a {hello.role}'s Hello names its engine_id")
+            return None, False
+        if hello.role == "worker":
+            known = self.ledger.state.engines.get(hello.engine_id)
+            log.info("worker_connected", engine=hello.engine_id, rank=hello.rank, peer=conn.peer)
+            await conn.send(p.Welcome(protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, engine_id=hello.engine_id,
+                                      incarnation=known.incarnation if known else 0, head_seq=self.ledger.last_seq))
+            return Session("worker", hello.engine_id, hello.rank), False
+        return await self._engine_hello(conn, hello)
+
+    async def _engine_hello(self, conn: Connection, hello: p.Hello) -> tuple[Session | None, bool]:
+        engine_id = hello.engine_id
+        events = []
+        try:
+            for spec in hello.tiers:
+                commit = await self.committer.submit(Single(command=DeclareTier(spec=spec)))
+                events += _commit_of(commit).events
+            known = self.ledger.state.engines.get(engine_id)
+            if known is not None and hello.incarnation and hello.incarnation == known.incarnation:
+                log.info("engine_reconnected", engine=engine_id, incarnation=known.incarnation, peer=conn.peer)
+                await conn.send(p.Welcome(protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, engine_id=engine_id,
+                                          incarnation=known.incarnation, head_seq=self.ledger.last_seq, events=p.any_events(events)))
+                return Session("engine", engine_id, 0), False
+            if hello.declare is None or hello.declare.engine_id != engine_id:
+                await self._error(conn, p.ErrorCode.INVALID_MESSAGE,
+                                  f"engine {engine_id!r} is not running incarnation {hello.incarnation}: its Hello must "
+                                  "carry `declare` (a DeclareEngine for the same engine_id)")
+                return None, False
+            commit = await self.committer.submit(Single(command=hello.declare))
+        except (ShuttingDown, LogError) as error:
+            await self._error(conn, p.ErrorCode.COMMIT_FAILED, str(error), fatal=True)
+            return None, True
+        events += _commit_of(commit).events
+        refused = [e for e in events if isinstance(e, Refused)]
+        if refused:
+            await self._error(conn, p.ErrorCode.REFUSED, f"{refused[0].reason}: {refused[0].detail}")
+            return None, False
+        declared = next(e for e in events if isinstance(e, EngineDeclared))
+        log.info("engine_declared", engine=engine_id, incarnation=declared.incarnation, peer=conn.peer)
+        await conn.send(p.Welcome(protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, engine_id=engine_id,
+                                  incarnation=declared.incarnation, head_seq=self.ledger.last_seq, events=p.any_events(events)))
+        return Session("engine", engine_id, 0), False
+
+    # --- requests --------------------------------------------------------------------------
+
+    async def _dispatch(self, session: Session, message: p.ClientMessage) -> p.ServerMessage:
+        if isinstance(message, p.Health):
+            return self.health()
+        if isinstance(message, p.Hello):
+            return p.Error(code=p.ErrorCode.INVALID_MESSAGE, message="Hello was already sent on this connection")
+        if isinstance(message, p.Report):
+            if session.role not in ("worker", "engine"):
+                return _wrong_role(session, message)
+            return await self._commit_single(message.report, message.command_id or _report_id(message))
+        if session.role != "engine":
+            return _wrong_role(session, message)
+        if isinstance(message, p.Lookup):
+            command = LookupPrefix(engine_id=session.engine_id, tier=message.tier, token_ids=message.token_ids,
+                                   extra_keys=message.extra_keys)
+            async with self.ledger.committed() as state:
+                return p.LookupResult(answer=lookup(state, command))
+        if isinstance(message, p.Execute):
+            problem = _foreign(session, [message.command])
+            return problem or await self._commit_single(message.command, message.command_id)
+        assert isinstance(message, p.Step)
+        return await self._step(session, message)
+
+    async def _step(self, session: Session, message: p.Step) -> p.ServerMessage:
+        problem = _foreign(session, message.commands)
+        if problem is not None:
+            return problem
+        if not message.command_id:
+            return p.Error(code=p.ErrorCode.INVALID_MESSAGE, message="a Step needs a command_id (unique per step)")
+        started = time.perf_counter()
+        bound = log.bind(engine=session.engine_id, step=message.step)
+        tx = LedgerStep(engine_id=session.engine_id, step=message.step, clock=message.clock,
+                        commands=message.commands, command_id=message.command_id)
+        try:
+            result = await self.committer.submit(tx)
+        except ShuttingDown as error:
+            return p.Error(code=p.ErrorCode.SHUTTING_DOWN, message=str(error), fatal=True)
+        except Exception as error:  # noqa: BLE001 - the log failed: nothing of the step was committed
+            bound.error("step_failed", error=str(error))
+            return p.Error(code=p.ErrorCode.COMMIT_FAILED, message=f"step {message.step} was not committed: {error}")
+        assert isinstance(result, StepCommit)
+        commit = result.commit
+        self.metrics.step_seconds.observe(time.perf_counter() - started)
+        bound.debug("step_committed", first_seq=commit.first_seq, last_seq=commit.last_seq, duplicate=commit.duplicate)
+        return p.StepResult(
+            command_id=message.command_id, step=message.step, first_seq=commit.first_seq, last_seq=commit.last_seq,
+            duplicate=commit.duplicate, began=p.any_events(result.began), results=[p.any_events(r) for r in result.results],
+            ended=p.any_events(result.ended),
+            decisions=p.decisions_for(commit.events, commit.first_seq, session.engine_id, 0),
+        )
+
+    async def _commit_single(self, command: AnyCommand, command_id: str) -> p.ServerMessage:
+        try:
+            result = await self.committer.submit(Single(command=command, command_id=command_id or None))
+        except ShuttingDown as error:
+            return p.Error(code=p.ErrorCode.SHUTTING_DOWN, message=str(error), fatal=True)
+        except Exception as error:  # noqa: BLE001
+            return p.Error(code=p.ErrorCode.COMMIT_FAILED, message=f"not committed: {error}")
+        commit = _commit_of(result)
+        return p.Committed(command_id=command_id, first_seq=commit.first_seq, last_seq=commit.last_seq,
+                           duplicate=commit.duplicate, events=p.any_events(commit.events))
+
+    async def _subscribe(self, conn: Connection, session: Session, message: p.Subscribe, tasks: TaskGroup) -> None:
+        """Subscribe has no reply of its own: Decisions frames follow on this connection."""
+        if session.role != "worker":
+            await conn.send(_wrong_role(session, message))
+            return
+        if session.subscribed:
+            await self._error(conn, p.ErrorCode.INVALID_MESSAGE, "this connection is already subscribed")
+            return
+        session.subscribed = True
+        subscription = self.hub.register(session.engine_id, session.rank, message.from_seq)
+        log.info("subscribed", engine=session.engine_id, rank=session.rank, from_seq=message.from_seq)
+        tasks.start_soon(self._push, conn, subscription)
+
+    async def _push(self, conn: Connection, subscription: Subscription) -> None:
+        self.metrics.subscribers.inc()
+        try:
+            async for decisions in self.hub.stream(subscription):
+                await conn.send(p.Decisions(items=decisions))
+                subscription.delivered = decisions[-1].seq
+        except SlowSubscriber as slow:
+            self.metrics.slow_subscribers.inc()
+            log.warning("subscriber_too_slow", engine=subscription.engine_id, rank=subscription.rank, resume_from=slow.resume_from)
+            with anyio.move_on_after(1):
+                await conn.send(p.Error(code=p.ErrorCode.SLOW_SUBSCRIBER, message=str(slow), fatal=True,
+                                        resume_from=slow.resume_from))
+            await conn.stream.aclose()
+        finally:
+            self.hub.unregister(subscription)
+            self.metrics.subscribers.dec()
+
+
+class _HttpServer(uvicorn.Server):
+    """uvicorn, minus its signal handlers: the sidecar handles SIGTERM itself (and drains)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _commit_of(result: StepCommit | Commit) -> Commit:
+    return result.commit if isinstance(result, StepCommit) else result
+
+
+def _report_id(message: p.Report) -> str:
+    # Reports are idempotent in the decider (I4); a generated id only keeps retries cheap.
+    return f"report/{message.report.job_id}/{message.report.rank}/{uuid_utils.uuid7().hex}"
+
+
+def _wrong_role(session: Session, message: p.Message) -> p.Error:
+    return p.Error(code=p.ErrorCode.WRONG_ROLE, message=f"a {session.role} connection cannot send {type(message).__name__}")
+
+
+def _foreign(session: Session, commands: list[AnyCommand]) -> p.Error | None:
+    """An engine speaks only for itself: a command naming another engine is refused whole."""
+    for index, command in enumerate(commands):
+        engine_id = getattr(command, "engine_id", session.engine_id)
+        if engine_id != session.engine_id:
+            return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
+                           message=f"command {index} names engine {engine_id!r}; this connection is engine {session.engine_id!r}")
+    return None
+
+
+async def run_sidecar(config: ServeConfig, *, on_started: Callable[[Sidecar], None] | None = None) -> None:
+    """Open the log, recover, serve until SIGTERM/SIGINT, drain, snapshot."""
+    check_config(config)
+    event_log: EventLog = await open_log(config.log_url)
+    try:
+        ledger = await Ledger.open(event_log, snapshot_every=config.snapshot_every)
+        sidecar = Sidecar(ledger, config)
+        async with anyio.create_task_group() as tg:
+            async def watch_signals() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        log.info("signal_received", signal=signal.Signals(signum).name)
+                        sidecar.stop()
+                        return
+
+            tg.start_soon(watch_signals)
+            await tg.start(sidecar.serve)
+            if on_started is not None:
+                on_started(sidecar)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await event_log.close()
