@@ -98,10 +98,13 @@ def _address(text: str | None, option: str) -> tuple[str, int] | None:
 
 
 def configure_json_logs() -> None:
-    """structlog JSON lines on stderr: what a sidecar's log collector reads."""
+    """structlog JSON lines on stderr: what a sidecar's log collector reads. The level comes
+    from $KVLEDGER_LOG_LEVEL (default info; debug adds a line per committed step)."""
     import logging
+    import os
     import sys
 
+    level = logging.getLevelNamesMapping().get(os.environ.get("KVLEDGER_LOG_LEVEL", "info").upper(), logging.INFO)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -110,7 +113,7 @@ def configure_json_logs() -> None:
             structlog.processors.format_exc_info,
             structlog.processors.JSONRenderer(),
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
@@ -153,3 +156,7 @@ def serve(
     except (ConfigError, LogError, OSError) as error:
         typer.echo(f"kvledger serve: {error}", err=True)
         raise typer.Exit(code=2 if isinstance(error, ConfigError) else 1) from None
+
+
+if __name__ == "__main__":
+    app()

@@ -234,8 +234,8 @@ class Sidecar:
             async with stream, anyio.create_task_group() as tasks:
                 await self._converse(conn, tasks, is_tcp)
                 tasks.cancel_scope.cancel()
-        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
-            pass
+        except* _GONE:
+            pass  # the peer went away: nothing to answer
         finally:
             self.metrics.connections.dec()
 
@@ -417,9 +417,9 @@ class Sidecar:
         session.subscribed = True
         subscription = self.hub.register(session.engine_id, session.rank, message.from_seq)
         log.info("subscribed", engine=session.engine_id, rank=session.rank, from_seq=message.from_seq)
-        tasks.start_soon(self._push, conn, subscription)
+        tasks.start_soon(self._push, conn, subscription, tasks.cancel_scope)
 
-    async def _push(self, conn: Connection, subscription: Subscription) -> None:
+    async def _push(self, conn: Connection, subscription: Subscription, connection_scope: anyio.CancelScope) -> None:
         self.metrics.subscribers.inc()
         try:
             async for decisions in self.hub.stream(subscription):
@@ -428,10 +428,10 @@ class Sidecar:
         except SlowSubscriber as slow:
             self.metrics.slow_subscribers.inc()
             log.warning("subscriber_too_slow", engine=subscription.engine_id, rank=subscription.rank, resume_from=slow.resume_from)
-            with anyio.move_on_after(1):
+            with anyio.move_on_after(5):
                 await conn.send(p.Error(code=p.ErrorCode.SLOW_SUBSCRIBER, message=str(slow), fatal=True,
                                         resume_from=slow.resume_from))
-            await conn.stream.aclose()
+            connection_scope.cancel()  # ends the connection: its reader too
         finally:
             self.hub.unregister(subscription)
             self.metrics.subscribers.dec()
@@ -443,6 +443,9 @@ class _HttpServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+_GONE = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError)
 
 
 def _commit_of(result: StepCommit | Commit) -> Commit:

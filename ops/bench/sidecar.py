@@ -1,0 +1,448 @@
+"""Benchmark: the sidecar's step latency and sustained event rate, over its Unix socket, on SQLite.
+
+    .venv/bin/python ops/bench/sidecar.py [--engines 4] [--steps 400] [--commands 256] [--warmup 20] [--seed 7]
+
+Starts a real `kvledger serve` subprocess (`--socket DIR/kvledger.sock --log DIR/log.sqlite
+--http off`, KVLEDGER_DATA_DIR=DIR) in a temporary directory and waits until the socket exists
+and a Health request answers ready. Then `--engines` engines, each its own EngineClient (engine
+ids bench-0 .. bench-N-1, one connection each, all in one anyio task group in this process),
+declare a namespace with one attention pool of 65,536 blocks and the tier tests/builders.py uses,
+and send steps of exactly `--commands` commands each:
+
+    FinishOwner for owners that are done, MarkComputed of the blocks each owner was allocated in
+    its previous step (chained on its last content key), AllocateBlocks(count=1..2) for owners
+    admitted in earlier steps that still grow, and StartOwner to fill the step up.
+
+Each owner lives for 1..8 allocations, so the pool never runs out and no command should be
+refused; the refusals counted in the replies are printed either way. Every engine first runs
+`--warmup` steps (not timed); then all engines start the timed phase together. Every timed step is
+timed from send to reply (time.perf_counter, the client's encode and decode included); the timed
+phase's wall time is from the common start until the last engine's last reply. The events of a
+step are what its StepResult carries (began + every command's results + ended): the events
+committed. Prints the p50/p99/max step latency, steps/s, events/s and commands/s, and each
+against the targets (DESIGN.md, "Targets"): p50 <= 1 ms, p99 <= 5 ms, >= 250,000 events/s.
+
+The engines and the sidecar share the machine: the engines' own work (planning steps, decoding
+replies, all on one event loop) takes CPU from the sidecar, and one engine's reply handling
+delays the others'. The load average and the cores count are printed: figures taken on a busy or
+small machine are low. After the run the sidecar is stopped with SIGTERM and its exit code is
+printed (0 is a clean drain and snapshot); the log's head sequence is checked against the events
+counted in the replies. Progress goes to stderr; the figures go to stdout as plain lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import anyio  # noqa: E402
+import structlog  # noqa: E402
+from anyio.streams.buffered import BufferedByteReceiveStream  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
+
+from coordinator.client import Address, EngineClient  # noqa: E402
+from coordinator.commands import (  # noqa: E402
+    AllocateBlocks,
+    AnyCommand,
+    DeclareEngine,
+    FinishOwner,
+    MarkComputed,
+    StartOwner,
+)
+from coordinator.sidecar import protocol as p  # noqa: E402
+from events import (  # noqa: E402
+    BlockRef,
+    BlocksAllocated,
+    BlocksComputed,
+    NoticeDropped,
+    OwnerStarted,
+    Refused,
+    TierSpec,
+)
+from tests import builders as b  # noqa: E402
+
+P50_TARGET_MS = 1.0
+P99_TARGET_MS = 5.0
+EVENTS_TARGET = 250_000
+NUM_BLOCKS = 1 << 16
+MAX_ALLOCATIONS = 8
+"""An owner grows by 1..this many allocations (of 1..2 blocks each) before it finishes."""
+TIER = TierSpec(name=b.TIER, num_slots=1 << 16, bytes_per_slot=64)
+START_TIMEOUT = 30.0
+STOP_TIMEOUT = 30.0
+
+console = Console(stderr=True)
+
+
+def progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True, disable=not console.is_terminal,
+    )
+
+
+def out(line: str) -> None:
+    print(line, flush=True)
+
+
+def load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} cores)"
+
+
+def percentile(sorted_values: list[float], fraction: float) -> float:
+    """Nearest-rank percentile of an ascending list."""
+    index = max(0, min(len(sorted_values) - 1, round(fraction * len(sorted_values) + 0.5) - 1))
+    return sorted_values[index]
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+# --- one engine's workload -----------------------------------------------------------------------
+
+
+@dataclass
+class Owner:
+    owner_id: int
+    allocations: int
+    """Allocations this owner makes before it finishes."""
+    allocated: int = 0
+    """Allocations asked for so far."""
+    uncomputed: list[BlockRef] = field(default_factory=list)
+    """Blocks allocated (and answered) but not yet marked computed."""
+    parent_key: bytes | None = None
+    broken: bool = False
+    """One of its commands was refused: its tracking may be off, so it is only finished."""
+
+
+class EngineLoad:
+    """Plans one engine's steps and follows their replies, so every command is one the decider
+    accepts: owners are only named once their OwnerStarted came back, blocks once allocated."""
+
+    def __init__(self, engine_id: str, commands: int, seed: int) -> None:
+        self.engine_id = engine_id
+        self.commands = commands
+        self.rng = random.Random(seed)
+        self.owners: dict[int, Owner] = {}
+        self.requests = 0
+        self.step = 0
+        self.refused = 0
+        self.dropped = 0
+        self.reasons: dict[str, int] = {}
+
+    def plan(self) -> tuple[list[AnyCommand], list[Owner | None]]:
+        """The next step's commands, exactly `commands` of them, and the owner each one concerns
+        (None for StartOwner)."""
+        rng, engine, budget = self.rng, self.engine_id, self.commands
+        commands: list[AnyCommand] = []
+        concern: list[Owner | None] = []
+        for owner in list(self.owners.values()):
+            if len(commands) >= budget:
+                break
+            if owner.broken or (owner.allocated >= owner.allocations and not owner.uncomputed):
+                commands.append(FinishOwner(engine_id=engine, owner_id=owner.owner_id,
+                                            reason="aborted" if owner.broken else "finished"))
+                concern.append(owner)
+                del self.owners[owner.owner_id]
+                continue
+            if owner.uncomputed:
+                blocks, owner.uncomputed = owner.uncomputed, []
+                tokens = [rng.randrange(50_000) for _ in range(b.BLOCK * len(blocks))]
+                commands.append(MarkComputed(engine_id=engine, owner_id=owner.owner_id, blocks=blocks,
+                                             token_ids=tokens, parent_key=owner.parent_key))
+                concern.append(owner)
+            if len(commands) < budget and owner.allocated < owner.allocations:
+                owner.allocated += 1
+                commands.append(AllocateBlocks(engine_id=engine, owner_id=owner.owner_id, pool_id=0,
+                                               count=rng.randint(1, 2)))
+                concern.append(owner)
+        while len(commands) < budget:
+            self.requests += 1
+            commands.append(StartOwner(engine_id=engine, req_id=f"{engine}-r{self.requests}"))
+            concern.append(None)
+        return commands, concern
+
+    def follow(self, result: p.StepResult, concern: list[Owner | None]) -> int:
+        """Fold a step's reply into the tracking; returns the events it carries."""
+        assert not result.duplicate and len(result.results) == len(concern), result
+        events = len(result.began) + len(result.ended)
+        for owner, produced in zip(concern, result.results, strict=True):
+            events += len(produced)
+            for event in produced:
+                if isinstance(event, (Refused, NoticeDropped)):
+                    if isinstance(event, Refused):
+                        self.refused += 1
+                    else:
+                        self.dropped += 1
+                    self.reasons[str(event.reason)] = self.reasons.get(str(event.reason), 0) + 1
+                    if owner is not None:
+                        owner.broken = True
+                elif isinstance(event, OwnerStarted):
+                    self.owners[event.owner_id] = Owner(event.owner_id, self.rng.randint(1, MAX_ALLOCATIONS))
+                elif isinstance(event, BlocksAllocated) and owner is not None:
+                    owner.uncomputed.extend(event.blocks)
+                elif isinstance(event, BlocksComputed) and owner is not None:
+                    owner.parent_key = event.blocks[-1].key
+        for event in result.began + result.ended:
+            if isinstance(event, (Refused, NoticeDropped)):
+                self.refused += isinstance(event, Refused)
+                self.dropped += isinstance(event, NoticeDropped)
+                self.reasons[str(event.reason)] = self.reasons.get(str(event.reason), 0) + 1
+        return events
+
+
+def declaration(engine_id: str) -> DeclareEngine:
+    return DeclareEngine(
+        engine_id=engine_id, namespace=b.namespace(tenant="bench"), world_size=2, tiers=[b.TIER],
+        pools=[b.attention_pool(num_blocks=NUM_BLOCKS)],
+    )
+
+
+# --- the sidecar process -------------------------------------------------------------------------
+
+
+async def health(socket_path: str) -> p.HealthResult:
+    """One Health request on an observer connection of its own."""
+    stream = await anyio.connect_unix(socket_path)
+    async with stream:
+        reader = BufferedByteReceiveStream(stream)
+
+        async def receive() -> p.ServerMessage:
+            length = p.frame_length(await reader.receive_exactly(p.HEADER_BYTES), p.DEFAULT_MAX_FRAME)
+            return p.decode_server(await reader.receive_exactly(length))
+
+        await stream.send(p.frame(p.Hello(protocol=p.PROTOCOL_VERSION, role="observer")))
+        welcome = await receive()
+        if not isinstance(welcome, p.Welcome):
+            raise RuntimeError(f"the sidecar answered Hello with {welcome!r}")
+        await stream.send(p.frame(p.Health()))
+        reply = await receive()
+        if not isinstance(reply, p.HealthResult):
+            raise RuntimeError(f"the sidecar answered Health with {reply!r}")
+        return reply
+
+
+async def wait_ready(server: subprocess.Popen[bytes], socket_path: str) -> p.HealthResult:
+    deadline = time.monotonic() + START_TIMEOUT
+    problem = "the socket does not exist yet"
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"kvledger serve exited with {server.returncode} before it was ready")
+        if Path(socket_path).exists():
+            try:
+                answer = await health(socket_path)
+            except (OSError, anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError) as error:
+                problem = f"{type(error).__name__}: {error}"
+            else:
+                if answer.ready:
+                    return answer
+                problem = f"not ready: {answer.reason}"
+        await anyio.sleep(0.05)
+    raise RuntimeError(f"kvledger serve was not ready after {START_TIMEOUT:.0f} s ({problem})")
+
+
+def server_output(path: Path, lines: int = 20) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no output)"
+    return "\n".join(text[-lines:]) or "(no output)"
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Totals:
+    latencies: list[float] = field(default_factory=list)
+    timed_events: int = 0
+    all_events: int = 0
+    """Every event the engines' Hellos and steps committed, warmup included."""
+    started: float = 0.0
+    finished: float = 0.0
+    cpu_started: tuple[float, float | None] = (0.0, None)
+    """(this process's CPU seconds, the sidecar's) at the start of the timed phase."""
+    cpu_finished: tuple[float, float | None] = (0.0, None)
+
+
+def cpu_seconds(pid: int) -> tuple[float, float | None]:
+    """(this process's CPU seconds, process `pid`'s, from /proc where there is one)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        other: float | None = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        other = None
+    return time.process_time(), other
+
+
+async def bench(args: argparse.Namespace, socket_path: str, server_pid: int) -> tuple[Totals, list[EngineLoad]]:
+    address = Address(socket_path=socket_path)
+    totals = Totals()
+    loads = [EngineLoad(f"bench-{i}", args.commands, args.seed * 1000 + i) for i in range(args.engines)]
+    ready = anyio.Event()
+    warmed = 0
+
+    with progress() as bar:
+        warm_task = bar.add_task(f"warmup: {args.engines} engines x {args.warmup} steps", total=args.engines * args.warmup)
+        timed_task = bar.add_task(f"timed: {args.engines} engines x {args.steps} steps of {args.commands} commands",
+                                  total=args.engines * args.steps)
+
+        async def engine(load: EngineLoad) -> None:
+            nonlocal warmed
+            client = EngineClient(address, declaration(load.engine_id), tiers=[TIER], retry_for=120.0)
+            async with client:
+                assert client.welcome is not None
+                totals.all_events += len(client.welcome.events)
+                for _ in range(args.warmup):
+                    commands, concern = load.plan()
+                    load.step += 1
+                    result = await client.step(load.step, load.step * 0.01, commands)
+                    totals.all_events += load.follow(result, concern)
+                    bar.advance(warm_task)
+                warmed += 1
+                if warmed == len(loads):
+                    gc.collect()
+                    totals.cpu_started = cpu_seconds(server_pid)
+                    totals.started = time.perf_counter()
+                    ready.set()
+                await ready.wait()
+                for _ in range(args.steps):
+                    commands, concern = load.plan()
+                    load.step += 1
+                    before = time.perf_counter()
+                    result = await client.step(load.step, load.step * 0.01, commands)
+                    totals.latencies.append(time.perf_counter() - before)
+                    events = load.follow(result, concern)
+                    totals.timed_events += events
+                    totals.all_events += events
+                    bar.advance(timed_task)
+                totals.finished = max(totals.finished, time.perf_counter())
+                totals.cpu_finished = cpu_seconds(server_pid)
+
+        async with anyio.create_task_group() as tg:
+            for load in loads:
+                tg.start_soon(engine, load)
+    return totals, loads
+
+
+def report(args: argparse.Namespace, totals: Totals, loads: list[EngineLoad]) -> None:
+    latencies = sorted(totals.latencies)
+    elapsed = totals.finished - totals.started
+    steps = len(latencies)
+    p50, p99, worst = (percentile(latencies, 0.50) * 1e3, percentile(latencies, 0.99) * 1e3, latencies[-1] * 1e3)
+    rate = totals.timed_events / elapsed
+    out(f"timed: {args.engines} engine(s) x {args.steps} steps of {args.commands} commands "
+        f"({args.warmup} warmup steps each not timed), {steps:,} steps, {totals.timed_events:,} events in {elapsed:.2f} s "
+        f"({totals.timed_events / steps:,.1f} events/step)")
+    out(f"step latency (send to reply): p50 {p50:.2f} ms, p99 {p99:.2f} ms, max {worst:.2f} ms, mean {sum(latencies) / steps * 1e3:.2f} ms")
+    out(f"throughput: {steps / elapsed:,.1f} steps/s, {rate:,.0f} events/s, {steps * args.commands / elapsed:,.0f} commands/s")
+    refused = sum(load.refused for load in loads)
+    dropped = sum(load.dropped for load in loads)
+    reasons: dict[str, int] = {}
+    for load in loads:
+        for reason, n in load.reasons.items():
+            reasons[reason] = reasons.get(reason, 0) + n
+    detail = f" ({', '.join(f'{r} {n}' for r, n in sorted(reasons.items()))})" if reasons else ""
+    out(f"refused: {refused:,} commands, notices dropped: {dropped:,}, over all {sum(load.step for load in loads):,} steps "
+        f"(warmup included){detail}")
+    out(f"owners running at the end: {sum(len(load.owners) for load in loads):,}, "
+        f"owners started: {sum(load.requests for load in loads):,}")
+    (mine0, side0), (mine1, side1) = totals.cpu_started, totals.cpu_finished
+    sidecar_cpu = f"the sidecar {side1 - side0:.2f} s" if side0 is not None and side1 is not None else "the sidecar unknown"
+    out(f"CPU in the timed phase: the engines (this process) {mine1 - mine0:.2f} s, {sidecar_cpu}, "
+        f"of {elapsed:.2f} s wall on {os.cpu_count()} cores")
+    out(f"targets: p50 <= {P50_TARGET_MS:g} ms: {verdict(p50 <= P50_TARGET_MS)}; "
+        f"p99 <= {P99_TARGET_MS:g} ms: {verdict(p99 <= P99_TARGET_MS)}; "
+        f">= {EVENTS_TARGET:,} events/s: {verdict(rate >= EVENTS_TARGET)}")
+
+
+async def run(args: argparse.Namespace, directory: Path, server: subprocess.Popen[bytes], socket_path: str) -> None:
+    answer = await wait_ready(server, socket_path)
+    console.print(f"sidecar ready ({answer.server}, head_seq {answer.head_seq})")
+    totals, loads = await bench(args, socket_path, server.pid)
+    report(args, totals, loads)
+    head = (await health(socket_path)).head_seq
+    out(f"log head sequence {head:,}; events counted in the Welcome and StepResult replies {totals.all_events:,}: "
+        f"{'equal' if head == totals.all_events else 'DIFFERENT'}")
+    sizes = [(directory / name).stat().st_size if (directory / name).exists() else 0
+             for name in ("log.sqlite", "log.sqlite-wal")]
+    out(f"sqlite files before shutdown: main {sizes[0] / 2**20:,.1f} MiB, WAL {sizes[1] / 2**20:,.1f} MiB")
+
+
+def stop(server: subprocess.Popen[bytes]) -> int | None:
+    """SIGTERM, then wait up to STOP_TIMEOUT for a clean exit; None if it did not stop."""
+    if server.poll() is not None:
+        return server.returncode
+    server.send_signal(signal.SIGTERM)
+    try:
+        return server.wait(timeout=STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", type=int, default=4, help="concurrent engines, one connection each (default 4)")
+    parser.add_argument("--steps", type=int, default=400, help="timed steps per engine (default 400)")
+    parser.add_argument("--commands", type=int, default=256, help="commands per step (default 256)")
+    parser.add_argument("--warmup", type=int, default=20, help="steps per engine before timing (default 20)")
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args()
+    if args.engines < 1 or args.steps < 1 or args.commands < 1 or args.warmup < 0:
+        parser.error("--engines, --steps and --commands must be positive, --warmup not negative")
+    # The client's structlog lines (connected, retrying) go to stderr, keeping stdout to the figures.
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+
+    kvledger = Path(sys.executable).parent / "kvledger"
+    out(f"host at start: {load()}")
+    status = 0
+    with tempfile.TemporaryDirectory(prefix="kvl-sidecar-bench-") as name:
+        directory = Path(name)
+        socket_path = str(directory / "kvledger.sock")
+        output = directory / "serve.log"
+        env = {**os.environ, "KVLEDGER_DATA_DIR": str(directory)}
+        command = [str(kvledger), "serve", "--socket", socket_path, "--log", str(directory / "log.sqlite"), "--http", "off"]
+        with output.open("wb") as sink:
+            server = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            try:
+                anyio.run(run, args, directory, server, socket_path)
+            except BaseException:
+                console.print(f"the benchmark failed; kvledger serve's last output:\n{server_output(output)}")
+                status = 1
+                raise
+            finally:
+                code = stop(server)
+                if code is None:
+                    out(f"sidecar: did not stop within {STOP_TIMEOUT:.0f} s of SIGTERM; killed")
+                    status = 1
+                else:
+                    out(f"sidecar exit code after SIGTERM: {code} ({'clean' if code == 0 else 'NOT clean'})")
+                    if code != 0:
+                        status = 1
+                        console.print(f"kvledger serve's last output:\n{server_output(output)}")
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+    out(f"host at end: {load()}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
