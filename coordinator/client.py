@@ -95,9 +95,12 @@ _LOST = (OSError, anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceE
 class EngineClient:
     def __init__(
         self, address: Address, declare: DeclareEngine, *, tiers: Sequence[TierSpec] = (),
-        retry_for: float = 30.0, max_frame: int = p.DEFAULT_MAX_FRAME,
+        retry_for: float = 30.0, reply_timeout: float = 30.0, max_frame: int = p.DEFAULT_MAX_FRAME,
     ) -> None:
         self.address = address
+        self.reply_timeout = reply_timeout
+        """Seconds to wait for one reply; past it the connection counts as lost and the request
+        is sent again (with the same command id) on a new one."""
         self.declare = declare
         self.engine_id = declare.engine_id
         self.tiers = list(tiers)
@@ -107,6 +110,8 @@ class EngineClient:
         self.incarnation = 0
         """0 until the first Welcome; then the incarnation this client runs (kept on reconnect)."""
         self.welcome: p.Welcome | None = None
+        self.reconnects = 0
+        """Connections opened after the first (a dropped socket, a restarted sidecar)."""
         self._channel: _Channel | None = None
         self._lock = anyio.Lock()
 
@@ -139,6 +144,7 @@ class EngineClient:
         assert isinstance(reply, p.Welcome), reply
         self.incarnation = reply.incarnation
         self.welcome = reply
+        self.reconnects += not first
         self._channel = channel
         log.info("connected", engine=self.engine_id, incarnation=reply.incarnation, address=str(self.address), reconnect=not first)
         return reply
@@ -169,9 +175,10 @@ class EngineClient:
                     if self._channel is None:
                         await self._connect()
                     assert self._channel is not None
-                    await self._channel.send(message)
-                    reply = await self._channel.receive()
-                except _LOST as lost:
+                    with anyio.fail_after(self.reply_timeout):
+                        await self._channel.send(message)
+                        reply = await self._channel.receive()
+                except (*_LOST, TimeoutError) as lost:
                     await self._drop()
                     problem: str = f"{type(lost).__name__}: {lost}"
                 else:

@@ -91,6 +91,8 @@ class Ledger:
         self._versions = versions
         self._snapshot_every = snapshot_every
         self._steps_since_snapshot = 0
+        self._snapshot_seq: int | None = None
+        """The sequence of the last snapshot this ledger wrote (None: none yet)."""
         self._lock = anyio.Lock()
 
     @classmethod
@@ -140,7 +142,7 @@ class Ledger:
     async def close(self) -> None:
         """Clean shutdown: leave a snapshot so the next start replays only what follows."""
         async with self._lock:
-            if self._steps_since_snapshot:
+            if self.last_seq and self.last_seq != self._snapshot_seq:
                 await self._snapshot()
 
     async def _commit_group(self, transactions: Sequence[Transaction]) -> list[StepCommit | Commit]:
@@ -257,6 +259,7 @@ class Ledger:
         snapshot = await anyio.to_thread.run_sync(make_snapshot, self.state, self.last_seq)
         await self.log.save_snapshot(snapshot)
         self._steps_since_snapshot = 0
+        self._snapshot_seq = snapshot.global_seq
         log.info("snapshot_saved", global_seq=snapshot.global_seq, bytes=len(snapshot.state))
 
 

@@ -81,6 +81,16 @@ class Committer:
             await self._commit(group)
 
     async def _commit(self, group: list[_Waiter]) -> None:
+        try:
+            await self._commit_and_publish(group)
+        finally:
+            # Whatever happened (even cancellation), no waiter is left waiting forever.
+            for waiter in group:
+                if waiter.result is None and waiter.error is None:
+                    waiter.error = ShuttingDown("the sidecar stopped before this commit finished; retry it with its command id")
+                waiter.done.set()
+
+    async def _commit_and_publish(self, group: list[_Waiter]) -> None:
         started = time.perf_counter()
         try:
             results = await self.ledger.commit_group([w.tx for w in group])
@@ -90,7 +100,6 @@ class Committer:
             log.error("commit_failed", transactions=len(group), error=self.failure)
             for waiter in group:
                 waiter.error = error
-                waiter.done.set()
             return
         self.failure = None
         published = []
@@ -102,6 +111,4 @@ class Committer:
                 self.metrics.committed(commit.events)
         self.hub.publish(published, self.ledger.last_seq)
         self.metrics.group_size.observe(len(group))
-        for waiter in group:
-            waiter.done.set()
         log.debug("group_committed", transactions=len(group), seconds=time.perf_counter() - started, global_seq=self.ledger.last_seq)

@@ -43,6 +43,8 @@ from events.log import EventLog, LogError, open_log
 log = structlog.get_logger("kvledger.sidecar")
 
 SERVER_NAME = "kvledger/0.1"
+DRAIN_SECONDS = 30.0
+"""How long SIGTERM waits for the steps in flight to commit and be answered."""
 
 
 class ServeConfig(msgspec.Struct, kw_only=True):
@@ -106,6 +108,8 @@ class Sidecar:
         self.committer = Committer(ledger, self.hub, self.metrics)
         self.accepting = False
         self.draining = False
+        self._in_flight = 0
+        """Requests read and not yet answered: a drain waits for them."""
         self.http_address: tuple[str, int] | None = None
         self.tcp_address: tuple[str, int] | None = None
 
@@ -132,8 +136,16 @@ class Sidecar:
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Run until `stop()` (or SIGTERM/SIGINT when installed by `run_sidecar`), then drain."""
         self._stop = anyio.Event()
+        committer_done = anyio.Event()
+
+        async def commit_loop() -> None:
+            try:
+                await self.committer.run()
+            finally:
+                committer_done.set()
+
         async with anyio.create_task_group() as service:
-            service.start_soon(self.committer.run)
+            service.start_soon(commit_loop)
             async with anyio.create_task_group() as doors:
                 listeners = await self._listeners()
                 for listener in listeners:
@@ -152,10 +164,15 @@ class Sidecar:
                 doors.cancel_scope.cancel()
             for listener in listeners:
                 await listener.aclose()
-            self.committer.close()  # finishes what is queued, takes nothing new
-            with anyio.move_on_after(30):
-                while self.committer._queue:  # noqa: SLF001 - wait for the queue to drain
-                    await anyio.sleep(0.01)
+            # Finish what was submitted (the committer takes nothing new), let every request in
+            # flight send its reply, then close the connections.
+            self.committer.close()
+            with anyio.move_on_after(DRAIN_SECONDS):
+                await committer_done.wait()
+                while self._in_flight:
+                    await anyio.sleep(0.005)
+            if self._in_flight or not committer_done.is_set():
+                log.warning("drain_timed_out", requests_in_flight=self._in_flight, seconds=DRAIN_SECONDS)
             service.cancel_scope.cancel()
         with anyio.CancelScope(shield=True):
             await self.ledger.close()
@@ -272,10 +289,14 @@ class Sidecar:
             if isinstance(message, p.Subscribe):
                 await self._subscribe(conn, session, message, tasks)
                 continue
-            reply = await self._dispatch(session, message)
-            if isinstance(reply, p.Error):
-                self.metrics.protocol_errors.labels(reply.code.value).inc()
-            await conn.send(reply)
+            self._in_flight += 1
+            try:
+                reply = await self._dispatch(session, message)
+                if isinstance(reply, p.Error):
+                    self.metrics.protocol_errors.labels(reply.code.value).inc()
+                await conn.send(reply)
+            finally:
+                self._in_flight -= 1
             if isinstance(reply, p.Error) and reply.fatal:
                 return
 
