@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from coordinator.state import EngineState, JobState, KeyEntry, OwnerState, PoolState, PublishedRef, State, TierState
+from coordinator.state import EngineState, JobState, KeyEntry, OwnerState, PoolState, PublishedRef, State, TierState, removed
 from events import (
     BlockRef,
     BlocksAllocated,
@@ -94,6 +94,7 @@ def _pin(pool: PoolState, block_id: int) -> None:
     pool.pins[block_id] += 1
     if block_id in pool.cached:  # a copy may read a cached-free block
         del pool.cached[block_id]
+        removed(pool, "cached")
 
 
 def _unpin(engine: EngineState, pool: PoolState, block_id: int) -> None:
@@ -195,15 +196,19 @@ def _blocks_allocated(state: State, event: BlocksAllocated) -> None:
     held = owner_blocks.get(pool_id)
     if held is None:
         held = owner_blocks[pool_id] = {}
+    from_free = 0
     for ref in event.blocks:
         block_id = ref.block_id
         if block_id in free:
             del free[block_id]
+            from_free += 1
         else:  # a cached-free slot: its old content key goes with it
             del cached[block_id]
         generations[block_id] = held[block_id] = ref.generation
         refs[block_id] = 1
         keys[block_id] = None
+    removed(pool, "free", from_free)
+    removed(pool, "cached", len(event.blocks) - from_free)
 
 
 def _blocks_reused(state: State, event: BlocksReused) -> None:
@@ -211,7 +216,8 @@ def _blocks_reused(state: State, event: BlocksReused) -> None:
     held = state.owners[event.owner_id].blocks
     for ref in event.blocks:
         pool = pools[ref.pool_id]
-        pool.cached.pop(ref.block_id, None)
+        if pool.cached.pop(ref.block_id, True) is None:
+            removed(pool, "cached")
         pool.refs[ref.block_id] += 1
         held.setdefault(ref.pool_id, {})[ref.block_id] = ref.generation
 
@@ -261,6 +267,7 @@ def _store_job_started(state: State, event: StoreJobStarted) -> None:
         _pin(pools[item.source.pool_id], item.source.block_id)
         del tier.free[item.tier_slot]
         tier.generations[item.tier_slot] = item.tier_generation
+    removed(tier, "free", len(event.items))
 
 
 def _load_job_started(state: State, event: LoadJobStarted) -> None:
@@ -318,6 +325,7 @@ def _end_job(state: State, job: JobState, succeeded: bool) -> None:
                 pool.keys[dest.block_id] = load_item.key
                 if load_item.tier_slot in tier.lru:  # touch: most recently used
                     tier.lru[load_item.tier_slot] = tier.lru.pop(load_item.tier_slot)
+                    removed(tier, "lru")
             _unpin(engine, pool, dest.block_id)
     else:
         pool = pools[decision.pool_id]
@@ -353,6 +361,7 @@ def _key_evicted(state: State, event: KeyEvicted) -> None:
     tier = state.tiers[event.tier]
     del tier.entries[event.pool_id][event.key]
     del tier.lru[event.tier_slot]
+    removed(tier, "lru")
     tier.free[event.tier_slot] = None
     engine = state.engines.get(event.engine_id)
     if engine is not None:

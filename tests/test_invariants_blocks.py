@@ -711,3 +711,28 @@ def test_I18_snapshot_plus_tail_equals_a_full_replay() -> None:
         restored = decode_state(snapshot)
         assert encode_state(restored) == snapshot
         assert encode_state(project(core.events[cut:], restored)) == full, f"cut at event {cut}"
+
+
+def test_compacting_a_free_list_keeps_its_order_and_the_snapshot_bytes() -> None:
+    """coordinator.state.removed rebuilds a dict-as-ordered-set after many removals from its
+    front (CPython's holes made each allocation walk them). The rebuild must change nothing a
+    replay or a snapshot can see: the same slots in the same order, the same encoded bytes."""
+    import msgspec
+
+    from coordinator.state import PoolState, removed
+
+    pool = PoolState.new(attention_pool(num_blocks=5000))
+    expected = list(pool.free)
+    rebuilt = 0
+    for _ in range(4000):
+        first = next(iter(pool.free))
+        del pool.free[first]
+        expected.pop(0)
+        before = pool.free
+        removed(pool, "free")
+        rebuilt += pool.free is not before
+        assert list(pool.free) == expected
+    assert rebuilt >= 3, "the set was never rebuilt"
+    twin = PoolState.new(attention_pool(num_blocks=5000))
+    twin.free = dict.fromkeys(expected)
+    assert msgspec.msgpack.encode(pool) == msgspec.msgpack.encode(twin)
