@@ -175,3 +175,24 @@ def test_sigkill_under_load_loses_nothing_committed_and_retries_commit_exactly_o
 
     anyio.run(check)
 
+
+
+def test_the_sync_client_steps_looks_up_and_survives_a_sidecar_restart(tmp_path: Path) -> None:
+    """SyncEngineClient, for engines that are not async: the same exactly-once step through a
+    SIGKILL and restart of `kvledger serve` between two steps."""
+    from coordinator.client import SyncEngineClient
+
+    with serve_process(tmp_path) as server:
+        with SyncEngineClient(Address(socket_path=str(server.socket)), declaration("pod-a"), tiers=[TIER_SPEC]) as client:
+            assert client.incarnation == 1
+            first = client.step(1, 1.0, [StartOwner(engine_id="pod-a", req_id="r1")], command_id="sync-1")
+            assert isinstance(first.results[0][0], OwnerStarted)
+            server.kill()
+            server.start()
+            again = client.step(1, 1.0, [StartOwner(engine_id="pod-a", req_id="r1")], command_id="sync-1")
+            assert again.duplicate and (again.first_seq, again.last_seq) == (first.first_seq, first.last_seq)
+            second = client.step(2, 2.0, [], command_id="sync-2")
+            assert not second.duplicate and second.first_seq == first.last_seq + 1
+            assert client.incarnation == 1, "a reconnect is not a restart of the engine"
+            assert client.health().ready
+            assert client.lookup("host", [1, 2, 3, 4]).answer.boundary == 0  # type: ignore[union-attr]
