@@ -524,6 +524,29 @@ async def test_writers_in_tasks_and_processes_while_a_reader_tails(event_log: Ev
     await assert_preserved(event_log, seen)
 
 
+async def dead_writer_settled(log_url: str) -> None:
+    """A killed client's PostgreSQL backend may still be finishing its transaction: a COMMIT the
+    client sent before it died still lands. Wait until no other backend of this database is busy,
+    so what the test reads next is final. (SQLite has no server: the dead process wrote nothing
+    more.)"""
+    if not log_url.startswith("postgresql"):
+        return
+    engine = create_async_engine(normalize(log_url))
+    try:
+        with anyio.fail_after(30):
+            while True:
+                async with engine.connect() as conn:
+                    busy = (await conn.execute(sa.text(
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                        "AND backend_type = 'client backend' AND pid <> pg_backend_pid() AND state IS DISTINCT FROM 'idle'"
+                    ))).scalar()
+                if not busy:
+                    return
+                await anyio.sleep(0.05)
+    finally:
+        await engine.dispose()
+
+
 async def test_writer_killed_with_sigkill_mid_append_loses_no_commit_and_leaves_no_partial_step(
     event_log: EventLog, log_url: str
 ) -> None:
@@ -570,6 +593,7 @@ async def test_writer_killed_with_sigkill_mid_append_loses_no_commit_and_leaves_
                 await anyio.sleep(fraction * append_seconds)
                 process.send_signal(signal.SIGKILL)
                 assert await process.wait() == -signal.SIGKILL
+        await dead_writer_settled(log_url)
         await assert_whole_steps(event_log)
 
     reopened = await open_log(log_url)  # as the restarted service would
