@@ -15,6 +15,7 @@ Overlapping destinations have no parallel-assignment meaning and are refused ups
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import msgspec
@@ -36,45 +37,89 @@ def _overlap(a: Region, b: Region) -> bool:
 
 
 def overlapping_destinations(moves: Sequence[PlannedMove]) -> tuple[int, int] | None:
-    """The first pair of moves whose destinations overlap, if any."""
-    for i, first in enumerate(moves):
-        for j in range(i + 1, len(moves)):
-            if _overlap(first.dst, moves[j].dst):
-                return i, j
-    return None
+    """A pair of moves (lower index first) whose destinations overlap, if any. Sorting each
+    block's destinations by offset finds one in O(n log n): with positive lengths, a set of
+    intervals overlaps somewhere exactly when two neighbours in that order do."""
+    by_block: dict[int, list[tuple[int, int, int]]] = {}
+    for index, move in enumerate(moves):
+        dst = move.dst
+        if dst.block is not None:
+            by_block.setdefault(dst.block.block_id, []).append((dst.offset, dst.offset + dst.length, index))
+    clashes = []
+    for intervals in by_block.values():
+        intervals.sort()
+        for (_, end, first), (start, _, second) in zip(intervals, intervals[1:]):
+            if start < end:
+                clashes.append((min(first, second), max(first, second)))
+    return min(clashes) if clashes else None
+
+
+def _reader_edges(moves: Sequence[PlannedMove], active: list[int]) -> dict[int, set[int]]:
+    """successors[i] = the moves j whose destination overlaps move i's source (i must run
+    first). Destinations do not overlap one another (refused upstream), so each block's are
+    disjoint and sorted by offset: a binary search finds the ones a source touches."""
+    by_block: dict[int, list[tuple[int, int, int]]] = {}
+    for j in active:
+        dst = moves[j].dst
+        if dst.block is not None:
+            by_block.setdefault(dst.block.block_id, []).append((dst.offset, dst.offset + dst.length, j))
+    ends: dict[int, list[int]] = {}
+    for block_id, intervals in by_block.items():
+        intervals.sort()
+        ends[block_id] = [end for _, end, _ in intervals]
+    successors: dict[int, set[int]] = {i: set() for i in active}
+    for i in active:
+        src = moves[i].src
+        if src.block is None or src.block.block_id not in by_block:
+            continue
+        intervals = by_block[src.block.block_id]
+        position = bisect.bisect_right(ends[src.block.block_id], src.offset)
+        while position < len(intervals) and intervals[position][0] < src.offset + src.length:
+            j = intervals[position][2]
+            if j != i:
+                successors[i].add(j)
+            position += 1
+    return successors
 
 
 def plan_copies(moves: Sequence[PlannedMove]) -> tuple[list[list[CopyOp]], int]:
-    """Order `moves` into batches; returns (batches, scratch bytes needed)."""
+    """Order `moves` into batches; returns (batches, scratch bytes needed).
+
+    Batch k holds every move whose readers-first constraints are met by batches before it
+    (Kahn's algorithm by levels), so the plan is as parallel as the dependencies allow."""
     active = [i for i, move in enumerate(moves) if move.src != move.dst]
     # An edge i -> j: move i reads what move j writes, so i must run first.
-    successors: dict[int, set[int]] = {i: set() for i in active}
+    successors = _reader_edges(moves, active)
     predecessors: dict[int, set[int]] = {i: set() for i in active}
-    for i in active:
-        for j in active:
-            if i != j and _overlap(moves[i].src, moves[j].dst):
-                successors[i].add(j)
-                predecessors[j].add(i)
-
-    def drop_out_edges(i: int) -> None:
-        for j in successors[i]:
-            predecessors[j].discard(i)
-        successors[i] = set()
+    for i, targets in successors.items():
+        for j in targets:
+            predecessors[j].add(i)
 
     source: dict[int, Region] = {i: moves[i].src for i in active}
     saves: list[CopyOp] = []
     scratch = 0
     batches: list[list[CopyOp]] = []
-    remaining = list(active)
+    remaining = dict.fromkeys(active)
+    ready = [i for i in active if not predecessors[i]]
+
+    def drop_out_edges(i: int) -> list[int]:
+        """Remove i's out-edges; the moves this frees."""
+        freed = []
+        for j in successors[i]:
+            predecessors[j].discard(i)
+            if not predecessors[j]:
+                freed.append(j)
+        successors[i] = set()
+        return freed
+
     while remaining:
-        ready = [i for i in remaining if not predecessors[i]]
         if not ready:
             # Every remaining move waits on another, so walking back along edges must close a
             # cycle. Save the source of the cycle's lowest-numbered move to scratch before
             # anything runs; it then reads the copy and its edges go. Each pass removes edges,
             # so this ends.
             seen: dict[int, int] = {}
-            node = remaining[0]
+            node = next(iter(remaining))
             while node not in seen:
                 seen[node] = len(seen)
                 node = min(predecessors[node])
@@ -84,15 +129,17 @@ def plan_copies(moves: Sequence[PlannedMove]) -> tuple[list[list[CopyOp]], int]:
             saves.append(CopyOp(moves[victim].src, saved, False))
             source[victim] = saved
             scratch += saved.length
-            drop_out_edges(victim)
+            ready = sorted(drop_out_edges(victim))
             continue
+        ready.sort()
         batches.append(
             [CopyOp(source[i], moves[i].dst, _overlap(source[i], moves[i].dst)) for i in ready]
         )
+        freed: list[int] = []
         for i in ready:
-            drop_out_edges(i)
-        done = set(ready)
-        remaining = [i for i in remaining if i not in done]
+            del remaining[i]
+            freed += drop_out_edges(i)
+        ready = freed
     if saves:
         batches.insert(0, saves)
     return batches, scratch
