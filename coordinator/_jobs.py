@@ -217,7 +217,7 @@ def _start_load(state: State, command: StartLoad) -> list[Event]:
             )
         if entry.quarantined:
             raise Refusal(Reason.KEY_QUARANTINED, f"key {request.key.hex()} is quarantined")
-        items.append(LoadItem(request.key, entry.tier_slot, entry.tier_generation, ref))
+        items.append(LoadItem(request.key, entry.tier_slot, entry.tier_generation, ref, list(entry.checksums)))
     return [
         LoadJobStarted(
             job_id=state.next_job_id,
@@ -326,6 +326,12 @@ def _complete(state: State, job: JobState, reports: dict[int, RankReported]) -> 
     decision = job.decision
     job_id = decision.job_id
     failed = sorted(rank for rank, report in reports.items() if not report.ok)
+    if failed and isinstance(decision, LoadJobStarted):
+        # A worker that found a checksum mismatch reports failure with what it read: the keys
+        # whose bytes differ are quarantined all the same (I13).
+        mismatched = _load_mismatches(state, decision, reports)
+        if mismatched:
+            return mismatched
     if failed:
         return [JobFailed(job_id=job_id, reason=Reason.RANK_FAILED, detail=f"ranks {failed} failed")]
     if isinstance(decision, StateCopyPlanned):
@@ -403,6 +409,31 @@ def _complete(state: State, job: JobState, reports: dict[int, RankReported]) -> 
         )
         return events
     return [JobSucceeded(job_id=job_id)]
+
+
+def _load_mismatches(state: State, decision: LoadJobStarted, reports: dict[int, RankReported]) -> list[Event]:
+    """KeyQuarantined for each key some rank read with other bytes than published, then the
+    job's failure; empty when no report carries a full, differing checksum list."""
+    tier = state.tiers[decision.tier]
+    keys: dict[tuple[int, bytes], None] = {}
+    for rank, report in sorted(reports.items()):
+        if len(report.checksums) != len(decision.items):
+            continue
+        for item, read in zip(decision.items, report.checksums, strict=True):
+            entry = tier.entry(item.dest.pool_id, item.key)
+            if entry is not None and read and rank < len(entry.checksums) and read != entry.checksums[rank]:
+                keys[(item.dest.pool_id, item.key)] = None
+    if not keys:
+        return []
+    events: list[Event] = [
+        KeyQuarantined(tier=tier.spec.name, pool_id=pool_id, key=key, reason=Reason.CHECKSUM_MISMATCH,
+                       job_id=decision.job_id, detail="a worker read other bytes than the published checksum")
+        for pool_id, key in keys
+        if not tier.entries[pool_id][key].quarantined
+    ]
+    events.append(JobFailed(job_id=decision.job_id, reason=Reason.CHECKSUM_MISMATCH,
+                            detail=f"{len(keys)} keys failed verification"))
+    return events
 
 
 HANDLERS: dict[type[Command], Handler] = {

@@ -158,5 +158,62 @@ def serve(
         raise typer.Exit(code=2 if isinstance(error, ConfigError) else 1) from None
 
 
+@app.command()
+def worker(
+    engine: str = typer.Option(..., "--engine", envvar="KVLEDGER_ENGINE", help="The engine whose decisions this worker executes."),
+    rank: int = typer.Option(..., "--rank", envvar="KVLEDGER_RANK", help="The tensor-parallel rank this worker serves."),
+    socket_path: str | None = typer.Option(None, "--socket", envvar="KVLEDGER_SOCKET", help="The sidecar's Unix socket (default: kvledger.sock in the data directory)."),
+    tier: list[str] = typer.Option([], "--tier", help="NAME=host or NAME=disk:DIR (repeatable); tiers not named live in host memory."),
+    fsync: str = typer.Option("always", "--fsync", envvar="KVLEDGER_FSYNC", help="Disk tiers: always (file and directory before rename) or never."),
+    state_dir: str | None = typer.Option(None, "--state-dir", envvar="KVLEDGER_WORKER_STATE", help="Where the worker keeps its acknowledged sequence (default: the data directory)."),
+) -> None:
+    """Run a worker rank: execute the committed decisions (stores, loads, state copies) for it."""
+    from pathlib import Path
+
+    from coordinator.client import Address, SidecarError, SidecarUnavailable, WorkerClient
+    from events.log import data_dir
+    from gpu.device import default_device
+    from gpu.pools import DevicePools
+    from gpu.tiers import DiskTier, HostTier, Tier
+    from gpu.worker import Worker
+
+    configure_json_logs()
+    if fsync not in ("always", "never"):
+        raise typer.BadParameter(f"{fsync!r} is not always or never", param_hint="--fsync")
+    device = default_device()
+    configured: dict[str, str] = {}
+    for item in tier:
+        name, sep, where = item.partition("=")
+        if not sep or not name or not (where == "host" or where.startswith("disk:")):
+            raise typer.BadParameter(f"{item!r} is not NAME=host or NAME=disk:DIR", param_hint="--tier")
+        configured[name] = where
+    client = WorkerClient(Address(socket_path=socket_path or str(data_dir() / "kvledger.sock")), engine, rank)
+
+    async def main() -> None:
+        welcome = await client.welcome()
+        while not welcome.pools:  # the engine has not declared itself yet
+            await anyio.sleep(0.5)
+            welcome = await client.welcome()
+        tiers: dict[str, Tier] = {}
+        unknown = sorted(set(configured) - set(welcome.tiers))
+        if unknown:
+            raise typer.BadParameter(f"engine {engine!r} has no tiers {unknown} (it has {welcome.tiers})", param_hint="--tier")
+        for name in welcome.tiers:
+            where = configured.get(name, "host")
+            tiers[name] = DiskTier(name, Path(where[5:]) / f"rank-{rank}", device, fsync) if where.startswith("disk:") else HostTier(name, device)  # type: ignore[arg-type]
+        state = Path(state_dir) if state_dir else data_dir()
+        state.mkdir(parents=True, exist_ok=True)
+        runner = Worker(engine, rank, DevicePools(welcome.pools, device), tiers, state / f"worker-{engine}-{rank}.json")
+        typer.echo(f"kvledger worker: engine {engine} rank {rank} on {device}, pools {[p.pool_id for p in welcome.pools]}, "
+                   f"tiers {sorted(tiers)}, resuming after sequence {runner.state.acked}")
+        await runner.run(client)
+
+    try:
+        anyio.run(main)
+    except (SidecarError, SidecarUnavailable, OSError) as error:
+        typer.echo(f"kvledger worker: {error}", err=True)
+        raise typer.Exit(code=1) from None
+
+
 if __name__ == "__main__":
     app()

@@ -227,6 +227,14 @@ class WorkerClient:
         """The sequence of the last decision handed out; a resubscription starts after it."""
         self.resumes = 0
         """How many times the stream was resumed (a reconnect or a slow-subscriber cut)."""
+        self.last_welcome: p.Welcome | None = None
+
+    async def welcome(self) -> p.Welcome:
+        """Hello as this worker; the Welcome names the engine's pools once it is declared."""
+        channel = await self._open()
+        await channel.aclose()
+        assert self.last_welcome is not None
+        return self.last_welcome
 
     async def _open(self) -> _Channel:
         channel = _Channel(await self.address.connect(), self.max_frame)
@@ -236,6 +244,8 @@ class WorkerClient:
         if isinstance(reply, p.Error):
             await channel.aclose()
             raise SidecarError(reply)
+        assert isinstance(reply, p.Welcome), reply
+        self.last_welcome = reply
         return channel
 
     async def decisions(self, from_seq: int | None = None) -> AsyncIterator[p.Decision]:

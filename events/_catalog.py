@@ -178,6 +178,9 @@ class LoadItem(msgspec.Struct, frozen=True, array_like=True):
     tier_slot: int
     tier_generation: int
     dest: BlockRef
+    checksums: list[bytes] = []
+    """The published checksum of each rank's shard, so a worker verifies before it reports (I13).
+    Empty in events written before it was added."""
 
 
 class LoadJobStarted(Event, frozen=True, tag="load_job_started"):

@@ -19,7 +19,7 @@ from typing import Literal, Union, cast
 import msgspec
 
 from coordinator.commands import AnyCommand, DeclareEngine, ReportRank
-from events import AnyEvent, Event, LoadJobStarted, PrefixLookedUp, Refused, StateCopyPlanned, StoreJobStarted, TierSpec
+from events import AnyEvent, Event, LoadJobStarted, PoolSpec, PrefixLookedUp, Refused, StateCopyPlanned, StoreJobStarted, TierSpec
 
 PROTOCOL_VERSION = 1
 HEADER_BYTES = 4
@@ -138,6 +138,11 @@ class Welcome(Message, frozen=True, tag="welcome"):
     head_seq: int = 0
     events: list[AnyEvent] = []
     """What the Hello committed (the engine's declaration); empty on a reconnect."""
+    pools: list[PoolSpec] = []
+    """Workers: the engine's pools, to shape their device pools from (empty until declared)."""
+    world_size: int = 0
+    tiers: list[str] = []
+    """Workers: the names of the engine's tiers."""
 
 
 class StepResult(Message, frozen=True, tag="step_result"):

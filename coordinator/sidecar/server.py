@@ -326,8 +326,12 @@ class Sidecar:
         if hello.role == "worker":
             known = self.ledger.state.engines.get(hello.engine_id)
             log.info("worker_connected", engine=hello.engine_id, rank=hello.rank, peer=conn.peer)
-            await conn.send(p.Welcome(protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, engine_id=hello.engine_id,
-                                      incarnation=known.incarnation if known else 0, head_seq=self.ledger.last_seq))
+            await conn.send(p.Welcome(
+                protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, engine_id=hello.engine_id,
+                incarnation=known.incarnation if known else 0, head_seq=self.ledger.last_seq,
+                pools=[pool.spec for pool in known.pools.values()] if known else [],
+                world_size=known.world_size if known else 0, tiers=list(known.tiers) if known else [],
+            ))
             return Session("worker", hello.engine_id, hello.rank), False
         return await self._engine_hello(conn, hello)
 

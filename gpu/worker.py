@@ -1,0 +1,181 @@
+"""A worker rank: it acts only on committed decisions and reports per (job, rank).
+
+* store: each source block shard, device -> tier, under its content key; the report carries the
+  checksum of the bytes written.
+* load: each key is read from the tier once, however many destinations name it (I11), and
+  checked against the published checksum before anything is copied (I13); then every
+  destination is filled and verified. A mismatch, a missing or truncated file, a bad block or a
+  size mismatch is reported as a failure with its reason, never as success; the worker goes on.
+* state copy: the planned batches, in order (gpu/copies.py, I15).
+
+Transfers run on the transfer stream, after the compute stream's work (gpu/device.py).
+
+Exactly once across restarts: before a report is sent it is saved with its decision's sequence
+in the worker's state file (written to a temporary name, fsynced, renamed); once committed the
+sequence is the acknowledged one. A restarted worker first re-sends a saved report (reports are
+idempotent, I4), then subscribes after the acknowledged sequence: nothing is executed twice.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import msgspec
+import structlog
+import torch
+
+from coordinator.client import WorkerClient
+from coordinator.commands import ReportRank
+from coordinator.sidecar.protocol import Decision
+from events import LoadJobStarted, StateCopyPlanned, StoreJobStarted
+from gpu.checksum import checksum
+from gpu.copies import CopyError, execute_plan
+from gpu.device import TransferStream
+from gpu.pools import DevicePools, TransferError
+from gpu.tiers import Tier, TierError
+
+log = structlog.get_logger("kvledger.worker")
+
+
+class Pending(msgspec.Struct, frozen=True):
+    seq: int
+    report: ReportRank
+
+
+class WorkerState(msgspec.Struct, frozen=True):
+    acked: int = 0
+    """The sequence of the last decision whose report the coordinator committed."""
+    pending: Pending | None = None
+    """A report saved but not yet known to be committed."""
+
+
+class Worker:
+    def __init__(
+        self, engine_id: str, rank: int, pools: DevicePools, tiers: dict[str, Tier], state_path: Path | None = None
+    ) -> None:
+        self.engine_id = engine_id
+        self.rank = rank
+        self.pools = pools
+        self.tiers = tiers
+        self.stream = TransferStream(pools.device)
+        self.state_path = state_path
+        self.state = self._load_state()
+        self.executed: list[int] = []
+        """Sequences of the decisions this process executed (for tests and logs)."""
+
+    # --- executing one decision -----------------------------------------------------------------
+
+    def execute(self, event: StoreJobStarted | LoadJobStarted | StateCopyPlanned) -> ReportRank:
+        """Carry out one decision on the device and the tiers; the report to send for it."""
+        try:
+            with self.stream.ordered():
+                if isinstance(event, StoreJobStarted):
+                    checksums = self._store(event)
+                elif isinstance(event, LoadJobStarted):
+                    checksums = self._load(event)
+                else:
+                    execute_plan(self.pools.pool(event.pool_id), event.batches, event.scratch_bytes, pool_id=event.pool_id)
+                    checksums = []
+        except _Failed as failed:
+            log.warning("job_failed_here", job_id=event.job_id, rank=self.rank, reason=failed.reason, error=str(failed))
+            return ReportRank(job_id=event.job_id, rank=self.rank, ok=False, checksums=failed.checksums,
+                              error=f"{failed.reason}: {failed}")
+        except (TransferError, TierError, CopyError) as error:
+            reason = getattr(error, "reason", type(error).__name__)
+            log.warning("job_failed_here", job_id=event.job_id, rank=self.rank, reason=reason, error=str(error))
+            return ReportRank(job_id=event.job_id, rank=self.rank, ok=False, error=f"{reason}: {error}")
+        return ReportRank(job_id=event.job_id, rank=self.rank, ok=True, checksums=checksums)
+
+    def _store(self, event: StoreJobStarted) -> list[bytes]:
+        tier = self._tier(event.tier)
+        blocks = [self.pools.block(item.source) for item in event.items]  # all validated first
+        return [tier.write(item.key, block) for item, block in zip(event.items, blocks, strict=True)]
+
+    def _load(self, event: LoadJobStarted) -> list[bytes]:
+        tier = self._tier(event.tier)
+        destinations = [self.pools.block(item.dest) for item in event.items]  # all validated first
+        read: dict[bytes, tuple[torch.Tensor, bytes]] = {}
+        for item, dest in zip(event.items, destinations, strict=True):
+            if item.key in read:
+                continue  # a duplicate key is read once (I11)
+            data = tier.read(item.key, dest.numel())
+            read[item.key] = (data, checksum(data))
+        mismatched = [
+            item.key.hex() for item in event.items
+            if len(item.checksums) > self.rank and read[item.key][1] != item.checksums[self.rank]
+        ]
+        if mismatched:
+            # Nothing is copied from bytes that are not what was published.
+            raise _Failed("checksum_mismatch", f"keys {sorted(set(mismatched))} differ from their published checksums",
+                          [read[item.key][1] for item in event.items])
+        verified = []
+        for item, dest in zip(event.items, destinations, strict=True):
+            dest.copy_(read[item.key][0].view(dest.shape), non_blocking=True)
+        if self.stream.stream is not None:
+            self.stream.stream.synchronize()
+        for item, dest in zip(event.items, destinations, strict=True):
+            landed = checksum(dest)  # every destination, duplicates included (I11)
+            if landed != read[item.key][1]:
+                raise _Failed("verify_failed", f"destination {item.dest} does not hold key {item.key.hex()}",
+                              [checksum(d) for d in destinations])
+            verified.append(landed)
+        return verified
+
+    def _tier(self, name: str) -> Tier:
+        tier = self.tiers.get(name)
+        if tier is None:
+            raise TransferError("unknown_tier", f"this worker has no tier {name!r} (tiers: {sorted(self.tiers)})")
+        return tier
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    async def run(self, client: WorkerClient, *, stop_after: Callable[[Decision], bool] | None = None) -> None:
+        """Execute every committed decision for this rank after the acknowledged one, forever
+        (or until `stop_after(decision)` says so)."""
+        if self.state.pending is not None:
+            await self._send(client, self.state.pending)  # a report saved before a crash
+        async for decision in client.decisions(self.state.acked):
+            if decision.seq <= self.state.acked:
+                continue
+            report = await anyio.to_thread.run_sync(self.execute, decision.event)
+            self.executed.append(decision.seq)
+            pending = Pending(decision.seq, report)
+            self._save(WorkerState(acked=self.state.acked, pending=pending))
+            await self._send(client, pending)
+            if stop_after is not None and stop_after(decision):
+                return
+
+    async def _send(self, client: WorkerClient, pending: Pending) -> None:
+        # The command id makes a re-sent report return the committed one.
+        committed = await client.report(pending.report, command_id=f"report/{self.engine_id}/{self.rank}/{pending.seq}")
+        self._save(WorkerState(acked=pending.seq))
+        log.info("reported", engine=self.engine_id, rank=self.rank, seq=pending.seq, job_id=pending.report.job_id,
+                 ok=pending.report.ok, duplicate=committed.duplicate)
+
+    def _load_state(self) -> WorkerState:
+        if self.state_path is None or not self.state_path.exists():
+            return WorkerState()
+        return msgspec.json.decode(self.state_path.read_bytes(), type=WorkerState)
+
+    def _save(self, state: WorkerState) -> None:
+        self.state = state
+        if self.state_path is None:
+            return
+        temporary = self.state_path.with_name(self.state_path.name + ".tmp")
+        with open(temporary, "wb") as handle:
+            handle.write(msgspec.json.encode(state))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, self.state_path)
+
+
+class _Failed(Exception):
+    """A load that must be reported as failed with what was read (the coordinator quarantines)."""
+
+    def __init__(self, reason: str, message: str, checksums: list[bytes]) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.checksums = checksums

@@ -1,0 +1,344 @@
+"""Workers on real tensors through the real sidecar: verified stores and loads (I11, I13),
+ordered state copies (I15), failures reported with a reason and never as success, and a
+restart that executes nothing twice.
+
+Pools are torch tensors on the CPU (the same API as CUDA); tiers are real host memory and real
+files. Block contents are deterministic bytes per (block, rank), so every check compares bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from coordinator.client import Address, EngineClient, WorkerClient
+from coordinator.commands import AllocateBlocks, LoadRequest, MarkComputed, Move, PlanStateCopy, StartLoad, StartOwner, StartStore
+from coordinator.sidecar import protocol as p
+from events import (
+    BlockRef,
+    BlocksAllocated,
+    JobFailed,
+    JobSucceeded,
+    KeyQuarantined,
+    LoadItem,
+    LoadJobStarted,
+    OwnerStarted,
+    StoreItem,
+    StoreJobStarted,
+)
+from events.log import EventLog
+from gpu.checksum import checksum
+from gpu.pools import DevicePools
+from gpu.tiers import DiskTier, HostTier, Tier, TierError
+from gpu.worker import Pending, Worker, WorkerState
+from tests import builders as b
+from tests.sidecar_kit import TIER_SPEC, Engine, declaration, sidecar_on
+
+pytestmark = pytest.mark.anyio
+CPU = torch.device("cpu")
+BLOCK_BYTES = 256
+WORLD = 2
+
+
+def pattern(block_id: int, rank: int, salt: int = 0) -> torch.Tensor:
+    """The bytes block `block_id` holds on `rank`: distinct per block, rank and salt."""
+    return ((torch.arange(BLOCK_BYTES, dtype=torch.int64) * (7 + 2 * rank) + block_id * 31 + salt) % 251).to(torch.uint8)
+
+
+def pools_spec() -> list[object]:
+    spec = b.attention_pool(num_blocks=32)
+    return [spec.__class__(**{**{f: getattr(spec, f) for f in spec.__struct_fields__}, "bytes_per_block": BLOCK_BYTES})]
+
+
+class Rig:
+    """An engine and its two worker ranks, each with its own pools and a disk tier."""
+
+    def __init__(self, socket: Path, root: Path) -> None:
+        self.address = Address(socket_path=str(socket))
+        self.specs = pools_spec()
+        self.client = EngineClient(self.address, declaration("pod-a", pools=self.specs), tiers=[TIER_SPEC])  # type: ignore[arg-type]
+        self.engine = Engine(self.client)
+        self.root = root
+        self.workers = [self.make_worker(rank) for rank in range(WORLD)]
+
+    def make_worker(self, rank: int) -> Worker:
+        tiers: dict[str, Tier] = {b.TIER: DiskTier(b.TIER, self.root / f"tier-rank-{rank}", CPU)}
+        return Worker("pod-a", rank, DevicePools(self.specs, CPU), tiers, self.root / f"worker-{rank}.json")  # type: ignore[arg-type]
+
+    async def run_workers(self, decisions: int, workers: list[Worker] | None = None) -> None:
+        """Let each worker execute `decisions` more decisions, then stop."""
+        async def one(worker: Worker) -> None:
+            target = len(worker.executed) + decisions
+            client = WorkerClient(self.address, "pod-a", worker.rank)
+            stop: Callable[[p.Decision], bool] = lambda _: len(worker.executed) >= target  # noqa: E731
+            await worker.run(client, stop_after=stop)
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for worker in workers or self.workers:
+                    tg.start_soon(one, worker)
+
+    async def owner(self, req_id: str) -> int:
+        result = await self.engine.step([StartOwner(engine_id="pod-a", req_id=req_id)])
+        return next(e for e in result.results[0] if isinstance(e, OwnerStarted)).owner_id
+
+    async def allocate(self, owner: int, count: int) -> list[BlockRef]:
+        result = await self.engine.step([AllocateBlocks(engine_id="pod-a", owner_id=owner, pool_id=0, count=count)])
+        return next(e for e in result.results[0] if isinstance(e, BlocksAllocated)).blocks
+
+    def fill(self, blocks: list[BlockRef], salt: int = 0) -> None:
+        """The engine's compute wrote these blocks (on every rank)."""
+        for worker in self.workers:
+            for ref in blocks:
+                worker.pools.block(ref).copy_(pattern(ref.block_id, worker.rank, salt))
+
+
+async def stored_keys(rig: Rig, tokens: list[int]) -> tuple[StoreJobStarted, list[BlockRef]]:
+    owner = await rig.owner("producer")
+    blocks = await rig.allocate(owner, len(tokens) // b.BLOCK)
+    rig.fill(blocks)
+    result = await rig.engine.step([
+        MarkComputed(engine_id="pod-a", owner_id=owner, blocks=blocks, token_ids=tokens),
+        StartStore(engine_id="pod-a", tier=b.TIER, blocks=blocks),
+    ])
+    [decision] = result.decisions
+    assert isinstance(decision.event, StoreJobStarted)
+    await rig.run_workers(1)
+    return decision.event, blocks
+
+
+async def load(rig: Rig, keys: list[bytes]) -> tuple[LoadJobStarted, list[BlockRef]]:
+    decision, dests, _ = await load_at(rig, keys)
+    return decision, dests
+
+
+async def load_at(rig: Rig, keys: list[bytes]) -> tuple[LoadJobStarted, list[BlockRef], int]:
+    """A load decision, its destinations and its global sequence."""
+    owner = await rig.owner(f"consumer-{len(rig.engine.results)}")
+    dests = await rig.allocate(owner, len(keys))
+    result = await rig.engine.step([
+        StartLoad(engine_id="pod-a", tier=b.TIER, items=[LoadRequest(key, dest) for key, dest in zip(keys, dests, strict=True)])
+    ])
+    [decision] = result.decisions
+    assert isinstance(decision.event, LoadJobStarted)
+    return decision.event, dests, decision.seq
+
+
+async def job_outcome(event_log: EventLog, job_id: int) -> list[object]:
+    from coordinator.recovery import decode
+
+    from events import EventCodec
+
+    codec = EventCodec()
+    return [
+        e for e in (decode(codec, s) for s in await event_log.read(0, 100_000))
+        if isinstance(e, JobSucceeded | JobFailed | KeyQuarantined) and e.job_id == job_id
+    ]
+
+
+async def test_I11_I13_a_stored_block_loads_back_byte_for_byte_into_every_destination(event_log: EventLog, tmp_path: Path) -> None:
+    async with sidecar_on(event_log, tmp_path / "s.sock"):
+        rig = Rig(tmp_path / "s.sock", tmp_path)
+        async with rig.client:
+            tokens = list(range(2 * b.BLOCK))
+            store, sources = await stored_keys(rig, tokens)
+            assert [type(e) for e in await job_outcome(event_log, store.job_id)] == [JobSucceeded]
+            for worker in rig.workers:
+                for item, ref in zip(store.items, sources, strict=True):
+                    file = worker.tiers[b.TIER].path(item.key)  # type: ignore[attr-defined]
+                    assert file.read_bytes() == bytes(pattern(ref.block_id, worker.rank).tolist())
+            # The same key twice and another once: three destinations, two reads, all verified.
+            keys = [store.items[0].key, store.items[0].key, store.items[1].key]
+            decision, dests = await load(rig, keys)
+            assert decision.items[0].checksums == [checksum(pattern(sources[0].block_id, r)) for r in range(WORLD)]
+            await rig.run_workers(1)
+            assert [type(e) for e in await job_outcome(event_log, decision.job_id)] == [JobSucceeded]
+            expected_sources = [sources[0], sources[0], sources[1]]
+            for worker in rig.workers:
+                for dest, source in zip(dests, expected_sources, strict=True):
+                    assert torch.equal(worker.pools.block(dest), pattern(source.block_id, worker.rank))
+
+
+async def test_I13_a_flipped_byte_in_a_tier_file_fails_the_load_and_the_key_is_quarantined(event_log: EventLog, tmp_path: Path) -> None:
+    async with sidecar_on(event_log, tmp_path / "s.sock"):
+        rig = Rig(tmp_path / "s.sock", tmp_path)
+        async with rig.client:
+            store, _ = await stored_keys(rig, list(range(2 * b.BLOCK)))
+            key = store.items[0].key
+            file = rig.workers[1].tiers[b.TIER].path(key)  # type: ignore[attr-defined]
+            data = bytearray(file.read_bytes())
+            data[17] ^= 0x01
+            file.write_bytes(bytes(data))
+            decision, dests = await load(rig, [key])
+            before = [w.pools.block(dests[0]).clone() for w in rig.workers]
+            await rig.run_workers(1)
+            outcome = await job_outcome(event_log, decision.job_id)
+            assert [type(e) for e in outcome] == [KeyQuarantined, JobFailed]
+            assert outcome[0].key == key and outcome[1].reason == "checksum_mismatch"  # type: ignore[attr-defined]
+            # Rank 1 copied nothing from the bad bytes; rank 0's good copy does not make the job succeed.
+            assert torch.equal(rig.workers[1].pools.block(dests[0]), before[1])
+            # The worker keeps running: the other key still loads.
+            decision2, _ = await load(rig, [store.items[1].key])
+            await rig.run_workers(1)
+            assert [type(e) for e in await job_outcome(event_log, decision2.job_id)] == [JobSucceeded]
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "size_mismatch"])
+async def test_a_missing_or_wrong_sized_tier_file_is_a_failed_report_with_its_reason(
+    event_log: EventLog, tmp_path: Path, damage: str
+) -> None:
+    async with sidecar_on(event_log, tmp_path / "s.sock"):
+        rig = Rig(tmp_path / "s.sock", tmp_path)
+        async with rig.client:
+            store, _ = await stored_keys(rig, list(range(2 * b.BLOCK)))
+            key = store.items[0].key
+            file = rig.workers[0].tiers[b.TIER].path(key)  # type: ignore[attr-defined]
+            if damage == "missing":
+                file.unlink()
+            elif damage == "truncated":
+                file.write_bytes(file.read_bytes()[:100])
+            else:
+                file.write_bytes(file.read_bytes() + b"extra")
+            decision, _ = await load(rig, [key])
+            report = rig.workers[0].execute(decision)
+            assert not report.ok and report.error.startswith(damage), report
+            await rig.run_workers(1)
+            outcome = await job_outcome(event_log, decision.job_id)
+            assert [type(e) for e in outcome] == [JobFailed] and outcome[0].reason == "rank_failed"  # type: ignore[attr-defined]
+
+
+def test_decisions_naming_the_null_block_or_a_block_outside_the_pool_are_failed_reports(tmp_path: Path) -> None:
+    specs = pools_spec()
+    worker = Worker("pod-a", 0, DevicePools(specs, CPU), {b.TIER: HostTier(b.TIER, CPU)})  # type: ignore[arg-type]
+    before = worker.pools.pool(0).clone()
+    for block_id, reason in ((0, "null_block"), (32, "unknown_block"), (10_000, "unknown_block")):
+        event = StoreJobStarted(job_id=1, engine_id="pod-a", incarnation=1, tier=b.TIER, world_size=2,
+                                items=[StoreItem(BlockRef(0, 3, 1), b"k" * 16, 0, 1), StoreItem(BlockRef(0, block_id, 1), b"j" * 16, 1, 1)])
+        report = worker.execute(event)
+        assert not report.ok and report.error.startswith(reason), report
+        with pytest.raises(TierError, match="missing"):  # nothing stored: the bad item was found before any write
+            worker.tiers[b.TIER].read(b"k" * 16, BLOCK_BYTES)
+        load = LoadJobStarted(job_id=2, engine_id="pod-a", incarnation=1, tier=b.TIER, world_size=2,
+                              items=[LoadItem(b"k" * 16, 0, 1, BlockRef(0, block_id, 1))], lease_expires_at=10.0)
+        report = worker.execute(load)
+        assert not report.ok and report.error.startswith(reason)
+    unknown_tier = StoreJobStarted(job_id=3, engine_id="pod-a", incarnation=1, tier="nvme", world_size=2,
+                                   items=[StoreItem(BlockRef(0, 3, 1), b"k" * 16, 0, 1)])
+    assert worker.execute(unknown_tier).error.startswith("unknown_tier")
+    assert torch.equal(worker.pools.pool(0), before)
+
+
+async def test_I15_a_state_copy_decision_runs_on_the_pool_tensors_with_parallel_assignment(event_log: EventLog, tmp_path: Path) -> None:
+    async with sidecar_on(event_log, tmp_path / "s.sock"):
+        rig = Rig(tmp_path / "s.sock", tmp_path)
+        async with rig.client:
+            owner = await rig.owner("copier")
+            a, c = await rig.allocate(owner, 2)
+            rig.fill([a, c])
+            originals = [w.pools.pool(0).clone() for w in rig.workers]
+            # A shift right inside block a, a swap of two regions between a and c, a copy a -> c.
+            moves = [Move(a, 0, a, 8, 64), Move(c, 100, a, 100, 20), Move(a, 100, c, 100, 20), Move(a, 200, c, 0, 16)]
+            result = await rig.engine.step([PlanStateCopy(engine_id="pod-a", pool_id=0, moves=moves)])
+            [decision] = result.decisions
+            await rig.run_workers(1)
+            assert [type(e) for e in await job_outcome(event_log, decision.event.job_id)] == [JobSucceeded]
+            for worker, original in zip(rig.workers, originals, strict=True):
+                expected = original.clone()
+                for move in moves:  # parallel assignment, from the untouched snapshot
+                    expected[move.dst.block_id, move.dst_offset : move.dst_offset + move.length] = (
+                        original[move.src.block_id, move.src_offset : move.src_offset + move.length])
+                assert torch.equal(worker.pools.pool(0), expected)
+
+
+async def test_a_restarted_worker_resumes_after_its_acknowledged_decision_and_executes_nothing_twice(
+    event_log: EventLog, tmp_path: Path
+) -> None:
+    async with sidecar_on(event_log, tmp_path / "s.sock"):
+        rig = Rig(tmp_path / "s.sock", tmp_path)
+        async with rig.client:
+            first, _ = await stored_keys(rig, list(range(2 * b.BLOCK)))
+            executed_before = list(rig.workers[0].executed)
+            assert len(executed_before) == 1
+            # Two more decisions while rank 0 is down; rank 1 keeps up.
+            second, _, second_seq = await load_at(rig, [first.items[0].key])
+            third, _ = await load(rig, [first.items[1].key])
+            await rig.run_workers(2, [rig.workers[1]])
+            restarted = rig.make_worker(0)  # a new process: only the state file carries over
+            assert restarted.state == WorkerState(acked=executed_before[0])
+            # Say it had executed `second` and saved its report, then crashed before sending it:
+            pending_report = restarted.execute(second)
+            restarted._save(WorkerState(acked=executed_before[0], pending=Pending(second_seq, pending_report)))
+            again = rig.make_worker(0)
+            await rig.run_workers(1, [again])
+            assert len(again.executed) == 1, "only the decision after the saved report ran"
+            assert [type(e) for e in await job_outcome(event_log, second.job_id)] == [JobSucceeded]
+            assert [type(e) for e in await job_outcome(event_log, third.job_id)] == [JobSucceeded]
+            assert again.state.pending is None and again.state.acked == again.executed[-1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: stores and loads on the transfer stream after the compute stream")
+def test_on_cuda_a_store_reads_what_the_compute_stream_wrote(tmp_path: Path) -> None:
+    device = torch.device("cuda")
+    specs = pools_spec()
+    worker = Worker("pod-a", 0, DevicePools(specs, device), {b.TIER: HostTier(b.TIER, device)})  # type: ignore[arg-type]
+    ref = BlockRef(0, 5, 1)
+    big = torch.randn(4096, 4096, device=device)
+    (big @ big).sum()  # keep the compute stream busy
+    worker.pools.block(ref).copy_(pattern(5, 0).to(device), non_blocking=True)
+    report = worker.execute(StoreJobStarted(job_id=1, engine_id="pod-a", incarnation=1, tier=b.TIER, world_size=1,
+                                            items=[StoreItem(ref, b"k" * 16, 0, 1)]))
+    assert report.ok and report.checksums == [checksum(pattern(5, 0))]
+
+
+def test_kvledger_worker_processes_store_for_a_served_engine(tmp_path: Path) -> None:
+    """`kvledger serve` and two `kvledger worker` processes: a store decided for the engine is
+    written by both ranks to their disk tiers and published."""
+    import subprocess
+    import sys
+
+    from tests.sidecar_kit import ROOT, serve_process
+
+    with serve_process(tmp_path) as server:
+        workers: list[subprocess.Popen[bytes]] = []
+        try:
+            async def scenario() -> None:
+                rig = Rig(server.socket, tmp_path)
+                async with rig.client:
+                    for rank in range(WORLD):
+                        workers.append(subprocess.Popen(
+                            [sys.executable, "-m", "coordinator.cli", "worker", "--engine", "pod-a", "--rank", str(rank),
+                             "--socket", str(server.socket), "--tier", f"{b.TIER}=disk:{tmp_path / 'tier'}",
+                             "--state-dir", str(tmp_path / "state")],
+                            cwd=ROOT, env=server.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        ))
+                    owner = await rig.owner("producer")
+                    blocks = await rig.allocate(owner, 2)
+                    result = await rig.engine.step([
+                        MarkComputed(engine_id="pod-a", owner_id=owner, blocks=blocks, token_ids=list(range(2 * b.BLOCK))),
+                        StartStore(engine_id="pod-a", tier=b.TIER, blocks=blocks),
+                    ])
+                    [decision] = result.decisions
+                    with anyio.fail_after(60):
+                        while True:  # the published keys appear once both ranks reported
+                            answer = await rig.client.lookup(b.TIER, list(range(2 * b.BLOCK)))
+                            if answer.answer.boundary == 2 * b.BLOCK:  # type: ignore[union-attr]
+                                break
+                            await anyio.sleep(0.1)
+                    assert isinstance(decision.event, StoreJobStarted)
+                    for rank in range(WORLD):
+                        for item in decision.event.items:
+                            file = tmp_path / "tier" / f"rank-{rank}" / f"{item.key.hex()}.kv"
+                            assert file.stat().st_size == BLOCK_BYTES  # zeros: nothing computed them here
+                    assert (tmp_path / "state" / "worker-pod-a-0.json").exists()
+
+            anyio.run(scenario)
+        finally:
+            for process in workers:
+                process.kill()
+                process.wait(10)
+        first_line = workers[0].stdout.read().decode().splitlines()[0] if workers and workers[0].stdout else ""
+        assert first_line.startswith("kvledger worker: engine pod-a rank 0 on cpu"), first_line
