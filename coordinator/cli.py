@@ -203,8 +203,9 @@ def worker(
             tiers[name] = DiskTier(name, Path(where[5:]) / f"rank-{rank}", device, fsync) if where.startswith("disk:") else HostTier(name, device)  # type: ignore[arg-type]
         state = Path(state_dir) if state_dir else data_dir()
         state.mkdir(parents=True, exist_ok=True)
-        runner = Worker(engine, rank, DevicePools(welcome.pools, device), tiers, state / f"worker-{engine}-{rank}.json")
-        typer.echo(f"kvledger worker: engine {engine} rank {rank} on {device}, pools {[p.pool_id for p in welcome.pools]}, "
+        runner = Worker(engine, rank, DevicePools(welcome.pools, device, welcome.kv_dtype or "uint8"), tiers,
+                        state / f"worker-{engine}-{rank}.json")
+        typer.echo(f"kvledger worker: engine {engine} rank {rank} on {device}, {welcome.kv_dtype} pools {[p.pool_id for p in welcome.pools]}, "
                    f"tiers {sorted(tiers)}, resuming after sequence {runner.state.acked}")
         await runner.run(client)
 

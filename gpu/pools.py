@@ -1,7 +1,8 @@
-"""Device KV pools: one uint8 tensor per cache group, [num_blocks, bytes_per_block], shaped from
-the engine's declaration (events.PoolSpec). `bytes_per_block` is what one rank holds of a block
-(its tensor-parallel shard); every rank has its own pools. Block 0 is the null block (I2): no
-transfer ever names it."""
+"""Device KV pools: one tensor per cache group, shaped and typed from the engine's declaration:
+[num_blocks, bytes_per_block / itemsize] of the namespace's KV dtype (events.PoolSpec,
+NamespaceSpec.kv_dtype). `bytes_per_block` is what one rank holds of a block (its tensor-parallel
+shard); every rank has its own pools. Transfers and copies work on the same memory as bytes
+(`pool()` and `block()` are uint8 views). Block 0 is the null block (I2): no transfer names it."""
 
 from __future__ import annotations
 
@@ -20,14 +21,40 @@ class TransferError(Exception):
         self.reason = reason
 
 
+KV_DTYPES: dict[str, torch.dtype] = {
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+
+
+def kv_dtype(name: str) -> torch.dtype:
+    found = KV_DTYPES.get(name)
+    if found is None:
+        raise ValueError(f"KV dtype {name!r} is not one of {sorted(KV_DTYPES)}")
+    return found
+
+
 class DevicePools:
-    def __init__(self, specs: Sequence[PoolSpec], device: torch.device) -> None:
+    def __init__(self, specs: Sequence[PoolSpec], device: torch.device, dtype: str = "uint8") -> None:
         self.device = device
+        self.dtype = kv_dtype(dtype)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.specs = {spec.pool_id: spec for spec in specs}
-        self.tensors = {
-            spec.pool_id: torch.zeros((spec.num_blocks, spec.bytes_per_block), dtype=torch.uint8, device=device)
-            for spec in specs
-        }
+        self.typed: dict[int, torch.Tensor] = {}
+        """The pools as the engine's kernels see them, in the KV dtype."""
+        for spec in specs:
+            if spec.bytes_per_block % itemsize:
+                raise ValueError(f"pool {spec.pool_id}: {spec.bytes_per_block} bytes per block is not a whole number of {dtype}")
+            self.typed[spec.pool_id] = torch.zeros(
+                (spec.num_blocks, spec.bytes_per_block // itemsize), dtype=self.dtype, device=device
+            )
+        self.tensors = {pool_id: typed.view(torch.uint8) for pool_id, typed in self.typed.items()}
+        """The same memory as bytes, [num_blocks, bytes_per_block]: what transfers move."""
 
     def pool(self, pool_id: int) -> torch.Tensor:
         tensor = self.tensors.get(pool_id)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 import torch
 
@@ -27,6 +28,7 @@ from events import (
     LoadItem,
     LoadJobStarted,
     OwnerStarted,
+    PoolSpec,
     StoreItem,
     StoreJobStarted,
 )
@@ -49,9 +51,8 @@ def pattern(block_id: int, rank: int, salt: int = 0) -> torch.Tensor:
     return ((torch.arange(BLOCK_BYTES, dtype=torch.int64) * (7 + 2 * rank) + block_id * 31 + salt) % 251).to(torch.uint8)
 
 
-def pools_spec() -> list[object]:
-    spec = b.attention_pool(num_blocks=32)
-    return [spec.__class__(**{**{f: getattr(spec, f) for f in spec.__struct_fields__}, "bytes_per_block": BLOCK_BYTES})]
+def pools_spec() -> list[PoolSpec]:
+    return [msgspec.structs.replace(b.attention_pool(num_blocks=32), bytes_per_block=BLOCK_BYTES)]
 
 
 class Rig:
@@ -60,14 +61,14 @@ class Rig:
     def __init__(self, socket: Path, root: Path) -> None:
         self.address = Address(socket_path=str(socket))
         self.specs = pools_spec()
-        self.client = EngineClient(self.address, declaration("pod-a", pools=self.specs), tiers=[TIER_SPEC])  # type: ignore[arg-type]
+        self.client = EngineClient(self.address, declaration("pod-a", pools=self.specs), tiers=[TIER_SPEC])
         self.engine = Engine(self.client)
         self.root = root
         self.workers = [self.make_worker(rank) for rank in range(WORLD)]
 
     def make_worker(self, rank: int) -> Worker:
         tiers: dict[str, Tier] = {b.TIER: DiskTier(b.TIER, self.root / f"tier-rank-{rank}", CPU)}
-        return Worker("pod-a", rank, DevicePools(self.specs, CPU), tiers, self.root / f"worker-{rank}.json")  # type: ignore[arg-type]
+        return Worker("pod-a", rank, DevicePools(self.specs, CPU), tiers, self.root / f"worker-{rank}.json")
 
     async def run_workers(self, decisions: int, workers: list[Worker] | None = None) -> None:
         """Let each worker execute `decisions` more decisions, then stop."""
@@ -213,7 +214,7 @@ async def test_a_missing_or_wrong_sized_tier_file_is_a_failed_report_with_its_re
 
 def test_decisions_naming_the_null_block_or_a_block_outside_the_pool_are_failed_reports(tmp_path: Path) -> None:
     specs = pools_spec()
-    worker = Worker("pod-a", 0, DevicePools(specs, CPU), {b.TIER: HostTier(b.TIER, CPU)})  # type: ignore[arg-type]
+    worker = Worker("pod-a", 0, DevicePools(specs, CPU), {b.TIER: HostTier(b.TIER, CPU)})
     before = worker.pools.pool(0).clone()
     for block_id, reason in ((0, "null_block"), (32, "unknown_block"), (10_000, "unknown_block")):
         event = StoreJobStarted(job_id=1, engine_id="pod-a", incarnation=1, tier=b.TIER, world_size=2,
@@ -284,7 +285,7 @@ async def test_a_restarted_worker_resumes_after_its_acknowledged_decision_and_ex
 def test_on_cuda_a_store_reads_what_the_compute_stream_wrote(tmp_path: Path) -> None:
     device = torch.device("cuda")
     specs = pools_spec()
-    worker = Worker("pod-a", 0, DevicePools(specs, device), {b.TIER: HostTier(b.TIER, device)})  # type: ignore[arg-type]
+    worker = Worker("pod-a", 0, DevicePools(specs, device), {b.TIER: HostTier(b.TIER, device)})
     ref = BlockRef(0, 5, 1)
     big = torch.randn(4096, 4096, device=device)
     (big @ big).sum()  # keep the compute stream busy
@@ -342,3 +343,21 @@ def test_kvledger_worker_processes_store_for_a_served_engine(tmp_path: Path) -> 
                 process.wait(10)
         first_line = workers[0].stdout.read().decode().splitlines()[0] if workers and workers[0].stdout else ""
         assert first_line.startswith("kvledger worker: engine pod-a rank 0 on cpu"), first_line
+
+
+def test_pools_are_typed_from_the_declaration_and_transfers_move_their_bytes() -> None:
+    spec = pools_spec()
+    pools = DevicePools(spec, CPU, "bfloat16")
+    typed = pools.typed[0]
+    assert typed.dtype == torch.bfloat16 and typed.shape == (32, BLOCK_BYTES // 2)
+    assert pools.pool(0).shape == (32, BLOCK_BYTES) and pools.pool(0).dtype == torch.uint8
+    typed[3] = torch.linspace(-1, 1, BLOCK_BYTES // 2, dtype=torch.bfloat16)  # the engine's kernel writes KV
+    worker = Worker("pod-a", 0, pools, {b.TIER: HostTier(b.TIER, CPU)})
+    report = worker.execute(StoreJobStarted(job_id=1, engine_id="pod-a", incarnation=1, tier=b.TIER, world_size=1,
+                                            items=[StoreItem(BlockRef(0, 3, 1), b"k" * 16, 0, 1)]))
+    assert report.ok and report.checksums == [checksum(typed[3].view(torch.uint8))]
+    with pytest.raises(ValueError, match="float64"):
+        DevicePools(spec, CPU, "float64")
+    odd = msgspec.structs.replace(spec[0], bytes_per_block=255)
+    with pytest.raises(ValueError, match="255 bytes per block"):
+        DevicePools([odd], CPU, "bfloat16")

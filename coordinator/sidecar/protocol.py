@@ -143,6 +143,8 @@ class Welcome(Message, frozen=True, tag="welcome"):
     world_size: int = 0
     tiers: list[str] = []
     """Workers: the names of the engine's tiers."""
+    kv_dtype: str = ""
+    """Workers: the namespace's KV dtype, to type their device pools."""
 
 
 class StepResult(Message, frozen=True, tag="step_result"):

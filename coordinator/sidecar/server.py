@@ -331,6 +331,7 @@ class Sidecar:
                 incarnation=known.incarnation if known else 0, head_seq=self.ledger.last_seq,
                 pools=[pool.spec for pool in known.pools.values()] if known else [],
                 world_size=known.world_size if known else 0, tiers=list(known.tiers) if known else [],
+                kv_dtype=self.ledger.state.namespaces[known.namespace_id].kv_dtype if known else "",
             ))
             return Session("worker", hello.engine_id, hello.rank), False
         return await self._engine_hello(conn, hello)
