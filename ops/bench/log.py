@@ -44,8 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import anyio  # noqa: E402
 import asyncpg  # noqa: E402
 import structlog  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
+from figures import console, load, out, percentile, progress  # noqa: E402
 
 from coordinator.projector import project  # noqa: E402
 from coordinator.recovery import READ_BATCH, decode_step, replay  # noqa: E402
@@ -60,33 +59,14 @@ REPLAY_TARGET = 1_000_000
 BACKENDS = ("sqlite", "postgresql")
 T = TypeVar("T")
 
-console = Console(stderr=True)
 
 
-def progress() -> Progress:
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True, disable=not console.is_terminal,
-    )
 
-
-def out(line: str) -> None:
-    print(line, flush=True)
-
-
-def load() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} cores)"
 
 
 def target(rate: float, goal: int) -> str:
     return f"target >= {goal:,} events/s: {'met' if rate >= goal else 'MISSED'}"
 
-
-def percentile(sorted_values: list[float], fraction: float) -> float:
-    """Nearest-rank percentile of an ascending list."""
-    index = max(0, min(len(sorted_values) - 1, round(fraction * len(sorted_values) + 0.5) - 1))
-    return sorted_values[index]
 
 
 # --- the events ------------------------------------------------------------------------------

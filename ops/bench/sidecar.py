@@ -46,12 +46,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import anyio  # noqa: E402
 import structlog  # noqa: E402
 from anyio.streams.buffered import BufferedByteReceiveStream  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
+from figures import console, load, out, percentile, progress  # noqa: E402
 
 from coordinator.client import Address, EngineClient  # noqa: E402
 from coordinator.commands import (  # noqa: E402
@@ -84,29 +84,10 @@ TIER = TierSpec(name=b.TIER, num_slots=1 << 16, bytes_per_slot=64)
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 30.0
 
-console = Console(stderr=True)
 
 
-def progress() -> Progress:
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True, disable=not console.is_terminal,
-    )
 
 
-def out(line: str) -> None:
-    print(line, flush=True)
-
-
-def load() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} cores)"
-
-
-def percentile(sorted_values: list[float], fraction: float) -> float:
-    """Nearest-rank percentile of an ascending list."""
-    index = max(0, min(len(sorted_values) - 1, round(fraction * len(sorted_values) + 0.5) - 1))
-    return sorted_values[index]
 
 
 def verdict(ok: bool) -> str:

@@ -1,0 +1,35 @@
+"""What every benchmark prints the same way: figures to stdout, progress and notes to stderr,
+the load average beside the figures, nearest-rank percentiles."""
+
+from __future__ import annotations
+
+import os
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+console = Console(stderr=True)
+
+
+def progress() -> Progress:
+    """A progress bar on stderr, shown only on a terminal."""
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True, disable=not console.is_terminal,
+    )
+
+
+def out(line: str) -> None:
+    """One figure line on stdout."""
+    print(line, flush=True)
+
+
+def load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} cores)"
+
+
+def percentile(sorted_values: list[float], fraction: float) -> float:
+    """Nearest-rank percentile of an ascending list."""
+    index = max(0, min(len(sorted_values) - 1, round(fraction * len(sorted_values) + 0.5) - 1))
+    return sorted_values[index]
