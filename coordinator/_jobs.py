@@ -11,8 +11,10 @@ from coordinator._checks import Refusal
 from coordinator.commands import Command, LookupPrefix, PlanStateCopy, ReportRank, StartLoad, StartStore
 from coordinator.copy_plan import PlannedMove, overlapping_destinations, plan_copies
 from coordinator.keys import chain_keys, reuse_unit
+from coordinator.protections import Protection, is_off
 from coordinator.state import EngineState, JobState, PoolState, SlotStatus, State, TierState
 from events import (
+    CopyOp,
     BlockRef,
     Event,
     GroupHit,
@@ -176,6 +178,7 @@ def _start_store(state: State, command: StartStore) -> list[Event]:
             world_size=eng.world_size,
             items=items,
             already_published=skipped,
+            pinned=not is_off(Protection.PINS),
         )
     )
     if not items:
@@ -271,7 +274,12 @@ def _plan_state_copy(state: State, command: PlanStateCopy) -> list[Event]:
     clash = overlapping_destinations(planned)
     if clash is not None:
         raise Refusal(Reason.OVERLAPPING_DESTINATIONS, f"moves {clash[0]} and {clash[1]} write the same bytes")
-    batches, scratch = plan_copies(planned)
+    if is_off(Protection.ORDERED_COPIES):
+        # The naive executor of seed 000: each move in the order given, reading what earlier
+        # moves wrote, no scratch.
+        batches, scratch = [[CopyOp(m.src, m.dst, False)] for m in planned if m.src != m.dst], 0
+    else:
+        batches, scratch = plan_copies(planned)
     job_id = state.next_job_id
     events: list[Event] = [
         StateCopyPlanned(

@@ -97,6 +97,13 @@ def _address(text: str | None, option: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
+def quiet_torch() -> None:
+    """torch warns once at import when numpy is absent; kvledger does not use numpy."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
+
 def configure_json_logs() -> None:
     """structlog JSON lines on stderr: what a sidecar's log collector reads. The level comes
     from $KVLEDGER_LOG_LEVEL (default info; debug adds a line per committed step)."""
@@ -136,6 +143,12 @@ def serve(
     from events.log import LogError, data_dir
 
     configure_json_logs()
+    import os
+
+    if os.environ.get("KVLEDGER_PROTECTIONS_OFF"):
+        typer.echo("kvledger serve: KVLEDGER_PROTECTIONS_OFF is set; protections are switched off only inside "
+                   "`kvledger simulate`, never in a sidecar", err=True)
+        raise typer.Exit(code=2)
     config = ServeConfig(
         log_url=log_url, socket_path=socket_path or str(data_dir() / "kvledger.sock"), tcp=_address(tcp, "--tcp"),
         token=token, http=_address(http, "--http"), max_frame=max_frame, subscriber_buffer=subscriber_buffer,
@@ -170,6 +183,7 @@ def worker(
     """Run a worker rank: execute the committed decisions (stores, loads, state copies) for it."""
     from pathlib import Path
 
+    quiet_torch()
     from coordinator.client import Address, SidecarError, SidecarUnavailable, WorkerClient
     from events.log import data_dir
     from gpu.device import default_device
@@ -214,6 +228,58 @@ def worker(
     except (SidecarError, SidecarUnavailable, OSError) as error:
         typer.echo(f"kvledger worker: {error}", err=True)
         raise typer.Exit(code=1) from None
+
+
+@app.command()
+def simulate(
+    scenario: list[str] = typer.Option([], "--scenario", help="Run only these scenarios (repeatable; default: all)."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object per run."),
+    keep: str | None = typer.Option(None, "--keep", help="Keep each run's log under this directory (for `kvledger audit`)."),
+) -> None:
+    """Run the seeds' failures as fault scenarios on a real sidecar and real workers, each with
+    kvledger's protection on and off, and count wrong-KV reads from the bytes."""
+    from pathlib import Path
+
+    quiet_torch()
+    from coordinator.simulator.scenarios import SCENARIOS, Outcome, run_scenario
+
+    unknown = sorted(set(scenario) - set(SCENARIOS))
+    if unknown:
+        raise typer.BadParameter(f"unknown scenarios {unknown}; known: {sorted(SCENARIOS)}", param_hint="--scenario")
+    chosen = [SCENARIOS[name] for name in scenario] or list(SCENARIOS.values())
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up
+
+    async def run_all() -> list[tuple[Outcome, Outcome]]:
+        results = []
+        for item in chosen:
+            runs = []
+            for protection_on in (True, False):
+                where = None
+                if keep:
+                    where = Path(keep) / f"{item.name}-{'on' if protection_on else 'off'}"
+                    where.mkdir(parents=True, exist_ok=True)
+                runs.append(await run_scenario(item, protection_on=protection_on, directory=where))
+            results.append((runs[0], runs[1]))
+        return results
+
+    results = anyio.run(run_all)
+    if json_output:
+        for on, off in results:
+            typer.echo(msgspec.json.encode(on).decode())
+            typer.echo(msgspec.json.encode(off).decode())
+    else:
+        table = Table(title="kvledger simulate: wrong-KV reads counted from the bytes, protection off vs on")
+        for column in ("scenario", "invariant", "requests", "wrong reads off", "wrong reads on", "what kvledger recorded (on)", "seconds"):
+            table.add_column(column, overflow="fold")
+        for on, off in results:
+            recorded = ", ".join(f"{k} x{v}" for k, v in on.refusals.items()) or "-"
+            table.add_row(on.scenario, on.invariant, str(on.requests), f"[bold red]{off.wrong_reads}[/]" if off.wrong_reads else "0",
+                          f"[bold red]{on.wrong_reads}[/]" if on.wrong_reads else "[green]0[/]", recorded, f"{on.seconds + off.seconds:.2f}")
+        Console(width=200).print(table)
+    failed = [on.scenario for on, off in results if on.wrong_reads or not off.wrong_reads]
+    if failed:
+        typer.echo(f"kvledger simulate: scenarios that did not hold (on > 0 or off == 0): {failed}", err=True)
+        raise typer.Exit(code=1)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from coordinator.commands import AnyCommand, BeginStep, EndStep
 from coordinator.decider import decide
 from coordinator.projector import apply
+from coordinator.protections import Protection, switched_off
 from coordinator.state import State
 from events import Event
 
@@ -18,8 +19,12 @@ class CoordinatorCore:
     acting on them. Nothing here does I/O.
     """
 
-    def __init__(self, state: State | None = None, *, keep_events: bool = True) -> None:
+    def __init__(
+        self, state: State | None = None, *, keep_events: bool = True, protections_off: frozenset[Protection] = frozenset()
+    ) -> None:
         self.state = State() if state is None else state
+        self.protections_off = protections_off
+        """Empty in production; the simulator's fault scenarios switch one off."""
         self.events: list[Event] = []
         """Everything emitted, for tests and the demo; a long-running service passes
         keep_events=False because its events live in the log."""
@@ -27,7 +32,11 @@ class CoordinatorCore:
 
     def execute(self, command: AnyCommand) -> list[Event]:
         """Decide one command against the current state, then fold its events in order."""
-        events = decide(self.state, command)
+        if self.protections_off:
+            with switched_off(self.protections_off):
+                events = decide(self.state, command)
+        else:
+            events = decide(self.state, command)
         for event in events:
             apply(self.state, event)
         if self._keep_events:

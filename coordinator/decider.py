@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from coordinator import _checks as check
 from coordinator import _jobs
 from coordinator._checks import Refusal
@@ -35,6 +37,7 @@ from coordinator.commands import (
     command_tag,
 )
 from coordinator.keys import content_key, namespace_id, namespace_problems
+from coordinator.protections import Protection, is_off
 from coordinator.state import EngineState, SlotStatus, State
 from events import (
     NULL_BLOCK_ID,
@@ -51,6 +54,7 @@ from events import (
     Event,
     JobFenced,
     NamespaceRegistered,
+    NamespaceSpec,
     NoticeDropped,
     OwnerFinished,
     OwnerStarted,
@@ -152,7 +156,7 @@ def _declare_engine(state: State, command: DeclareEngine) -> list[Event]:
         raise Refusal(Reason.INVALID_COUNT, "encoder_cache_tokens < 0")
 
     events: list[Event] = []
-    ns_id = namespace_id(ns)
+    ns_id = namespace_id(_weakened(ns))
     if ns_id not in state.namespaces:
         events.append(NamespaceRegistered(namespace_id=ns_id, spec=ns))
     known = state.engines.get(name)
@@ -177,6 +181,16 @@ def _declare_engine(state: State, command: DeclareEngine) -> list[Event]:
         )
     )
     return events
+
+
+def _weakened(ns: NamespaceSpec) -> NamespaceSpec:
+    """The namespace as its id is computed: whole, unless a simulator scenario switched off the
+    weights revision or the tenant (the seeds' naive namespaces, seed 003)."""
+    if is_off(Protection.NAMESPACE_WEIGHTS):
+        ns = msgspec.structs.replace(ns, weights_revision="")
+    if is_off(Protection.NAMESPACE_TENANT):
+        ns = msgspec.structs.replace(ns, tenant="")
+    return ns
 
 
 def _reset_events(state: State, eng: EngineState, incarnation: int, reason: str) -> list[Event]:

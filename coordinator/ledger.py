@@ -20,6 +20,7 @@ import uuid_utils
 
 from coordinator.commands import AnyCommand, BeginStep, DeclareTier, EndStep, ReportRank
 from coordinator.core import CoordinatorCore
+from coordinator.protections import Protection
 from coordinator.recovery import decode, make_snapshot, recover
 from coordinator.state import State
 from events import Event, EventCodec, StepBegan, StepEnded
@@ -82,11 +83,13 @@ class StepCommit(msgspec.Struct, frozen=True, kw_only=True):
 class Ledger:
     def __init__(
         self, event_log: EventLog, codec: EventCodec, state: State, last_seq: int,
-        versions: dict[str, int], snapshot_every: int,
+        versions: dict[str, int], snapshot_every: int, protections_off: frozenset[Protection] = frozenset(),
     ) -> None:
         self.log = event_log
         self.codec = codec
-        self.core = CoordinatorCore(state, keep_events=False)
+        self.protections_off = protections_off
+        """Empty except in the simulator's fault scenarios (coordinator.protections)."""
+        self.core = CoordinatorCore(state, keep_events=False, protections_off=protections_off)
         self.last_seq = last_seq
         self._versions = versions
         self._snapshot_every = snapshot_every
@@ -96,13 +99,16 @@ class Ledger:
         self._lock = anyio.Lock()
 
     @classmethod
-    async def open(cls, event_log: EventLog, *, snapshot_every: int = 1000, codec: EventCodec | None = None) -> Ledger:
+    async def open(
+        cls, event_log: EventLog, *, snapshot_every: int = 1000, codec: EventCodec | None = None,
+        protections_off: frozenset[Protection] = frozenset(),
+    ) -> Ledger:
         """Recover the state (newest valid snapshot + tail) and get ready to append."""
         codec = codec or EventCodec()
         state, last_seq = await recover(event_log, codec)
         versions = await event_log.stream_versions()
         log.info("ledger_opened", url=event_log.url, global_seq=last_seq, streams=len(versions))
-        return cls(event_log, codec, state, last_seq, versions, snapshot_every)
+        return cls(event_log, codec, state, last_seq, versions, snapshot_every, protections_off)
 
     @property
     def state(self) -> State:
@@ -251,7 +257,7 @@ class Ledger:
 
     async def _rebuild(self, reason: str) -> None:
         state, self.last_seq = await recover(self.log, self.codec)
-        self.core = CoordinatorCore(state, keep_events=False)
+        self.core = CoordinatorCore(state, keep_events=False, protections_off=self.protections_off)
         self._versions = await self.log.stream_versions()
         log.warning("ledger_rebuilt_from_log", reason=reason, global_seq=self.last_seq)
 

@@ -264,7 +264,8 @@ def _store_job_started(state: State, event: StoreJobStarted) -> None:
     pools = state.engines[event.engine_id].pools
     tier = state.tiers[event.tier]
     for item in event.items:
-        _pin(pools[item.source.pool_id], item.source.block_id)
+        if event.pinned:
+            _pin(pools[item.source.pool_id], item.source.block_id)
         del tier.free[item.tier_slot]
         tier.generations[item.tier_slot] = item.tier_generation
     removed(tier, "free", len(event.items))
@@ -307,7 +308,8 @@ def _end_job(state: State, job: JobState, succeeded: bool) -> None:
         tier_free = state.tiers[decision.tier].free
         for item in decision.items:
             source = item.source
-            _unpin(engine, pools[source.pool_id], source.block_id)
+            if decision.pinned:
+                _unpin(engine, pools[source.pool_id], source.block_id)
             published = entries.get(source.pool_id, {}).get(item.key)
             if published is None or published.tier_slot != item.tier_slot:
                 tier_free[item.tier_slot] = None  # reserved but not published: give it back

@@ -171,6 +171,9 @@ class StoreJobStarted(Event, frozen=True, tag="store_job_started"):
     items: list[StoreItem]
     already_published: list[bytes] = []
     """Keys the command asked for that the tier already holds: an idempotent skip (I10)."""
+    pinned: bool = True
+    """False only in a simulator run with the pins protection off (coordinator.protections):
+    recorded, so replay and forensics see the store ran unprotected."""
 
 
 class LoadItem(msgspec.Struct, frozen=True, array_like=True):

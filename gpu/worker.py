@@ -29,6 +29,7 @@ import torch
 
 from coordinator.client import WorkerClient
 from coordinator.commands import ReportRank
+from coordinator.protections import Protection
 from coordinator.sidecar.protocol import Decision
 from events import LoadJobStarted, StateCopyPlanned, StoreJobStarted
 from gpu.checksum import checksum
@@ -54,8 +55,11 @@ class WorkerState(msgspec.Struct, frozen=True):
 
 class Worker:
     def __init__(
-        self, engine_id: str, rank: int, pools: DevicePools, tiers: dict[str, Tier], state_path: Path | None = None
+        self, engine_id: str, rank: int, pools: DevicePools, tiers: dict[str, Tier], state_path: Path | None = None,
+        *, protections_off: frozenset[Protection] = frozenset(),
     ) -> None:
+        self.protections_off = protections_off
+        """Empty except in the simulator's fault scenarios (coordinator.protections)."""
         self.engine_id = engine_id
         self.rank = rank
         self.pools = pools
@@ -111,6 +115,8 @@ class Worker:
             # Nothing is copied from bytes that are not what was published.
             raise _Failed("checksum_mismatch", f"keys {sorted(set(mismatched))} differ from their published checksums",
                           [read[item.key][1] for item in event.items])
+        if Protection.LOAD_DEDUPE in self.protections_off:
+            return self._load_naively(event, destinations, read)
         verified = []
         for item, dest in zip(event.items, destinations, strict=True):
             dest.copy_(read[item.key][0].view(dest.shape), non_blocking=True)
@@ -123,6 +129,18 @@ class Worker:
                               [checksum(d) for d in destinations])
             verified.append(landed)
         return verified
+
+    def _load_naively(
+        self, event: LoadJobStarted, destinations: list[torch.Tensor], read: dict[bytes, tuple[torch.Tensor, bytes]]
+    ) -> list[bytes]:
+        """Seed 002's batch get with duplicate keys: only the first destination of a key is
+        filled, and the read's checksum is reported for every item, none verified."""
+        filled: set[bytes] = set()
+        for item, dest in zip(event.items, destinations, strict=True):
+            if item.key not in filled:
+                dest.copy_(read[item.key][0].view(dest.shape))
+                filled.add(item.key)
+        return [read[item.key][1] for item in event.items]
 
     def _tier(self, name: str) -> Tier:
         tier = self.tiers.get(name)

@@ -9,8 +9,9 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractAsyncContextManager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 from anyio.abc import ByteStream
@@ -18,9 +19,9 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from coordinator.client import Address, EngineClient
 from coordinator.commands import AllocateBlocks, DeclareEngine, FinishOwner, MarkComputed, StartOwner, StartStore
-from coordinator.ledger import Ledger
 from coordinator.sidecar import protocol as p
-from coordinator.sidecar.server import ServeConfig, Sidecar
+from coordinator.sidecar.embedded import embedded_sidecar
+from coordinator.sidecar.server import Sidecar
 from events import BlockRef, BlocksAllocated, OwnerStarted, PoolSpec, Refused, StoreJobStarted, TierSpec
 from events.log import EventLog
 from tests import builders as b
@@ -37,18 +38,9 @@ def declaration(engine_id: str, *, num_blocks: int = 256, world_size: int = 2, p
     )
 
 
-@asynccontextmanager
-async def sidecar_on(event_log: EventLog, socket_path: Path, **options: object) -> AsyncIterator[Sidecar]:
+def sidecar_on(event_log: EventLog, socket_path: Path, **options: Any) -> AbstractAsyncContextManager[Sidecar]:
     """A sidecar serving `event_log` on `socket_path` in this process, stopped (drained) after."""
-    ledger = await Ledger.open(event_log)
-    config = ServeConfig(socket_path=str(socket_path), **options)  # type: ignore[arg-type]
-    sidecar = Sidecar(ledger, config)
-    async with anyio.create_task_group() as tg:
-        await tg.start(sidecar.serve)
-        try:
-            yield sidecar
-        finally:
-            sidecar.stop()
+    return embedded_sidecar(event_log, socket_path, **options)
 
 
 class Engine:

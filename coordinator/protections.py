@@ -1,0 +1,53 @@
+"""Protection switches, for the simulator's fault scenarios only.
+
+Every protection is on in production: `kvledger serve` refuses to start with any of them off.
+The simulator (coordinator/simulator) switches exactly one off to reproduce the naive behaviour
+of the systems in ../shared/seeds/ in the same code path, so a scenario's "off" run shows the
+wrong-KV reads that the "on" run prevents.
+
+The switch travels as a context variable that `CoordinatorCore` sets around each decision and
+the worker reads: the decider's signature stays `decide(state, command)`. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+
+class Protection(enum.StrEnum):
+    """One protection each; the value is the scenario that switches it off."""
+
+    PINS = "preempt-during-async-store"
+    """I3: a slot with a store in flight is pinned. Off: it can be reallocated under the store."""
+    NAMESPACE_WEIGHTS = "weights-revision-change-under-same-model-name"
+    """Namespaces include the weights revision. Off: two checkpoints of one model share keys."""
+    NAMESPACE_TENANT = "cross-tenant-prefix"
+    """I9: namespaces include the tenant. Off: one tenant's prefix is another's hit."""
+    LOAD_DEDUPE = "duplicate-keys-in-batch-load"
+    """I11: every destination of a repeated key is filled and verified. Off (worker): only the
+    first is, and the read's checksum is reported for all."""
+    ORDERED_COPIES = "overlapping-state-copy"
+    """I15: state copies keep parallel-assignment meaning. Off: moves run one by one, in the
+    order given, each reading what earlier ones wrote."""
+
+
+ALL = frozenset(Protection)
+
+_off: ContextVar[frozenset[Protection]] = ContextVar("kvledger_protections_off", default=frozenset())
+
+
+def is_off(protection: Protection) -> bool:
+    return protection in _off.get()
+
+
+@contextmanager
+def switched_off(off: frozenset[Protection]) -> Iterator[None]:
+    """Run the block with these protections off (nothing, the production case, when empty)."""
+    token = _off.set(off)
+    try:
+        yield
+    finally:
+        _off.reset(token)

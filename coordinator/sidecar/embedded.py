@@ -1,0 +1,30 @@
+"""A sidecar inside this process, on a real socket: what the simulator and the tests drive."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from coordinator.ledger import Ledger
+from coordinator.protections import Protection
+from coordinator.sidecar.server import ServeConfig, Sidecar
+from events.log import EventLog
+
+
+@asynccontextmanager
+async def embedded_sidecar(
+    event_log: EventLog, socket_path: Path, *, protections_off: frozenset[Protection] = frozenset(), **options: Any
+) -> AsyncIterator[Sidecar]:
+    """A sidecar serving `event_log` on `socket_path`, stopped (drained, snapshotted) after."""
+    ledger = await Ledger.open(event_log, protections_off=protections_off)
+    sidecar = Sidecar(ledger, ServeConfig(socket_path=str(socket_path), **options))
+    async with anyio.create_task_group() as tg:
+        await tg.start(sidecar.serve)
+        try:
+            yield sidecar
+        finally:
+            sidecar.stop()

@@ -1,0 +1,235 @@
+"""The seeds' failures as named scenarios (../shared/seeds/). Each runs on a fresh simulation
+with its protection on, then off (`Protection`'s value is the scenario's name). Off must show
+wrong-KV reads (proof the scenario bites); on must show none, for the reason the scenario is
+about (`evidence`: the refusal or decision kvledger recorded instead)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+import msgspec
+
+from coordinator.commands import (
+    AllocateBlocks,
+    FinishOwner,
+    LoadRequest,
+    MarkComputed,
+    Move,
+    PlanStateCopy,
+    StartLoad,
+    StartOwner,
+    StartStore,
+)
+from coordinator.protections import Protection
+from coordinator.simulator.harness import TIER, SimEngine, Simulation, Tally
+from events import BlockRef, BlocksAllocated, NamespaceSpec, OwnerStarted, PoolSpec, StoreJobStarted
+
+BLOCK = 16
+BLOCK_BYTES = 256
+Run = Callable[[Simulation], Awaitable[None]]
+
+
+def namespace(*, weights: str = "sha256:weights-1", tenant: str = "tenant-a", tp: int = 2, blocks: int = 1) -> NamespaceSpec:
+    return NamespaceSpec(
+        model_id="org/model-7b", weights_revision=weights, tokenizer_digest="sha256:tokenizer-1", kv_dtype="bfloat16",
+        kv_layout_version=1, block_sizes=(BLOCK,) * blocks, tensor_parallel_size=tp, tenant=tenant,
+    )
+
+
+def attention(num_blocks: int = 64) -> PoolSpec:
+    return PoolSpec(pool_id=0, kind="attention", num_blocks=num_blocks, block_size=BLOCK, bytes_per_block=BLOCK_BYTES)
+
+
+def prompt(seed: int, blocks: int) -> list[int]:
+    return [(seed * 7919 + index * 31) % 50_000 for index in range(blocks * BLOCK)]
+
+
+# --- request helpers --------------------------------------------------------------------------
+
+
+async def admit(engine: SimEngine, req_id: str) -> int:
+    engine.sim.tally.requests += 1
+    result = await engine.step([StartOwner(engine_id=engine.engine_id, req_id=req_id)])
+    return next(e for e in result.results[0] if isinstance(e, OwnerStarted)).owner_id
+
+
+async def allocate(engine: SimEngine, owner: int, count: int, pool_id: int = 0) -> list[BlockRef] | None:
+    """The blocks, or None when the coordinator refused (the refusal is in the tally)."""
+    result = await engine.step([AllocateBlocks(engine_id=engine.engine_id, owner_id=owner, pool_id=pool_id, count=count)])
+    allocated = [e for e in result.results[0] if isinstance(e, BlocksAllocated)]
+    return allocated[0].blocks if allocated else None
+
+
+async def compute(engine: SimEngine, owner: int, blocks: list[BlockRef], tokens: Sequence[int]) -> None:
+    engine.compute(blocks, tokens)
+    await engine.step([MarkComputed(engine_id=engine.engine_id, owner_id=owner, blocks=blocks, token_ids=list(tokens))])
+
+
+async def compute_and_store(engine: SimEngine, owner: int, blocks: list[BlockRef], tokens: Sequence[int]) -> StoreJobStarted:
+    engine.compute(blocks, tokens)
+    result = await engine.step([
+        MarkComputed(engine_id=engine.engine_id, owner_id=owner, blocks=blocks, token_ids=list(tokens)),
+        StartStore(engine_id=engine.engine_id, tier=TIER, blocks=blocks),
+    ])
+    [decision] = result.decisions
+    assert isinstance(decision.event, StoreJobStarted)
+    return decision.event
+
+
+async def produce(engine: SimEngine, req_id: str, tokens: Sequence[int]) -> StoreJobStarted:
+    """A request computes its prompt and stores it; the workers publish it."""
+    owner = await admit(engine, req_id)
+    blocks = await allocate(engine, owner, len(tokens) // BLOCK)
+    assert blocks is not None
+    job = await compute_and_store(engine, owner, blocks, tokens)
+    await engine.execute()
+    await engine.step([FinishOwner(engine_id=engine.engine_id, owner_id=owner)])
+    return job
+
+
+async def load_prefix(engine: SimEngine, owner: int, keys: Sequence[bytes], tokens: Sequence[int]) -> bool:
+    """Load `keys` (the prompt's blocks, in order) into new blocks, let the workers run, and
+    check what landed against recompute. False when the coordinator refused the load."""
+    dests = await allocate(engine, owner, len(keys))
+    assert dests is not None
+    result = await engine.step([StartLoad(engine_id=engine.engine_id, tier=TIER,
+                                          items=[LoadRequest(key, dest) for key, dest in zip(keys, dests, strict=True)])])
+    if not result.decisions:
+        engine.compute(dests, tokens)  # refused: the engine recomputes instead
+        return False
+    events = await engine.execute()
+    if any(type(e).__name__ == "JobSucceeded" for e in events):
+        engine.check([(dest, tokens[: (index + 1) * BLOCK]) for index, dest in enumerate(dests)])
+    return True
+
+
+# --- the scenarios ------------------------------------------------------------------------------
+
+
+async def duplicate_keys_in_batch_load(sim: Simulation) -> None:
+    """Seed 002 (#3929): a batch get naming one key twice filled only the first destination and
+    still reported success. Two requests with one prompt load in one batch."""
+    engine = await sim.engine("pod-a", namespace(), [attention()])
+    tokens = prompt(1, 2)
+    stored = await produce(engine, "r1", tokens)
+    keys = [item.key for item in stored.items]
+    first, second = await admit(engine, "r2"), await admit(engine, "r3")
+    mine, theirs = await allocate(engine, first, 2), await allocate(engine, second, 2)
+    assert mine is not None and theirs is not None
+    engine.compute(theirs, prompt(99, 2))  # what the recycled blocks held before
+    items = [LoadRequest(key, dest) for key, dest in zip(keys * 2, mine + theirs, strict=True)]
+    await engine.step([StartLoad(engine_id=engine.engine_id, tier=TIER, items=items)])
+    await engine.execute()
+    engine.check([(dest, tokens[: (index % 2 + 1) * BLOCK]) for index, dest in enumerate(mine + theirs)])
+
+
+async def _foreign_namespace(sim: Simulation, theirs: NamespaceSpec) -> None:
+    """pod-b is told (by a router that does not know namespaces) to reuse pod-a's prefix."""
+    a = await sim.engine("pod-a", namespace(), [attention()])
+    b = await sim.engine("pod-b", theirs, [attention()])
+    tokens = prompt(2, 2)
+    stored = await produce(a, "a-1", tokens)
+    owner = await admit(b, "b-1")
+    await load_prefix(b, owner, [item.key for item in stored.items], tokens)
+
+
+async def weights_revision_change(sim: Simulation) -> None:
+    """Seed 003: a new checkpoint under the same model name; the namespace must change with it."""
+    await _foreign_namespace(sim, namespace(weights="sha256:weights-2"))
+
+
+async def cross_tenant_prefix(sim: Simulation) -> None:
+    """Seed 003 / I9: another tenant's cached prefix is another request's KV."""
+    await _foreign_namespace(sim, namespace(tenant="tenant-b"))
+
+
+async def overlapping_state_copy(sim: Simulation) -> None:
+    """Seed 000 (the Mamba fix): a chain of state copies run one by one reads a block an
+    earlier copy already overwrote."""
+    engine = await sim.engine("pod-a", namespace(), [attention()])
+    tokens = prompt(3, 3)
+    owner = await admit(engine, "r1")
+    blocks = await allocate(engine, owner, 3)
+    assert blocks is not None
+    a, b, c = blocks
+    await compute(engine, owner, blocks, tokens)
+    moves = [Move(a, 0, b, 0, BLOCK_BYTES), Move(b, 0, c, 0, BLOCK_BYTES)]  # b := a, c := b, at once
+    await engine.step([PlanStateCopy(engine_id=engine.engine_id, pool_id=0, moves=moves)])
+    await engine.execute()
+    engine.check([(b, tokens[:BLOCK]), (c, tokens[: 2 * BLOCK])])
+
+
+async def preempt_during_async_store(sim: Simulation) -> None:
+    """Seed 000: a request is preempted while its blocks are being stored asynchronously; the
+    blocks go to another request, which writes them; the late store then saves that request's
+    KV under the first one's keys, and a later hit serves it."""
+    engine = await sim.engine("pod-a", namespace(), [attention(num_blocks=3)])  # two usable blocks
+    first_prompt, second_prompt = prompt(4, 2), prompt(5, 2)
+    owner = await admit(engine, "r1")
+    blocks = await allocate(engine, owner, 2)
+    assert blocks is not None
+    store = await compute_and_store(engine, owner, blocks, first_prompt)
+    await engine.step([FinishOwner(engine_id=engine.engine_id, owner_id=owner, reason="preempted")])
+    other = await admit(engine, "r2")
+    taken = await allocate(engine, other, 2)
+    if taken is None:  # refused: the slots are still pinned by the store (I3); it lands first
+        await engine.execute(only=frozenset({store.job_id}))
+        taken = await allocate(engine, other, 2)
+        assert taken is not None
+    await compute(engine, other, taken, second_prompt)
+    await engine.execute()  # the (late) store runs now if it has not yet
+    await engine.step([FinishOwner(engine_id=engine.engine_id, owner_id=other)])
+    again = await admit(engine, "r1-resumed")
+    await load_prefix(engine, again, [item.key for item in store.items], first_prompt)
+
+
+class Scenario(msgspec.Struct, frozen=True):
+    name: str
+    protection: Protection
+    invariant: str
+    run: Run
+    evidence: str
+    """What the on run records instead of the wrong read (a refusal reason, or a decision)."""
+
+
+SCENARIOS = {
+    scenario.name: scenario
+    for scenario in (
+        Scenario("preempt-during-async-store", Protection.PINS, "I3", preempt_during_async_store, "Refused:pool_exhausted"),
+        Scenario("overlapping-state-copy", Protection.ORDERED_COPIES, "I15", overlapping_state_copy, "ordered plan"),
+        Scenario("duplicate-keys-in-batch-load", Protection.LOAD_DEDUPE, "I11", duplicate_keys_in_batch_load,
+                 "every destination verified"),
+        Scenario("weights-revision-change-under-same-model-name", Protection.NAMESPACE_WEIGHTS, "I9", weights_revision_change,
+                 "Refused:key_not_published"),
+        Scenario("cross-tenant-prefix", Protection.NAMESPACE_TENANT, "I9", cross_tenant_prefix, "Refused:key_not_published"),
+    )
+}
+
+
+class Outcome(msgspec.Struct, frozen=True, kw_only=True):
+    scenario: str
+    invariant: str
+    protection_on: bool
+    requests: int
+    wrong_reads: int
+    loads_checked: int
+    refusals: dict[str, int]
+    events: int
+    seconds: float
+    log: str = ""
+
+
+async def run_scenario(scenario: Scenario, *, protection_on: bool, directory: Path | None = None) -> Outcome:
+    off = frozenset() if protection_on else frozenset({scenario.protection})
+    started = time.perf_counter()
+    async with Simulation(directory, off) as sim:
+        await scenario.run(sim)
+        tally: Tally = sim.tally
+        where = str(sim.log_path) if directory is not None else ""
+    return Outcome(
+        scenario=scenario.name, invariant=scenario.invariant, protection_on=protection_on, requests=tally.requests,
+        wrong_reads=tally.wrong_reads, loads_checked=tally.loads_checked, refusals=dict(sorted(tally.refusals.items())),
+        events=tally.events, seconds=time.perf_counter() - started, log=where,
+    )
