@@ -369,6 +369,17 @@ def _complete(state: State, job: JobState, reports: dict[int, RankReported]) -> 
                         source_job=job_id,
                     )
                 )
+            elif existing.checksums != checksums and is_off(Protection.IDEMPOTENT_STORE):
+                # The naive store of seed 002: the last writer wins.
+                events.append(KeyEvicted(tier=tier.spec.name, pool_id=item.source.pool_id, key=item.key,
+                                         tier_slot=existing.tier_slot, engine_id=decision.engine_id))
+                pool = state.engines[decision.engine_id].pools[item.source.pool_id]
+                events.append(KeyPublished(
+                    tier=tier.spec.name, namespace_id=state.engines[decision.engine_id].namespace_id,
+                    pool_id=item.source.pool_id, key=item.key, tier_slot=item.tier_slot,
+                    tier_generation=item.tier_generation, checksums=checksums, size_bytes=pool.spec.bytes_per_block,
+                    source_job=job_id,
+                ))
             elif existing.checksums != checksums and not existing.quarantined:
                 # I10: same key, other bytes. Someone stored the wrong KV; trust neither.
                 events.append(

@@ -348,7 +348,7 @@ def _reuse_blocks(state: State, command: ReuseBlocks) -> list[Event]:
     check.unique_refs(command.blocks, "blocks to reuse")
     for ref in command.blocks:
         pool = check.block(eng, ref)
-        if pool.keys[ref.block_id] is None:
+        if pool.keys[ref.block_id] is None and not is_off(Protection.VISIBLE_WHEN_COMPLETE):
             raise Refusal(Reason.NOT_COMPUTED, f"block {ref.pool_id}/{ref.block_id} holds no computed content")
         if ref.block_id in own.blocks.get(ref.pool_id, {}):
             raise Refusal(Reason.ALREADY_HELD, f"owner {own.owner_id} already holds {ref.pool_id}/{ref.block_id}")

@@ -29,6 +29,12 @@ class Protection(enum.StrEnum):
     LOAD_DEDUPE = "duplicate-keys-in-batch-load"
     """I11: every destination of a repeated key is filled and verified. Off (worker): only the
     first is, and the read's checksum is reported for all."""
+    IDEMPOTENT_STORE = "duplicate-offload-with-different-bytes"
+    """I10: a re-store of a published key with other bytes quarantines it. Off: the last store
+    wins, and its bytes are served."""
+    VISIBLE_WHEN_COMPLETE = "load-before-compute-complete"
+    """I17: a block whose load or compute is not complete is no one's hit. Off: another request
+    may take a ref on it and read it early."""
     ORDERED_COPIES = "overlapping-state-copy"
     """I15: state copies keep parallel-assignment meaning. Off: moves run one by one, in the
     order given, each reading what earlier ones wrote."""

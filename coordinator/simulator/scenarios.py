@@ -18,13 +18,14 @@ from coordinator.commands import (
     MarkComputed,
     Move,
     PlanStateCopy,
+    ReuseBlocks,
     StartLoad,
     StartOwner,
     StartStore,
 )
 from coordinator.protections import Protection
 from coordinator.simulator.harness import TIER, SimEngine, Simulation, Tally
-from events import BlockRef, BlocksAllocated, NamespaceSpec, OwnerStarted, PoolSpec, StoreJobStarted
+from events import BlockRef, BlocksAllocated, BlocksReused, NamespaceSpec, OwnerStarted, PoolSpec, StoreJobStarted
 
 BLOCK = 16
 BLOCK_BYTES = 256
@@ -185,6 +186,58 @@ async def preempt_during_async_store(sim: Simulation) -> None:
     await load_prefix(engine, again, [item.key for item in store.items], first_prompt)
 
 
+async def duplicate_offload_with_different_bytes(sim: Simulation) -> None:
+    """Seed 002 (#3135, #2827): two instances offload the same key at once; one computed a wrong
+    byte. A store that silently takes the last writer's bytes serves them to everyone after."""
+    a = await sim.engine("pod-a", namespace(), [attention()])
+    b = await sim.engine("pod-b", namespace(), [attention()])
+    tokens = prompt(6, 2)
+    owners = [await admit(a, "a-1"), await admit(b, "b-1")]
+    blocks = [await allocate(a, owners[0], 2), await allocate(b, owners[1], 2)]
+    assert blocks[0] is not None and blocks[1] is not None
+    await compute_and_store(a, owners[0], blocks[0], tokens)
+    b.compute(blocks[1], tokens)
+    b.workers[0].pools.block(blocks[1][1])[7] ^= 0x40  # a kernel wrote one wrong byte on rank 0
+    await b.step([
+        MarkComputed(engine_id=b.engine_id, owner_id=owners[1], blocks=blocks[1], token_ids=tokens),
+        StartStore(engine_id=b.engine_id, tier=TIER, blocks=blocks[1]),
+    ])
+    await a.execute()
+    await b.execute()  # the second store lands on the published keys with other bytes
+    reader = await admit(a, "a-2")
+    await load_prefix(a, reader, _keys(a, blocks[0]), tokens)
+
+
+def _keys(engine: SimEngine, blocks: list[BlockRef]) -> list[bytes]:
+    """The content keys the coordinator gave these blocks."""
+    assert engine.sim.sidecar is not None
+    pool = engine.sim.sidecar.ledger.state.engines[engine.engine_id].pools[blocks[0].pool_id]
+    return [key for key in (pool.keys[ref.block_id] for ref in blocks) if key is not None]
+
+
+async def load_before_compute_complete(sim: Simulation) -> None:
+    """I17: a block whose load has not landed yet is claimed as a prefix-cache hit by a second
+    request, which reads what the slot held before."""
+    engine = await sim.engine("pod-a", namespace(), [attention()])
+    tokens = prompt(7, 1)
+    stored = await produce(engine, "r1", tokens)
+    first = await admit(engine, "r2")
+    [slot] = await allocate(engine, first, 1) or []
+    engine.compute([slot], prompt(98, 1))  # what the recycled slot held before
+    load = await engine.step([StartLoad(engine_id=engine.engine_id, tier=TIER,
+                                        items=[LoadRequest(stored.items[0].key, slot)])])
+    [decision] = load.decisions  # the load is slow: it has not run yet
+    second = await admit(engine, "r3")
+    reused = await engine.step([ReuseBlocks(engine_id=engine.engine_id, owner_id=second, blocks=[slot])])
+    if any(isinstance(e, BlocksReused) for e in reused.results[0]):
+        engine.check([(slot, tokens)])  # r3 runs on the slot now, before the load lands
+    else:  # refused (not computed): r3 computes its own block
+        [own] = await allocate(engine, second, 1) or []
+        await compute(engine, second, [own], tokens)
+        engine.check([(own, tokens)])
+    await engine.execute(only=frozenset({decision.event.job_id}))
+
+
 class Scenario(msgspec.Struct, frozen=True):
     name: str
     protection: Protection
@@ -204,6 +257,10 @@ SCENARIOS = {
         Scenario("weights-revision-change-under-same-model-name", Protection.NAMESPACE_WEIGHTS, "I9", weights_revision_change,
                  "Refused:key_not_published"),
         Scenario("cross-tenant-prefix", Protection.NAMESPACE_TENANT, "I9", cross_tenant_prefix, "Refused:key_not_published"),
+        Scenario("duplicate-offload-with-different-bytes", Protection.IDEMPOTENT_STORE, "I10",
+                 duplicate_offload_with_different_bytes, "KeyQuarantined:checksum_mismatch"),
+        Scenario("load-before-compute-complete", Protection.VISIBLE_WHEN_COMPLETE, "I17", load_before_compute_complete,
+                 "Refused:not_computed"),
     )
 }
 
