@@ -56,10 +56,13 @@ def owner(state: State, eng: EngineState, owner_id: int) -> OwnerState:
     return found
 
 
-def block(eng: EngineState, ref: BlockRef) -> PoolState:
-    """A reference to a real, current slot (I1, I2); returns its pool."""
+def block(eng: EngineState, ref: BlockRef, *, allow_null: bool = False) -> PoolState:
+    """A reference to a real, current slot (I1, I2); returns its pool. `allow_null` exists only
+    for the simulator's null-state-publication scenario (coordinator.protections)."""
     found = pool(eng, ref.pool_id)
     if ref.block_id == NULL_BLOCK_ID:
+        if allow_null:
+            return found
         raise Refusal(Reason.NULL_BLOCK, f"block 0 of pool {ref.pool_id} is the null block")
     if not 0 < ref.block_id < found.spec.num_blocks:
         raise Refusal(Reason.UNKNOWN_SLOT, f"pool {ref.pool_id} has no block {ref.block_id}")

@@ -14,6 +14,7 @@ from coordinator.keys import chain_keys, reuse_unit
 from coordinator.protections import Protection, is_off
 from coordinator.state import EngineState, JobState, PoolState, SlotStatus, State, TierState
 from events import (
+    NULL_BLOCK_ID,
     CopyOp,
     BlockRef,
     Event,
@@ -50,6 +51,8 @@ def prefix_hit(state: State, command: LookupPrefix, eng: EngineState) -> PrefixL
     tier = check.tier(state, eng, command.tier)
     groups = [p for p in eng.pools.values() if p.spec.kind != "encoder"]
     unit = reuse_unit((p.spec.kind, p.spec.block_size) for p in groups)
+    if is_off(Protection.WHOLE_UNITS) and groups:
+        unit = min(p.spec.block_size for p in groups)  # the naive, finer granularity
     tokens = command.token_ids
     chains = {
         p.spec.pool_id: chain_keys(eng.namespace_id, tokens, p.spec.block_size, command.extra_keys)
@@ -148,12 +151,14 @@ def _start_store(state: State, command: StartStore) -> list[Event]:
     skipped: list[bytes] = []
     kept: set[tuple[int, bytes]] = set()
     seen: set[tuple[int, bytes]] = set()
+    naive_nulls = is_off(Protection.NULL_STATES)
     for ref in command.blocks:
-        pool = check.block(eng, ref)
+        pool = check.block(eng, ref, allow_null=naive_nulls)
         if pool.spec.kind == "encoder":
             raise Refusal(Reason.INVALID_ARGUMENT, f"pool {ref.pool_id} is an encoder pool")
         key = pool.keys[ref.block_id]
-        if key is None or pool.status(ref.block_id) is not SlotStatus.ALLOCATED:
+        held = pool.status(ref.block_id) is SlotStatus.ALLOCATED or (naive_nulls and ref.block_id == NULL_BLOCK_ID)
+        if key is None or not held:
             # I17: content that is still being computed or loaded is not stored.
             raise Refusal(Reason.NOT_COMPUTED, f"block {ref.pool_id}/{ref.block_id} is not computed and held")
         if (ref.pool_id, key) in seen or tier.entry(ref.pool_id, key) is not None:

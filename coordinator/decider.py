@@ -373,8 +373,11 @@ def _mark_computed(state: State, command: MarkComputed) -> list[Event]:
     pool_ids = {ref.pool_id for ref in command.blocks}
     if len(pool_ids) != 1:
         raise Refusal(Reason.INVALID_ARGUMENT, f"blocks span pools {sorted(pool_ids)}")
+    naive_nulls = is_off(Protection.NULL_STATES)
     for ref in command.blocks:
-        pool = check.block(eng, ref)
+        pool = check.block(eng, ref, allow_null=naive_nulls)
+        if ref.block_id == NULL_BLOCK_ID:
+            continue  # only with the null-state protection off: a skipped state position gets a key
         if own.blocks.get(ref.pool_id, {}).get(ref.block_id) != ref.generation:
             raise Refusal(Reason.NOT_OWNER, f"owner {own.owner_id} holds no ref on {ref}")
         if pool.keys[ref.block_id] is not None:

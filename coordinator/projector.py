@@ -12,6 +12,7 @@ from typing import Any
 
 from coordinator.state import EngineState, JobState, KeyEntry, OwnerState, PoolState, PublishedRef, State, TierState, removed
 from events import (
+    NULL_BLOCK_ID,
     BlockRef,
     BlocksAllocated,
     BlocksComputed,
@@ -91,6 +92,8 @@ def _release_slot(engine: EngineState, pool: PoolState, block_id: int) -> None:
 
 def _pin(pool: PoolState, block_id: int) -> None:
     """A job holds the slot: whatever its refs, it leaves the free lists until unpinned (I3)."""
+    if block_id == NULL_BLOCK_ID:
+        return  # never pinned, never freed (I2); named by a job only in the null-state scenario
     pool.pins[block_id] += 1
     if block_id in pool.cached:  # a copy may read a cached-free block
         del pool.cached[block_id]
@@ -99,6 +102,8 @@ def _pin(pool: PoolState, block_id: int) -> None:
 
 def _unpin(engine: EngineState, pool: PoolState, block_id: int) -> None:
     """A job lets go of a slot; the slot frees if no owner holds it either (I3)."""
+    if block_id == NULL_BLOCK_ID:
+        return
     pool.pins[block_id] -= 1
     if pool.pins[block_id] == 0 and pool.refs[block_id] == 0:
         _release_slot(engine, pool, block_id)

@@ -35,6 +35,13 @@ class Protection(enum.StrEnum):
     VISIBLE_WHEN_COMPLETE = "load-before-compute-complete"
     """I17: a block whose load or compute is not complete is no one's hit. Off: another request
     may take a ref on it and read it early."""
+    WHOLE_UNITS = "partial-hash-hit"
+    """I7: a hit is a whole reuse unit (the LCM of the groups' block sizes). Off: the finest
+    group's blocks define the boundary, and a coarser group resumes from a state that does not
+    end there (seed 002: 64-token hash hits on 1152-token blocks)."""
+    NULL_STATES = "null-state-publication"
+    """I2: the null block is never computed, stored or published. Off: a state group's skipped
+    positions (the null block, seed 004) get keys and their zeros are published."""
     ORDERED_COPIES = "overlapping-state-copy"
     """I15: state copies keep parallel-assignment meaning. Off: moves run one by one, in the
     order given, each reading what earlier ones wrote."""

@@ -62,9 +62,12 @@ class DevicePools:
             raise TransferError("unknown_pool", f"no pool {pool_id} (pools: {sorted(self.tensors)})")
         return tensor
 
-    def block(self, ref: BlockRef) -> torch.Tensor:
-        """The view of one block shard; refuses the null block and ids outside the pool."""
+    def block(self, ref: BlockRef, *, allow_null: bool = False) -> torch.Tensor:
+        """The view of one block shard; refuses the null block (unless the simulator's
+        null-state scenario runs unprotected) and ids outside the pool."""
         tensor = self.pool(ref.pool_id)
+        if ref.block_id == NULL_BLOCK_ID and allow_null:
+            return tensor[NULL_BLOCK_ID]
         if ref.block_id == NULL_BLOCK_ID:
             raise TransferError("null_block", f"block {ref.pool_id}/0 is the null block")
         if not 0 < ref.block_id < tensor.shape[0]:

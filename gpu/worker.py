@@ -95,7 +95,8 @@ class Worker:
 
     def _store(self, event: StoreJobStarted) -> list[bytes]:
         tier = self._tier(event.tier)
-        blocks = [self.pools.block(item.source) for item in event.items]  # all validated first
+        naive = Protection.NULL_STATES in self.protections_off
+        blocks = [self.pools.block(item.source, allow_null=naive) for item in event.items]  # all validated first
         return [tier.write(item.key, block) for item, block in zip(event.items, blocks, strict=True)]
 
     def _load(self, event: LoadJobStarted) -> list[bytes]:

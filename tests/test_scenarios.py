@@ -65,6 +65,9 @@ def test_each_scenario_bites_with_its_protection_off_and_is_prevented_with_it_on
         # Off runs the moves as given (b := a, then c := b); on orders the reader first (c := b).
         assert [len(batch) for batch in plan_on.batches] == [1, 1] and plan_on.scratch_bytes == 0
         assert written_on == list(reversed(written_off)) and written_off == plan_off.destinations
+    if scenario.protection == Protection.WHOLE_UNITS:
+        # On: the hit stops at 32 tokens (two attention blocks and the state at 32); off: at 48.
+        assert (on.loads_checked, off.loads_checked) == (3, 4)
     if scenario.protection == Protection.PINS:
         stores_off = [e for e in events_off if isinstance(e, StoreJobStarted)]
         assert stores_off and not any(s.pinned for s in stores_off), "the unprotected store is recorded as unpinned"

@@ -23,9 +23,21 @@ from coordinator.commands import (
     StartOwner,
     StartStore,
 )
+from coordinator.keys import chain_keys, namespace_id
 from coordinator.protections import Protection
 from coordinator.simulator.harness import TIER, SimEngine, Simulation, Tally
-from events import BlockRef, BlocksAllocated, BlocksReused, NamespaceSpec, OwnerStarted, PoolSpec, StoreJobStarted
+from events import (
+    NULL_BLOCK_ID,
+    BlockRef,
+    BlocksAllocated,
+    BlocksComputed,
+    BlocksReused,
+    NamespaceSpec,
+    OwnerStarted,
+    PoolSpec,
+    PrefixLookedUp,
+    StoreJobStarted,
+)
 
 BLOCK = 16
 BLOCK_BYTES = 256
@@ -90,19 +102,21 @@ async def produce(engine: SimEngine, req_id: str, tokens: Sequence[int]) -> Stor
     return job
 
 
-async def load_prefix(engine: SimEngine, owner: int, keys: Sequence[bytes], tokens: Sequence[int]) -> bool:
-    """Load `keys` (the prompt's blocks, in order) into new blocks, let the workers run, and
-    check what landed against recompute. False when the coordinator refused the load."""
+async def load_prefix(
+    engine: SimEngine, owner: int, keys: Sequence[bytes], tokens: Sequence[int], *, first_block: int = 0
+) -> bool:
+    """Load `keys` (the prompt's blocks from `first_block` on, in order) into new blocks, let the
+    workers run, and check what landed against recompute. False when the coordinator refused."""
     dests = await allocate(engine, owner, len(keys))
     assert dests is not None
     result = await engine.step([StartLoad(engine_id=engine.engine_id, tier=TIER,
                                           items=[LoadRequest(key, dest) for key, dest in zip(keys, dests, strict=True)])])
     if not result.decisions:
-        engine.compute(dests, tokens)  # refused: the engine recomputes instead
+        engine.compute(dests, tokens, first_block=first_block)  # refused: the engine recomputes instead
         return False
     events = await engine.execute()
     if any(type(e).__name__ == "JobSucceeded" for e in events):
-        engine.check([(dest, tokens[: (index + 1) * BLOCK]) for index, dest in enumerate(dests)])
+        engine.check([(dest, tokens[: (first_block + index + 1) * BLOCK]) for index, dest in enumerate(dests)])
     return True
 
 
@@ -238,6 +252,88 @@ async def load_before_compute_complete(sim: Simulation) -> None:
     await engine.execute(only=frozenset({decision.event.job_id}))
 
 
+def state_pool(num_blocks: int = 64) -> PoolSpec:
+    return PoolSpec(pool_id=0, kind="state", num_blocks=num_blocks, block_size=BLOCK, bytes_per_block=BLOCK_BYTES)
+
+
+async def null_state_publication(sim: Simulation) -> None:
+    """Seed 004: a recurrent-state group keeps only the last position's state; the others point
+    at the null block. A connector that stores every position publishes the null block's zeros
+    as the state at the earlier boundaries, and a request that shares only that prefix loads it."""
+    ns = namespace()
+    engine = await sim.engine("pod-a", ns, [state_pool()])
+    tokens = prompt(8, 2)
+    owner = await admit(engine, "r1")
+    [last] = await allocate(engine, owner, 1) or []
+    engine.compute([last], tokens, first_block=1)
+    null = BlockRef(0, NULL_BLOCK_ID, 0)
+    positions = [null, last]
+    marked = await engine.step([MarkComputed(engine_id=engine.engine_id, owner_id=owner, blocks=positions, token_ids=tokens)])
+    if any(isinstance(e, BlocksComputed) for e in marked.results[0]):
+        await engine.step([StartStore(engine_id=engine.engine_id, tier=TIER, blocks=positions)])
+    else:  # refused (null block): mark only the real state, chained on the prefix before it
+        parent = chain_keys(namespace_id(ns), tokens[:BLOCK], BLOCK)[-1]
+        await engine.step([
+            MarkComputed(engine_id=engine.engine_id, owner_id=owner, blocks=[last], token_ids=tokens[BLOCK:], parent_key=parent),
+            StartStore(engine_id=engine.engine_id, tier=TIER, blocks=[last]),
+        ])
+    await engine.execute()
+    await engine.step([FinishOwner(engine_id=engine.engine_id, owner_id=owner)])
+    # r2 shares the first block of tokens only.
+    other = tokens[:BLOCK] + prompt(9, 1)
+    second = await admit(engine, "r2")
+    hit = await engine.client.lookup(TIER, other)
+    boundary = getattr(hit.answer, "boundary", 0)
+    if boundary:
+        keys = [key for group in hit.answer.hits for key in group.keys]  # type: ignore[union-attr]
+        await load_prefix(engine, second, keys, other[:boundary], first_block=boundary // BLOCK - 1)
+    else:
+        [own] = await allocate(engine, second, 1) or []
+        engine.compute([own], other, first_block=0)
+        engine.check([(own, other[:BLOCK])])
+
+
+async def partial_hash_hit(sim: Simulation) -> None:
+    """Seed 002: a hybrid model (attention blocks of 16 tokens, recurrent state every 32) shares
+    48 tokens with a cached prompt. Only 32 is a whole reuse unit: at 48 there is no state. A
+    lookup at the attention granularity resumes at 48 from the state at 32."""
+    ns = msgspec.structs.replace(namespace(), block_sizes=(BLOCK, 2 * BLOCK))
+    state = PoolSpec(pool_id=1, kind="state", num_blocks=64, block_size=2 * BLOCK, bytes_per_block=BLOCK_BYTES)
+    engine = await sim.engine("pod-a", ns, [attention(), state])
+    tokens = prompt(10, 4)
+    owner = await admit(engine, "r1")
+    attn_blocks, state_blocks = await allocate(engine, owner, 4, 0), await allocate(engine, owner, 2, 1)
+    assert attn_blocks is not None and state_blocks is not None
+    engine.compute(attn_blocks, tokens)
+    engine.compute(state_blocks, tokens)
+    await engine.step([
+        MarkComputed(engine_id=engine.engine_id, owner_id=owner, blocks=attn_blocks, token_ids=tokens),
+        MarkComputed(engine_id=engine.engine_id, owner_id=owner, blocks=state_blocks, token_ids=tokens),
+        StartStore(engine_id=engine.engine_id, tier=TIER, blocks=attn_blocks + state_blocks),
+    ])
+    await engine.execute()
+    await engine.step([FinishOwner(engine_id=engine.engine_id, owner_id=owner)])
+    other = tokens[: 3 * BLOCK] + prompt(11, 1)  # diverges after 48 tokens
+    second = await admit(engine, "r2")
+    hit = await engine.client.lookup(TIER, other)
+    assert isinstance(hit.answer, PrefixLookedUp)
+    boundary = hit.answer.boundary
+    items, holdings = [], []
+    for group in hit.answer.hits:
+        dests = await allocate(engine, second, len(group.keys), group.pool_id)
+        assert dests is not None
+        for index, (key, dest) in enumerate(zip(group.keys, dests, strict=True)):
+            items.append(LoadRequest(key, dest))
+            # An attention block holds its own tokens' KV; the state block is what the request
+            # resumes from: the state at the boundary.
+            holdings.append((dest, other[:boundary] if group.pool_id == 1 else other[: (index + 1) * BLOCK]))
+    if items:
+        await engine.step([StartLoad(engine_id=engine.engine_id, tier=TIER, items=items)])
+        events = await engine.execute()
+        if any(type(e).__name__ == "JobSucceeded" for e in events):
+            engine.check(holdings)
+
+
 class Scenario(msgspec.Struct, frozen=True):
     name: str
     protection: Protection
@@ -259,6 +355,8 @@ SCENARIOS = {
         Scenario("cross-tenant-prefix", Protection.NAMESPACE_TENANT, "I9", cross_tenant_prefix, "Refused:key_not_published"),
         Scenario("duplicate-offload-with-different-bytes", Protection.IDEMPOTENT_STORE, "I10",
                  duplicate_offload_with_different_bytes, "KeyQuarantined:checksum_mismatch"),
+        Scenario("partial-hash-hit", Protection.WHOLE_UNITS, "I7", partial_hash_hit, "boundary at a whole unit"),
+        Scenario("null-state-publication", Protection.NULL_STATES, "I2", null_state_publication, "Refused:null_block"),
         Scenario("load-before-compute-complete", Protection.VISIBLE_WHEN_COMPLETE, "I17", load_before_compute_complete,
                  "Refused:not_computed"),
     )
