@@ -59,6 +59,8 @@ class FinishOwner(Command, frozen=True, tag="finish_owner"):
     engine_id: str
     owner_id: int
     reason: str = "finished"
+    req_id: str = ""
+    """What the engine calls the request. Informational: kvledger accounts by owner_id (I4)."""
 
 
 class AllocateBlocks(Command, frozen=True, tag="allocate_blocks"):

@@ -29,6 +29,12 @@ class Protection(enum.StrEnum):
     LOAD_DEDUPE = "duplicate-keys-in-batch-load"
     """I11: every destination of a repeated key is filled and verified. Off (worker): only the
     first is, and the read's checksum is reported for all."""
+    JOB_IDENTITY = "req-id-reuse-after-preemption"
+    """I4: owners and jobs are accounted by id, never by req_id. Off: a late notice for a
+    preempted attempt lands on the resumed request that reuses its req_id."""
+    END_OF_STEP = "stale-encoder-eviction"
+    """I14: notices describe the end of the step; a freed notice for an encoder entry allocated
+    again in the same step is dropped. Off: the consumer evicts the new entry."""
     IDEMPOTENT_STORE = "duplicate-offload-with-different-bytes"
     """I10: a re-store of a published key with other bytes quarantines it. Off: the last store
     wins, and its bytes are served."""

@@ -197,10 +197,13 @@ class Simulation:
         if self._own_dir is not None:
             self._own_dir.cleanup()
 
-    async def engine(self, engine_id: str, namespace: NamespaceSpec, pools: Sequence[PoolSpec]) -> SimEngine:
+    async def engine(
+        self, engine_id: str, namespace: NamespaceSpec, pools: Sequence[PoolSpec], *, encoder_cache_tokens: int = 0
+    ) -> SimEngine:
         """Declare an engine (its Hello) and start its workers' subscriptions."""
         declare = DeclareEngine(engine_id=engine_id, namespace=namespace, pools=list(pools),
-                                world_size=namespace.tensor_parallel_size, tiers=[TIER])
+                                world_size=namespace.tensor_parallel_size, tiers=[TIER],
+                                encoder_cache_tokens=encoder_cache_tokens)
         engine = SimEngine(self, declare)
         await engine.client.connect()
         assert engine.client.welcome is not None

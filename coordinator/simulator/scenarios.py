@@ -10,9 +10,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import msgspec
+import torch
 
 from coordinator.commands import (
     AllocateBlocks,
+    AllocateEncoderEntry,
+    FreeEncoderEntry,
     FinishOwner,
     LoadRequest,
     MarkComputed,
@@ -25,6 +28,7 @@ from coordinator.commands import (
 )
 from coordinator.keys import chain_keys, namespace_id
 from coordinator.protections import Protection
+from coordinator.simulator.content import kv_bytes
 from coordinator.simulator.harness import TIER, SimEngine, Simulation, Tally
 from events import (
     NULL_BLOCK_ID,
@@ -36,11 +40,14 @@ from events import (
     OwnerStarted,
     PoolSpec,
     PrefixLookedUp,
+    StepEnded,
     StoreJobStarted,
 )
 
 BLOCK = 16
 BLOCK_BYTES = 256
+ENCODER_GROUP = 1 << 16
+"""The group id the encoder outputs are hashed under (no pool has it)."""
 Run = Callable[[Simulation], Awaitable[None]]
 
 
@@ -334,6 +341,83 @@ async def partial_hash_hit(sim: Simulation) -> None:
             engine.check(holdings)
 
 
+async def req_id_reuse_after_preemption(sim: Simulation) -> None:
+    """Seed 000: a request is preempted while its blocks are still being stored, and resumes
+    under the same req_id. When the old attempt's store finishes, a connector that accounts by
+    req_id reports "chat-7 finished": the resumed attempt's blocks are freed under it, another
+    request takes and writes them, and the resumed request reads that request's KV."""
+    engine = await sim.engine("pod-a", namespace(), [attention(num_blocks=5)])  # four usable blocks
+    tokens, others = prompt(12, 2), prompt(13, 2)
+    first = await admit(engine, "chat-7")
+    blocks = await allocate(engine, first, 2)
+    assert blocks is not None
+    store = await compute_and_store(engine, first, blocks, tokens)
+    await engine.step([FinishOwner(engine_id=engine.engine_id, owner_id=first, reason="preempted", req_id="chat-7")])
+    resumed = await engine.step([StartOwner(engine_id=engine.engine_id, req_id="chat-7", resumed=True)])
+    again = next(e for e in resumed.results[0] if isinstance(e, OwnerStarted)).owner_id
+    mine = await allocate(engine, again, 2)
+    assert mine is not None
+    await compute(engine, again, mine, tokens)
+    await engine.execute(only=frozenset({store.job_id}))  # the old attempt's store lands late...
+    # ...and the connector says which request finished, by req_id.
+    await engine.step([FinishOwner(engine_id=engine.engine_id, owner_id=first, reason="sent", req_id="chat-7")])
+    intruder = await admit(engine, "chat-8")
+    taken = await allocate(engine, intruder, 4) or await allocate(engine, intruder, 2)
+    assert taken is not None
+    engine.compute(taken, others + others)
+    engine.check([(mine[0], tokens[:BLOCK]), (mine[1], tokens)])  # chat-7 decodes on its blocks
+
+
+class EncoderCache:
+    """The model runner's encoder-output cache: slots of bytes, filled when the scheduler
+    allocates an entry, released when a StepEnded notice says the entry was freed."""
+
+    def __init__(self, engine: SimEngine, slots: int) -> None:
+        self.engine = engine
+        self.data = torch.zeros((slots, BLOCK_BYTES), dtype=torch.uint8)
+        self.where: dict[str, int] = {}
+
+    def output(self, entry_id: str) -> torch.Tensor:
+        """What the encoder computes for this entry (a multimodal item's hash)."""
+        return kv_bytes(self.engine.namespace, list(entry_id.encode()), ENCODER_GROUP, 0, BLOCK_BYTES)
+
+    def fill(self, entry_id: str) -> int:
+        slot = min(set(range(self.data.shape[0])) - set(self.where.values()))
+        self.where[entry_id] = slot
+        self.data[slot] = self.output(entry_id)
+        return slot
+
+    def apply(self, ended: Sequence[object]) -> None:
+        for event in ended:
+            if isinstance(event, StepEnded):
+                for entry_id in event.freed_encoder_entries:
+                    self.where.pop(entry_id, None)
+
+
+async def stale_encoder_eviction(sim: Simulation) -> None:
+    """Seed 000 (the encoder cache fix): an image's entry is freed and allocated again in one
+    step; a freed notice sent anyway makes the runner evict it, the slot goes to the next image,
+    and the request reads that image's encoder output as its own."""
+    engine = await sim.engine("pod-a", namespace(), [attention()], encoder_cache_tokens=64)
+    cache = EncoderCache(engine, slots=4)
+    sim.tally.requests += 2
+    a = AllocateEncoderEntry(engine_id=engine.engine_id, entry_id="img-a", num_tokens=16)
+    first = await engine.step([a])
+    cache.fill("img-a")
+    cache.apply(first.ended)
+    # The first request finishes with img-a; a second request brings the same image back.
+    second = await engine.step([FreeEncoderEntry(engine_id=engine.engine_id, entry_id="img-a"), a])
+    slot = cache.fill("img-a") if "img-a" not in cache.where else cache.where["img-a"]
+    cache.apply(second.ended)
+    third = await engine.step([AllocateEncoderEntry(engine_id=engine.engine_id, entry_id="img-b", num_tokens=16)])
+    cache.fill("img-b")
+    cache.apply(third.ended)
+    # The second request's forward pass reads img-a's output where the scheduler put it.
+    wrong = int(not torch.equal(cache.data[slot], cache.output("img-a")))
+    sim.tally.loads_checked += 1
+    sim.tally.wrong_reads += wrong
+
+
 class Scenario(msgspec.Struct, frozen=True):
     name: str
     protection: Protection
@@ -346,6 +430,10 @@ class Scenario(msgspec.Struct, frozen=True):
 SCENARIOS = {
     scenario.name: scenario
     for scenario in (
+        Scenario("req-id-reuse-after-preemption", Protection.JOB_IDENTITY, "I4", req_id_reuse_after_preemption,
+                 "Refused:unknown_owner"),
+        Scenario("stale-encoder-eviction", Protection.END_OF_STEP, "I14", stale_encoder_eviction,
+                 "NoticeDropped:reallocated_in_step"),
         Scenario("preempt-during-async-store", Protection.PINS, "I3", preempt_during_async_store, "Refused:pool_exhausted"),
         Scenario("overlapping-state-copy", Protection.ORDERED_COPIES, "I15", overlapping_state_copy, "ordered plan"),
         Scenario("duplicate-keys-in-batch-load", Protection.LOAD_DEDUPE, "I11", duplicate_keys_in_batch_load,
