@@ -198,7 +198,7 @@ def _reset_events(state: State, eng: EngineState, incarnation: int, reason: str)
     events: list[Event] = [
         JobFenced(job_id=job.job_id)
         for job in state.jobs.values()
-        if job.decision.engine_id == eng.engine_id
+        if job.decision.engine_id == eng.engine_id and not is_off(Protection.FENCING)
     ]
     events.append(EngineReset(engine_id=eng.engine_id, incarnation=incarnation, reason=reason))
     return events

@@ -102,7 +102,9 @@ def _pin(pool: PoolState, block_id: int) -> None:
 
 def _unpin(engine: EngineState, pool: PoolState, block_id: int) -> None:
     """A job lets go of a slot; the slot frees if no owner holds it either (I3)."""
-    if block_id == NULL_BLOCK_ID:
+    if block_id == NULL_BLOCK_ID or not pool.pins[block_id]:
+        # Nothing to let go: the null block is never pinned, and a reset clears the pins of
+        # jobs it did not fence (only in the simulator's reset-with-late-completions scenario).
         return
     pool.pins[block_id] -= 1
     if pool.pins[block_id] == 0 and pool.refs[block_id] == 0:

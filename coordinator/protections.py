@@ -32,6 +32,9 @@ class Protection(enum.StrEnum):
     JOB_IDENTITY = "req-id-reuse-after-preemption"
     """I4: owners and jobs are accounted by id, never by req_id. Off: a late notice for a
     preempted attempt lands on the resumed request that reuses its req_id."""
+    FENCING = "reset-with-late-completions"
+    """I16: a reset fences the old incarnation's jobs; their late reports are dropped. Off: a
+    store that completes after the reset publishes what the recycled slots hold by then."""
     END_OF_STEP = "stale-encoder-eviction"
     """I14: notices describe the end of the step; a freed notice for an encoder entry allocated
     again in the same step is dropped. Off: the consumer evicts the new entry."""

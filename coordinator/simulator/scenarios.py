@@ -21,6 +21,7 @@ from coordinator.commands import (
     MarkComputed,
     Move,
     PlanStateCopy,
+    ResetCache,
     ReuseBlocks,
     StartLoad,
     StartOwner,
@@ -368,6 +369,35 @@ async def req_id_reuse_after_preemption(sim: Simulation) -> None:
     engine.check([(mine[0], tokens[:BLOCK]), (mine[1], tokens)])  # chat-7 decodes on its blocks
 
 
+async def reset_with_late_completions(sim: Simulation) -> None:
+    """I16 (seed 000): a cache reset while a store is in flight. After the reset the same slots
+    go to a new request; the old store completes late and, unfenced, publishes the new request's
+    KV under the old prompt's keys."""
+    engine = await sim.engine("pod-a", namespace(), [attention(num_blocks=16)])
+    tokens, others = prompt(14, 2), prompt(15, 2)
+    owner = await admit(engine, "r1")
+    blocks = await allocate(engine, owner, 2)
+    assert blocks is not None
+    store = await compute_and_store(engine, owner, blocks, tokens)
+    reset = await engine.client.execute(ResetCache(engine_id=engine.engine_id, reason="reset_prefix_cache"))
+    sim.tally.record(reset.events)
+    fresh = await admit(engine, "r2")
+    reused = await allocate(engine, fresh, 2)
+    assert reused is not None
+    await compute(engine, fresh, reused, others)
+    await engine.execute(only=frozenset({store.job_id}))  # the old incarnation's store, late
+    reader = await admit(engine, "r3")
+    hit = await engine.client.lookup(TIER, tokens)
+    keys = [key for group in getattr(hit.answer, "hits", []) for key in group.keys]
+    if keys:
+        await load_prefix(engine, reader, keys, tokens)
+    else:
+        mine = await allocate(engine, reader, 2)
+        assert mine is not None
+        await compute(engine, reader, mine, tokens)
+        engine.check([(mine[0], tokens[:BLOCK]), (mine[1], tokens)])
+
+
 class EncoderCache:
     """The model runner's encoder-output cache: slots of bytes, filled when the scheduler
     allocates an entry, released when a StepEnded notice says the entry was freed."""
@@ -432,6 +462,8 @@ SCENARIOS = {
     for scenario in (
         Scenario("req-id-reuse-after-preemption", Protection.JOB_IDENTITY, "I4", req_id_reuse_after_preemption,
                  "Refused:unknown_owner"),
+        Scenario("reset-with-late-completions", Protection.FENCING, "I16", reset_with_late_completions,
+                 "NoticeDropped:stale_job"),
         Scenario("stale-encoder-eviction", Protection.END_OF_STEP, "I14", stale_encoder_eviction,
                  "NoticeDropped:reallocated_in_step"),
         Scenario("preempt-during-async-store", Protection.PINS, "I3", preempt_during_async_store, "Refused:pool_exhausted"),
