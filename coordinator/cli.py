@@ -29,8 +29,10 @@ def main() -> None:
 @app.command()
 def demo(
     json_output: bool = typer.Option(False, "--json", help="Print the rows as JSON lines."),
+    core_only: bool = typer.Option(False, "--core", help="Only part one: the pure core, in process."),
 ) -> None:
-    """Play the seeds' failures against the pure core and show what it decided, step by step."""
+    """Play the seeds' failures against the pure core, step by step; then run them as fault
+    scenarios on a real sidecar and real workers, protection on and off."""
     from coordinator.demo import run_demo
 
     result = run_demo()
@@ -50,6 +52,35 @@ def demo(
         console.print(f"{result.events} events. Live state digest {result.digest[:16]}; full replay {result.replay_digest[:16]}: {same}")
     log.info("demo_finished", events=result.events, rows=len(result.rows), replay_equal=result.digest == result.replay_digest)
     if result.digest != result.replay_digest:
+        raise typer.Exit(code=1)
+    if core_only:
+        return
+    _demo_on_the_sidecar(json_output)
+
+
+def _demo_on_the_sidecar(json_output: bool) -> None:
+    """Part two: the seeds' failures as fault scenarios, on an embedded sidecar with real
+    workers and real bytes, each with its protection on and off."""
+    quiet_torch()
+    from coordinator.simulator.report import not_holding, run_scenarios, scenario_table
+    from events.log import data_dir
+
+    keep = data_dir() / "demo"
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up
+    results = anyio.run(lambda: run_scenarios(keep=keep))
+    if json_output:
+        for on, off in results:
+            typer.echo(msgspec.json.encode({"scenario": on.scenario, "on": on, "off": off}).decode())
+    else:
+        console = Console(width=200)
+        console.print(scenario_table(results, "kvledger demo, part two: the seeds' failures on a real sidecar and real workers"))
+        example = keep / f"{results[0][0].scenario}-on" / "log.sqlite"
+        console.print(f"Every run's log is under {keep}. Try next:\n"
+                      f"  kvledger db status --log {example}\n"
+                      f"  kvledger simulate --scenario {results[0][0].scenario} --keep /tmp/kvledger-runs")
+    failed = not_holding(results)
+    if failed:
+        typer.echo(f"kvledger demo: scenarios that did not hold (on > 0 or off == 0): {failed}", err=True)
         raise typer.Exit(code=1)
 
 
@@ -238,49 +269,28 @@ def simulate(
 ) -> None:
     """Run the seeds' failures as fault scenarios on a real sidecar and real workers, each with
     kvledger's protection on and off, and count wrong-KV reads from the bytes."""
+    quiet_torch()
     from pathlib import Path
 
-    quiet_torch()
-    from coordinator.simulator.scenarios import SCENARIOS, Outcome, run_scenario
+    from coordinator.simulator.report import not_holding, run_scenarios, scenario_table
+    from coordinator.simulator.scenarios import SCENARIOS
 
     unknown = sorted(set(scenario) - set(SCENARIOS))
     if unknown:
         raise typer.BadParameter(f"unknown scenarios {unknown}; known: {sorted(SCENARIOS)}", param_hint="--scenario")
     chosen = [SCENARIOS[name] for name in scenario] or list(SCENARIOS.values())
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up
-
-    async def run_all() -> list[tuple[Outcome, Outcome]]:
-        results = []
-        for item in chosen:
-            runs = []
-            for protection_on in (True, False):
-                where = None
-                if keep:
-                    where = Path(keep) / f"{item.name}-{'on' if protection_on else 'off'}"
-                    where.mkdir(parents=True, exist_ok=True)
-                runs.append(await run_scenario(item, protection_on=protection_on, directory=where))
-            results.append((runs[0], runs[1]))
-        return results
-
-    results = anyio.run(run_all)
+    results = anyio.run(lambda: run_scenarios(chosen, Path(keep) if keep else None))
     if json_output:
         for on, off in results:
             typer.echo(msgspec.json.encode(on).decode())
             typer.echo(msgspec.json.encode(off).decode())
     else:
-        table = Table(title="kvledger simulate: wrong-KV reads counted from the bytes, protection off vs on")
-        for column in ("scenario", "invariant", "requests", "wrong reads off", "wrong reads on", "what kvledger recorded (on)", "seconds"):
-            table.add_column(column, overflow="fold")
-        for on, off in results:
-            recorded = ", ".join(f"{k} x{v}" for k, v in on.refusals.items()) or "-"
-            table.add_row(on.scenario, on.invariant, str(on.requests), f"[bold red]{off.wrong_reads}[/]" if off.wrong_reads else "0",
-                          f"[bold red]{on.wrong_reads}[/]" if on.wrong_reads else "[green]0[/]", recorded, f"{on.seconds + off.seconds:.2f}")
-        Console(width=200).print(table)
-    failed = [on.scenario for on, off in results if on.wrong_reads or not off.wrong_reads]
+        Console(width=200).print(scenario_table(results, "kvledger simulate: wrong-KV reads counted from the bytes, protection off vs on"))
+    failed = not_holding(results)
     if failed:
         typer.echo(f"kvledger simulate: scenarios that did not hold (on > 0 or off == 0): {failed}", err=True)
         raise typer.Exit(code=1)
-
 
 if __name__ == "__main__":
     app()

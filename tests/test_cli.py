@@ -7,6 +7,7 @@ from pathlib import Path
 
 import sqlite3
 
+import pytest
 from typer.testing import CliRunner
 
 import migrations
@@ -15,17 +16,22 @@ from coordinator.cli import app
 runner = CliRunner()
 
 
-def test_demo_shows_the_refusals_and_proves_replay() -> None:
+def test_demo_shows_the_refusals_and_proves_replay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVLEDGER_DATA_DIR", str(tmp_path))
     result = runner.invoke(app, ["demo", "--json"])
-    assert result.exit_code == 0, result.output
-    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert result.exit_code == 0, (result.exception, result.output[-2000:])
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    rows = [line for line in lines if "verdict" in line]
+    scenarios = [line for line in lines if "scenario" in line]
+    assert len(scenarios) >= 12 and all(s["on"]["wrong_reads"] == 0 < s["off"]["wrong_reads"] for s in scenarios)
+    assert (tmp_path / "demo" / "partial-hash-hit-on" / "log.sqlite").exists(), "the demo says where its logs are"
     verdicts = {row["verdict"] for row in rows}
     assert {"ok", "refused", "dropped", "violation"} <= verdicts
     shown = " ".join(row["shows"] for row in rows)
     for invariant in ("I1", "I2", "I3", "I4", "I5", "I6", "I7", "I9", "I11", "I13", "I14", "I15", "I16"):
         assert invariant in shown, invariant
-    table = runner.invoke(app, ["demo"])
-    assert table.exit_code == 0 and "equal (I18 holds)" in table.stdout
+    table = runner.invoke(app, ["demo", "--core"])
+    assert table.exit_code == 0 and "equal (I18 holds)" in table.stdout and "part two" not in table.stdout
 
 
 def test_db_status_and_upgrade_on_sqlite(tmp_path: Path) -> None:

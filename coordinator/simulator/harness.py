@@ -167,7 +167,10 @@ class Simulation:
         self.tier_spec = TierSpec(name=TIER, num_slots=tier_slots, bytes_per_slot=1 << 20)
         self.tiers: list[dict[str, Tier]] = [{TIER: HostTier(TIER, CPU)} for _ in range(world_size)]
         """One shared tier per rank: every engine's worker of that rank sees the same one."""
-        self.address = Address(socket_path=str(self.directory / "kvledger.sock"))
+        # A Unix socket path has a length limit (108 bytes on Linux): the socket gets a short
+        # directory of its own, whatever the log's directory is.
+        self._socket_dir = tempfile.TemporaryDirectory(prefix="kvl-")
+        self.address = Address(socket_path=str(Path(self._socket_dir.name) / "s.sock"))
         self.engines: list[SimEngine] = []
         self.worker_clients: dict[tuple[str, int], WorkerClient] = {}
         self.started = time.perf_counter()
@@ -194,6 +197,7 @@ class Simulation:
         await self._sidecar_cm.__aexit__(kind, error, tb)
         assert self.log is not None
         await self.log.close()
+        self._socket_dir.cleanup()
         if self._own_dir is not None:
             self._own_dir.cleanup()
 

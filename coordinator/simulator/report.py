@@ -1,0 +1,53 @@
+"""Running the scenarios on and off, and showing the outcome as a table (for `kvledger simulate`
+and `kvledger demo`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.table import Table
+
+from coordinator.simulator.scenarios import SCENARIOS, Outcome, Scenario, run_scenario
+
+Pair = tuple[Outcome, Outcome]
+"""(protection on, protection off)."""
+
+
+async def run_scenarios(chosen: Sequence[Scenario] | None = None, keep: Path | None = None) -> list[Pair]:
+    """Each scenario on a fresh simulation with its protection on, then off. With `keep`, each
+    run's log stays in keep/NAME-on and keep/NAME-off."""
+    results = []
+    for scenario in chosen or list(SCENARIOS.values()):
+        runs = []
+        for protection_on in (True, False):
+            where = None
+            if keep is not None:
+                where = keep / f"{scenario.name}-{'on' if protection_on else 'off'}"
+                where.mkdir(parents=True, exist_ok=True)
+                for stale in where.glob("log.sqlite*"):
+                    stale.unlink()
+            runs.append(await run_scenario(scenario, protection_on=protection_on, directory=where))
+        results.append((runs[0], runs[1]))
+    return results
+
+
+def scenario_table(results: Sequence[Pair], title: str) -> Table:
+    table = Table(title=title)
+    for column in ("scenario", "invariant", "requests", "wrong reads off", "wrong reads on",
+                   "what kvledger recorded instead (on)", "events/s (on)"):
+        table.add_column(column, overflow="fold")
+    for on, off in results:
+        recorded = ", ".join(f"{reason} x{count}" for reason, count in on.refusals.items()) or "-"
+        table.add_row(
+            on.scenario, on.invariant, str(on.requests),
+            f"[bold red]{off.wrong_reads}[/]" if off.wrong_reads else "0",
+            f"[bold red]{on.wrong_reads}[/]" if on.wrong_reads else "[green]0[/]",
+            recorded, f"{on.events / on.seconds:,.0f}" if on.seconds else "-",
+        )
+    return table
+
+
+def not_holding(results: Sequence[Pair]) -> list[str]:
+    """Scenarios whose on run read wrong KV, or whose off run did not (the scenario must bite)."""
+    return [on.scenario for on, off in results if on.wrong_reads or not off.wrong_reads]
