@@ -112,3 +112,13 @@ async def event_log(log_url: str) -> AsyncIterator[object]:
         yield log
     finally:
         await log.close()
+
+
+@pytest.fixture(autouse=True)
+def _structlog_defaults() -> Iterator[None]:
+    """CLI commands run in process configure structlog globally (log level, JSON lines): put
+    the defaults back after every test, so no test depends on which ran before it."""
+    yield
+    import structlog
+
+    structlog.reset_defaults()

@@ -112,7 +112,7 @@ DECODE_TOKENS = 4
 MAX_RUNNING = 6
 MAX_WAITING = 8
 MAX_CONTEXT = 400
-ARRIVAL = 0.35
+ARRIVAL = 0.3
 """Chance that a new conversation arrives at an engine in an iteration."""
 FOLLOW_UP = 0.4
 """Chance that a finished request's conversation goes on (at either engine)."""
@@ -155,6 +155,11 @@ class WorkloadReport(msgspec.Struct, kw_only=True):
     loads: int = 0
     blocks_verified: int = 0
     """Blocks a request computed or loaded, checked again when it finished or was preempted."""
+    cross_engine_hits: int = 0
+    """Hits on a prefix another engine stored."""
+    encoder_reads: int = 0
+    """Image outputs read from the encoder cache (checked; part of loads_checked)."""
+    finished: int = 0
 
 
 @dataclass(eq=False)
@@ -211,6 +216,9 @@ class Stats:
     stores: int = 0
     loads: int = 0
     blocks_verified: int = 0
+    cross_engine_hits: int = 0
+    encoder_reads: int = 0
+    finished: int = 0
     step_seconds: list[float] = field(default_factory=list)
 
 
@@ -359,6 +367,7 @@ class WorkloadEngine:
             self._release_encoder(request)
             self.active.remove(request)
             request.phase = "finished"
+            self.stats.finished += 1
             self.workload.follow_up(request)
         elif request.phase == "load_ready":
             assert request.plan is not None
@@ -388,6 +397,8 @@ class WorkloadEngine:
                 # A store with nothing new succeeded in the step itself: nothing for workers.
                 self.pending[event.job_id] = self.iteration + self.rng.choice(STORE_DELAYS)
                 self.stats.stores += 1
+                for item in event.items:
+                    self.workload.stored_by[item.key] = self.engine.engine_id
 
     def _parent(self, request: Request, end: int, block_size: int) -> bytes | None:
         """The chained key of the block that ends at token `end` in a group (None at 0)."""
@@ -434,17 +445,19 @@ class WorkloadEngine:
             sched = ("prefill", end)
             need_state = max(0, (1 if end % STATE_BLOCK == 0 else 0) - len(request.spare))
         need_attn = max(0, -(-end // ATTENTION_BLOCK) - len(request.attn))
+        short = avail[ATTENTION] < need_attn or avail[STATE] < need_state
+        if short and not may_preempt:
+            return budget  # a request not yet running waits for blocks; it does not preempt
+        if sched[0] == "prefill" and not self._encoder_for(request, request.done, end, batch):
+            return budget
         while avail[ATTENTION] < need_attn or avail[STATE] < need_state:
-            if not may_preempt:
-                return budget
+            # vLLM: preempt from the back of the running requests until this one fits, or itself.
             position = self.active.index(request)
             victims = [r for r in self.active[position + 1 :] if r.holds_blocks() and r.phase in ("prefill", "decode")]
             victim = victims[-1] if victims else request
             self._preempt(victim, batch, avail)
             if victim is request:
                 return budget
-        if sched[0] == "prefill" and not self._encoder_for(request, request.done, end, batch):
-            return budget
         self._allocate(request, ATTENTION, need_attn, batch, avail)
         self._allocate(request, STATE, need_state, batch, avail)
         request.sched = sched
@@ -595,6 +608,7 @@ class WorkloadEngine:
             if request.image is not None:
                 entry_id, first, last = request.image
                 if request.done < last and end > first:  # the chunk reads the image's encoder output
+                    self.stats.encoder_reads += 1
                     self.workload.sim.tally.loads_checked += 1
                     self.workload.sim.tally.wrong_reads += not self.runner.read_ok(entry_id)
                 if end >= last:
@@ -645,7 +659,7 @@ class WorkloadEngine:
     def _landed(self, request: Request, ok: bool) -> None:
         """A prefix load finished: check what landed before the request uses it."""
         assert request.plan is not None
-        boundary, attention_keys, _ = request.plan
+        boundary, attention_keys, state_key = request.plan
         request.plan = None
         request.phase = "prefill"
         if not ok:  # recompute from the start, in the blocks it holds
@@ -659,6 +673,10 @@ class WorkloadEngine:
         request.states[boundary] = state
         request.done = boundary
         self.stats.hits += 1
+        self.stats.cross_engine_hits += self.workload.stored_by.get(state_key) != self.engine.engine_id
+
+    def stores_in_flight(self) -> bool:
+        return any(job not in self.loads for job in self.pending)
 
     # --- reset -------------------------------------------------------------------------------------
 
@@ -697,6 +715,8 @@ class Workload:
         ]
         """A few long system prompts, each ending inside a block."""
         self.conversations = 0
+        self.stored_by: dict[bytes, str] = {}
+        """The engine whose store last took each key (which engine's stores a hit used)."""
 
     def arrive(self, engine: WorkloadEngine) -> None:
         if len(engine.waiting) >= MAX_WAITING or self.rng.random() >= ARRIVAL:
@@ -751,10 +771,14 @@ async def run_workload(sim: Simulation, *, engines: int = 2, steps: int = 200, s
         engine = await sim.engine(f"wl-{index}", ns, pools(), encoder_cache_tokens=ENCODER_TOKENS)
         workload.engines.append(WorkloadEngine(workload, engine))
     steps_before = {e.engine.engine_id: e.engine.step_no for e in workload.engines}
-    reset_at = steps // 2
+    # The reset comes halfway, once the first engine has a store in flight (a quarter later at
+    # the latest), so the store completes after it: its report is fenced (I16).
+    reset_from, reset_by = steps // 2, steps // 2 + steps // 4
     for iteration in range(steps):
         for index, engine_load in enumerate(workload.engines):
-            if iteration == reset_at and index == 0:
+            if index == 0 and not workload.stats.resets and iteration >= reset_from and (
+                engine_load.stores_in_flight() or iteration >= reset_by
+            ):
                 await engine_load.reset()
             workload.arrive(engine_load)
             await engine_load.tick(iteration)
@@ -790,6 +814,9 @@ async def run_workload(sim: Simulation, *, engines: int = 2, steps: int = 200, s
         stores=stats.stores,
         loads=stats.loads,
         blocks_verified=stats.blocks_verified,
+        cross_engine_hits=stats.cross_engine_hits,
+        encoder_reads=stats.encoder_reads,
+        finished=stats.finished,
     )
 
 
