@@ -3,8 +3,9 @@ on the real embedded sidecar and real workers (coordinator/simulator/harness.py)
 
 Each engine runs scheduler iterations; one iteration is one step transaction. Like vLLM with a
 KV connector, an iteration's step carries what the previous forward pass computed (MarkComputed),
-the stores of prompts whose prefill finished, the loads of prefix hits whose blocks arrived, the
-finished and preempted requests, then this iteration's allocations and admissions. The engine
+the stores of prompts whose prefill finished, the loads of prefix hits into the blocks the last
+step allocated, the finished and preempted requests, then this iteration's allocations and
+admissions. The engine
 waits for the step's reply (the coordinator's share of the time), runs its forward pass on the
 blocks it got (`SimEngine.compute`: what recompute would write), and lets the workers carry out
 the decisions that are due (stores a few iterations late, so they run asynchronously).
@@ -47,6 +48,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 import torch
@@ -122,6 +124,8 @@ SYSTEM_PROMPTS = 3
 STORE_DELAYS = (0, 0, 1, 2, 3)
 """Iterations a store waits before the workers run it."""
 LOAD_DELAYS = (0, 0, 1)
+LATE_LOAD = 6
+"""Iterations a load left in flight across the reset waits (run_workload(late_loads_at_reset=True))."""
 VOCABULARY = 50_000
 
 
@@ -136,7 +140,7 @@ class WorkloadReport(msgspec.Struct, kw_only=True):
     loads_checked: int
     """Loaded blocks and encoder outputs checked against recompute before use."""
     hits: int
-    """Prefix hits used: loads that landed, were checked and resumed a request."""
+    """Prefix hits used: loads that landed, were checked, and that a forward pass then ran on."""
     preemptions: int
     resets: int
     evictions: int
@@ -162,6 +166,15 @@ class WorkloadReport(msgspec.Struct, kw_only=True):
     finished: int = 0
 
 
+Phase = Literal[
+    "waiting", "admitting", "admitted", "load_alloc", "load_ready", "load_started", "loading", "prefill", "decode",
+    "finished",
+]
+"""A request's way: waiting -> admitting (StartOwner sent) -> admitted (an owner; next, its lookup)
+-> on a hit: load_alloc -> load_ready -> load_started -> loading (the job in flight) -> prefill
+(from the boundary, or from 0) -> decode -> finished. Preempted or reset: waiting again."""
+
+
 @dataclass(eq=False)
 class Request:
     req_id: str
@@ -177,9 +190,8 @@ class Request:
     resumed: bool = False
     attempt: int = 0
     owner: int | None = None
-    phase: str = "waiting"
-    """waiting -> admitted -> [load_alloc -> load_ready -> loading ->] prefill -> decode."""
-    attn: list[BlockRef] = field(default_factory=list)
+    phase: Phase = "waiting"
+    attention: list[BlockRef] = field(default_factory=list)
     computed: int = 0
     """Attention blocks whose KV is written (computed, or loaded)."""
     states: dict[int, BlockRef] = field(default_factory=dict)
@@ -195,15 +207,17 @@ class Request:
     encoder_ref: bool = False
     plan: tuple[int, list[bytes], bytes] | None = None
     """A prefix hit to load: (boundary, attention keys, the state key at the boundary)."""
-    sched: tuple[str, int] | None = None
+    work: tuple[str, int] | None = None
     """What this iteration's forward does: ("prefill", chunk end) or ("decode", tokens)."""
     blocked: bool = False
+    hit_from_other: bool | None = None
+    """A loaded prefix not used yet: whether another engine stored it."""
 
     def holds_blocks(self) -> bool:
-        return bool(self.attn or self.states or self.spare)
+        return bool(self.attention or self.states or self.spare)
 
     def held(self) -> list[BlockRef]:
-        return [*self.attn, *self.states.values(), *self.spare]
+        return [*self.attention, *self.states.values(), *self.spare]
 
 
 @dataclass
@@ -316,14 +330,16 @@ class WorkloadEngine:
         batch = Batch()
         for request in list(self.active):
             self._report(request, batch)
+        for request in list(self.active):
+            self._store_or_finish(request, batch)
         budget = TOKEN_BUDGET
-        avail = {pool_id: len(free) for pool_id, free in self.free.items()}
+        room = {pool_id: len(free) for pool_id, free in self.free.items()}
         for request in list(self.active):
             if request in self.active and request.phase in ("prefill", "decode") and budget > 0:
-                budget = self._schedule(request, batch, avail, budget, may_preempt=True)
+                budget = self._schedule(request, batch, room, budget, may_preempt=True)
         for request in list(self.active):
             if request.phase == "admitted" and budget > 0:
-                budget = await self._schedule_new(request, batch, avail, budget)
+                budget = await self._schedule_new(request, batch, room, budget)
         while self.waiting and len(self.active) < MAX_RUNNING:
             self._admit(self.waiting.popleft(), batch)
         await self._step(batch)
@@ -332,20 +348,23 @@ class WorkloadEngine:
                 request.phase = "prefill" if request.blocked else "load_ready"
                 if request.blocked:
                     request.plan = None
-            elif request.sched is not None and not request.blocked:
+            elif request.work is not None and not request.blocked:
                 self._forward(request)
-            request.sched, request.blocked = None, False
-        await self._run_workers(iteration)
+            request.work, request.blocked = None, False
+        await self.run_workers(iteration)
 
     def _report(self, request: Request, batch: Batch) -> None:
-        """What the last forward pass did, and what follows from it, for one request."""
+        """What the last forward pass computed, and the load of a hit whose blocks the last
+        step allocated. Loads go before any store of the step, as a connector starts loads at
+        scheduling and saves after the forward: a store's eviction never takes what a load of
+        the same step relies on."""
         engine_id = self.engine.engine_id
         owner = request.owner
         assert owner is not None
         if request.mark_attn is not None:
             first, end = request.mark_attn
             batch.add(MarkComputed(
-                engine_id=engine_id, owner_id=owner, blocks=request.attn[first:end],
+                engine_id=engine_id, owner_id=owner, blocks=request.attention[first:end],
                 token_ids=request.tokens[first * ATTENTION_BLOCK : end * ATTENTION_BLOCK],
                 parent_key=self._parent(request, first * ATTENTION_BLOCK, ATTENTION_BLOCK), extra_keys=request.extra,
             ))
@@ -357,9 +376,39 @@ class WorkloadEngine:
                 parent_key=self._parent(request, boundary - STATE_BLOCK, STATE_BLOCK), extra_keys=request.extra,
             ))
         request.mark_states = []
+        if request.phase != "load_ready":
+            return
+        assert request.plan is not None
+        boundary, attention_keys, state_key = request.plan
+        items = [LoadRequest(key, dest) for key, dest in zip(attention_keys, request.attention, strict=False)]
+        items.append(LoadRequest(state_key, request.spare[0]))
+        attempt = request.attempt
+        request.phase = "load_started"
+
+        def loading(events: Sequence[Event]) -> None:
+            started = [e for e in events if isinstance(e, LoadJobStarted)]
+            if request.attempt != attempt:
+                return
+            if started:
+                request.phase = "loading"
+                self.loads[started[0].job_id] = (request, attempt)
+                self.pending[started[0].job_id] = self.iteration + self.rng.choice(LOAD_DELAYS)
+                self.stats.loads += 1
+            else:  # refused (a key left the tier since the lookup): compute instead
+                request.phase, request.plan = "prefill", None
+
+        batch.add(StartLoad(engine_id=engine_id, tier=TIER, items=items), loading)
+
+    def _store_or_finish(self, request: Request, batch: Batch) -> None:
+        """Store a prompt whose prefill finished (its last blocks were marked just before); let
+        a finished request go (after its store: the store pins its blocks, I3)."""
+        engine_id = self.engine.engine_id
+        owner = request.owner
+        assert owner is not None
         if request.store_next:
             request.store_next = False
-            blocks = request.attn[: request.prompt_len // ATTENTION_BLOCK] + [request.states[b] for b in sorted(request.states)]
+            blocks = request.attention[: request.prompt_len // ATTENTION_BLOCK]
+            blocks += [request.states[boundary] for boundary in sorted(request.states)]
             batch.add(StartStore(engine_id=engine_id, tier=TIER, blocks=blocks), self._stored)
         if request.finish_next:
             self._verify(request)
@@ -369,27 +418,6 @@ class WorkloadEngine:
             request.phase = "finished"
             self.stats.finished += 1
             self.workload.follow_up(request)
-        elif request.phase == "load_ready":
-            assert request.plan is not None
-            boundary, attention_keys, state_key = request.plan
-            items = [LoadRequest(key, dest) for key, dest in zip(attention_keys, request.attn, strict=False)]
-            items.append(LoadRequest(state_key, request.spare[0]))
-            attempt = request.attempt
-            request.phase = "load_started"
-
-            def loading(events: Sequence[Event]) -> None:
-                started = [e for e in events if isinstance(e, LoadJobStarted)]
-                if request.attempt != attempt:
-                    return
-                if started:
-                    request.phase = "loading"
-                    self.loads[started[0].job_id] = (request, attempt)
-                    self.pending[started[0].job_id] = self.iteration + self.rng.choice(LOAD_DELAYS)
-                    self.stats.loads += 1
-                else:  # refused (a key left the tier since the lookup): compute instead
-                    request.phase, request.plan = "prefill", None
-
-            batch.add(StartLoad(engine_id=engine_id, tier=TIER, items=items), loading)
 
     def _stored(self, events: Sequence[Event]) -> None:
         for event in events:
@@ -423,7 +451,7 @@ class WorkloadEngine:
         self.active.append(request)
         batch.add(StartOwner(engine_id=self.engine.engine_id, req_id=request.req_id, resumed=request.resumed), started)
 
-    def _schedule(self, request: Request, batch: Batch, avail: dict[int, int], budget: int, *, may_preempt: bool) -> int:
+    def _schedule(self, request: Request, batch: Batch, room: dict[int, int], budget: int, *, may_preempt: bool) -> int:
         """Plan this iteration's work for a running request: a prefill chunk or decode tokens,
         the blocks they need (preempting from the back when the pool is short), the image."""
         if request.phase == "decode":
@@ -431,7 +459,7 @@ class WorkloadEngine:
             if count <= 0:
                 return budget
             end = len(request.tokens) + count
-            sched = ("decode", count)
+            work = ("decode", count)
             need_state = 0
         else:
             left = request.prompt_len - request.done
@@ -442,52 +470,52 @@ class WorkloadEngine:
                 return budget
             end = request.done + chunk
             count = chunk
-            sched = ("prefill", end)
+            work = ("prefill", end)
             need_state = max(0, (1 if end % STATE_BLOCK == 0 else 0) - len(request.spare))
-        need_attn = max(0, -(-end // ATTENTION_BLOCK) - len(request.attn))
-        short = avail[ATTENTION] < need_attn or avail[STATE] < need_state
+        need_attention = max(0, -(-end // ATTENTION_BLOCK) - len(request.attention))
+        short = room[ATTENTION] < need_attention or room[STATE] < need_state
         if short and not may_preempt:
             return budget  # a request not yet running waits for blocks; it does not preempt
-        if sched[0] == "prefill" and not self._encoder_for(request, request.done, end, batch):
+        if work[0] == "prefill" and not self._encoder_for(request, request.done, end, batch):
             return budget
-        while avail[ATTENTION] < need_attn or avail[STATE] < need_state:
+        while room[ATTENTION] < need_attention or room[STATE] < need_state:
             # vLLM: preempt from the back of the running requests until this one fits, or itself.
             position = self.active.index(request)
             victims = [r for r in self.active[position + 1 :] if r.holds_blocks() and r.phase in ("prefill", "decode")]
             victim = victims[-1] if victims else request
-            self._preempt(victim, batch, avail)
+            self._preempt(victim, batch, room)
             if victim is request:
                 return budget
-        self._allocate(request, ATTENTION, need_attn, batch, avail)
-        self._allocate(request, STATE, need_state, batch, avail)
-        request.sched = sched
+        self._allocate(request, ATTENTION, need_attention, batch, room)
+        self._allocate(request, STATE, need_state, batch, room)
+        request.work = work
         return budget - count
 
-    async def _schedule_new(self, request: Request, batch: Batch, avail: dict[int, int], budget: int) -> int:
+    async def _schedule_new(self, request: Request, batch: Batch, room: dict[int, int], budget: int) -> int:
         """A request's first iteration: look its prompt up in the tier (read-only); on a hit,
         allocate the blocks to load it into; otherwise start its prefill."""
         answer = (await self.engine.client.lookup(TIER, request.tokens[: request.prompt_len - 1], request.extra)).answer
         if isinstance(answer, PrefixLookedUp) and answer.boundary:
             groups = {hit.pool_id: hit.keys for hit in answer.hits}
             attention_keys, [state_key] = groups[ATTENTION], groups[STATE]
-            if avail[ATTENTION] < len(attention_keys) or avail[STATE] < 1:
+            if room[ATTENTION] < len(attention_keys) or room[STATE] < 1:
                 return budget  # wait for blocks; a new request does not preempt running ones
             request.plan = (answer.boundary, attention_keys, state_key)
             request.phase = "load_alloc"
-            self._allocate(request, ATTENTION, len(attention_keys), batch, avail)
-            self._allocate(request, STATE, 1, batch, avail)
+            self._allocate(request, ATTENTION, len(attention_keys), batch, room)
+            self._allocate(request, STATE, 1, batch, room)
             return budget
         request.phase = "prefill"
-        left = self._schedule(request, batch, avail, budget, may_preempt=False)
-        if request.sched is None:
+        left = self._schedule(request, batch, room, budget, may_preempt=False)
+        if request.work is None:
             request.phase = "admitted"
         return left
 
-    def _allocate(self, request: Request, pool_id: int, count: int, batch: Batch, avail: dict[int, int]) -> None:
+    def _allocate(self, request: Request, pool_id: int, count: int, batch: Batch, room: dict[int, int]) -> None:
         if count <= 0:
             return
         assert request.owner is not None
-        avail[pool_id] -= count
+        room[pool_id] -= count
         attempt = request.attempt
 
         def allocated(events: Sequence[Event]) -> None:
@@ -497,7 +525,7 @@ class WorkloadEngine:
             if not got:  # refused: a slot still pinned by a job in flight, say; try again next time
                 request.blocked = True
                 return
-            (request.attn if pool_id == ATTENTION else request.spare).extend(got[0].blocks)
+            (request.attention if pool_id == ATTENTION else request.spare).extend(got[0].blocks)
 
         batch.add(AllocateBlocks(engine_id=self.engine.engine_id, owner_id=request.owner, pool_id=pool_id, count=count),
                   allocated)
@@ -546,13 +574,13 @@ class WorkloadEngine:
             self.encoder_refs[entry_id] -= 1
         request.encoder_ref = False
 
-    def _preempt(self, request: Request, batch: Batch, avail: dict[int, int]) -> None:
+    def _preempt(self, request: Request, batch: Batch, room: dict[int, int]) -> None:
         """Preempted: its blocks go back (once no job pins them), it waits at the front and
         resumes as a new owner under the same req_id, recomputing what it had."""
         assert request.owner is not None
         self._verify(request)
         for ref in request.held():
-            avail[ref.pool_id] += 1  # optimistic: a slot a store still pins frees later
+            room[ref.pool_id] += 1  # optimistic: a slot a store still pins frees later
         batch.add(FinishOwner(engine_id=self.engine.engine_id, owner_id=request.owner, reason="preempted",
                               req_id=request.req_id))
         self._release_encoder(request)
@@ -563,11 +591,11 @@ class WorkloadEngine:
     def _requeue(self, request: Request) -> None:
         request.attempt += 1
         request.owner, request.phase, request.resumed = None, "waiting", True
-        request.attn, request.states, request.spare = [], {}, []
+        request.attention, request.states, request.spare = [], {}, []
         request.computed = request.done = 0
         request.mark_attn, request.mark_states = None, []
         request.store_next = request.finish_next = False
-        request.plan, request.sched, request.blocked = None, None, False
+        request.plan, request.work, request.blocked, request.hit_from_other = None, None, False, None
         self.waiting.appendleft(request)
 
     # --- the step and the forward pass ---------------------------------------------------------
@@ -597,9 +625,13 @@ class WorkloadEngine:
     def _forward(self, request: Request) -> None:
         """The forward pass for one request: write what compute gives into its blocks (all
         ranks), to be marked computed in the next step."""
-        assert request.sched is not None
-        kind, amount = request.sched
+        assert request.work is not None
+        kind, amount = request.work
         engine = self.engine
+        if request.hit_from_other is not None:  # the forward runs on the loaded prefix: a hit used
+            self.stats.hits += 1
+            self.stats.cross_engine_hits += request.hit_from_other
+            request.hit_from_other = None
         if kind == "decode":
             request.tokens += [self.rng.randrange(VOCABULARY) for _ in range(amount)]
             end = len(request.tokens)
@@ -615,7 +647,7 @@ class WorkloadEngine:
                     self._release_encoder(request)
         full = end // ATTENTION_BLOCK
         if full > request.computed:
-            engine.compute(request.attn[request.computed : full], request.tokens, first_block=request.computed)
+            engine.compute(request.attention[request.computed : full], request.tokens, first_block=request.computed)
             request.mark_attn = (request.computed, full)
             request.computed = full
         if kind == "prefill" and end % STATE_BLOCK == 0:
@@ -632,7 +664,8 @@ class WorkloadEngine:
 
     def _verify(self, request: Request) -> None:
         """Every block the request computed or loaded still holds what recompute gives."""
-        holdings = [(ref, request.tokens[: (index + 1) * ATTENTION_BLOCK]) for index, ref in enumerate(request.attn[: request.computed])]
+        computed = request.attention[: request.computed]
+        holdings = [(ref, request.tokens[: (index + 1) * ATTENTION_BLOCK]) for index, ref in enumerate(computed)]
         holdings += [(ref, request.tokens[:boundary]) for boundary, ref in request.states.items()]
         tally = self.workload.sim.tally
         for ref, prefix in holdings:
@@ -643,7 +676,7 @@ class WorkloadEngine:
 
     # --- workers ---------------------------------------------------------------------------------
 
-    async def _run_workers(self, iteration: int | None) -> None:
+    async def run_workers(self, iteration: int | None) -> None:
         """Let the workers run the decisions that are due (all of them when `iteration` is None)."""
         due = frozenset(job for job, at in self.pending.items() if iteration is None or at <= iteration)
         if not due:
@@ -664,7 +697,7 @@ class WorkloadEngine:
         request.phase = "prefill"
         if not ok:  # recompute from the start, in the blocks it holds
             return
-        loaded = request.attn[: len(attention_keys)]
+        loaded = request.attention[: len(attention_keys)]
         state = request.spare.pop(0)
         holdings = [(ref, request.tokens[: (index + 1) * ATTENTION_BLOCK]) for index, ref in enumerate(loaded)]
         holdings.append((state, request.tokens[:boundary]))
@@ -672,24 +705,30 @@ class WorkloadEngine:
         request.computed = len(attention_keys)
         request.states[boundary] = state
         request.done = boundary
-        self.stats.hits += 1
-        self.stats.cross_engine_hits += self.workload.stored_by.get(state_key) != self.engine.engine_id
+        request.hit_from_other = self.workload.stored_by.get(state_key) != self.engine.engine_id
 
-    def stores_in_flight(self) -> bool:
-        return any(job not in self.loads for job in self.pending)
+    def in_flight(self, *, loads: bool) -> bool:
+        """Whether a store (or, with `loads`, a load) of this engine waits for the workers."""
+        return any((job in self.loads) == loads for job in self.pending)
 
     # --- reset -------------------------------------------------------------------------------------
 
-    async def reset(self) -> None:
-        """A cache reset outside any step. In-flight loads land first (they write into blocks
-        the reset hands out again); stores may still be in flight: their reports come late and
-        are dropped (I16). Every request starts over as a new owner under its req_id."""
+    async def reset(self, *, late_loads: bool = False) -> None:
+        """A cache reset outside any step. In-flight loads land first: the reset frees the
+        slots they write into, which the next allocations hand out again (`late_loads` leaves
+        them in flight, landing LATE_LOAD iterations later: that shows the wrong-KV reads).
+        Stores may still be in flight: their reports come late and are dropped (I16). Every
+        request starts over as a new owner under its req_id."""
         loads = frozenset(job for job in self.pending if job in self.loads)
-        if loads:
+        if late_loads:
+            for job in loads:
+                self.pending[job] = self.iteration + LATE_LOAD
+        elif loads:
             for job in loads:
                 self.pending[job] = self.iteration
-            await self._run_workers(self.iteration)
-        committed = await self.engine.client.execute(ResetCache(engine_id=self.engine.engine_id, reason="reset_prefix_cache"))
+            await self.run_workers(self.iteration)
+        reset = ResetCache(engine_id=self.engine.engine_id, reason="reset_prefix_cache")
+        committed = await self.engine.client.execute(reset)
         self.workload.sim.tally.record(committed.events)
         self.stats.resets += 1
         for request in reversed(self.active):
@@ -733,7 +772,8 @@ class Workload:
             tokens += [VOCABULARY + number * 100 + index for index in range(length)]  # its placeholder tokens
             extra = [entry_id]
         tokens += [self.rng.randrange(VOCABULARY) for _ in range(self.rng.randrange(8, 64))]
-        self._new(engine, Request(f"req-{self.conversations}", tokens, len(tokens) + self.rng.randrange(8, 40), extra, image))
+        output = self.rng.randrange(8, 40)
+        self._new(engine, Request(f"req-{self.conversations}", tokens, len(tokens) + output, extra, image))
 
     def follow_up(self, request: Request) -> None:
         """The conversation goes on: the next turn extends this one's prompt and output."""
@@ -752,11 +792,19 @@ class Workload:
         engine.waiting.append(request)
 
 
-async def run_workload(sim: Simulation, *, engines: int = 2, steps: int = 200, seed: int = 7, world_size: int = 2) -> WorkloadReport:
+async def run_workload(
+    sim: Simulation, *, engines: int = 2, steps: int = 200, seed: int = 7, world_size: int = 2,
+    late_loads_at_reset: bool = False,
+) -> WorkloadReport:
     """Run `steps` scheduler iterations on each of `engines` engines (one namespace, one tier)
     with `world_size` tensor-parallel workers each; one cache reset halfway. The simulation
     should have world_size tiers (Simulation(world_size=...)) and a small tier
-    (tier_slots=TIER_SLOTS) for stores to evict."""
+    (tier_slots=TIER_SLOTS) for stores to evict.
+
+    `late_loads_at_reset`: reset while a load is in flight and let it land late, after the reset
+    (the engine normally lets its loads land first). EngineReset frees the slots those loads
+    still write into, so the late load overwrites blocks another request holds by then: wrong
+    KV with every protection on (the known bug this switch reproduces)."""
     if world_size != len(sim.tiers):
         raise ValueError(f"world_size {world_size} != the simulation's {len(sim.tiers)} ranks")
     if engines < 1 or steps < 1:
@@ -777,13 +825,13 @@ async def run_workload(sim: Simulation, *, engines: int = 2, steps: int = 200, s
     for iteration in range(steps):
         for index, engine_load in enumerate(workload.engines):
             if index == 0 and not workload.stats.resets and iteration >= reset_from and (
-                engine_load.stores_in_flight() or iteration >= reset_by
+                engine_load.in_flight(loads=late_loads_at_reset) or iteration >= reset_by
             ):
-                await engine_load.reset()
+                await engine_load.reset(late_loads=late_loads_at_reset)
             workload.arrive(engine_load)
             await engine_load.tick(iteration)
     for engine_load in workload.engines:
-        await engine_load._run_workers(None)  # the stores and loads still in flight land
+        await engine_load.run_workers(None)  # the stores and loads still in flight land
     stats = workload.stats
     wall = time.perf_counter() - started
     latencies = sorted(stats.step_seconds)
