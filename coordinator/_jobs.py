@@ -14,6 +14,7 @@ from coordinator.keys import chain_keys, reuse_unit
 from coordinator.protections import Protection, is_off
 from coordinator.state import EngineState, JobState, PoolState, SlotStatus, State, TierState
 from events import (
+    FencedRankDone,
     NULL_BLOCK_ID,
     CopyOp,
     BlockRef,
@@ -313,6 +314,11 @@ def _report_rank(state: State, command: ReportRank) -> list[Event]:
         raise Refusal(Reason.UNKNOWN_JOB, f"job {command.job_id} was never started")
     job = state.jobs.get(command.job_id)
     if job is None:
+        fenced = state.fenced.get(command.job_id)
+        if fenced is not None and command.rank in fenced.pending:
+            # I16: the result is dropped, but this rank's transfer is over; the job's slots go
+            # when every rank is done.
+            return [FencedRankDone(job_id=command.job_id, rank=command.rank)]
         raise Refusal(Reason.STALE_JOB, f"job {command.job_id} already finished or was fenced")
     decision = job.decision
     if not 0 <= command.rank < decision.world_size:

@@ -200,7 +200,8 @@ def _reset_events(state: State, eng: EngineState, incarnation: int, reason: str)
         for job in state.jobs.values()
         if job.decision.engine_id == eng.engine_id and not is_off(Protection.FENCING)
     ]
-    events.append(EngineReset(engine_id=eng.engine_id, incarnation=incarnation, reason=reason))
+    events.append(EngineReset(engine_id=eng.engine_id, incarnation=incarnation, reason=reason,
+                              keep_pins=not is_off(Protection.FENCING)))
     return events
 
 

@@ -15,6 +15,7 @@ from events import (
     Event,
     JobFailed,
     JobFenced,
+    FencedRankDone,
     JobSucceeded,
     KeyEvicted,
     KeyPublished,
@@ -83,6 +84,8 @@ def describe(event: Event) -> str:
             return f"job {job_id} FAILED: {reason} ({detail})"
         case JobFenced(job_id=job_id):
             return f"job {job_id} fenced"
+        case FencedRankDone(job_id=job_id, rank=rank):
+            return f"fenced job {job_id}: rank {rank} done with its slots"
         case KeyPublished(pool_id=pool_id, key=key, tier=tier):
             return f"published {key.hex()[:8]} (group {pool_id}) in {tier}"
         case KeyEvicted(key=key, tier=tier):

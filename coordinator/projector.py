@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from coordinator.state import EngineState, JobState, KeyEntry, OwnerState, PoolState, PublishedRef, State, TierState, removed
+from coordinator.state import EngineState, FencedJob, JobState, KeyEntry, OwnerState, PoolState, PublishedRef, State, TierState, removed
 from events import (
     NULL_BLOCK_ID,
     BlockRef,
@@ -25,6 +25,7 @@ from events import (
     Event,
     JobFailed,
     JobFenced,
+    FencedRankDone,
     JobSucceeded,
     KeyEvicted,
     KeyPublished,
@@ -103,8 +104,8 @@ def _pin(pool: PoolState, block_id: int) -> None:
 def _unpin(engine: EngineState, pool: PoolState, block_id: int) -> None:
     """A job lets go of a slot; the slot frees if no owner holds it either (I3)."""
     if block_id == NULL_BLOCK_ID or not pool.pins[block_id]:
-        # Nothing to let go: the null block is never pinned, and a reset clears the pins of
-        # jobs it did not fence (only in the simulator's reset-with-late-completions scenario).
+        # Nothing to let go: the null block is never pinned, and a reset with keep_pins=False
+        # (only the simulator's unfenced scenario) already dropped this job's pins.
         return
     pool.pins[block_id] -= 1
     if pool.pins[block_id] == 0 and pool.refs[block_id] == 0:
@@ -149,11 +150,15 @@ def _engine_reset(state: State, event: EngineReset) -> None:
         del state.owners[owner_id]
     for pool in engine.pools.values():
         # Generations are kept: references from the old incarnation stay stale (I1).
+        # Slots pinned by fenced jobs stay pinned (draining) until those jobs' ranks are done:
+        # their transfers may still land (I3, I16). Every other slot is free and clean.
         n = pool.spec.num_blocks
         pool.refs = [0] * n
-        pool.pins = [0] * n
         pool.keys = [None] * n
-        pool.free = dict.fromkeys(range(1, n))
+        if not event.keep_pins:
+            pool.pins = [0] * n  # the naive reset of the simulator's unfenced scenario
+        pins = pool.pins
+        pool.free = dict.fromkeys(block_id for block_id in range(1, n) if not pins[block_id])
         pool.cached = {}
     engine.encoder_entries = {}
     engine.step_open = False
@@ -346,7 +351,26 @@ def _job_succeeded(state: State, event: JobSucceeded) -> None:
     _end_job(state, state.jobs.pop(event.job_id), succeeded=True)
 
 
-def _job_failed(state: State, event: JobFailed | JobFenced) -> None:
+def _job_fenced(state: State, event: JobFenced) -> None:
+    """The job ends for the coordinator, but its transfers may still be landing: what it holds
+    stays held until every rank it has not heard from reports (FencedRankDone)."""
+    job = state.jobs.pop(event.job_id)
+    pending = [rank for rank in range(job.decision.world_size) if rank not in job.reports]
+    if pending:
+        state.fenced[event.job_id] = FencedJob(job=job, pending=pending)
+    else:
+        _end_job(state, job, succeeded=False)
+
+
+def _fenced_rank_done(state: State, event: FencedRankDone) -> None:
+    fenced = state.fenced[event.job_id]
+    fenced.pending.remove(event.rank)
+    if not fenced.pending:
+        del state.fenced[event.job_id]
+        _end_job(state, fenced.job, succeeded=False)
+
+
+def _job_failed(state: State, event: JobFailed) -> None:
     _end_job(state, state.jobs.pop(event.job_id), succeeded=False)
 
 
@@ -418,7 +442,8 @@ _FOLDS: dict[type[Event], Callable[[State, Any], None]] = {
     RankReported: _rank_reported,
     JobSucceeded: _job_succeeded,
     JobFailed: _job_failed,
-    JobFenced: _job_failed,
+    JobFenced: _job_fenced,
+    FencedRankDone: _fenced_rank_done,
     KeyPublished: _key_published,
     KeyEvicted: _key_evicted,
     KeyQuarantined: _key_quarantined,

@@ -177,6 +177,14 @@ class JobState(msgspec.Struct, kw_only=True):
         return self.decision.job_id
 
 
+class FencedJob(msgspec.Struct, kw_only=True):
+    """A job of an ended incarnation whose ranks have not all reported: its slots stay pinned."""
+
+    job: JobState
+    pending: list[int]
+    """Ranks not heard from yet."""
+
+
 class State(msgspec.Struct, kw_only=True):
     """Everything the coordinator knows. Finished jobs leave `jobs`; ids below `next_job_id`
     that are not in flight are stale (finished or fenced)."""
@@ -186,13 +194,15 @@ class State(msgspec.Struct, kw_only=True):
     engines: dict[str, EngineState] = msgspec.field(default_factory=dict)
     owners: dict[int, OwnerState] = msgspec.field(default_factory=dict)
     jobs: dict[int, JobState] = msgspec.field(default_factory=dict)
+    fenced: dict[int, FencedJob] = msgspec.field(default_factory=dict)
+    """Fenced jobs still draining (I16): by job id."""
     next_owner_id: int = 1
     next_job_id: int = 1
     last_event: int = 0
     """How many events have been folded in."""
 
 
-SNAPSHOT_SCHEMA_VERSION = 1
+SNAPSHOT_SCHEMA_VERSION = 2
 _snapshot_encoder = msgspec.msgpack.Encoder()
 _snapshot_decoder = msgspec.msgpack.Decoder(State)
 

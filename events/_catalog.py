@@ -56,6 +56,9 @@ class EngineReset(Event, frozen=True, tag="engine_reset"):
     incarnation: int
     """The new incarnation."""
     reason: str
+    keep_pins: bool = True
+    """Slots that fenced jobs still pin stay pinned. False only in a simulator run with the
+    fencing protection off (coordinator.protections): the naive reset frees everything."""
 
 
 # --- steps ---------------------------------------------------------------------------------
@@ -235,9 +238,19 @@ class JobFailed(Event, frozen=True, tag="job_failed"):
 
 
 class JobFenced(Event, frozen=True, tag="job_fenced"):
-    """The job's incarnation ended; its late reports will be dropped (I16)."""
+    """The job's incarnation ended; its late reports will be dropped (I16). What it pins stays
+    pinned until every rank has reported: its transfers may still be landing."""
 
     job_id: int
+
+
+class FencedRankDone(Event, frozen=True, tag="fenced_rank_done"):
+    """A late report from one rank of a fenced job: its result is dropped (nothing of the job
+    counts), but its transfer is over. When the last rank is done, the job's slots, reserved tier slots and leases go (I3,
+    I16): a late load never lands in a block someone else holds by then."""
+
+    job_id: int
+    rank: int
 
 
 # --- tiers -----------------------------------------------------------------------------------
@@ -334,6 +347,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     JobSucceeded,
     JobFailed,
     JobFenced,
+    FencedRankDone,
     KeyPublished,
     KeyEvicted,
     KeyQuarantined,
@@ -371,6 +385,7 @@ AnyEvent = (
     | JobSucceeded
     | JobFailed
     | JobFenced
+    | FencedRankDone
     | KeyPublished
     | KeyEvicted
     | KeyQuarantined

@@ -31,6 +31,7 @@ from coordinator.core import CoordinatorCore
 from coordinator.projector import project
 from coordinator.state import SlotStatus, decode_state, encode_state
 from events import (
+    FencedRankDone,
     BlockRef,
     BlocksAllocated,
     BlocksReused,
@@ -578,10 +579,16 @@ def test_I16_reset_fences_jobs_and_keeps_published_keys() -> None:
     assert [type(e) for e in events] == [JobFenced, EngineReset]
     assert isinstance(events[0], JobFenced) and events[0].job_id == job.job_id
     assert core.state.engines[ENGINE].incarnation == 2
-    late = ReportRank(job_id=job.job_id, rank=1, ok=True, checksums=[checksum(key, 1)])
-    rejected(core, late, NoticeDropped, Reason.STALE_JOB)
     tier = core.state.tiers[TIER]
-    assert tier.entry(0, key) is None and len(tier.free) == free_slots + 1
+    pool = core.state.engines[ENGINE].pools[0]
+    # Rank 1 has not reported: its transfer may still be landing, so the block stays pinned and
+    # the tier slot reserved, in the new incarnation too (I3, I16).
+    assert pool.status(blocks[0].block_id) is SlotStatus.DRAINING and len(tier.free) == free_slots
+    late = ReportRank(job_id=job.job_id, rank=1, ok=True, checksums=[checksum(key, 1)])
+    assert core.execute(late) == [FencedRankDone(job_id=job.job_id, rank=1)]  # its result counts for nothing
+    assert tier.entry(0, key) is None and len(tier.free) == free_slots + 1, "nothing published, the slot given back"
+    assert pool.status(blocks[0].block_id) is SlotStatus.FREE
+    rejected(core, late, NoticeDropped, Reason.STALE_JOB)  # a repeat is a plain stale report
 
     begin(core)
     fresh = owner(core)
@@ -596,8 +603,10 @@ def test_I16_reset_fences_jobs_and_keeps_published_keys() -> None:
     assert replay_matches(core)
 
 
-def test_I16_restart_fences_loads_and_releases_their_leases() -> None:
-    """Declaring the engine again is a restart: its load is fenced, the lease it held goes."""
+def test_I16_restart_fences_loads_and_releases_their_leases_when_every_rank_is_done() -> None:
+    """Declaring the engine again is a restart: its load is fenced. Its ranks may still be
+    reading the key and writing the destination, so the lease and the pin stay until each rank
+    has reported; then both go, and nothing of the load counts."""
     core = new_core()
     begin(core)
     [key] = publish(core, TOKENS[:4])
@@ -610,8 +619,14 @@ def test_I16_restart_fences_loads_and_releases_their_leases() -> None:
     events = ok(core.execute(restart))
     assert [type(e) for e in events][:2] == [JobFenced, EngineReset]
     assert core.state.engines[ENGINE].incarnation == 2
+    pool = core.state.engines[ENGINE].pools[0]
+    for rank in (0, 1):
+        assert core.state.tiers[TIER].entry(0, key).leases  # type: ignore[union-attr]
+        assert pool.status(dest[0].block_id) is SlotStatus.DRAINING
+        late = ReportRank(job_id=load.job_id, rank=rank, ok=True, checksums=[checksum(key, rank)])
+        assert core.execute(late) == [FencedRankDone(job_id=load.job_id, rank=rank)]
     assert core.state.tiers[TIER].entry(0, key).leases is None  # type: ignore[union-attr]
-    late = ReportRank(job_id=load.job_id, rank=0, ok=True, checksums=[checksum(key, 0)])
+    assert pool.status(dest[0].block_id) is SlotStatus.FREE and pool.keys[dest[0].block_id] is None
     rejected(core, late, NoticeDropped, Reason.STALE_JOB)
     assert replay_matches(core)
 

@@ -52,7 +52,7 @@ def test_each_scenario_bites_with_its_protection_off_and_is_prevented_with_it_on
     assert off.wrong_reads > 0, f"{name}: the scenario did not bite with the protection off: {off}"
     assert on.wrong_reads == 0, f"{name}: wrong-KV reads with the protection on: {on}"
     assert on.loads_checked or on.refusals, "the on run checked nothing"
-    if scenario.evidence.startswith(("Refused:", "NoticeDropped:")):
+    if scenario.evidence.startswith(("Refused:", "NoticeDropped:", "KeyQuarantined:", "FencedRankDone:")):
         assert scenario.evidence in on.refusals, f"{name}: expected {scenario.evidence} in {on.refusals}"
         assert scenario.evidence not in off.refusals
     events_on = anyio.run(decided, Path(on.log))

@@ -90,6 +90,7 @@ from events import (
     Event,
     JobFailed,
     JobFenced,
+    FencedRankDone,
     JobSucceeded,
     KeyEvicted,
     KeyPublished,
@@ -156,6 +157,14 @@ class TrackedJob:
     reports: dict[int, ReportRank] = field(default_factory=dict)
     status: str = "open"
     """"open", "complete" (every rank reported, or nothing to do) or "fenced" (I16)."""
+    drained: set[int] = field(default_factory=set)
+    """Fenced: the ranks that reported late (their transfer is over)."""
+
+    def holds_slots(self) -> bool:
+        """Open, or fenced with a rank not heard from yet: its transfers may still land (I16)."""
+        if self.status == "open":
+            return True
+        return self.status == "fenced" and len(self.reports) + len(self.drained) < self.decision.world_size
 
     def fully_succeeded(self) -> bool:
         """Every rank reported ok with one non-empty checksum per item (I5)."""
@@ -762,8 +771,15 @@ class CoordinatorMachine(RuleBasedStateMachine):
         job_id = data.draw(st.sampled_from(sorted(i for i, job in self.jobs.items() if job.status != "open")))
         job = self.jobs[job_id]
         command = ReportRank(job_id=job_id, rank=rank, ok=True, checksums=self.honest_checksums(job.decision, rank))
-        event = self.rejected(self.execute(command), Reason.STALE_JOB)
-        assert f"job {job_id}" in event.detail
+        events = self.execute(command)
+        if job.status == "fenced" and rank not in job.reports and rank not in job.drained:
+            # I16: its result is dropped, but this rank's transfer is over: the job lets go of
+            # its slots when every rank is.
+            assert events == [FencedRankDone(job_id=job_id, rank=rank)], events
+            job.drained.add(rank)
+        else:
+            event = self.rejected(events, Reason.STALE_JOB)
+            assert f"job {job_id}" in event.detail
 
     # --- resets --------------------------------------------------------------------------------
 
@@ -1022,7 +1038,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     def refs_and_pins_match_holders(self) -> None:
         """I3: pins are exactly what in-flight jobs hold; refs exactly what owners hold."""
         expected_pins = {pool_id: [0] * pool.spec.num_blocks for pool_id, pool in self.engine.pools.items()}
-        for job in self.core.state.jobs.values():
+        for job in (job for job in self.jobs.values() if job.holds_slots()):
             decision = job.decision
             if isinstance(decision, StoreJobStarted):
                 pinned = [item.source for item in decision.items]
@@ -1043,8 +1059,11 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def jobs_in_flight_are_the_open_ones(self) -> None:
-        """I4 / I16: the core's jobs in flight are exactly those not completed nor fenced."""
+        """I4 / I16: the core's jobs in flight are exactly those not completed nor fenced, and
+        its draining fenced jobs exactly those with a rank not heard from."""
         assert sorted(self.core.state.jobs) == self.open_job_ids()
+        draining = sorted(i for i, job in self.jobs.items() if job.status == "fenced" and job.holds_slots())
+        assert sorted(self.core.state.fenced) == draining
 
     @invariant()
     def published_keys_come_from_successful_stores(self) -> None:

@@ -33,6 +33,7 @@ from coordinator.simulator.content import kv_bytes
 from events import (
     BlockRef,
     Event,
+    FencedRankDone,
     JobFailed,
     KeyQuarantined,
     NamespaceSpec,
@@ -66,9 +67,12 @@ class Tally(msgspec.Struct, kw_only=True):
         self.events += len(events)
         for event in events:
             if isinstance(event, Refused | NoticeDropped | JobFailed | KeyQuarantined):
-                kind = type(event).__name__
-                key = f"{kind}:{event.reason}"
-                self.refusals[key] = self.refusals.get(key, 0) + 1
+                key = f"{type(event).__name__}:{event.reason}"
+            elif isinstance(event, FencedRankDone):
+                key = "FencedRankDone:late_report"  # a fenced job's late report: its result dropped (I16)
+            else:
+                continue
+            self.refusals[key] = self.refusals.get(key, 0) + 1
 
 
 class SimEngine:

@@ -463,7 +463,7 @@ SCENARIOS = {
         Scenario("req-id-reuse-after-preemption", Protection.JOB_IDENTITY, "I4", req_id_reuse_after_preemption,
                  "Refused:unknown_owner"),
         Scenario("reset-with-late-completions", Protection.FENCING, "I16", reset_with_late_completions,
-                 "NoticeDropped:stale_job"),
+                 "FencedRankDone:late_report"),
         Scenario("stale-encoder-eviction", Protection.END_OF_STEP, "I14", stale_encoder_eviction,
                  "NoticeDropped:reallocated_in_step"),
         Scenario("preempt-during-async-store", Protection.PINS, "I3", preempt_during_async_store, "Refused:pool_exhausted"),
