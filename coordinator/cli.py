@@ -62,22 +62,28 @@ def _demo_on_the_sidecar(json_output: bool) -> None:
     """Part two: the seeds' failures as fault scenarios, on an embedded sidecar with real
     workers and real bytes, each with its protection on and off."""
     quiet_torch()
-    from coordinator.simulator.report import not_holding, run_scenarios, scenario_table
+    from coordinator.simulator.report import mixed_workload, not_holding, run_scenarios, scenario_table, workload_table
     from events.log import data_dir
 
     keep = data_dir() / "demo"
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up
+    workload = anyio.run(lambda: mixed_workload(engines=2, steps=120, keep=keep / "mixed-workload"))
     results = anyio.run(lambda: run_scenarios(keep=keep))
     if json_output:
+        typer.echo(msgspec.json.encode({"workload": workload}).decode())
         for on, off in results:
             typer.echo(msgspec.json.encode({"scenario": on.scenario, "on": on, "off": off}).decode())
     else:
         console = Console(width=200)
-        console.print(scenario_table(results, "kvledger demo, part two: the seeds' failures on a real sidecar and real workers"))
-        example = keep / f"{results[0][0].scenario}-on" / "log.sqlite"
+        console.print(workload_table(workload, "kvledger demo, part two: a mixed workload of two engines on a real sidecar and real workers"))
+        console.print(scenario_table(results, "kvledger demo, part three: the seeds' failures as fault scenarios, protection on and off"))
+        example = keep / "mixed-workload" / "log.sqlite"
         console.print(f"Every run's log is under {keep}. Try next:\n"
                       f"  kvledger db status --log {example}\n"
-                      f"  kvledger simulate --scenario {results[0][0].scenario} --keep /tmp/kvledger-runs")
+                      f"  kvledger simulate --engines 2 --steps 400")
+    if workload.wrong_reads:
+        typer.echo(f"kvledger demo: {workload.wrong_reads} wrong-KV reads in the mixed workload", err=True)
+        raise typer.Exit(code=1)
     failed = not_holding(results)
     if failed:
         typer.echo(f"kvledger demo: scenarios that did not hold (on > 0 or off == 0): {failed}", err=True)
@@ -266,14 +272,32 @@ def simulate(
     scenario: list[str] = typer.Option([], "--scenario", help="Run only these scenarios (repeatable; default: all)."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object per run."),
     keep: str | None = typer.Option(None, "--keep", help="Keep each run's log under this directory (for `kvledger audit`)."),
+    engines: int = typer.Option(0, "--engines", help="Run the mixed workload (the benchmark) with this many engines instead."),
+    steps: int = typer.Option(200, "--steps", help="Steps per engine of the mixed workload."),
+    seed: int = typer.Option(7, "--seed", help="The mixed workload's seed (the same seed runs the same way)."),
 ) -> None:
     """Run the seeds' failures as fault scenarios on a real sidecar and real workers, each with
-    kvledger's protection on and off, and count wrong-KV reads from the bytes."""
+    kvledger's protection on and off, and count wrong-KV reads from the bytes. With --engines:
+    run the mixed workload instead and print its throughput and step latency."""
     quiet_torch()
     from pathlib import Path
 
-    from coordinator.simulator.report import not_holding, run_scenarios, scenario_table
+    from coordinator.simulator.report import mixed_workload, not_holding, run_scenarios, scenario_table, workload_table
     from coordinator.simulator.scenarios import SCENARIOS
+
+    if engines:
+        if engines < 1 or steps < 1:
+            raise typer.BadParameter("--engines and --steps must be positive")
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
+        report = anyio.run(lambda: mixed_workload(engines=engines, steps=steps, seed=seed, keep=Path(keep) if keep else None))
+        if json_output:
+            typer.echo(msgspec.json.encode(report).decode())
+        else:
+            Console(width=200).print(workload_table(report, f"kvledger simulate: mixed workload, {engines} engines x {steps} steps, every protection on"))
+        if report.wrong_reads:
+            typer.echo(f"kvledger simulate: {report.wrong_reads} wrong-KV reads with every protection on", err=True)
+            raise typer.Exit(code=1)
+        return
 
     unknown = sorted(set(scenario) - set(SCENARIOS))
     if unknown:

@@ -25,6 +25,8 @@ def test_demo_shows_the_refusals_and_proves_replay(tmp_path: Path, monkeypatch: 
     scenarios = [line for line in lines if "scenario" in line]
     assert len(scenarios) >= 12 and all(s["on"]["wrong_reads"] == 0 < s["off"]["wrong_reads"] for s in scenarios)
     assert (tmp_path / "demo" / "partial-hash-hit-on" / "log.sqlite").exists(), "the demo says where its logs are"
+    [workload] = [line["workload"] for line in lines if "workload" in line]
+    assert workload["wrong_reads"] == 0 and workload["loads_checked"] > 0 and workload["steps"] == 240
     verdicts = {row["verdict"] for row in rows}
     assert {"ok", "refused", "dropped", "violation"} <= verdicts
     shown = " ".join(row["shows"] for row in rows)

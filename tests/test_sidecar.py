@@ -434,3 +434,26 @@ async def test_a_log_that_fails_makes_the_step_fail_whole_and_readiness_false(tm
             assert sidecar.readiness() == (True, "ready")
     finally:
         await event_log.close()
+
+
+async def test_a_store_with_nothing_new_is_not_sent_to_workers(event_log: EventLog, tmp_path: Path) -> None:
+    """Storing keys the tier already holds succeeds at once (I10): the decision is recorded, but
+    no worker is asked to do (and report) nothing."""
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock), engine_client(sock, "pod-a") as client:
+        driver = Engine(client)
+        job = await driver.request(0)
+        for rank in (0, 1):
+            await client.report(ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items]))
+        owner = next(e for e in (await driver.step([StartOwner(engine_id="pod-a", req_id="again")])).results[0]
+                     if isinstance(e, OwnerStarted)).owner_id
+        blocks = next(e for e in (await driver.step([AllocateBlocks(engine_id="pod-a", owner_id=owner, pool_id=0, count=2)])).results[0]
+                      if isinstance(e, BlocksAllocated)).blocks
+        from coordinator.commands import MarkComputed, StartStore
+
+        tokens = [hash(("pod-a", 0, i)) % 50_000 for i in range(2 * b.BLOCK)]
+        result = await driver.step([MarkComputed(engine_id="pod-a", owner_id=owner, blocks=blocks, token_ids=tokens),
+                                    StartStore(engine_id="pod-a", tier=b.TIER, blocks=blocks)])
+        stored = [e for e in result.results[1] if isinstance(e, StoreJobStarted)]
+        assert stored and not stored[0].items and stored[0].already_published == [i.key for i in job.items]
+        assert result.decisions == []

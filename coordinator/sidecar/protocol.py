@@ -263,7 +263,18 @@ def decisions_for(events: Sequence[Event], first_seq: int, engine_id: str, rank:
         Decision(first_seq + index, event)
         for index, event in enumerate(events)
         if isinstance(event, DECISION_TYPES) and event.engine_id == engine_id and rank < event.world_size
+        and _has_work(event)
     ]
+
+
+def _has_work(event: DecisionEvent) -> bool:
+    """A store with every key already published, or a copy plan with nothing to move, succeeds
+    in the step that decides it: no worker has anything to do or report."""
+    if isinstance(event, StoreJobStarted):
+        return bool(event.items)
+    if isinstance(event, StateCopyPlanned):
+        return bool(event.batches)
+    return True
 
 
 def any_events(events: Sequence[Event]) -> list[AnyEvent]:

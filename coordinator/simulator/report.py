@@ -8,7 +8,9 @@ from pathlib import Path
 
 from rich.table import Table
 
+from coordinator.simulator.harness import Simulation
 from coordinator.simulator.scenarios import SCENARIOS, Outcome, Scenario, run_scenario
+from coordinator.simulator.workload import TIER_SLOTS, WorkloadReport, run_workload
 
 Pair = tuple[Outcome, Outcome]
 """(protection on, protection off)."""
@@ -51,3 +53,29 @@ def scenario_table(results: Sequence[Pair], title: str) -> Table:
 def not_holding(results: Sequence[Pair]) -> list[str]:
     """Scenarios whose on run read wrong KV, or whose off run did not (the scenario must bite)."""
     return [on.scenario for on, off in results if on.wrong_reads or not off.wrong_reads]
+
+
+async def mixed_workload(*, engines: int, steps: int, seed: int = 7, keep: Path | None = None) -> WorkloadReport:
+    """The mixed workload, every protection on; with `keep`, its log stays in keep/."""
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        for stale in keep.glob("log.sqlite*"):
+            stale.unlink()
+    async with Simulation(keep, frozenset(), tier_slots=TIER_SLOTS) as sim:
+        return await run_workload(sim, engines=engines, steps=steps, seed=seed)
+
+
+def workload_table(report: WorkloadReport, title: str) -> Table:
+    table = Table(title=title)
+    for column in ("steps", "requests", "events", "wrong reads", "loads checked", "hits", "preemptions",
+                   "evictions", "events/s", "step p50 / p99", "coordinator share", "what kvledger refused or dropped"):
+        table.add_column(column, overflow="fold")
+    share = report.coordinator_seconds / report.wall_seconds if report.wall_seconds else 0.0
+    table.add_row(
+        str(report.steps), str(report.requests), f"{report.events:,}",
+        f"[bold red]{report.wrong_reads}[/]" if report.wrong_reads else "[green]0[/]",
+        str(report.loads_checked), str(report.hits), str(report.preemptions), str(report.evictions),
+        f"{report.events_per_second:,.0f}", f"{report.step_latency_p50_ms:.2f} / {report.step_latency_p99_ms:.2f} ms",
+        f"{share:.0%}", ", ".join(f"{k} x{v}" for k, v in sorted(report.refusals.items())) or "-",
+    )
+    return table
