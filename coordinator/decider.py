@@ -196,7 +196,8 @@ def _weakened(ns: NamespaceSpec) -> NamespaceSpec:
 def _reset_events(state: State, eng: EngineState, incarnation: int, reason: str) -> list[Event]:
     """Fence the old incarnation's jobs (I16), then reset its device state."""
     events: list[Event] = [
-        JobFenced(job_id=job.job_id)
+        JobFenced(job_id=job.job_id,
+                  pending=[rank for rank in range(job.decision.world_size) if rank not in job.reports])
         for job in state.jobs.values()
         if job.decision.engine_id == eng.engine_id and not is_off(Protection.FENCING)
     ]

@@ -46,6 +46,8 @@ def stream_for(state: State, command: AnyCommand) -> str:
         return f"tier/{command.spec.name}"
     if isinstance(command, ReportRank):
         job = state.jobs.get(command.job_id)
+        if job is None and command.job_id in state.fenced:
+            job = state.fenced[command.job_id].job
         return f"engine/{job.decision.engine_id}" if job is not None else "reports"
     return f"engine/{command.engine_id}"
 
@@ -94,6 +96,8 @@ class Ledger:
         self._versions = versions
         self._snapshot_every = snapshot_every
         self._steps_since_snapshot = 0
+        self.stale = False
+        """True from a failed append until a rebuild succeeds: the state may be ahead of the log."""
         self._snapshot_seq: int | None = None
         """The sequence of the last snapshot this ledger wrote (None: none yet)."""
         self._lock = anyio.Lock()
@@ -119,6 +123,7 @@ class Ledger:
         """The state with nothing uncommitted in it: waits out a commit in flight. For read-only
         answers (the sidecar's Lookup) that must never show what the log has not taken."""
         async with self._lock:
+            await self._fresh()
             yield self.core.state
 
     async def execute(self, command: AnyCommand, *, command_id: str | None = None) -> Commit:
@@ -151,7 +156,14 @@ class Ledger:
             if self.last_seq and self.last_seq != self._snapshot_seq:
                 await self._snapshot()
 
+    async def _fresh(self) -> None:
+        """After a rebuild that failed (the log was down), rebuild before anything else: the
+        state in memory may still hold what the log did not take. Raises while the log is down."""
+        if self.stale:
+            await self._rebuild("stale_after_failed_rebuild")
+
     async def _commit_group(self, transactions: Sequence[Transaction]) -> list[StepCommit | Commit]:
+        await self._fresh()
         ids = [tx.command_id for tx in transactions if tx.command_id is not None]
         done = await self.log.find_commands(ids) if ids else {}
         try:
@@ -191,7 +203,11 @@ class Ledger:
                 earlier = results[first_of[tx.command_id]] if original is None else None
                 results[index] = await self._retried(tx, original, earlier)
         if self._steps_since_snapshot >= self._snapshot_every:
-            await self._snapshot()
+            try:
+                await self._snapshot()
+            except Exception as error:  # noqa: BLE001 - a snapshot is a cache: the group is committed
+                self._steps_since_snapshot = 0  # try again after another snapshot_every steps
+                log.warning("snapshot_failed", global_seq=self.last_seq, error=f"{type(error).__name__}: {error}")
         return [results[index] for index in range(len(transactions))]
 
     def _decide_group(
@@ -256,9 +272,11 @@ class Ledger:
         return split_step(commit) if isinstance(tx, Step) else commit
 
     async def _rebuild(self, reason: str) -> None:
+        self.stale = True  # until the state is the log's again
         state, self.last_seq = await recover(self.log, self.codec)
         self.core = CoordinatorCore(state, keep_events=False, protections_off=self.protections_off)
         self._versions = await self.log.stream_versions()
+        self.stale = False
         log.warning("ledger_rebuilt_from_log", reason=reason, global_seq=self.last_seq)
 
     async def _snapshot(self) -> None:

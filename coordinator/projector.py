@@ -355,9 +355,8 @@ def _job_fenced(state: State, event: JobFenced) -> None:
     """The job ends for the coordinator, but its transfers may still be landing: what it holds
     stays held until every rank it has not heard from reports (FencedRankDone)."""
     job = state.jobs.pop(event.job_id)
-    pending = [rank for rank in range(job.decision.world_size) if rank not in job.reports]
-    if pending:
-        state.fenced[event.job_id] = FencedJob(job=job, pending=pending)
+    if event.pending:
+        state.fenced[event.job_id] = FencedJob(job=job, pending=list(event.pending))
     else:
         _end_job(state, job, succeeded=False)
 

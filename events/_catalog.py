@@ -239,9 +239,12 @@ class JobFailed(Event, frozen=True, tag="job_failed"):
 
 class JobFenced(Event, frozen=True, tag="job_fenced"):
     """The job's incarnation ended; its late reports will be dropped (I16). What it pins stays
-    pinned until every rank has reported: its transfers may still be landing."""
+    pinned until every rank in `pending` has reported: their transfers may still be landing."""
 
     job_id: int
+    pending: list[int] = []
+    """The ranks not heard from when it was fenced. Empty (and in events written before this
+    field existed): the job lets go of everything at once."""
 
 
 class FencedRankDone(Event, frozen=True, tag="fenced_rank_done"):

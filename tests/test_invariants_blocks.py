@@ -751,3 +751,18 @@ def test_compacting_a_free_list_keeps_its_order_and_the_snapshot_bytes() -> None
     twin = PoolState.new(attention_pool(num_blocks=5000))
     twin.free = dict.fromkeys(expected)
     assert msgspec.msgpack.encode(pool) == msgspec.msgpack.encode(twin)
+
+
+def test_I16_a_job_fenced_by_an_older_log_lets_go_at_once() -> None:
+    """JobFenced events written before `pending` existed fold as they did then: the job lets go
+    of its slots at once (a newer fold must not pin them forever)."""
+    core = new_core()
+    begin(core)
+    own = owner(core)
+    blocks = allocate(core, own, 1)
+    compute(core, own, blocks, TOKENS[4:8])
+    job = start_store(core, blocks)
+    old_style = [*core.events, JobFenced(job_id=job.job_id)]
+    state = project(old_style)
+    assert job.job_id not in state.jobs and job.job_id not in state.fenced
+    assert state.engines[ENGINE].pools[0].pins[blocks[0].block_id] == 0

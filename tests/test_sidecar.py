@@ -18,7 +18,7 @@ import anyio
 import msgspec
 import pytest
 
-from coordinator.client import Address, EngineClient, SidecarError, WorkerClient
+from coordinator.client import Address, EngineClient, SidecarError, SidecarUnavailable, WorkerClient
 from coordinator.commands import AllocateBlocks, Move, PlanStateCopy, ReportRank, StartOwner
 from coordinator.ledger import Ledger
 from coordinator.recovery import replay
@@ -457,3 +457,120 @@ async def test_a_store_with_nothing_new_is_not_sent_to_workers(event_log: EventL
         stored = [e for e in result.results[1] if isinstance(e, StoreJobStarted)]
         assert stored and not stored[0].items and stored[0].already_published == [i.key for i in job.items]
         assert result.decisions == []
+
+
+# --- failures inside the sidecar (found in review) -------------------------------------------------
+
+
+async def test_a_hello_that_fails_to_commit_affects_only_its_connection(event_log: EventLog, tmp_path: Path) -> None:
+    """Any error while committing one engine's Hello is that connection's COMMIT_FAILED; the
+    sidecar goes on serving the others (an unexpected error used to end `serve`)."""
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock) as sidecar, engine_client(sock, "pod-a") as bystander:
+        await bystander.step(1, 1.0, [])
+        original = sidecar.ledger.log.append
+
+        async def broken(batches: Sequence[AppendBatch]) -> list[AppendResult]:
+            raise RuntimeError("driver exploded (injected)")
+
+        sidecar.ledger.log.append = broken  # type: ignore[method-assign]
+        try:
+            newcomer = engine_client(sock, "pod-b")
+            newcomer.retry_for = 0
+            with pytest.raises(SidecarError) as failed:
+                await newcomer.connect()
+            assert failed.value.code == p.ErrorCode.COMMIT_FAILED and "driver exploded" in str(failed.value)
+        finally:
+            sidecar.ledger.log.append = original  # type: ignore[method-assign]
+        assert not (await bystander.step(2, 2.0, [])).duplicate
+        assert "pod-b" not in sidecar.ledger.state.engines
+
+
+async def test_a_hello_with_a_refused_tier_declares_nothing_and_fences_nothing(event_log: EventLog, tmp_path: Path) -> None:
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock) as sidecar, engine_client(sock, "pod-a") as running:
+        job = await Engine(running).request(0)
+        other_tier = msgspec.structs.replace(TIER_SPEC, num_slots=TIER_SPEC.num_slots + 1)
+        impostor = EngineClient(Address(socket_path=str(sock)), declaration("pod-a"), tiers=[other_tier])
+        with pytest.raises(SidecarError) as refused:
+            await impostor.connect()
+        assert refused.value.code == p.ErrorCode.REFUSED and "tier_spec_changed" in str(refused.value)
+        assert sidecar.ledger.state.engines["pod-a"].incarnation == 1, "a refused Hello restarted the engine"
+        assert job.job_id in sidecar.ledger.state.jobs, "a refused Hello fenced the running engine's job"
+
+
+async def test_command_ids_are_per_engine_so_a_shared_id_never_returns_another_engines_events(
+    event_log: EventLog, tmp_path: Path
+) -> None:
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock), engine_client(sock, "pod-a") as a, engine_client(sock, "pod-b") as b_:
+        first = await a.step(1, 1.0, [StartOwner(engine_id="pod-a", req_id="secret-a")], command_id="step-1")
+        second = await b_.step(1, 1.0, [StartOwner(engine_id="pod-b", req_id="b")], command_id="step-1")
+        assert not second.duplicate and second.first_seq > first.last_seq
+        [owner] = [e for e in second.results[0] if isinstance(e, OwnerStarted)]
+        assert owner.req_id == "b" and owner.engine_id == "pod-b"
+        again = await a.step(1, 1.0, [], command_id="step-1")
+        assert again.duplicate and again.first_seq == first.first_seq
+
+
+async def test_a_failed_snapshot_fails_no_step_and_loses_no_decision(event_log: EventLog, tmp_path: Path) -> None:
+    """A snapshot is a cache: when writing one fails, the step that triggered it is still
+    committed, answered once, and its decisions still reach the workers."""
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock) as sidecar, engine_client(sock, "pod-a") as client:
+        sidecar.ledger._snapshot_every = 1  # noqa: SLF001 - every step tries to snapshot
+        original = sidecar.ledger.log.save_snapshot
+
+        async def full_disk(snapshot: object) -> None:
+            raise OSError("no space left on device (injected)")
+
+        sidecar.ledger.log.save_snapshot = full_disk  # type: ignore[method-assign]
+        worker = WorkerClient(Address(socket_path=str(sock)), "pod-a", 0)
+        got: list[p.Decision] = []
+        try:
+            async with anyio.create_task_group() as tg:
+                async def listen() -> None:
+                    async for decision in worker.decisions(0):
+                        got.append(decision)
+
+                tg.start_soon(listen)
+                job = await Engine(client).request(0)
+                with anyio.fail_after(10):
+                    while not got:
+                        await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+        finally:
+            sidecar.ledger.log.save_snapshot = original  # type: ignore[method-assign]
+        assert [d.event.job_id for d in got] == [job.job_id]
+
+
+async def test_a_rebuild_that_fails_is_retried_before_anything_else_is_decided(event_log: EventLog, tmp_path: Path) -> None:
+    """The append fails and so does the rebuild after it (the database is down): the state in
+    memory still holds the failed step. Nothing may be decided on it: the next step first
+    rebuilds, and what the log then holds is exactly the state."""
+    from coordinator.recovery import replay as replay_log
+
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock) as sidecar, engine_client(sock, "pod-a") as client:
+        client.retry_for = 0
+        await client.step(1, 1.0, [StartOwner(engine_id="pod-a", req_id="r1")])
+        log_ = sidecar.ledger.log
+        append, read_steps = log_.append, log_.read_steps
+
+        async def down(*_: object, **__: object) -> list[AppendResult]:
+            raise OSError("database is down (injected)")
+
+        log_.append = down  # type: ignore[method-assign]
+        log_.read_steps = down  # type: ignore[method-assign,assignment]
+        try:
+            with pytest.raises(SidecarUnavailable, match="database is down"):
+                await client.step(2, 2.0, [StartOwner(engine_id="pod-a", req_id="r2-lost")])
+            assert sidecar.ledger.stale and not sidecar.readiness()[0]
+        finally:
+            log_.append, log_.read_steps = append, read_steps  # type: ignore[method-assign]
+        await client.step(2, 2.0, [StartOwner(engine_id="pod-a", req_id="r3")])
+        assert not sidecar.ledger.stale
+        replayed, _ = await replay_log(event_log, EventCodec())
+        async with sidecar.ledger.committed() as live:
+            assert state_digest(replayed) == state_digest(live)
+            assert sorted(o.req_id for o in live.owners.values()) == ["r1", "r3"]

@@ -71,6 +71,17 @@ class Committer:
         self._wake.set()
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            # Cancelled at a drain timeout, or failed: whoever is still queued gets an answer.
+            self._closing = True
+            while self._queue:
+                waiter = self._queue.popleft()
+                waiter.error = ShuttingDown("the sidecar stopped before this commit; retry it with its command id")
+                waiter.done.set()
+
+    async def _run(self) -> None:
         while True:
             while not self._queue:
                 if self._closing:
@@ -100,6 +111,10 @@ class Committer:
             log.error("commit_failed", transactions=len(group), error=self.failure)
             for waiter in group:
                 waiter.error = error
+            try:  # whatever of it did land, workers must still hear of
+                await self.hub.publish_from_log(self.ledger.last_seq)
+            except Exception as late:  # noqa: BLE001 - the log is down; the next commit tries again
+                log.error("publish_from_log_failed", error=f"{type(late).__name__}: {late}")
             return
         self.failure = None
         published = []
@@ -109,6 +124,7 @@ class Committer:
             if not commit.duplicate:
                 published.append((commit.events, commit.first_seq))
                 self.metrics.committed(commit.events)
+        await self.hub.publish_from_log(min(c[1] for c in published) - 1 if published else self.ledger.last_seq)
         self.hub.publish(published, self.ledger.last_seq)
         self.metrics.group_size.observe(len(group))
         log.debug("group_committed", transactions=len(group), seconds=time.perf_counter() - started, global_seq=self.ledger.last_seq)

@@ -96,6 +96,20 @@ class DecisionHub:
                 subscription.offer(decisions)
         self.last_seq = max(self.last_seq, last_seq)
 
+    async def publish_from_log(self, until: int) -> None:
+        """Publish what the log committed after the last published sequence, up to `until`: for
+        a group whose append landed although the commit call then failed (its waiters got an
+        error, and a retry is answered as a duplicate, which is never published)."""
+        if until <= self.last_seq:
+            return
+        commits: list[tuple[list[Event], int]] = []
+        async for steps in stored_steps(self.log, self.last_seq, until):
+            for step in steps:
+                after = max(self.last_seq, step.first_seq - 1)
+                commits.append((decode_step(self.codec, step, after), after + 1))
+        log.warning("published_from_log", after_seq=self.last_seq, until_seq=until, steps=len(commits))
+        self.publish(commits, until)
+
     async def stream(self, subscription: Subscription) -> AsyncIterator[list[Decision]]:
         """Every decision for the subscription after its from_seq, in order, forever."""
         async for decisions in self._catch_up(subscription):

@@ -121,6 +121,8 @@ class Sidecar:
             return False, "shutting down"
         if not self.accepting:
             return False, "starting"
+        if self.ledger.stale:
+            return False, "the state is being rebuilt from the log after a failed append"
         if self.committer.failure is not None:
             return False, f"the log refused the last append: {self.committer.failure}"
         return True, "ready"
@@ -254,6 +256,8 @@ class Sidecar:
                 tasks.cancel_scope.cancel()
         except* _GONE:
             pass  # the peer went away: nothing to answer
+        except* Exception as errors:  # noqa: BLE001 - one connection's failure must not stop the others
+            log.error("connection_failed", peer=conn.peer, errors=[f"{type(e).__name__}: {e}" for e in errors.exceptions])
         finally:
             self.metrics.connections.dec()
 
@@ -344,6 +348,10 @@ class Sidecar:
             for spec in hello.tiers:
                 commit = await self.committer.submit(Single(command=DeclareTier(spec=spec)))
                 events += _commit_of(commit).events
+                refused = [e for e in events if isinstance(e, Refused)]
+                if refused:  # before the engine is declared: a refused Hello resets nothing
+                    await self._error(conn, p.ErrorCode.REFUSED, f"{refused[0].reason}: {refused[0].detail}")
+                    return None, False
             known = self.ledger.state.engines.get(engine_id)
             if known is not None and hello.incarnation and hello.incarnation == known.incarnation:
                 log.info("engine_reconnected", engine=engine_id, incarnation=known.incarnation, peer=conn.peer)
@@ -356,8 +364,8 @@ class Sidecar:
                                   "carry `declare` (a DeclareEngine for the same engine_id)")
                 return None, False
             commit = await self.committer.submit(Single(command=hello.declare))
-        except (ShuttingDown, LogError) as error:
-            await self._error(conn, p.ErrorCode.COMMIT_FAILED, str(error), fatal=True)
+        except Exception as error:  # noqa: BLE001 - the log failed: this Hello was not committed
+            await self._error(conn, p.ErrorCode.COMMIT_FAILED, f"{type(error).__name__}: {error}", fatal=True)
             return None, True
         events += _commit_of(commit).events
         refused = [e for e in events if isinstance(e, Refused)]
@@ -380,7 +388,7 @@ class Sidecar:
         if isinstance(message, p.Report):
             if session.role not in ("worker", "engine"):
                 return _wrong_role(session, message)
-            return await self._commit_single(message.report, message.command_id or _report_id(message))
+            return await self._commit_single(session, message.report, message.command_id or _report_id(message))
         if session.role != "engine":
             return _wrong_role(session, message)
         if isinstance(message, p.Lookup):
@@ -391,7 +399,7 @@ class Sidecar:
                     return p.LookupResult(answer=lookup(state, command))
         if isinstance(message, p.Execute):
             problem = _foreign(session, [message.command])
-            return problem or await self._commit_single(message.command, message.command_id)
+            return problem or await self._commit_single(session, message.command, message.command_id)
         assert isinstance(message, p.Step)
         return await self._step(session, message)
 
@@ -404,7 +412,7 @@ class Sidecar:
         started = time.perf_counter()
         bound = log.bind(engine=session.engine_id, step=message.step)
         tx = LedgerStep(engine_id=session.engine_id, step=message.step, clock=message.clock,
-                        commands=message.commands, command_id=message.command_id)
+                        commands=message.commands, command_id=_scoped(session, message.command_id))
         try:
             result = await self.committer.submit(tx)
         except ShuttingDown as error:
@@ -423,9 +431,10 @@ class Sidecar:
             decisions=p.decisions_for(commit.events, commit.first_seq, session.engine_id, 0),
         )
 
-    async def _commit_single(self, command: AnyCommand, command_id: str) -> p.ServerMessage:
+    async def _commit_single(self, session: Session, command: AnyCommand, command_id: str) -> p.ServerMessage:
         try:
-            result = await self.committer.submit(Single(command=command, command_id=command_id or None))
+            scoped = _scoped(session, command_id) if command_id else None
+            result = await self.committer.submit(Single(command=command, command_id=scoped))
         except ShuttingDown as error:
             return p.Error(code=p.ErrorCode.SHUTTING_DOWN, message=str(error), fatal=True)
         except Exception as error:  # noqa: BLE001
@@ -478,6 +487,12 @@ _GONE = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, any
 
 def _commit_of(result: StepCommit | Commit) -> Commit:
     return result.commit if isinstance(result, StepCommit) else result
+
+
+def _scoped(session: Session, command_id: str) -> str:
+    """Command ids are the client's; the log's are unique per engine: one engine's retry can
+    never be answered with another engine's committed events (I9)."""
+    return f"{session.engine_id}/{command_id}"
 
 
 def _report_id(message: p.Report) -> str:
