@@ -80,4 +80,5 @@ async def test_I16_a_load_in_flight_across_a_reset_does_not_land_in_a_recycled_b
     load overwrote a block another request held by then. Fenced jobs now keep their slots pinned
     until every rank reports."""
     report = await run(tmp_path / "late", late_loads_at_reset=True)
+    assert report.refusals.get("FencedRankDone:late_report", 0) >= 2, "no job was in flight across the reset"
     assert report.wrong_reads == 0, report
