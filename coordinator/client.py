@@ -133,8 +133,9 @@ class EngineClient:
         hello = p.Hello(protocol=p.PROTOCOL_VERSION, role="engine", engine_id=self.engine_id, token=self.address.token,
                         declare=self.declare if first else None, incarnation=self.incarnation, tiers=self.tiers if first else [])
         try:
-            await channel.send(hello)
-            reply = await channel.receive()
+            with anyio.fail_after(self.reply_timeout):
+                await channel.send(hello)
+                reply = await channel.receive()
         except BaseException:
             await channel.aclose()
             raise
@@ -238,9 +239,14 @@ class WorkerClient:
 
     async def _open(self) -> _Channel:
         channel = _Channel(await self.address.connect(), self.max_frame)
-        await channel.send(p.Hello(protocol=p.PROTOCOL_VERSION, role="worker", engine_id=self.engine_id,
-                                   rank=self.rank, token=self.address.token))
-        reply = await channel.receive()
+        try:
+            with anyio.fail_after(self.retry_for):
+                await channel.send(p.Hello(protocol=p.PROTOCOL_VERSION, role="worker", engine_id=self.engine_id,
+                                           rank=self.rank, token=self.address.token))
+                reply = await channel.receive()
+        except BaseException:
+            await channel.aclose()
+            raise
         if isinstance(reply, p.Error):
             await channel.aclose()
             raise SidecarError(reply)
@@ -273,7 +279,7 @@ class WorkerClient:
                         log.warning("resubscribing", engine=self.engine_id, rank=self.rank, reason=message.code.value,
                                     resume_from=message.resume_from)
                         break
-            except _LOST as lost:
+            except (*_LOST, TimeoutError) as lost:
                 if deadline == math.inf:
                     deadline = anyio.current_time() + self.retry_for
                 if anyio.current_time() >= deadline:

@@ -24,6 +24,9 @@ log = structlog.get_logger("kvledger.hub")
 
 DEFAULT_BUFFER = 10_000
 """Decisions a subscription may hold undelivered before it is cut off."""
+SEND_GRACE = 5.0
+"""Seconds a send already blocked on a subscriber that stopped reading may still take once its
+buffer is full; then the connection is cut (it cannot take an Error frame either)."""
 
 
 class SlowSubscriber(Exception):
@@ -45,6 +48,8 @@ class Subscription:
         self._pending: deque[Decision] = deque()
         self._wake = anyio.Event()
         self.overflowed = False
+        self.send_scope: anyio.CancelScope | None = None
+        """The send in progress, if any: an overflow gives it SEND_GRACE more seconds."""
 
     def offer(self, decisions: list[Decision]) -> None:
         if self.overflowed:
@@ -52,6 +57,8 @@ class Subscription:
         if len(self._pending) + len(decisions) > self.capacity:
             self.overflowed = True
             self._pending.clear()
+            if self.send_scope is not None:  # the peer stopped reading: do not wait on it forever
+                self.send_scope.deadline = min(self.send_scope.deadline, anyio.current_time() + SEND_GRACE)
         else:
             self._pending.extend(decisions)
         self._wake.set()

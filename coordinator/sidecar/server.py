@@ -460,7 +460,16 @@ class Sidecar:
         self.metrics.subscribers.inc()
         try:
             async for decisions in self.hub.stream(subscription):
-                await conn.send(p.Decisions(items=decisions))
+                with anyio.CancelScope() as sending:
+                    subscription.send_scope = sending
+                    await conn.send(p.Decisions(items=decisions))
+                subscription.send_scope = None
+                if sending.cancelled_caught:  # blocked past the grace: the peer stopped reading
+                    self.metrics.slow_subscribers.inc()
+                    log.warning("subscriber_cut", engine=subscription.engine_id, rank=subscription.rank,
+                                resume_from=subscription.delivered, reason="stopped reading with its buffer full")
+                    connection_scope.cancel()
+                    return
                 subscription.delivered = decisions[-1].seq
         except SlowSubscriber as slow:
             self.metrics.slow_subscribers.inc()
