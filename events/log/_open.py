@@ -70,14 +70,15 @@ async def open_log(url: str | None = None) -> SqlEventLog:
     masked = mask(target)
     engine = make_engine(target)
     try:
-        revision = await _check_not_newer(engine, target)
-        if revision != migrations.head():
-            if target.get_backend_name() != "sqlite":
+        if target.get_backend_name() == "sqlite":
+            await _open_sqlite(engine, target)
+        else:
+            revision = await _check_not_newer(engine, target)
+            if revision != migrations.head():
                 raise SchemaMismatch(
                     f"log {masked} is at schema {revision or 'none'}, this kvledger needs {migrations.head()}: "
                     f"run `kvledger db upgrade --log {masked}`"
                 )
-            await _upgrade_sqlite(engine, target)
     except (OSError, sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
         await engine.dispose()
         raise LogUnavailable(f"cannot open log {masked}: {_first_line(exc)}") from exc
@@ -99,15 +100,22 @@ async def _check_not_newer(engine: AsyncEngine, target: sa.URL) -> str | None:
     return revision
 
 
-async def _upgrade_sqlite(engine: AsyncEngine, target: sa.URL) -> None:
-    # Two processes opening one new file must not both run the migrations.
-    lock = filelock.FileLock(f"{target.database}.lock", timeout=60)
-    await anyio.to_thread.run_sync(lock.acquire)
+async def _open_sqlite(engine: AsyncEngine, target: sa.URL) -> None:
+    """Check the schema and upgrade it if it is behind, holding a file lock from before the first
+    connection: several openers of one new file (tasks or processes) would otherwise race on
+    switching it to WAL and creating the tables ("database is locked")."""
+    # Not thread-local: acquire and release run in whichever worker threads anyio picks.
+    lock = filelock.FileLock(f"{target.database}.lock", timeout=60, thread_local=False)
     try:
-        async with engine.begin() as conn:
-            if await conn.run_sync(migrations.current) != migrations.head():
+        await anyio.to_thread.run_sync(lock.acquire)
+    except filelock.Timeout as error:
+        raise LogUnavailable(f"cannot open log {mask(target)}: another process holds {lock.lock_file} for over 60 s") from error
+    try:
+        revision = await _check_not_newer(engine, target)
+        if revision != migrations.head():
+            async with engine.begin() as conn:
                 await conn.run_sync(migrations.upgrade)
-                log.info("log_upgraded", url=mask(target), revision=migrations.head())
+            log.info("log_upgraded", url=mask(target), revision=migrations.head())
     finally:
         await anyio.to_thread.run_sync(lock.release)
 
