@@ -84,6 +84,10 @@ class StoredStep(msgspec.Struct, frozen=True, gc=False):
     schemas: str
     header: bytes
     payload: bytes
+    step: int = -1
+    """The engine step (-1 for an append outside a step, such as a worker's report)."""
+    recorded_at: float = 0.0
+    """Wall-clock time of the append (seconds since the epoch)."""
 
     @property
     def count(self) -> int:

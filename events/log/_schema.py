@@ -77,3 +77,129 @@ snapshots = sa.Table(
 )
 
 sa.Index("ix_kvl_snapshots_global_seq", snapshots.c.global_seq)
+
+# --- the audit index (coordinator/audit) ---------------------------------------------------------
+# A projection of the log for forensics: insert-only rows, each naming the global sequence of the
+# event it came from, so a point-in-time question is an index range scan ("the last allocation of
+# this slot at or before sequence N"). Written with the "audit" checkpoint in one transaction.
+# Engines, pools and steps are per engine, so most tables lead with the engine id.
+
+audit_slots = sa.Table(
+    "kvl_audit_slots",
+    metadata,
+    # What happened to one generation of one slot: allocated, reused (a ref taken), released (a
+    # ref dropped), computed, stored_from, loaded_into, copied, freed.
+    sa.Column("engine", sa.String(255), nullable=False),
+    sa.Column("pool", sa.Integer, nullable=False),
+    sa.Column("block", sa.Integer, nullable=False),
+    sa.Column("generation", sa.Integer, nullable=False),
+    sa.Column("seq", sa.BigInteger, nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("owner_id", sa.BigInteger, nullable=True),
+    sa.Column("job_id", sa.BigInteger, nullable=True),
+    sa.Column("key", sa.LargeBinary, nullable=True),
+)
+sa.Index("ix_kvl_audit_slots_seq", audit_slots.c.engine, audit_slots.c.pool, audit_slots.c.block, audit_slots.c.seq)
+sa.Index("ix_kvl_audit_slots_generation", audit_slots.c.engine, audit_slots.c.pool, audit_slots.c.block, audit_slots.c.generation)
+sa.Index("ix_kvl_audit_slots_owner", audit_slots.c.engine, audit_slots.c.owner_id)
+
+audit_owners = sa.Table(
+    "kvl_audit_owners",
+    metadata,
+    # Owner lifetimes: started (detail "resumed" for a resumed request) and finished (the reason).
+    sa.Column("engine", sa.String(255), nullable=False),
+    sa.Column("owner_id", sa.BigInteger, nullable=False),
+    sa.Column("req_id", sa.String(255), nullable=False),
+    sa.Column("seq", sa.BigInteger, nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("detail", sa.Text, nullable=False),
+)
+sa.Index("ix_kvl_audit_owners_req", audit_owners.c.req_id, audit_owners.c.seq)
+sa.Index("ix_kvl_audit_owners_owner", audit_owners.c.engine, audit_owners.c.owner_id)
+
+audit_jobs = sa.Table(
+    "kvl_audit_jobs",
+    metadata,
+    # A job's life: started (kind store, load or copy), reported (per rank), succeeded, failed,
+    # fenced, fenced_rank_done.
+    sa.Column("job_id", sa.BigInteger, nullable=False),
+    sa.Column("engine", sa.String(255), nullable=False),
+    sa.Column("seq", sa.BigInteger, nullable=False),
+    sa.Column("kind", sa.String(24), nullable=False),
+    sa.Column("rank", sa.Integer, nullable=True),
+    sa.Column("detail", sa.Text, nullable=False),
+)
+sa.Index("ix_kvl_audit_jobs_job", audit_jobs.c.job_id, audit_jobs.c.seq)
+
+audit_keys = sa.Table(
+    "kvl_audit_keys",
+    metadata,
+    # A content key's provenance: computed (in a slot), stored (from a slot, by a job), published
+    # (with each rank's checksum), loaded (by a job into a slot), evicted, quarantined.
+    sa.Column("key", sa.LargeBinary, nullable=False),
+    sa.Column("seq", sa.BigInteger, nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("engine", sa.String(255), nullable=False),
+    sa.Column("tier", sa.String(255), nullable=False),
+    sa.Column("pool", sa.Integer, nullable=False),
+    sa.Column("namespace_id", sa.LargeBinary, nullable=True),
+    sa.Column("job_id", sa.BigInteger, nullable=True),
+    sa.Column("block", sa.Integer, nullable=True),
+    sa.Column("generation", sa.Integer, nullable=True),
+    sa.Column("tier_slot", sa.Integer, nullable=True),
+    sa.Column("size_bytes", sa.BigInteger, nullable=True),
+    sa.Column("checksums", sa.Text, nullable=False),
+    sa.Column("detail", sa.Text, nullable=False),
+)
+sa.Index("ix_kvl_audit_keys_key", audit_keys.c.key, audit_keys.c.seq)
+sa.Index("ix_kvl_audit_keys_namespace", audit_keys.c.namespace_id, audit_keys.c.kind)
+
+audit_refusals = sa.Table(
+    "kvl_audit_refusals",
+    metadata,
+    # What the coordinator refused or dropped, the jobs it failed and the keys it quarantined.
+    sa.Column("seq", sa.BigInteger, nullable=False),
+    sa.Column("engine", sa.String(255), nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("subject", sa.String(255), nullable=False),
+    sa.Column("reason", sa.String(64), nullable=False),
+    sa.Column("detail", sa.Text, nullable=False),
+)
+sa.Index("ix_kvl_audit_refusals_seq", audit_refusals.c.seq)
+
+audit_engines = sa.Table(
+    "kvl_audit_engines",
+    metadata,
+    # Engine incarnations: declared (with its namespace) and reset.
+    sa.Column("engine", sa.String(255), nullable=False),
+    sa.Column("incarnation", sa.Integer, nullable=False),
+    sa.Column("namespace_id", sa.LargeBinary, nullable=True),
+    sa.Column("seq", sa.BigInteger, nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("detail", sa.Text, nullable=False),
+)
+sa.Index("ix_kvl_audit_engines_engine", audit_engines.c.engine, audit_engines.c.seq)
+
+audit_namespaces = sa.Table(
+    "kvl_audit_namespaces",
+    metadata,
+    sa.Column("namespace_id", sa.LargeBinary, primary_key=True),
+    sa.Column("tenant", sa.String(255), nullable=False),
+    sa.Column("model_id", sa.String(255), nullable=False),
+    sa.Column("spec", sa.Text, nullable=False),
+    sa.Column("seq", sa.BigInteger, nullable=False),
+)
+
+audit_steps = sa.Table(
+    "kvl_audit_steps",
+    metadata,
+    # Where each engine step lies in the log, and when it was recorded: --at-step and --at-time.
+    sa.Column("engine", sa.String(255), nullable=False),
+    sa.Column("step", sa.BigInteger, nullable=False),
+    sa.Column("first_seq", sa.BigInteger, nullable=False),
+    sa.Column("last_seq", sa.BigInteger, nullable=False),
+    sa.Column("recorded_at", sa.Float, nullable=False),
+)
+sa.Index("ix_kvl_audit_steps_step", audit_steps.c.engine, audit_steps.c.step)
+sa.Index("ix_kvl_audit_steps_time", audit_steps.c.recorded_at)
+sa.Index("ix_kvl_audit_steps_seq", audit_steps.c.engine, audit_steps.c.first_seq)

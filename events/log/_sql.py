@@ -93,7 +93,7 @@ def _configure_sqlite(sync_engine: sa.Engine) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE" if writing else "BEGIN")
 
 
-_STEP_COLUMNS = "first_seq, last_seq, stream_id, first_version, schemas, header, payload"
+_STEP_COLUMNS = "first_seq, last_seq, stream_id, first_version, schemas, header, payload, step, recorded_at"
 _READ_STEPS_SQL = (
     # The step holding after + 1 starts at the greatest first_seq <= after + 1; every step that
     # starts up to after + limit holds some of the events asked for. Both bounds use the primary key.

@@ -1,0 +1,184 @@
+"""The audit index projection: committed events -> insert-only rows for forensics. Pure.
+
+Every row names the global sequence of the event it came from, so "what held this slot at
+sequence N" is a range scan over an index ("the last allocation of the slot at or before N"),
+never a replay. Rows are only ever inserted: a lifetime's end is a row of its own (`freed`,
+`finished`, `evicted`), which is what makes indexing resumable from a checkpoint and its writes
+cheap. The tables are declared in events/log/_schema.py (kvl_audit_*); coordinator/audit/store.py
+writes these rows and answers the queries.
+
+The only memory the projection keeps is each engine's namespace (from its declarations), so that
+computed, stored and loaded keys carry their namespace; `Indexer(namespaces=...)` restores it
+from the index when indexing resumes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from events import (
+    BlocksAllocated,
+    BlocksComputed,
+    BlocksReleased,
+    BlocksReused,
+    EngineDeclared,
+    EngineReset,
+    Event,
+    FencedRankDone,
+    JobFailed,
+    JobFenced,
+    JobSucceeded,
+    KeyEvicted,
+    KeyPublished,
+    KeyQuarantined,
+    LoadJobStarted,
+    NamespaceRegistered,
+    NoticeDropped,
+    OwnerFinished,
+    OwnerStarted,
+    RankReported,
+    Refused,
+    StateCopyPlanned,
+    StepEnded,
+    StoreJobStarted,
+)
+
+# Row tuples, in the column order of their tables (events/log/_schema.py).
+SlotRow = tuple[str, int, int, int, int, str, int | None, int | None, bytes | None]
+"""engine, pool, block, generation, seq, kind, owner_id, job_id, key"""
+OwnerRow = tuple[str, int, str, int, str, str]
+"""engine, owner_id, req_id, seq, kind, detail"""
+JobRow = tuple[int, str, int, str, int | None, str]
+"""job_id, engine, seq, kind, rank, detail"""
+KeyRow = tuple[bytes, int, str, str, str, int, bytes | None, int | None, int | None, int | None, int | None, int | None, str, str]
+"""key, seq, kind, engine, tier, pool, namespace_id, job_id, block, generation, tier_slot, size_bytes, checksums, detail"""
+RefusalRow = tuple[int, str, str, str, str, str]
+"""seq, engine, kind, subject, reason, detail"""
+EngineRow = tuple[str, int, bytes | None, int, str, str]
+"""engine, incarnation, namespace_id, seq, kind, detail"""
+NamespaceRow = tuple[bytes, str, str, str, int]
+"""namespace_id, tenant, model_id, spec (JSON), seq"""
+StepRow = tuple[str, int, int, int, float]
+"""engine, step, first_seq, last_seq, recorded_at"""
+
+
+class AuditRows(msgspec.Struct, kw_only=True):
+    slots: list[SlotRow] = msgspec.field(default_factory=list)
+    owners: list[OwnerRow] = msgspec.field(default_factory=list)
+    jobs: list[JobRow] = msgspec.field(default_factory=list)
+    keys: list[KeyRow] = msgspec.field(default_factory=list)
+    refusals: list[RefusalRow] = msgspec.field(default_factory=list)
+    engines: list[EngineRow] = msgspec.field(default_factory=list)
+    namespaces: list[NamespaceRow] = msgspec.field(default_factory=list)
+    steps: list[StepRow] = msgspec.field(default_factory=list)
+
+    def count(self) -> int:
+        return sum(len(rows) for rows in msgspec.structs.astuple(self))
+
+
+def engine_of_stream(stream_id: str) -> str:
+    """Engine streams are "engine/<id>"; other streams (tiers) keep their whole id."""
+    return stream_id.removeprefix("engine/")
+
+
+def checksums_text(checksums: Sequence[bytes]) -> str:
+    """Each rank's checksum in hex, comma-separated in rank order."""
+    return ",".join(c.hex() for c in checksums)
+
+
+class Indexer:
+    """Folds committed steps into AuditRows. Feed steps in log order, each once."""
+
+    def __init__(self, namespaces: dict[str, bytes] | None = None) -> None:
+        self.namespaces: dict[str, bytes] = dict(namespaces or {})
+        """engine id -> its current namespace id."""
+
+    def step(self, rows: AuditRows, events: Sequence[Event], *, first_seq: int, last_seq: int, stream_id: str,
+             step: int, recorded_at: float) -> None:
+        """Add the rows of one stored step's events; `first_seq` is the first event's sequence
+        (the events may be a tail of the step: then pass the tail's first sequence)."""
+        engine = engine_of_stream(stream_id)
+        if step >= 0:
+            rows.steps.append((engine, step, first_seq, last_seq, recorded_at))
+        for offset, event in enumerate(events):
+            self.event(rows, event, first_seq + offset, engine)
+
+    def event(self, rows: AuditRows, event: Event, seq: int, engine: str) -> None:  # noqa: C901 - one case per event type
+        """Add the rows of one event at global sequence `seq`, from `engine`'s stream."""
+        match event:
+            case BlocksAllocated(owner_id=owner, blocks=blocks):
+                rows.slots += [(engine, b.pool_id, b.block_id, b.generation, seq, "allocated", owner, None, None) for b in blocks]
+            case BlocksReused(owner_id=owner, blocks=blocks):
+                rows.slots += [(engine, b.pool_id, b.block_id, b.generation, seq, "reused", owner, None, None) for b in blocks]
+            case BlocksReleased(owner_id=owner, blocks=blocks):
+                rows.slots += [(engine, b.pool_id, b.block_id, b.generation, seq, "released", owner, None, None) for b in blocks]
+            case StepEnded(freed_blocks=freed):
+                rows.slots += [(engine, b.pool_id, b.block_id, b.generation, seq, "freed", None, None, None) for b in freed]
+            case BlocksComputed(blocks=computed):
+                namespace = self.namespaces.get(engine)
+                for c in computed:
+                    b = c.block
+                    rows.slots.append((engine, b.pool_id, b.block_id, b.generation, seq, "computed", None, None, c.key))
+                    rows.keys.append((c.key, seq, "computed", engine, "", b.pool_id, namespace, None, b.block_id,
+                                      b.generation, None, None, "", ""))
+            case StoreJobStarted(job_id=job, tier=tier, items=items, already_published=skipped, pinned=pinned):
+                namespace = self.namespaces.get(engine)
+                rows.jobs.append((job, engine, seq, "store", None,
+                                  f"tier {tier}: {len(items)} keys, {len(skipped)} already published"
+                                  f"{'' if pinned else ', NOT pinned'}"))
+                for item in items:
+                    s = item.source
+                    rows.slots.append((engine, s.pool_id, s.block_id, s.generation, seq, "stored_from", None, job, item.key))
+                    rows.keys.append((item.key, seq, "stored", engine, tier, s.pool_id, namespace, job, s.block_id,
+                                      s.generation, item.tier_slot, None, "", ""))
+            case LoadJobStarted(job_id=job, tier=tier, items=items, lease_expires_at=expiry):
+                namespace = self.namespaces.get(engine)
+                rows.jobs.append((job, engine, seq, "load", None, f"tier {tier}: {len(items)} items, lease to t={expiry:g}"))
+                for load in items:
+                    d = load.dest
+                    rows.slots.append((engine, d.pool_id, d.block_id, d.generation, seq, "loaded_into", None, job, load.key))
+                    rows.keys.append((load.key, seq, "loaded", engine, tier, d.pool_id, namespace, job, d.block_id,
+                                      d.generation, load.tier_slot, None, checksums_text(load.checksums), ""))
+            case StateCopyPlanned(job_id=job, pool_id=pool, blocks=blocks, batches=batches):
+                rows.jobs.append((job, engine, seq, "copy", None, f"pool {pool}: {sum(map(len, batches))} moves in {len(batches)} batches"))
+                rows.slots += [(engine, b.pool_id, b.block_id, b.generation, seq, "copied", None, job, None) for b in blocks]
+            case RankReported(job_id=job, rank=rank, ok=ok, error=error):
+                rows.jobs.append((job, engine, seq, "reported", rank, "ok" if ok else f"failed: {error}"))
+            case JobSucceeded(job_id=job):
+                rows.jobs.append((job, engine, seq, "succeeded", None, ""))
+            case JobFailed(job_id=job, reason=reason, detail=detail):
+                rows.jobs.append((job, engine, seq, "failed", None, f"{reason}: {detail}"))
+                rows.refusals.append((seq, engine, "job_failed", f"job {job}", str(reason), detail))
+            case JobFenced(job_id=job, pending=pending):
+                rows.jobs.append((job, engine, seq, "fenced", None, f"ranks pending: {pending}" if pending else ""))
+            case FencedRankDone(job_id=job, rank=rank):
+                rows.jobs.append((job, engine, seq, "fenced_rank_done", rank, "late report dropped"))
+            case KeyPublished(tier=tier, namespace_id=namespace, pool_id=pool, key=key, tier_slot=slot,
+                              checksums=checksums, size_bytes=size, source_job=job):
+                rows.keys.append((key, seq, "published", engine, tier, pool, namespace, job, None, None, slot, size,
+                                  checksums_text(checksums), ""))
+            case KeyEvicted(tier=tier, pool_id=pool, key=key, tier_slot=slot, engine_id=by):
+                rows.keys.append((key, seq, "evicted", by, tier, pool, None, None, None, None, slot, None, "", ""))
+            case KeyQuarantined(tier=tier, pool_id=pool, key=key, reason=reason, job_id=job, detail=detail):
+                rows.keys.append((key, seq, "quarantined", engine, tier, pool, None, job, None, None, None, None, "",
+                                  f"{reason}: {detail}"))
+                rows.refusals.append((seq, engine, "quarantined", f"key {key.hex()}", str(reason), detail))
+            case Refused(engine_id=by, command=command, reason=reason, detail=detail):
+                rows.refusals.append((seq, by or engine, "refused", command, str(reason), detail))
+            case NoticeDropped(engine_id=by, notice=notice, reason=reason, detail=detail):
+                rows.refusals.append((seq, by or engine, "dropped", notice, str(reason), detail))
+            case OwnerStarted(engine_id=by, owner_id=owner, req_id=req_id, resumed=resumed):
+                rows.owners.append((by, owner, req_id, seq, "started", "resumed" if resumed else ""))
+            case OwnerFinished(engine_id=by, owner_id=owner, reason=reason):
+                rows.owners.append((by, owner, "", seq, "finished", reason))
+            case EngineDeclared(engine_id=by, incarnation=incarnation, namespace_id=namespace):
+                self.namespaces[by] = namespace
+                rows.engines.append((by, incarnation, namespace, seq, "declared", ""))
+            case EngineReset(engine_id=by, incarnation=incarnation, reason=reason):
+                rows.engines.append((by, incarnation, self.namespaces.get(by), seq, "reset", reason))
+            case NamespaceRegistered(namespace_id=namespace, spec=spec):
+                rows.namespaces.append((namespace, spec.tenant, spec.model_id, msgspec.json.encode(spec).decode(), seq))
+            case _:
+                pass  # steps began, lookups, encoder entries, tiers: nothing a forensic query asks for

@@ -1,0 +1,521 @@
+"""Audit queries over the index (coordinator/audit/store.py builds it). Each is a handful of
+index range scans, so a point query stays fast on a large log (ops/bench/audit.py).
+
+Every answer names the tenant whose data it holds. A query made for one tenant (`tenant=`) never
+returns another's: a slot, request or key of another tenant raises `OutOfScope`; lists are
+filtered (I9, for audit reads).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from coordinator.audit.store import indexed_seq
+from events.log import SqlEventLog
+from events.log import _schema as t
+
+
+class AuditError(Exception):
+    """A question the index cannot answer as asked (unknown engine, step, key...)."""
+
+
+class NotFound(AuditError):
+    pass
+
+
+class OutOfScope(AuditError):
+    """The data belongs to a tenant the caller may not see."""
+
+
+# --- answers ------------------------------------------------------------------------------------
+
+
+class Point(msgspec.Struct, frozen=True):
+    seq: int
+    step: int
+    """The engine's step at that sequence (-1 before its first step)."""
+    recorded_at: float
+
+
+class SlotEvent(msgspec.Struct, frozen=True):
+    seq: int
+    kind: str
+    owner_id: int | None
+    job_id: int | None
+    key: str | None
+
+
+class JobTouch(msgspec.Struct, frozen=True):
+    job_id: int
+    kind: str
+    """store, load or copy."""
+    started_seq: int
+    ended_seq: int | None
+    outcome: str
+    """succeeded, failed: <reason>, fenced, or in flight."""
+    pinned_then: bool
+    """Whether the job held its pin on the slot at the asked point (I3)."""
+
+
+class OwnerLife(msgspec.Struct, frozen=True):
+    engine: str
+    owner_id: int
+    req_id: str
+    started_seq: int
+    finished_seq: int | None
+    finished_reason: str
+    resumed: bool
+    blocks: list[str] = []
+    """pool/block@generation of each allocation and reuse it made."""
+
+
+class GenerationLife(msgspec.Struct, frozen=True):
+    generation: int
+    owner_id: int | None
+    req_id: str
+    allocated_seq: int
+    allocated_step: int
+    freed_seq: int | None
+    freed_step: int | None
+    ended_by: str
+    """freed, reset (the engine's incarnation ended), or open."""
+
+
+class BlockAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    engine: str
+    pool: int
+    block: int
+    tenant: str
+    at: Point
+    status: str
+    """held, free (its last generation was freed by then) or never_allocated."""
+    generation: GenerationLife | None
+    owner: OwnerLife | None
+    jobs: list[JobTouch]
+    events: list[SlotEvent]
+    """Everything recorded about that generation, before and after the point."""
+
+
+class HistoryAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    engine: str
+    pool: int
+    block: int
+    tenant: str
+    generations: list[GenerationLife]
+
+
+class Publication(msgspec.Struct, frozen=True):
+    seq: int
+    tier: str
+    tier_slot: int | None
+    size_bytes: int | None
+    source_job: int | None
+    source: str
+    """engine pool/block@generation the job stored it from."""
+    checksums: list[str]
+    """Each rank's checksum (hex), in rank order."""
+
+
+class KeyLoad(msgspec.Struct, frozen=True):
+    seq: int
+    engine: str
+    job_id: int | None
+    dest: str
+    outcome: str
+
+
+class KeyAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    key: str
+    namespace_id: str
+    tenant: str
+    model_id: str
+    computed: list[str]
+    """engine pool/block@generation where it was computed, with the sequence."""
+    publications: list[Publication]
+    loads: list[KeyLoad]
+    evictions: list[int]
+    quarantines: list[str]
+
+
+class RequestAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    req_id: str
+    owners: list[OwnerLife]
+
+
+class RefusalEntry(msgspec.Struct, frozen=True):
+    seq: int
+    step: int
+    recorded_at: float
+    engine: str
+    kind: str
+    subject: str
+    reason: str
+    detail: str
+
+
+class NamespaceEntry(msgspec.Struct, frozen=True):
+    namespace_id: str
+    tenant: str
+    model_id: str
+    spec: dict[str, Any]
+    keys: int
+    """Keys published and not evicted since."""
+    bytes: int
+    first_published_at: float | None
+    last_used_at: float | None
+    """The last publication or load of one of its keys."""
+    age_seconds: float | None
+
+
+# --- the reader ---------------------------------------------------------------------------------
+
+
+class Audit:
+    """Read-only queries; `tenant` limits every answer to that tenant's namespaces."""
+
+    def __init__(self, event_log: SqlEventLog, tenant: str | None = None) -> None:
+        self.log = event_log
+        self.tenant = tenant
+
+    async def indexed(self) -> int:
+        return await indexed_seq(self.log)
+
+    # --- points in time -------------------------------------------------------------------
+
+    async def engines(self) -> list[str]:
+        async with self.log.engine.connect() as conn:
+            rows = await conn.execute(sa.select(t.audit_engines.c.engine).distinct().order_by(t.audit_engines.c.engine))
+            return [row.engine for row in rows]
+
+    async def engine(self, engine: str | None) -> str:
+        """The engine asked for, or the log's only engine."""
+        known = await self.engines()
+        if engine is not None:
+            if engine not in known:
+                raise NotFound(f"engine {engine!r} is not in the log (engines: {', '.join(known) or 'none'})")
+            return engine
+        if len(known) != 1:
+            raise AuditError(f"the log has {len(known)} engines ({', '.join(known) or 'none'}): name one with --engine")
+        return known[0]
+
+    async def resolve(self, engine: str, *, at_seq: int | None = None, at_step: int | None = None,
+                      at_time: float | None = None) -> int:
+        """The global sequence meant by one of --at-seq, --at-step (that engine's step: its
+        last event) or --at-time (the last step recorded by then); default the index's head."""
+        if sum(x is not None for x in (at_seq, at_step, at_time)) > 1:
+            raise AuditError("give at most one of --at-seq, --at-step and --at-time")
+        head = await self.indexed()
+        if at_seq is not None:
+            if at_seq < 0:
+                raise AuditError(f"--at-seq must be >= 0, got {at_seq}")
+            return min(at_seq, head)
+        async with self.log.engine.connect() as conn:
+            if at_step is not None:
+                s = t.audit_steps.c
+                found = (await conn.execute(sa.select(s.last_seq).where(s.engine == engine, s.step == at_step)
+                                            .order_by(s.first_seq.desc()).limit(1))).scalar()
+                if found is None:
+                    raise NotFound(f"engine {engine!r} has no step {at_step} in the log")
+                return int(found)
+            if at_time is not None:
+                s = t.audit_steps.c
+                found = (await conn.execute(sa.select(sa.func.max(s.last_seq)).where(s.recorded_at <= at_time))).scalar()
+                if found is None:
+                    raise NotFound(f"nothing was recorded at or before {_when(at_time)}")
+                return int(found)
+        return head
+
+    async def _point(self, conn: AsyncConnection, engine: str, seq: int) -> Point:
+        s = t.audit_steps.c
+        row = (await conn.execute(sa.select(s.step, s.recorded_at).where(s.engine == engine, s.first_seq <= seq)
+                                  .order_by(s.first_seq.desc()).limit(1))).first()
+        return Point(seq, -1, 0.0) if row is None else Point(seq, int(row.step), float(row.recorded_at))
+
+    # --- tenancy --------------------------------------------------------------------------
+
+    async def _engine_tenant(self, conn: AsyncConnection, engine: str) -> str:
+        e, n = t.audit_engines.c, t.audit_namespaces.c
+        tenant = (await conn.execute(
+            sa.select(n.tenant).select_from(t.audit_engines.join(t.audit_namespaces, e.namespace_id == n.namespace_id))
+            .where(e.engine == engine, e.kind == "declared").order_by(e.seq.desc()).limit(1))).scalar()
+        return str(tenant or "")
+
+    def _check(self, tenant: str, what: str) -> None:
+        if self.tenant is not None and tenant != self.tenant:
+            raise OutOfScope(f"{what} is outside tenant {self.tenant!r}")
+
+    async def _tenant_engines(self, conn: AsyncConnection) -> set[str] | None:
+        """The engines the caller may see (None: all)."""
+        if self.tenant is None:
+            return None
+        e, n = t.audit_engines.c, t.audit_namespaces.c
+        rows = await conn.execute(
+            sa.select(e.engine).select_from(t.audit_engines.join(t.audit_namespaces, e.namespace_id == n.namespace_id))
+            .where(n.tenant == self.tenant).distinct())
+        return {row.engine for row in rows}
+
+    # --- slots ----------------------------------------------------------------------------
+
+    async def block(self, engine: str, pool: int, block: int, at_seq: int) -> BlockAnswer:
+        s = t.audit_slots.c
+        async with self.log.engine.connect() as conn:
+            tenant = await self._engine_tenant(conn, engine)
+            self._check(tenant, f"engine {engine!r}")
+            point = await self._point(conn, engine, at_seq)
+            allocation = (await conn.execute(
+                sa.select(s.generation).where(s.engine == engine, s.pool == pool, s.block == block, s.seq <= at_seq,
+                                              s.kind == "allocated").order_by(s.seq.desc()).limit(1))).first()
+            if allocation is None:
+                return BlockAnswer(engine=engine, pool=pool, block=block, tenant=tenant, at=point,
+                                   status="never_allocated", generation=None, owner=None, jobs=[], events=[])
+            generation = int(allocation.generation)
+            rows = (await conn.execute(
+                sa.select(s.seq, s.kind, s.owner_id, s.job_id, s.key)
+                .where(s.engine == engine, s.pool == pool, s.block == block, s.generation == generation)
+                .order_by(s.seq))).all()
+            events = [SlotEvent(r.seq, r.kind, r.owner_id, r.job_id, None if r.key is None else bytes(r.key).hex()) for r in rows]
+            life = (await self._lives(conn, engine, pool, block, [generation]))[0]
+            owner = None if life.owner_id is None else await self._owner(conn, engine, life.owner_id, blocks=False)
+            jobs = await self._jobs(conn, [e for e in events if e.job_id is not None], at_seq)
+        freed = life.freed_seq is not None and life.freed_seq <= at_seq
+        return BlockAnswer(engine=engine, pool=pool, block=block, tenant=tenant, at=point,
+                           status="free" if freed else "held", generation=life, owner=owner, jobs=jobs, events=events)
+
+    async def history(self, engine: str, pool: int, block: int) -> HistoryAnswer:
+        s = t.audit_slots.c
+        async with self.log.engine.connect() as conn:
+            tenant = await self._engine_tenant(conn, engine)
+            self._check(tenant, f"engine {engine!r}")
+            generations = [int(r.generation) for r in await conn.execute(
+                sa.select(s.generation).where(s.engine == engine, s.pool == pool, s.block == block, s.kind == "allocated")
+                .order_by(s.seq))]
+            lives = await self._lives(conn, engine, pool, block, generations)
+        return HistoryAnswer(engine=engine, pool=pool, block=block, tenant=tenant, generations=lives)
+
+    async def _lives(self, conn: AsyncConnection, engine: str, pool: int, block: int, generations: Sequence[int]) -> list[GenerationLife]:
+        if not generations:
+            return []
+        s, o = t.audit_slots.c, t.audit_owners.c
+        rows = (await conn.execute(
+            sa.select(s.generation, s.seq, s.kind, s.owner_id)
+            .where(s.engine == engine, s.pool == pool, s.block == block, s.kind.in_(("allocated", "freed")),
+                   s.generation.in_(sorted(set(generations))))
+            .order_by(s.seq))).all()
+        allocated: dict[int, tuple[int, int | None]] = {}
+        freed: dict[int, int] = {}
+        for row in rows:
+            if row.kind == "allocated":
+                allocated.setdefault(row.generation, (row.seq, row.owner_id))
+            else:
+                freed.setdefault(row.generation, row.seq)
+        owners = {oid for _, oid in allocated.values() if oid is not None}
+        req_ids = {r.owner_id: r.req_id for r in await conn.execute(
+            sa.select(o.owner_id, o.req_id).where(o.engine == engine, o.kind == "started", o.owner_id.in_(owners)))} if owners else {}
+        resets = [int(r.seq) for r in await conn.execute(
+            sa.select(t.audit_engines.c.seq).where(t.audit_engines.c.engine == engine, t.audit_engines.c.kind == "reset"))]
+        lives = []
+        for generation in generations:
+            seq, owner = allocated[generation]
+            end = freed.get(generation)
+            reset = next((r for r in sorted(resets) if r > seq), None) if end is None else None
+            lives.append(GenerationLife(
+                generation=generation, owner_id=owner, req_id=req_ids.get(owner, "") if owner is not None else "",
+                allocated_seq=seq, allocated_step=(await self._point(conn, engine, seq)).step,
+                freed_seq=end if end is not None else reset,
+                freed_step=None if (end or reset) is None else (await self._point(conn, engine, end or reset or 0)).step,
+                ended_by="freed" if end is not None else "reset" if reset is not None else "open"))
+        return lives
+
+    async def _jobs(self, conn: AsyncConnection, touches: Sequence[SlotEvent], at_seq: int) -> list[JobTouch]:
+        ids = sorted({e.job_id for e in touches if e.job_id is not None})
+        if not ids:
+            return []
+        j = t.audit_jobs.c
+        rows = (await conn.execute(sa.select(j.job_id, j.seq, j.kind, j.rank, j.detail).where(j.job_id.in_(ids))
+                                   .order_by(j.job_id, j.seq))).all()
+        by_job: dict[int, list[Any]] = {}
+        for row in rows:
+            by_job.setdefault(row.job_id, []).append(row)
+        touched = {e.job_id: e for e in touches}
+        return [_job_touch(job_id, by_job.get(job_id, []), touched[job_id].seq, at_seq) for job_id in ids]
+
+    # --- owners and requests --------------------------------------------------------------
+
+    async def _owner(self, conn: AsyncConnection, engine: str, owner_id: int, *, blocks: bool) -> OwnerLife | None:
+        o, s = t.audit_owners.c, t.audit_slots.c
+        rows = (await conn.execute(sa.select(o.req_id, o.seq, o.kind, o.detail)
+                                   .where(o.engine == engine, o.owner_id == owner_id).order_by(o.seq))).all()
+        started = next((r for r in rows if r.kind == "started"), None)
+        if started is None:
+            return None
+        finished = next((r for r in rows if r.kind == "finished"), None)
+        held: list[str] = []
+        if blocks:
+            held = [f"{r.pool}/{r.block}@g{r.generation} ({r.kind} at seq {r.seq})" for r in await conn.execute(
+                sa.select(s.pool, s.block, s.generation, s.kind, s.seq)
+                .where(s.engine == engine, s.owner_id == owner_id, s.kind.in_(("allocated", "reused"))).order_by(s.seq))]
+        return OwnerLife(engine=engine, owner_id=owner_id, req_id=started.req_id, started_seq=started.seq,
+                         finished_seq=None if finished is None else finished.seq,
+                         finished_reason="" if finished is None else finished.detail,
+                         resumed=started.detail == "resumed", blocks=held)
+
+    async def request(self, req_id: str) -> RequestAnswer:
+        o = t.audit_owners.c
+        async with self.log.engine.connect() as conn:
+            rows = (await conn.execute(sa.select(o.engine, o.owner_id).where(o.req_id == req_id, o.kind == "started")
+                                       .order_by(o.seq))).all()
+            visible = await self._tenant_engines(conn)
+            if rows and visible is not None and not any(r.engine in visible for r in rows):
+                raise OutOfScope(f"request {req_id!r} is outside tenant {self.tenant!r}")
+            owners = []
+            for row in rows:
+                if visible is not None and row.engine not in visible:
+                    continue
+                life = await self._owner(conn, row.engine, row.owner_id, blocks=True)
+                if life is not None:
+                    owners.append(life)
+        if not owners:
+            raise NotFound(f"request {req_id!r} is not in the log")
+        return RequestAnswer(req_id=req_id, owners=owners)
+
+    # --- keys -----------------------------------------------------------------------------
+
+    async def key(self, key_hex: str) -> KeyAnswer:
+        try:
+            key = bytes.fromhex(key_hex)
+        except ValueError as error:
+            raise AuditError(f"key {key_hex!r} is not hex: {error}") from error
+        k, n = t.audit_keys.c, t.audit_namespaces.c
+        async with self.log.engine.connect() as conn:
+            rows = (await conn.execute(sa.select(t.audit_keys).where(k.key == key).order_by(k.seq))).all()
+            if not rows:
+                raise NotFound(f"key {key_hex} is not in the log")
+            namespace = next((bytes(r.namespace_id) for r in rows if r.namespace_id is not None), b"")
+            spec = (await conn.execute(sa.select(n.tenant, n.model_id).where(n.namespace_id == namespace))).first()
+            tenant, model = (spec.tenant, spec.model_id) if spec is not None else ("", "")
+            self._check(tenant, f"key {key_hex}")
+            job_rows = (await conn.execute(sa.select(t.audit_jobs.c.job_id, t.audit_jobs.c.seq, t.audit_jobs.c.kind,
+                                                     t.audit_jobs.c.rank, t.audit_jobs.c.detail)
+                                           .where(t.audit_jobs.c.job_id.in_({r.job_id for r in rows if r.job_id is not None}))
+                                           .order_by(t.audit_jobs.c.seq))).all()
+        outcomes: dict[int, list[Any]] = {}
+        for row in job_rows:
+            outcomes.setdefault(row.job_id, []).append(row)
+        stored_from = {r.job_id: f"{r.engine} {r.pool}/{r.block}@g{r.generation}" for r in rows if r.kind == "stored"}
+        return KeyAnswer(
+            key=key_hex, namespace_id=namespace.hex(), tenant=tenant, model_id=model,
+            computed=[f"{r.engine} {r.pool}/{r.block}@g{r.generation} at seq {r.seq}" for r in rows if r.kind == "computed"],
+            publications=[Publication(r.seq, r.tier, r.tier_slot, r.size_bytes, r.job_id, stored_from.get(r.job_id, "?"),
+                                      r.checksums.split(",") if r.checksums else []) for r in rows if r.kind == "published"],
+            loads=[KeyLoad(r.seq, r.engine, r.job_id, f"{r.pool}/{r.block}@g{r.generation}",
+                           _job_touch(r.job_id, outcomes.get(r.job_id, []), r.seq, r.seq).outcome)
+                   for r in rows if r.kind == "loaded"],
+            evictions=[r.seq for r in rows if r.kind == "evicted"],
+            quarantines=[f"seq {r.seq}: {r.detail}" for r in rows if r.kind == "quarantined"],
+        )
+
+    # --- refusals and namespaces ----------------------------------------------------------
+
+    async def refusals(self, *, since_seq: int = 0, since_time: float | None = None, limit: int = 1000) -> list[RefusalEntry]:
+        r = t.audit_refusals.c
+        async with self.log.engine.connect() as conn:
+            if since_time is not None:
+                found = (await conn.execute(sa.select(sa.func.max(t.audit_steps.c.last_seq))
+                                            .where(t.audit_steps.c.recorded_at < since_time))).scalar()
+                since_seq = max(since_seq, int(found or 0))
+            query = sa.select(t.audit_refusals).where(r.seq > since_seq).order_by(r.seq).limit(limit)
+            visible = await self._tenant_engines(conn)
+            if visible is not None:
+                query = query.where(r.engine.in_(visible))
+            rows = (await conn.execute(query)).all()
+            entries = []
+            for row in rows:
+                point = await self._point(conn, row.engine, row.seq)
+                entries.append(RefusalEntry(row.seq, point.step, point.recorded_at, row.engine, row.kind, row.subject,
+                                            row.reason, row.detail))
+        return entries
+
+    async def namespaces(self, *, now: float) -> list[NamespaceEntry]:
+        """Inventory for cleanup decisions: live keys (published, not evicted since), their bytes,
+        the first publication and the last use (a publication or a load)."""
+        n = t.audit_namespaces.c
+        async with self.log.engine.connect() as conn:
+            query = sa.select(t.audit_namespaces).order_by(n.seq)
+            if self.tenant is not None:
+                query = query.where(n.tenant == self.tenant)
+            entries = []
+            for space in (await conn.execute(query)).all():
+                live = (await conn.execute(_LIVE_KEYS, {"namespace": space.namespace_id})).first()
+                first, last = (await conn.execute(_USE, {"namespace": space.namespace_id})).first() or (None, None)
+                first_at = None if first is None else await self._time_of(conn, int(first))
+                last_at = None if last is None else await self._time_of(conn, int(last))
+                entries.append(NamespaceEntry(
+                    namespace_id=bytes(space.namespace_id).hex(), tenant=space.tenant, model_id=space.model_id,
+                    spec=msgspec.json.decode(space.spec), keys=int(live[0] or 0) if live else 0,
+                    bytes=int(live[1] or 0) if live else 0, first_published_at=first_at, last_used_at=last_at,
+                    age_seconds=None if first_at is None else max(0.0, now - first_at)))
+        return entries
+
+    async def _time_of(self, conn: AsyncConnection, seq: int) -> float | None:
+        found = (await conn.execute(sa.select(t.steps.c.recorded_at).where(t.steps.c.first_seq <= seq)
+                                    .order_by(t.steps.c.first_seq.desc()).limit(1))).scalar()
+        return None if found is None else float(found)
+
+
+_LIVE_KEYS = sa.text(
+    "SELECT count(*), sum(p.size_bytes) FROM ("
+    " SELECT key, max(seq) AS seq, max(size_bytes) AS size_bytes FROM kvl_audit_keys"
+    " WHERE namespace_id = :namespace AND kind = 'published' GROUP BY key) AS p"
+    " WHERE NOT EXISTS (SELECT 1 FROM kvl_audit_keys AS e WHERE e.key = p.key AND e.kind = 'evicted' AND e.seq > p.seq)"
+)
+_USE = sa.text(
+    "SELECT min(CASE WHEN kind = 'published' THEN seq END), max(seq) FROM kvl_audit_keys"
+    " WHERE namespace_id = :namespace AND kind IN ('published', 'loaded')"
+)
+
+
+def _job_touch(job_id: int, rows: Sequence[Any], touched_seq: int, at_seq: int) -> JobTouch:
+    started = next((r for r in rows if r.kind in ("store", "load", "copy")), None)
+    kind = started.kind if started is not None else "?"
+    start = started.seq if started is not None else touched_seq
+    outcome, ended = "in flight", None
+    pending = 0
+    for row in rows:
+        if row.kind == "succeeded":
+            outcome, ended = "succeeded", row.seq
+        elif row.kind == "failed":
+            outcome, ended = f"failed: {row.detail}", row.seq
+        elif row.kind == "fenced":
+            pending = row.detail.count(",") + 1 if row.detail else 0
+            outcome, ended = "fenced", (row.seq if pending == 0 else None)
+        elif row.kind == "fenced_rank_done":
+            pending -= 1
+            if pending <= 0:
+                ended = row.seq
+    pinned = start <= at_seq and (ended is None or at_seq < ended)
+    return JobTouch(job_id, kind, start, ended, outcome, pinned)
+
+
+def _when(epoch: float) -> str:
+    return dt.datetime.fromtimestamp(epoch, dt.UTC).isoformat()
+
+
+def parse_time(text: str) -> float:
+    """Seconds since the epoch, from an ISO 8601 time (UTC when it names no zone) or a number."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = dt.datetime.fromisoformat(text)
+    except ValueError as error:
+        raise AuditError(f"time {text!r} is neither ISO 8601 nor seconds since the epoch") from error
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=dt.UTC)
+    return moment.timestamp()

@@ -1,0 +1,138 @@
+"""Building the audit index from the log: read committed steps after the "audit" checkpoint, turn
+them into rows (coordinator/audit/index.py) and insert them with the new checkpoint in one
+transaction, so the index is exactly once whatever stops it.
+
+The index lives in the log's own database (tables kvl_audit_*, migration 0003). Building it never
+touches the log's rows: a copied log file can be indexed and audited offline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import sqlalchemy as sa
+import structlog
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from coordinator.audit.index import AuditRows, Indexer, engine_of_stream
+from coordinator.recovery import decode, stored_steps
+from events import EventCodec, EventDecodeError
+from events.log import SqlEventLog, StoredStep
+from events.log import _schema as t
+
+log = structlog.get_logger("kvledger.audit")
+
+CHECKPOINT = "audit"
+AUDIT_LOCK_KEY = 0x6B766C6175646974  # "kvlaudit": one indexer at a time on PostgreSQL
+
+_TABLES: dict[str, sa.Table] = {
+    "slots": t.audit_slots,
+    "owners": t.audit_owners,
+    "jobs": t.audit_jobs,
+    "keys": t.audit_keys,
+    "refusals": t.audit_refusals,
+    "engines": t.audit_engines,
+    "namespaces": t.audit_namespaces,
+    "steps": t.audit_steps,
+}
+_COLUMNS = {name: [c.name for c in table.columns] for name, table in _TABLES.items()}
+
+
+class IndexProgress(msgspec.Struct, frozen=True):
+    indexed_seq: int
+    head: int
+    rows: int
+
+
+async def indexed_seq(event_log: SqlEventLog) -> int:
+    """The last global sequence the audit index holds."""
+    return await event_log.checkpoint(CHECKPOINT)
+
+
+async def sync_index(
+    event_log: SqlEventLog, *, until_seq: int | None = None, batch: int = 50_000,
+    on_progress: Callable[[IndexProgress], None] | None = None, codec: EventCodec | None = None,
+) -> int:
+    """Index every committed event after the checkpoint (up to `until_seq`, default the head now);
+    returns the new checkpoint. Safe to run from several processes: a batch whose checkpoint
+    moved meanwhile is dropped and read again from the new one."""
+    codec = codec or EventCodec()
+    head = await event_log.head() if until_seq is None else until_seq
+    after = await indexed_seq(event_log)
+    rows_total = 0
+    while after < head:
+        indexer = Indexer(await _namespaces(event_log))
+        rows = AuditRows()
+        last = after
+        async for steps in stored_steps(event_log, after, min(head, after + batch)):
+            for step in steps:
+                _index_step(indexer, codec, rows, step, last)
+                last = step.last_seq
+        if last == after:
+            break
+        async with event_log.projection_transaction(CHECKPOINT) as tx:
+            if event_log.dialect == "postgresql":
+                await tx.connection.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": AUDIT_LOCK_KEY})
+            current = (await tx.connection.execute(
+                sa.select(t.checkpoints.c.global_seq).where(t.checkpoints.c.name == CHECKPOINT))).scalar() or 0
+            if current != after:  # another indexer got there first: start again from where it is
+                after = int(current)
+                continue
+            await _insert(tx.connection, rows, event_log.dialect)
+            await tx.advance(last)
+        rows_total += rows.count()
+        after = last
+        if on_progress is not None:
+            on_progress(IndexProgress(after, head, rows_total))
+    log.debug("audit_index_synced", indexed_seq=after, rows=rows_total)
+    return after
+
+
+def _index_step(indexer: Indexer, codec: EventCodec, rows: AuditRows, step: StoredStep, after: int) -> None:
+    """One stored step's events after `after`. An event this code cannot decode (a newer kvledger
+    wrote it) is logged and skipped: forensic readers list and skip (DESIGN.md, "The log")."""
+    first = max(step.first_seq, after + 1)
+    if codec.all_current(step.schemas):
+        try:
+            events = codec.decode_concatenated(step.payload, step.count)
+        except msgspec.DecodeError:
+            pass
+        else:
+            indexer.step(rows, events[first - step.first_seq:], first_seq=first, last_seq=step.last_seq,
+                         stream_id=step.stream_id, step=step.step, recorded_at=step.recorded_at)
+            return
+    indexer.step(rows, [], first_seq=first, last_seq=step.last_seq, stream_id=step.stream_id, step=step.step,
+                 recorded_at=step.recorded_at)
+    engine = engine_of_stream(step.stream_id)
+    for stored in step.events():
+        if stored.global_seq < first:
+            continue
+        try:
+            indexer.event(rows, decode(codec, stored), stored.global_seq, engine)
+        except EventDecodeError as error:
+            log.warning("audit_event_skipped", global_seq=stored.global_seq, event_type=stored.event_type, error=str(error))
+
+
+async def _insert(conn: AsyncConnection, rows: AuditRows, dialect: str) -> None:
+    for name, table in _TABLES.items():
+        found: list[tuple[Any, ...]] = getattr(rows, name)
+        if not found:
+            continue
+        columns = _COLUMNS[name]
+        values = [dict(zip(columns, row, strict=True)) for row in found]
+        if name == "namespaces":  # registered once, but a namespace may be declared again
+            insert = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(table)
+            await conn.execute(insert.on_conflict_do_nothing(index_elements=["namespace_id"]), values)
+        else:
+            await conn.execute(table.insert(), values)
+
+
+async def _namespaces(event_log: SqlEventLog) -> dict[str, bytes]:
+    """Each engine's namespace as of the index's checkpoint (the Indexer's only memory)."""
+    query = sa.select(t.audit_engines.c.engine, t.audit_engines.c.namespace_id).where(
+        t.audit_engines.c.kind == "declared").order_by(t.audit_engines.c.seq)
+    async with event_log.engine.connect() as conn:
+        return {row.engine: bytes(row.namespace_id) for row in await conn.execute(query) if row.namespace_id is not None}

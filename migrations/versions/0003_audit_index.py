@@ -1,0 +1,39 @@
+"""The audit index (coordinator/audit): insert-only rows per slot, owner, job, key, refusal,
+engine, namespace and step, each naming the global sequence of its event. Built from the log by
+`kvledger audit` (or the sidecar) and checkpointed as "audit"; dropping it loses nothing.
+
+Revision ID: 0003
+Revises: 0002
+Create Date: 2026-11-29
+"""
+
+from __future__ import annotations
+
+from alembic import op
+
+from events.log import _schema as t
+
+revision = "0003"
+down_revision = "0002"
+branch_labels = None
+depends_on = None
+
+_TABLES = (t.audit_slots, t.audit_owners, t.audit_jobs, t.audit_keys, t.audit_refusals, t.audit_engines,
+           t.audit_namespaces, t.audit_steps)
+
+
+# Created from the metadata as it stands at this revision. A later revision that changes one of
+# these tables must first copy its definition here, so this revision keeps creating what it did.
+
+
+def upgrade() -> None:
+    bind = op.get_bind()
+    for table in _TABLES:
+        table.create(bind)  # with its indexes, exactly as the metadata declares them
+
+
+def downgrade() -> None:
+    bind = op.get_bind()
+    for table in reversed(_TABLES):
+        table.drop(bind)
+    op.execute("DELETE FROM kvl_checkpoints WHERE name = 'audit'")
