@@ -1,5 +1,5 @@
-"""`kvledger`: the command line. Today: `demo`, `db` and `serve`. replay, audit, verify and bench
-come with the issues that build them."""
+"""`kvledger`: the command line: demo, simulate, serve, worker, db, and the forensic commands
+(audit, replay, export: coordinator/audit/cli.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from coordinator.audit.cli import audit_app, export_command, replay_command
+
 app = typer.Typer(help="kvledger: an event-sourced coordinator for LLM KV caches.", no_args_is_help=True)
 log = structlog.get_logger("kvledger.cli")
 
@@ -18,6 +20,9 @@ _STYLE = {"ok": "green", "refused": "bold red", "dropped": "yellow", "violation"
 
 db = typer.Typer(help="The log's database schema.", no_args_is_help=True)
 app.add_typer(db, name="db")
+app.add_typer(audit_app, name="audit")
+app.command("replay")(replay_command)
+app.command("export")(export_command)
 LOG_OPTION = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="SQLite path or URL, or PostgreSQL URL (default: the data directory's SQLite file).")
 
 

@@ -78,8 +78,10 @@ async def replay(
     skip_undecodable: bool = False,
     on_skip: Callable[[EventDecodeError], None] | None = None,
     on_progress: Callable[[int], None] | None = None,
+    until_seq: int | None = None,
 ) -> tuple[State, int]:
-    """Fold every committed event after `after_seq` into `state`; returns (state, last seq)."""
+    """Fold every committed event after `after_seq` (up to `until_seq`, default the head) into
+    `state`; returns (state, last seq). A point inside a step leaves the state mid-step."""
     state = State() if state is None else state
     # Replay allocates millions of short-lived containers and makes no cycles; the cyclic
     # collector rescanning the growing state on every generation-0 pass cost about 3x in decode
@@ -87,7 +89,7 @@ async def replay(
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return await _replay_batches(event_log, codec, state, after_seq, skip_undecodable, on_skip, on_progress)
+        return await _replay_batches(event_log, codec, state, after_seq, skip_undecodable, on_skip, on_progress, until_seq)
     finally:
         if collecting:
             gc.enable()
@@ -101,6 +103,7 @@ async def _replay_batches(
     skip_undecodable: bool,
     on_skip: Callable[[EventDecodeError], None] | None,
     on_progress: Callable[[int], None] | None,
+    until_seq: int | None = None,
 ) -> tuple[State, int]:
     last = after_seq
 
@@ -109,10 +112,13 @@ async def _replay_batches(
         if on_skip is not None:
             on_skip(error)
 
-    async for batch in stored_steps(event_log, after_seq):
+    async for batch in stored_steps(event_log, after_seq, until_seq):
         for step in batch:
-            project(decode_step(codec, step, last, skipped if skip_undecodable else None), state)
-            last = step.last_seq
+            events = decode_step(codec, step, last, skipped if skip_undecodable else None)
+            if until_seq is not None and step.last_seq > until_seq:
+                events = events[: until_seq - max(step.first_seq, last + 1) + 1]
+            project(events, state)
+            last = step.last_seq if until_seq is None else min(step.last_seq, until_seq)
         if on_progress is not None:
             on_progress(last)
     return state, last

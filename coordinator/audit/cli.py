@@ -1,0 +1,383 @@
+"""`kvledger audit ...`, `kvledger replay` and `kvledger export`: forensics on a log, live or
+copied. Every audit command first catches the audit index up with the log (exactly once; only
+the index's own tables are written), then answers from it: a table, or JSON with --json."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+import structlog
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from coordinator.audit.queries import (
+    Audit,
+    AuditError,
+    BlockAnswer,
+    HistoryAnswer,
+    KeyAnswer,
+    NamespaceEntry,
+    RefusalEntry,
+    RequestAnswer,
+    parse_time,
+)
+from coordinator.audit.store import IndexProgress, sync_index
+from events.log import LogError, SqlEventLog, open_log
+
+audit_app = typer.Typer(help="Who owned what, when: point-in-time answers from the log's audit index.", no_args_is_help=True)
+
+LOG = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="SQLite path or URL, or PostgreSQL URL (default: the data directory's SQLite file).")
+ENGINE = typer.Option(None, "--engine", help="The engine whose pool and steps are meant (default: the log's only engine).")
+JSON = typer.Option(False, "--json", help="Print JSON instead of a table.")
+AT_SEQ = typer.Option(None, "--at-seq", help="At this global sequence (default: the end of the log).")
+AT_STEP = typer.Option(None, "--at-step", help="At the end of this engine step.")
+AT_TIME = typer.Option(None, "--at-time", help="At this time: ISO 8601 (UTC unless it names a zone) or seconds since the epoch.")
+
+T = TypeVar("T")
+console = Console(width=160)
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty())
+
+
+@contextmanager
+def _errors(command: str) -> Iterator[None]:
+    """Bad input and unreadable logs end with a message and exit code 2 (1 for the log), never a
+    traceback."""
+    try:
+        yield
+    except AuditError as error:
+        typer.echo(f"kvledger {command}: {error}", err=True)
+        raise typer.Exit(code=2) from None
+    except LogError as error:
+        typer.echo(f"kvledger {command}: {error}", err=True)
+        raise typer.Exit(code=1) from None
+
+
+def quiet_logs() -> None:
+    """Forensic commands print answers on stdout; their logs go to stderr, warnings and up
+    unless $KVLEDGER_LOG_LEVEL says otherwise."""
+    import logging
+    import os
+
+    level = logging.getLevelNamesMapping().get(os.environ.get("KVLEDGER_LOG_LEVEL", "warning").upper(), logging.WARNING)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level),
+                        logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+
+
+def _run(command: str, log_url: str | None, query: Callable[[Audit], Awaitable[T]]) -> T:
+    quiet_logs()
+
+    async def main() -> T:
+        event_log = await open_log(log_url)
+        try:
+            await _catch_up(event_log)
+            return await query(Audit(event_log))
+        finally:
+            await event_log.close()
+
+    with _errors(command):
+        return anyio.run(main)
+
+
+async def _catch_up(event_log: SqlEventLog) -> None:
+    head = await event_log.head()
+    with _progress() as progress:
+        task = progress.add_task("indexing the log", total=head)
+
+        def advanced(done: IndexProgress) -> None:
+            progress.update(task, completed=done.indexed_seq)
+
+        await sync_index(event_log, on_progress=advanced)
+
+
+def _print(value: Any, json_output: bool, render: Callable[[Any], None]) -> None:
+    if json_output:
+        typer.echo(msgspec.json.encode(value).decode())
+    else:
+        render(value)
+
+
+def _where(seq: int | None, step: int | None = None) -> str:
+    if seq is None:
+        return "-"
+    return f"seq {seq}" + (f" (step {step})" if step is not None and step >= 0 else "")
+
+
+# --- audit block / history ------------------------------------------------------------------------
+
+
+@audit_app.command("block")
+def block(
+    pool: int = typer.Argument(..., help="Pool id."),
+    block_id: int = typer.Argument(..., metavar="ID", help="Block id in the pool."),
+    engine: str | None = ENGINE, at_seq: int | None = AT_SEQ, at_step: int | None = AT_STEP, at_time: str | None = AT_TIME,
+    log_url: str | None = LOG, json_output: bool = JSON,
+) -> None:
+    """Which generation held the slot at that point: its owner, allocation and free, and the
+    pins and jobs that touched it."""
+
+    async def query(audit: Audit) -> BlockAnswer:
+        name = await audit.engine(engine)
+        when = None if at_time is None else parse_time(at_time)
+        return await audit.block(name, pool, block_id, await audit.resolve(name, at_seq=at_seq, at_step=at_step, at_time=when))
+
+    _print(_run("audit block", log_url, query), json_output, _render_block)
+
+
+def _render_block(answer: BlockAnswer) -> None:
+    at = answer.at
+    console.print(f"[bold]{answer.engine} pool {answer.pool} block {answer.block}[/] at {_where(at.seq, at.step)}: "
+                  f"[bold]{answer.status}[/] (tenant {answer.tenant or '-'})")
+    life = answer.generation
+    if life is not None:
+        console.print(f"generation {life.generation}: allocated at {_where(life.allocated_seq, life.allocated_step)}, "
+                      f"ended at {_where(life.freed_seq, life.freed_step)} ({life.ended_by})")
+    if answer.owner is not None:
+        owner = answer.owner
+        console.print(f"owner {owner.owner_id} (req_id {owner.req_id}{', resumed' if owner.resumed else ''}): "
+                      f"started at seq {owner.started_seq}, finished at {_where(owner.finished_seq)} {owner.finished_reason}")
+    if answer.jobs:
+        table = Table("job", "kind", "started", "ended", "outcome", "pinned then")
+        for job in answer.jobs:
+            table.add_row(str(job.job_id), job.kind, str(job.started_seq), _where(job.ended_seq), job.outcome,
+                          "yes" if job.pinned_then else "no")
+        console.print(table)
+    if answer.events:
+        table = Table("seq", "what", "owner", "job", "key", title="that generation's events")
+        for e in answer.events:
+            table.add_row(str(e.seq), e.kind, _dash(e.owner_id), _dash(e.job_id), e.key or "-")
+        console.print(table)
+
+
+def _dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+@audit_app.command("history")
+def history(
+    pool: int = typer.Argument(..., help="Pool id."), block_id: int = typer.Argument(..., metavar="ID", help="Block id in the pool."),
+    engine: str | None = ENGINE, log_url: str | None = LOG, json_output: bool = JSON,
+) -> None:
+    """Every generation of the slot: owner, allocation, end."""
+
+    async def query(audit: Audit) -> HistoryAnswer:
+        return await audit.history(await audit.engine(engine), pool, block_id)
+
+    def render(answer: HistoryAnswer) -> None:
+        table = Table("generation", "owner", "req_id", "allocated", "ended", "by",
+                      title=f"{answer.engine} pool {answer.pool} block {answer.block}: {len(answer.generations)} generations")
+        for life in answer.generations:
+            table.add_row(str(life.generation), _dash(life.owner_id), life.req_id or "-",
+                          _where(life.allocated_seq, life.allocated_step), _where(life.freed_seq, life.freed_step), life.ended_by)
+        console.print(table)
+
+    _print(_run("audit history", log_url, query), json_output, render)
+
+
+# --- audit key / request ----------------------------------------------------------------------------
+
+
+@audit_app.command("key")
+def key(key_hex: str = typer.Argument(..., metavar="KEY", help="The content key, hex."), log_url: str | None = LOG,
+        json_output: bool = JSON) -> None:
+    """A key's provenance: namespace, the job and slot it was stored from, each rank's checksum,
+    the loads that used it, evictions and quarantines."""
+
+    async def query(audit: Audit) -> KeyAnswer:
+        return await audit.key(key_hex)
+
+    def render(answer: KeyAnswer) -> None:
+        console.print(f"[bold]key {answer.key}[/]: namespace {answer.namespace_id or '-'} ({answer.model_id or '-'}, "
+                      f"tenant {answer.tenant or '-'})")
+        for where in answer.computed:
+            console.print(f"computed in {where}")
+        table = Table("seq", "tier", "tier slot", "bytes", "job", "stored from", "checksums (rank order)", title="publications")
+        for pub in answer.publications:
+            table.add_row(str(pub.seq), pub.tier, _dash(pub.tier_slot), _dash(pub.size_bytes), _dash(pub.source_job),
+                          pub.source, "\n".join(pub.checksums))
+        console.print(table)
+        table = Table("seq", "engine", "job", "into", "outcome", title=f"loads ({len(answer.loads)})")
+        for load in answer.loads:
+            table.add_row(str(load.seq), load.engine, _dash(load.job_id), load.dest, load.outcome)
+        console.print(table)
+        if answer.evictions:
+            console.print(f"evicted at seq {', '.join(map(str, answer.evictions))}")
+        for line in answer.quarantines:
+            console.print(f"[bold red]quarantined[/] {line}")
+
+    _print(_run("audit key", log_url, query), json_output, render)
+
+
+@audit_app.command("request")
+def request(req_id: str = typer.Argument(..., metavar="REQ_ID"), log_url: str | None = LOG, json_output: bool = JSON) -> None:
+    """Every owner lifetime of that req_id (a resumed request is a new owner), and its blocks."""
+
+    async def query(audit: Audit) -> RequestAnswer:
+        return await audit.request(req_id)
+
+    def render(answer: RequestAnswer) -> None:
+        table = Table("engine", "owner", "started", "finished", "resumed", "blocks", title=f"request {answer.req_id}")
+        for owner in answer.owners:
+            table.add_row(owner.engine, str(owner.owner_id), f"seq {owner.started_seq}",
+                          f"{_where(owner.finished_seq)} {owner.finished_reason}", "yes" if owner.resumed else "no",
+                          "\n".join(owner.blocks))
+        console.print(table)
+
+    _print(_run("audit request", log_url, query), json_output, render)
+
+
+# --- audit refusals / namespaces ------------------------------------------------------------------
+
+
+@audit_app.command("refusals")
+def refusals(
+    since: str | None = typer.Option(None, "--since", help="After this time (ISO 8601 or epoch seconds)."),
+    since_seq: int = typer.Option(0, "--since-seq", help="After this global sequence."),
+    limit: int = typer.Option(1000, "--limit", min=1, help="At most this many."),
+    log_url: str | None = LOG, json_output: bool = JSON,
+) -> None:
+    """What the coordinator refused or dropped, the jobs it failed and the keys it quarantined."""
+
+    async def query(audit: Audit) -> list[RefusalEntry]:
+        return await audit.refusals(since_seq=since_seq, since_time=None if since is None else parse_time(since), limit=limit)
+
+    def render(entries: list[RefusalEntry]) -> None:
+        table = Table("seq", "step", "engine", "kind", "what", "reason", "detail", title=f"{len(entries)} refusals")
+        for e in entries:
+            table.add_row(str(e.seq), _dash(e.step if e.step >= 0 else None), e.engine, e.kind, e.subject, e.reason, e.detail)
+        console.print(table)
+
+    _print(_run("audit refusals", log_url, query), json_output, render)
+
+
+@audit_app.command("namespaces")
+def namespaces(log_url: str | None = LOG, json_output: bool = JSON) -> None:
+    """Inventory for cleanup decisions: live keys, bytes, first publication, last use, age."""
+
+    async def query(audit: Audit) -> list[NamespaceEntry]:
+        return await audit.namespaces(now=time.time())
+
+    def render(entries: list[NamespaceEntry]) -> None:
+        table = Table("namespace", "tenant", "model", "weights", "keys", "bytes", "last use", "age", title="namespaces")
+        for e in entries:
+            table.add_row(e.namespace_id, e.tenant, e.model_id, str(e.spec.get("weights_revision", "")), str(e.keys),
+                          f"{e.bytes:,}", _ago(e.last_used_at), _duration(e.age_seconds))
+        console.print(table)
+
+    _print(_run("audit namespaces", log_url, query), json_output, render)
+
+
+def _ago(epoch: float | None) -> str:
+    return "-" if epoch is None else f"{_duration(time.time() - epoch)} ago"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86_400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+# --- replay / export (top-level commands) -----------------------------------------------------------
+
+
+def replay_command(
+    log_url: str | None = LOG,
+    until_seq: int | None = typer.Option(None, "--until-seq", help="Stop after this global sequence."),
+    until_step: int | None = typer.Option(None, "--until-step", help="Stop at the end of this engine step (see --engine)."),
+    until_time: str | None = typer.Option(None, "--until-time", help="Stop at the last step recorded by then (ISO 8601 or epoch seconds)."),
+    engine: str | None = ENGINE,
+    out: Path | None = typer.Option(None, "--out", help="Write the state there: .json for JSON (bytes as base64), else msgpack (a snapshot's state)."),
+    json_output: bool = JSON,
+) -> None:
+    """Rebuild the coordinator's state at any point of the log, and summarize it."""
+    from coordinator.recovery import replay
+    from coordinator.state import encode_state, state_digest
+    from events import EventCodec
+
+    async def main() -> dict[str, Any]:
+        event_log = await open_log(log_url)
+        try:
+            until = until_seq
+            if until_step is not None or until_time is not None:
+                await _catch_up(event_log)
+                audit = Audit(event_log)
+                name = await audit.engine(engine) if until_step is not None else ""
+                until = await audit.resolve(name, at_seq=until_seq, at_step=until_step,
+                                            at_time=None if until_time is None else parse_time(until_time))
+            elif until is not None and until < 0:
+                raise AuditError(f"--until-seq must be >= 0, got {until}")
+            head = await event_log.head()
+            target = head if until is None else min(until, head)
+            with _progress() as progress:
+                task = progress.add_task("replaying", total=target)
+                state, last = await replay(event_log, EventCodec(), until_seq=target,
+                                           on_progress=lambda seq: progress.update(task, completed=seq))
+        finally:
+            await event_log.close()
+        if out is not None:
+            out.write_bytes(msgspec.json.encode(state) if out.suffix == ".json" else encode_state(state))
+        tiers = {name: sum(len(keys) for keys in tier.entries.values()) for name, tier in state.tiers.items()}
+        return {"global_seq": last, "head": head, "digest": state_digest(state), "engines": sorted(state.engines),
+                "published_keys": tiers, "out": None if out is None else str(out)}
+
+    quiet_logs()
+    with _errors("replay"):
+        summary = anyio.run(main)
+    if json_output:
+        typer.echo(msgspec.json.encode(summary).decode())
+        return
+    console.print(f"state at global sequence {summary['global_seq']} (log head {summary['head']}): "
+                  f"digest {summary['digest'][:16]}, engines {', '.join(summary['engines']) or '-'}, "
+                  f"published keys {summary['published_keys']}" + (f"; written to {out}" if out else ""))
+
+
+def export_command(
+    log_url: str | None = LOG,
+    export_format: str = typer.Option("jsonl", "--format", help="Only jsonl: one JSON object per event."),
+    out: Path | None = typer.Option(None, "--out", help="Write there instead of standard output."),
+    after_seq: int = typer.Option(0, "--after-seq", min=0, help="Only events after this global sequence."),
+) -> None:
+    """Every committed event as JSON lines (bytes in hex), for other tools."""
+    from coordinator.audit.export import export_jsonl
+
+    if export_format != "jsonl":
+        typer.echo(f"kvledger export: unknown --format {export_format!r}; known: jsonl", err=True)
+        raise typer.Exit(code=2)
+
+    async def main() -> int:
+        event_log = await open_log(log_url)
+        count = 0
+        sink = open(out, "wb") if out is not None else sys.stdout.buffer  # noqa: SIM115 - closed below
+        try:
+            async for lines in export_jsonl(event_log, after_seq=after_seq):
+                if lines:
+                    sink.write(b"\n".join(lines) + b"\n")
+                    count += len(lines)
+        finally:
+            if out is not None:
+                sink.close()
+            else:
+                sink.flush()
+            await event_log.close()
+        return count
+
+    quiet_logs()
+    with _errors("export"):
+        count = anyio.run(main)
+    if out is not None:
+        typer.echo(f"exported {count} events to {out}", err=True)
