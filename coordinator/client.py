@@ -8,6 +8,8 @@ the same id: the sidecar either commits it now or returns the committed result, 
 
 `WorkerClient` subscribes to the committed decisions for one (engine, rank) and resumes after
 the last decision it handed out, on a reconnect or after being cut off as a slow subscriber.
+
+`OperatorClient` sends an operator's commands (namespace decisions, `kvledger namespace`).
 """
 
 from __future__ import annotations
@@ -317,6 +319,55 @@ class WorkerClient:
             if reply.code not in RETRY_CODES or anyio.current_time() >= deadline:
                 raise SidecarError(reply)
             await anyio.sleep(0.05)
+
+
+class OperatorClient:
+    """An operator's connection: Execute of operator commands (coordinator.commands.OPERATOR_COMMANDS),
+    each on a short connection of its own, retried with the same command id through a lost
+    connection or a restarting sidecar (the id makes it exactly once)."""
+
+    def __init__(self, address: Address, *, retry_for: float = 30.0, reply_timeout: float = 30.0,
+                 max_frame: int = p.DEFAULT_MAX_FRAME) -> None:
+        self.address = address
+        self.retry_for = retry_for
+        self.reply_timeout = reply_timeout
+        self.max_frame = max_frame
+
+    async def execute(self, command: AnyCommand, *, command_id: str | None = None) -> p.Committed:
+        message = p.Execute(command=command, command_id=command_id or uuid_utils.uuid7().hex)
+        deadline = anyio.current_time() + self.retry_for
+        while True:
+            try:
+                reply = await self._exchange(message)
+            except (*_LOST, TimeoutError) as lost:
+                if anyio.current_time() >= deadline:
+                    raise SidecarUnavailable(f"sidecar at {self.address} unavailable for {self.retry_for} s: {lost}") from lost
+                await anyio.sleep(0.05)
+                continue
+            if isinstance(reply, p.Committed):
+                return reply
+            if not isinstance(reply, p.Error):
+                raise SidecarError(p.Error(code=p.ErrorCode.INVALID_MESSAGE, message=f"unexpected reply {reply!r}"))
+            if reply.code not in RETRY_CODES or anyio.current_time() >= deadline:
+                raise SidecarError(reply)
+            await anyio.sleep(0.05)
+
+    async def _exchange(self, message: p.Message) -> p.ServerMessage:
+        channel = _Channel(await self.address.connect(), self.max_frame)
+        try:
+            with anyio.fail_after(self.reply_timeout):
+                await channel.send(p.Hello(protocol=p.PROTOCOL_VERSION, role="operator", token=self.address.token))
+                welcome = await channel.receive()
+                if not isinstance(welcome, p.Welcome):
+                    return welcome
+                await channel.send(message)
+                return await channel.receive()
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await channel.aclose()
+                except _LOST:
+                    pass
 
 
 class SyncEngineClient:

@@ -174,6 +174,28 @@ class FreeEncoderEntry(Command, frozen=True, tag="free_encoder_entry"):
     entry_id: str
 
 
+class DecideNamespace(Command, frozen=True, tag="decide_namespace"):
+    """An operator's release decision from namespace A to namespace B (seed 003): `new`,
+    `compatible` (needs `evidence`: the id of a verification run comparing cached and uncached
+    outputs) or `clear` (A's published keys are quarantined). Namespace ids are hex, as
+    `kvledger audit namespaces` lists them; the decider refuses bad hex and unknown ids."""
+
+    from_namespace: str
+    to_namespace: str
+    outcome: str
+    """new, compatible or clear (checked by the decider: a typo is a refusal, not a frame error)."""
+    reason: str
+    evidence: str = ""
+
+
+class ReleaseNamespace(Command, frozen=True, tag="release_namespace"):
+    """Clean up an abandoned namespace (`kvledger namespace gc`): evict every key it published."""
+
+    namespace: str
+    """Hex, as `kvledger audit namespaces` lists it."""
+    reason: str
+
+
 AnyCommand = (
     DeclareTier
     | DeclareEngine
@@ -193,9 +215,14 @@ AnyCommand = (
     | ReportRank
     | AllocateEncoderEntry
     | FreeEncoderEntry
+    | DecideNamespace
+    | ReleaseNamespace
 )
 
 NOTICES: tuple[type[Command], ...] = (FreeBlocks, FreeEncoderEntry, ReportRank)
+OPERATOR_COMMANDS: tuple[type[Command], ...] = (DecideNamespace, ReleaseNamespace)
+"""Commands an operator gives (`kvledger namespace ...`), never an engine: they name no engine
+and go to the log's "namespaces" stream."""
 
 
 def command_tag(command: Command | type[Command]) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from coordinator import _checks as check
-from coordinator import _jobs
+from coordinator import _jobs, _namespaces
 from coordinator._checks import Refusal
 from coordinator.commands import (
     NOTICES,
@@ -449,4 +449,5 @@ _HANDLERS: dict[type[Command], Handler] = {
     AllocateEncoderEntry: _allocate_encoder_entry,
     FreeEncoderEntry: _free_encoder_entry,
     **_jobs.HANDLERS,
+    **_namespaces.HANDLERS,
 }

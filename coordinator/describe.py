@@ -21,6 +21,8 @@ from events import (
     KeyPublished,
     KeyQuarantined,
     LoadJobStarted,
+    NamespaceDecided,
+    NamespaceReleased,
     NoticeDropped,
     OwnerFinished,
     OwnerStarted,
@@ -92,6 +94,11 @@ def describe(event: Event) -> str:
             return f"evicted {key.hex()[:8]} from {tier}"
         case KeyQuarantined(key=key, reason=reason):
             return f"QUARANTINED {key.hex()[:8]}: {reason}"
+        case NamespaceDecided(from_namespace=source, to_namespace=target, outcome=outcome, affected_keys=n):
+            cleared = f": {n} keys quarantined" if outcome == "clear" else ""
+            return f"namespace {source.hex()[:8]} -> {target.hex()[:8]} decided {outcome}{cleared}"
+        case NamespaceReleased(namespace_id=namespace, evicted_keys=n):
+            return f"namespace {namespace.hex()[:8]} released: {n} keys evicted"
         case EncoderEntryAllocated(entry_id=entry_id, num_tokens=n):
             return f"encoder entry {entry_id} ({n} tokens)"
         case EncoderEntryFreed(entry_id=entry_id):

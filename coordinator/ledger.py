@@ -10,7 +10,7 @@ originally committed events and appends nothing.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import anyio
@@ -18,7 +18,7 @@ import msgspec
 import structlog
 import uuid_utils
 
-from coordinator.commands import AnyCommand, BeginStep, DeclareTier, EndStep, ReportRank
+from coordinator.commands import AnyCommand, BeginStep, DecideNamespace, DeclareTier, EndStep, ReleaseNamespace, ReportRank
 from coordinator.core import CoordinatorCore
 from coordinator.protections import Protection
 from coordinator.recovery import decode, make_snapshot, recover
@@ -40,10 +40,17 @@ class Commit(msgspec.Struct, frozen=True, kw_only=True):
     """A retry of an already committed command id: `events` are the original ones."""
 
 
+NAMESPACE_STREAM = "namespaces"
+"""The stream of operators' namespace decisions and releases (`kvledger namespace`)."""
+
+
 def stream_for(state: State, command: AnyCommand) -> str:
-    """Each engine writes its own stream; tiers have theirs; a report joins its job's engine."""
+    """Each engine writes its own stream; tiers have theirs; a report joins its job's engine;
+    namespace decisions go to one stream of their own."""
     if isinstance(command, DeclareTier):
         return f"tier/{command.spec.name}"
+    if isinstance(command, (DecideNamespace, ReleaseNamespace)):
+        return NAMESPACE_STREAM
     if isinstance(command, ReportRank):
         job = state.jobs.get(command.job_id)
         if job is None and command.job_id in state.fenced:
@@ -86,6 +93,7 @@ class Ledger:
     def __init__(
         self, event_log: EventLog, codec: EventCodec, state: State, last_seq: int,
         versions: dict[str, int], snapshot_every: int, protections_off: frozenset[Protection] = frozenset(),
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.log = event_log
         self.codec = codec
@@ -101,18 +109,21 @@ class Ledger:
         self._snapshot_seq: int | None = None
         """The sequence of the last snapshot this ledger wrote (None: none yet)."""
         self._lock = anyio.Lock()
+        self.clock = clock
+        """Wall-clock seconds, stamped on each appended step as `recorded_at` (what the audit's
+        --at-time and namespace inventory read). Tests pass their own to place steps in time."""
 
     @classmethod
     async def open(
         cls, event_log: EventLog, *, snapshot_every: int = 1000, codec: EventCodec | None = None,
-        protections_off: frozenset[Protection] = frozenset(),
+        protections_off: frozenset[Protection] = frozenset(), clock: Callable[[], float] = time.time,
     ) -> Ledger:
         """Recover the state (newest valid snapshot + tail) and get ready to append."""
         codec = codec or EventCodec()
         state, last_seq = await recover(event_log, codec)
         versions = await event_log.stream_versions()
         log.info("ledger_opened", url=event_log.url, global_seq=last_seq, streams=len(versions))
-        return cls(event_log, codec, state, last_seq, versions, snapshot_every, protections_off)
+        return cls(event_log, codec, state, last_seq, versions, snapshot_every, protections_off, clock)
 
     @property
     def state(self) -> State:
@@ -220,7 +231,7 @@ class Ledger:
         decided: list[tuple[int, str, list[Event], StepCommit | None]] = []
         first_of: dict[str, int] = {}
         expected = dict(self._versions)
-        now = time.time()
+        now = self.clock()
         for index, tx in enumerate(transactions):
             if tx.command_id is not None:
                 if tx.command_id in done or tx.command_id in first_of:

@@ -31,7 +31,9 @@ from events import (
     KeyPublished,
     KeyQuarantined,
     LoadJobStarted,
+    NamespaceDecided,
     NamespaceRegistered,
+    NamespaceReleased,
     NoticeDropped,
     OwnerFinished,
     OwnerStarted,
@@ -418,7 +420,8 @@ def _encoder_entry_freed(state: State, event: EncoderEntryFreed) -> None:
 
 
 def _nothing(state: State, event: Event) -> None:
-    """Refusals, dropped notices and lookups are records for forensics, not state."""
+    """Refusals, dropped notices, lookups and namespace release decisions are records for
+    forensics, not state (what a decision changes comes as KeyQuarantined / KeyEvicted events)."""
 
 
 _FOLDS: dict[type[Event], Callable[[State, Any], None]] = {
@@ -446,6 +449,8 @@ _FOLDS: dict[type[Event], Callable[[State, Any], None]] = {
     KeyPublished: _key_published,
     KeyEvicted: _key_evicted,
     KeyQuarantined: _key_quarantined,
+    NamespaceDecided: _nothing,
+    NamespaceReleased: _nothing,
     EncoderEntryAllocated: _encoder_entry_allocated,
     EncoderEntryFreed: _encoder_entry_freed,
     Refused: _nothing,

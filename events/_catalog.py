@@ -12,7 +12,7 @@ from typing import ClassVar
 import msgspec
 
 from events._reasons import Reason
-from events._values import BlockRef, CopyOp, NamespaceSpec, PoolSpec, TierSpec
+from events._values import BlockRef, CopyOp, NamespaceOutcome, NamespaceSpec, PoolSpec, TierSpec
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=False):
@@ -294,6 +294,36 @@ class KeyQuarantined(Event, frozen=True, tag="key_quarantined"):
     detail: str = ""
 
 
+# --- namespace release decisions (seed 003) ---------------------------------------------------
+
+
+class NamespaceDecided(Event, frozen=True, tag="namespace_decided"):
+    """An operator's release decision from namespace A to namespace B, with its reason and
+    evidence. `clear` is followed by a KeyQuarantined (NAMESPACE_CLEARED) for each key of A;
+    `new` and `compatible` change no state: they are the record an auditor reads."""
+
+    from_namespace: bytes
+    to_namespace: bytes
+    outcome: NamespaceOutcome
+    rationale: str
+    """The operator's reason (`kvledger namespace decide --reason`)."""
+    evidence: str = ""
+    """The id of the verification run that compared cached and uncached outputs; required for
+    `compatible`."""
+    affected_keys: int = 0
+    """Keys of A quarantined by a `clear` (0 for the other outcomes)."""
+
+
+class NamespaceReleased(Event, frozen=True, tag="namespace_released"):
+    """An abandoned namespace is cleaned up: a KeyEvicted follows for each of its published keys
+    (outside any engine's step: their `engine_id` is empty)."""
+
+    namespace_id: bytes
+    rationale: str
+    """Why, e.g. `kvledger namespace gc`'s "last used ..., older than 7d"."""
+    evicted_keys: int = 0
+
+
 # --- encoder cache -----------------------------------------------------------------------------
 
 
@@ -354,6 +384,8 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     KeyPublished,
     KeyEvicted,
     KeyQuarantined,
+    NamespaceDecided,
+    NamespaceReleased,
     EncoderEntryAllocated,
     EncoderEntryFreed,
     Refused,
@@ -392,6 +424,8 @@ AnyEvent = (
     | KeyPublished
     | KeyEvicted
     | KeyQuarantined
+    | NamespaceDecided
+    | NamespaceReleased
     | EncoderEntryAllocated
     | EncoderEntryFreed
     | Refused

@@ -25,6 +25,8 @@ class Reason(enum.StrEnum):
     NAMESPACE_MISMATCH = "namespace_mismatch"
     POOL_LAYOUT_CHANGED = "pool_layout_changed"
     TIER_SPEC_CHANGED = "tier_spec_changed"
+    UNKNOWN_NAMESPACE = "unknown_namespace"
+    MISSING_EVIDENCE = "missing_evidence"  # a `compatible` release decision names no verification run (seed 003)
     # safety (the invariants)
     STALE_GENERATION = "stale_generation"  # I1
     NULL_BLOCK = "null_block"  # I2
@@ -51,3 +53,6 @@ class Reason(enum.StrEnum):
     OVERLAPPING_DESTINATIONS = "overlapping_destinations"  # I15
     REALLOCATED_IN_STEP = "reallocated_in_step"  # I14
     ENGINE_RESET = "engine_reset"  # I16
+    CROSS_TENANT = "cross_tenant"  # I9: a release decision never relates two tenants' namespaces
+    NAMESPACE_IN_USE = "namespace_in_use"  # I12: a release never evicts a key a load holds
+    NAMESPACE_CLEARED = "namespace_cleared"  # seed 003: a deliberate cache clearing quarantines its keys

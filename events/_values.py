@@ -9,6 +9,11 @@ import msgspec
 PoolKind = Literal["attention", "sliding_window", "state", "encoder"]
 """A cache group's kind. `state` covers recurrent (Mamba, GDN, ShortConv) state pools."""
 
+NamespaceOutcome = Literal["new", "compatible", "clear"]
+"""A release decision between two namespaces (seed 003): B is a new namespace and shares nothing
+with A; B may treat A's keys as equivalent (verified by a run comparing cached and uncached
+outputs); or A's keys are cleared (quarantined) so no one loads them."""
+
 NULL_BLOCK_ID = 0
 """Block 0 of every pool is the null block: never allocated, stored, loaded, copied or published
 (I2; seed 004, vLLM's NULL_BLOCK_ID)."""

@@ -16,6 +16,7 @@ PURE_MODULES = [
     "coordinator/commands.py",
     "coordinator/decider.py",
     "coordinator/_jobs.py",
+    "coordinator/_namespaces.py",
     "coordinator/_checks.py",
     "coordinator/projector.py",
     "coordinator/keys.py",

@@ -34,7 +34,9 @@ from events import (
     KeyPublished,
     KeyQuarantined,
     LoadJobStarted,
+    NamespaceDecided,
     NamespaceRegistered,
+    NamespaceReleased,
     NoticeDropped,
     OwnerFinished,
     OwnerStarted,
@@ -62,6 +64,9 @@ NamespaceRow = tuple[bytes, str, str, str, int]
 """namespace_id, tenant, model_id, spec (JSON), seq"""
 StepRow = tuple[str, int, int, int, float]
 """engine, step, first_seq, last_seq, recorded_at"""
+DecisionRow = tuple[int, str, bytes, bytes | None, int, str, str]
+"""seq, outcome (new, compatible, clear or released), from_namespace, to_namespace, affected_keys,
+evidence, reason"""
 
 
 class AuditRows(msgspec.Struct, kw_only=True):
@@ -73,6 +78,7 @@ class AuditRows(msgspec.Struct, kw_only=True):
     engines: list[EngineRow] = msgspec.field(default_factory=list)
     namespaces: list[NamespaceRow] = msgspec.field(default_factory=list)
     steps: list[StepRow] = msgspec.field(default_factory=list)
+    decisions: list[DecisionRow] = msgspec.field(default_factory=list)
 
     def count(self) -> int:
         return sum(len(rows) for rows in msgspec.structs.astuple(self))
@@ -180,5 +186,10 @@ class Indexer:
                 rows.engines.append((by, incarnation, self.namespaces.get(by), seq, "reset", reason))
             case NamespaceRegistered(namespace_id=namespace, spec=spec):
                 rows.namespaces.append((namespace, spec.tenant, spec.model_id, msgspec.json.encode(spec).decode(), seq))
+            case NamespaceDecided(from_namespace=source, to_namespace=target, outcome=outcome, rationale=rationale,
+                                  evidence=evidence, affected_keys=affected):
+                rows.decisions.append((seq, outcome, source, target, affected, evidence, rationale))
+            case NamespaceReleased(namespace_id=namespace, rationale=rationale, evicted_keys=evicted):
+                rows.decisions.append((seq, "released", namespace, None, evicted, "", rationale))
             case _:
                 pass  # steps began, lookups, encoder entries, tiers: nothing a forensic query asks for

@@ -159,6 +159,24 @@ class RefusalEntry(msgspec.Struct, frozen=True):
     detail: str
 
 
+class DecisionEntry(msgspec.Struct, frozen=True):
+    """A namespace release decision (seed 003) or a release of an abandoned namespace."""
+
+    seq: int
+    recorded_at: float | None
+    outcome: str
+    """new, compatible, clear, or released (`kvledger namespace gc`)."""
+    from_namespace: str
+    to_namespace: str | None
+    """None for a release."""
+    tenant: str
+    affected_keys: int
+    """Keys a clear quarantined or a release evicted."""
+    evidence: str
+    """A compatible decision's verification run."""
+    reason: str
+
+
 class NamespaceEntry(msgspec.Struct, frozen=True):
     namespace_id: str
     tenant: str
@@ -171,6 +189,8 @@ class NamespaceEntry(msgspec.Struct, frozen=True):
     last_used_at: float | None
     """The last publication or load of one of its keys."""
     age_seconds: float | None
+    decisions: list[DecisionEntry] = []
+    """Release decisions from or to this namespace, and its releases, oldest first."""
 
 
 # --- the reader ---------------------------------------------------------------------------------
@@ -459,7 +479,46 @@ class Audit:
                     namespace_id=bytes(space.namespace_id).hex(), tenant=space.tenant, model_id=space.model_id,
                     spec=msgspec.json.decode(space.spec), keys=int(live[0] or 0) if live else 0,
                     bytes=int(live[1] or 0) if live else 0, first_published_at=first_at, last_used_at=last_at,
-                    age_seconds=None if first_at is None else max(0.0, now - first_at)))
+                    age_seconds=None if first_at is None else max(0.0, now - first_at),
+                    decisions=await self._decisions(conn, bytes(space.namespace_id))))
+        return entries
+
+    async def decisions(self, namespace: str | None = None) -> list[DecisionEntry]:
+        """Namespace release decisions and releases, oldest first; with `namespace` (hex), those
+        from or to it. A decision never relates two tenants (the decider refuses it), so its
+        tenant is its from-namespace's."""
+        if namespace is None:
+            async with self.log.engine.connect() as conn:
+                return await self._decisions(conn, None)
+        try:
+            wanted = bytes.fromhex(namespace)
+        except ValueError as error:
+            raise AuditError(f"namespace {namespace!r} is not hex: {error}") from error
+        async with self.log.engine.connect() as conn:
+            n = t.audit_namespaces.c
+            tenant = (await conn.execute(sa.select(n.tenant).where(n.namespace_id == wanted))).scalar()
+            if tenant is None:
+                raise NotFound(f"namespace {namespace} is not in the log")
+            self._check(str(tenant), f"namespace {namespace}")
+            return await self._decisions(conn, wanted)
+
+    async def _decisions(self, conn: AsyncConnection, namespace: bytes | None) -> list[DecisionEntry]:
+        d, n = t.audit_decisions.c, t.audit_namespaces.c
+        query = (sa.select(t.audit_decisions, n.tenant)
+                 .select_from(t.audit_decisions.outerjoin(t.audit_namespaces, d.from_namespace == n.namespace_id))
+                 .order_by(d.seq))
+        if namespace is not None:
+            query = query.where(sa.or_(d.from_namespace == namespace, d.to_namespace == namespace))
+        if self.tenant is not None:
+            query = query.where(n.tenant == self.tenant)
+        entries = []
+        for row in (await conn.execute(query)).all():
+            entries.append(DecisionEntry(
+                seq=int(row.seq), recorded_at=await self._time_of(conn, int(row.seq)), outcome=row.outcome,
+                from_namespace=bytes(row.from_namespace).hex(),
+                to_namespace=None if row.to_namespace is None else bytes(row.to_namespace).hex(),
+                tenant=str(row.tenant or ""), affected_keys=int(row.affected_keys), evidence=row.evidence,
+                reason=row.reason))
         return entries
 
     async def _time_of(self, conn: AsyncConnection, seq: int) -> float | None:

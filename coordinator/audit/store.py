@@ -36,6 +36,7 @@ _TABLES: dict[str, sa.Table] = {
     "refusals": t.audit_refusals,
     "engines": t.audit_engines,
     "namespaces": t.audit_namespaces,
+    "decisions": t.audit_decisions,
     "steps": t.audit_steps,
 }
 _COLUMNS = {name: [c.name for c in table.columns] for name, table in _TABLES.items()}

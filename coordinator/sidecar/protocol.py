@@ -60,7 +60,9 @@ class Hello(Message, frozen=True, tag="hello"):
     jobs (I16)."""
 
     protocol: int
-    role: Literal["engine", "worker", "observer"]
+    role: Literal["engine", "worker", "observer", "operator"]
+    """An operator (`kvledger namespace`) names no engine and may only Execute operator commands
+    (coordinator.commands.OPERATOR_COMMANDS); engines may not send those."""
     engine_id: str = ""
     token: str = ""
     declare: DeclareEngine | None = None
@@ -82,7 +84,8 @@ class Step(Message, frozen=True, tag="step"):
 
 
 class Execute(Message, frozen=True, tag="execute"):
-    """One command outside any step (a tier declaration, a cache reset)."""
+    """One command outside any step (a tier declaration, a cache reset; from an operator, a
+    namespace decision)."""
 
     command: AnyCommand
     command_id: str

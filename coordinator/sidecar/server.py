@@ -29,7 +29,7 @@ import uuid_utils
 from anyio.abc import ByteStream, SocketStream, TaskGroup
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from coordinator.commands import AnyCommand, DeclareTier, LookupPrefix
+from coordinator.commands import OPERATOR_COMMANDS, AnyCommand, DeclareTier, LookupPrefix
 from coordinator.decider import lookup
 from coordinator.ledger import Commit, Ledger, Single, Step as LedgerStep, StepCommit
 from coordinator.protections import switched_off
@@ -322,9 +322,9 @@ class Sidecar:
             # The token itself is never logged.
             await self._error(conn, p.ErrorCode.UNAUTHORIZED, "missing or wrong token", fatal=True)
             return None, True
-        if hello.role == "observer":
+        if hello.role in ("observer", "operator"):
             await conn.send(p.Welcome(protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, head_seq=self.ledger.last_seq))
-            return Session("observer", "", 0), False
+            return Session(hello.role, "", 0), False
         if not hello.engine_id:
             await self._error(conn, p.ErrorCode.INVALID_MESSAGE, f"a {hello.role}'s Hello names its engine_id")
             return None, False
@@ -389,6 +389,9 @@ class Sidecar:
             if session.role not in ("worker", "engine"):
                 return _wrong_role(session, message)
             return await self._commit_single(session, message.report, message.command_id or _report_id(message))
+        if session.role == "operator" and isinstance(message, p.Execute) and isinstance(message.command, OPERATOR_COMMANDS):
+            # Scoped by the operator session's empty engine id: "/<id>", which no engine's can be.
+            return await self._commit_single(session, message.command, message.command_id)
         if session.role != "engine":
             return _wrong_role(session, message)
         if isinstance(message, p.Lookup):
@@ -514,8 +517,12 @@ def _wrong_role(session: Session, message: p.Message) -> p.Error:
 
 
 def _foreign(session: Session, commands: list[AnyCommand]) -> p.Error | None:
-    """An engine speaks only for itself: a command naming another engine is refused whole."""
+    """An engine speaks only for itself: a command naming another engine is refused whole, and so
+    is an operator's command (a namespace decision may touch other engines' keys)."""
     for index, command in enumerate(commands):
+        if isinstance(command, OPERATOR_COMMANDS):
+            return p.Error(code=p.ErrorCode.WRONG_ROLE,
+                           message=f"command {index} ({type(command).__name__}) is an operator's: send it on an operator connection")
         engine_id = getattr(command, "engine_id", session.engine_id)
         if engine_id != session.engine_id:
             return p.Error(code=p.ErrorCode.INVALID_MESSAGE,

@@ -190,6 +190,24 @@ audit_namespaces = sa.Table(
     sa.Column("seq", sa.BigInteger, nullable=False),
 )
 
+audit_decisions = sa.Table(
+    "kvl_audit_decisions",
+    metadata,
+    # Namespace release decisions (seed 003): new, compatible (with its evidence, the id of a
+    # verification run) and clear, from one namespace to another; and released (an abandoned
+    # namespace cleaned up by `kvledger namespace gc`: no to_namespace). affected_keys: the keys
+    # a clear quarantined or a release evicted.
+    sa.Column("seq", sa.BigInteger, nullable=False),
+    sa.Column("outcome", sa.String(16), nullable=False),
+    sa.Column("from_namespace", sa.LargeBinary, nullable=False),
+    sa.Column("to_namespace", sa.LargeBinary, nullable=True),
+    sa.Column("affected_keys", sa.Integer, nullable=False),
+    sa.Column("evidence", sa.String(255), nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+)
+sa.Index("ix_kvl_audit_decisions_from", audit_decisions.c.from_namespace, audit_decisions.c.seq)
+sa.Index("ix_kvl_audit_decisions_to", audit_decisions.c.to_namespace, audit_decisions.c.seq)
+
 audit_steps = sa.Table(
     "kvl_audit_steps",
     metadata,

@@ -1,5 +1,5 @@
 """The audit index (coordinator/audit): insert-only rows per slot, owner, job, key, refusal,
-engine, namespace and step, each naming the global sequence of its event. Built from the log by
+engine, namespace, namespace release decision and step, each naming the global sequence of its event. Built from the log by
 `kvledger audit` (or the sidecar) and checkpointed as "audit"; dropping it loses nothing.
 
 Revision ID: 0003
@@ -19,7 +19,7 @@ branch_labels = None
 depends_on = None
 
 _TABLES = (t.audit_slots, t.audit_owners, t.audit_jobs, t.audit_keys, t.audit_refusals, t.audit_engines,
-           t.audit_namespaces, t.audit_steps)
+           t.audit_namespaces, t.audit_decisions, t.audit_steps)
 
 
 # Created from the metadata as it stands at this revision. A later revision that changes one of

@@ -1,0 +1,79 @@
+"""`kvledger audit timeline POOL --steps A:B --out FILE.html|FILE.png`: the command around
+coordinator/audit/timeline.py. coordinator/cli.py registers `timeline_command`.
+
+Bad input (--steps, --out, an unknown engine, pool or range, a missing log file) is one line on
+stderr and exit code 2; a log that cannot be reached is one line and exit code 1. Never a traceback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NoReturn
+
+import anyio
+import sqlalchemy as sa
+import typer
+
+from coordinator.audit.queries import AuditError
+from coordinator.audit.store import sync_index
+from coordinator.audit.timeline import Timeline, draw_timeline, output_format, parse_steps
+from events.log import LogError, normalize, open_log
+
+COMMAND = "kvledger audit timeline"
+
+
+def timeline_command(
+    pool: int = typer.Argument(..., help="The pool (cache group) whose slots are drawn."),
+    steps: str = typer.Option(..., "--steps", help="The engine steps to draw, A:B (both included)."),
+    out: Path = typer.Option(..., "--out", help="The picture: FILE.png, or FILE.html (self-contained, works offline)."),
+    engine: str | None = typer.Option(None, "--engine", help="The engine (default: the log's only engine)."),
+    log_url: str | None = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="SQLite path or URL, or PostgreSQL URL (default: the data directory's SQLite file)."),
+) -> None:
+    """Draw which generation and owner held each slot of one pool over a range of steps, with
+    pins, jobs and refusals marked: the picture for an incident report."""
+    try:
+        first_step, last_step = parse_steps(steps)
+        output_format(out)
+        target = _existing_log(log_url)
+    except (AuditError, ValueError) as error:
+        _fail(str(error), code=2)
+    try:
+        timeline = anyio.run(lambda: _run(target, pool, first_step, last_step, out, engine))
+    except AuditError as error:
+        _fail(str(error), code=2)
+    except LogError as error:
+        _fail(str(error), code=1)
+    except sa.exc.SQLAlchemyError as error:  # the database failed mid-read (locked, connection lost)
+        _fail(f"reading the audit index failed: {str(error).splitlines()[0]}", code=1)
+    except OSError as error:  # writing the picture
+        _fail(f"cannot write {str(out)!r}: {error.strerror or error}", code=1)
+    typer.echo(f"{out}: engine {timeline.engine} pool {timeline.pool}, steps {timeline.first_step}..{timeline.last_step}: "
+               f"{len(timeline.slots)} slots, {len(timeline.bars)} holds, {len(timeline.pins)} pins, "
+               f"{len(timeline.jobs)} jobs, {len(timeline.refusals)} refusals")
+    if timeline.note:
+        typer.echo(f"{COMMAND}: {timeline.note}", err=True)
+
+
+async def _run(target: str, pool: int, first_step: int, last_step: int, out: Path, engine: str | None) -> Timeline:
+    event_log = await open_log(target)
+    try:
+        await sync_index(event_log)  # catch the index up with the log first
+        return await draw_timeline(event_log, pool=pool, first_step=first_step, last_step=last_step, out=out,
+                                   engine=engine)
+    finally:
+        await event_log.close()
+
+
+def _existing_log(log_url: str | None) -> str:
+    """The log's URL; a SQLite file must exist (opening one would create an empty log: an audit
+    command never writes a log into being)."""
+    url = normalize(log_url)
+    if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:" \
+            and not Path(url.database).exists():
+        raise AuditError(f"there is no log at {url.database!r}: name it with --log or $KVLEDGER_LOG")
+    return url.render_as_string(hide_password=False)
+
+
+def _fail(message: str, *, code: int) -> NoReturn:
+    typer.echo(f"{COMMAND}: {message}", err=True)
+    raise typer.Exit(code=code)

@@ -1,0 +1,361 @@
+"""`kvledger namespace ...`: namespace release decisions (seed 003), recorded as events.
+
+`decide` records one decision from namespace A to namespace B: new, compatible (with the id of
+the verification run as evidence) or clear (A's keys are quarantined). `gc` releases the
+namespaces whose last use, by the audit index's inventory, is older than a duration: their keys
+are evicted. Both go through the decider like any engine's command, so a bad request is a
+recorded refusal and the state is what the log projects to (I18).
+
+Where a command is recorded: through the running sidecar with --socket or --tcp (an operator
+connection, coordinator.client.OperatorClient); directly on the log with --log when no sidecar
+serves it (coordinator.ledger.Ledger decides and appends). Writing a log behind a sidecar's back
+would fork its state from the log, so --log refuses when a sidecar answers on the default socket.
+With neither, the default socket is used if a sidecar answers there, else the default log.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import logging
+import re
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import anyio
+import msgspec
+import structlog
+import typer
+import uuid_utils
+
+from coordinator.commands import AnyCommand, DecideNamespace, ReleaseNamespace
+from events import Event, KeyEvicted, KeyQuarantined, NamespaceDecided, NamespaceReleased, Refused
+
+namespace_app = typer.Typer(
+    help="Namespace release decisions (seed 003): new, compatible or clear; clean up abandoned namespaces.",
+    no_args_is_help=True,
+)
+
+LOG = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="Record directly on this log (SQLite path or URL, or PostgreSQL URL) when no sidecar serves it.")
+SOCKET = typer.Option(None, "--socket", envvar="KVLEDGER_SOCKET", help="Record through the sidecar on this Unix socket.")
+TCP = typer.Option(None, "--tcp", envvar="KVLEDGER_TCP", help="Record through the sidecar at TCP HOST:PORT (needs --token).")
+TOKEN = typer.Option("", "--token", envvar="KVLEDGER_TOKEN", help="The sidecar's shared secret (TCP).", show_default=False)
+COMMAND_ID = typer.Option(None, "--command-id", help="Make a retry exactly once: the same id returns the committed result.")
+JSON = typer.Option(False, "--json", help="Print JSON instead of text.")
+
+
+class Outcome(enum.StrEnum):
+    new = "new"
+    compatible = "compatible"
+    clear = "clear"
+
+
+class Recorded(msgspec.Struct, frozen=True, kw_only=True):
+    """What one command came to: committed events, or the refusal that was recorded instead."""
+
+    command: str
+    refused: bool
+    reason: str = ""
+    detail: str = ""
+    first_seq: int = 0
+    last_seq: int = 0
+    duplicate: bool = False
+    affected_keys: int = 0
+    """Keys quarantined (clear) or evicted (release)."""
+
+
+class Candidate(msgspec.Struct, frozen=True, kw_only=True):
+    namespace_id: str
+    tenant: str
+    model_id: str
+    keys: int
+    bytes: int
+    last_used_at: float
+    idle_seconds: float
+
+
+class GcReport(msgspec.Struct, frozen=True, kw_only=True):
+    now: float
+    older_than_seconds: float
+    dry_run: bool
+    candidates: list[Candidate]
+    released: list[Recorded] = []
+
+
+# --- durations ------------------------------------------------------------------------------------
+
+_UNITS = {"w": 604_800, "d": 86_400, "h": 3_600, "m": 60, "s": 1}
+_PART = re.compile(r"(\d+(?:\.\d+)?)([wdhms])")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration such as 7d, 12h, 30m, 45s, 2w or 1d12h (units w, d, h, m, s; each
+    part a non-negative number, the whole positive). Raises ValueError naming what is wrong."""
+    compact = text.strip().lower()
+    parts = _PART.findall(compact)
+    if not compact or "".join(number + unit for number, unit in parts) != compact:
+        raise ValueError(f"{text!r} is not a duration like 7d, 12h, 30m or 1d12h (units: w, d, h, m, s)")
+    seconds = sum(float(number) * _UNITS[unit] for number, unit in parts)
+    if seconds <= 0:
+        raise ValueError(f"{text!r} is not a positive duration")
+    return seconds
+
+
+# --- where commands are recorded -----------------------------------------------------------------
+
+
+class _Target(msgspec.Struct, frozen=True, kw_only=True):
+    log_url: str | None
+    socket_path: str | None
+    tcp: tuple[str, int] | None
+    token: str
+
+    @property
+    def via_sidecar(self) -> bool:
+        return self.socket_path is not None or self.tcp is not None
+
+
+def _tcp_address(text: str | None) -> tuple[str, int] | None:
+    """HOST:PORT (IPv6 in brackets) as a tuple; "off" or empty: None."""
+    if not text or text.lower() == "off":
+        return None
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise typer.BadParameter(f"{text!r} is not HOST:PORT", param_hint="--tcp")
+    return host.strip("[]"), int(port)
+
+
+def _target(log_url: str | None, socket_path: str | None, tcp: str | None, token: str) -> _Target:
+    """Through the sidecar named by --socket or --tcp; else on the log named by --log; else
+    through a sidecar that answers on the default socket; else on the default log. (gc reads its
+    inventory from the log whichever records.)"""
+    from events.log import data_dir
+
+    address = _tcp_address(tcp)
+    if socket_path is not None and address is not None:
+        raise typer.BadParameter("give one of --socket and --tcp", param_hint="--socket")
+    if address is not None and not token:
+        raise typer.BadParameter("a sidecar on TCP needs its --token (or KVLEDGER_TOKEN)", param_hint="--token")
+    if socket_path is None and address is None and log_url is None:
+        default = data_dir() / "kvledger.sock"
+        if default.exists() and anyio.run(_sidecar_answers, str(default)):
+            socket_path = str(default)
+    return _Target(log_url=log_url, socket_path=socket_path, tcp=address, token=token)
+
+
+async def _sidecar_answers(socket_path: str) -> bool:
+    """Whether something serves this socket: a stale socket file refuses the connection. Once
+    connected, any answer to a Hello (even UNAUTHORIZED from a sidecar with a token), or none
+    within two seconds (a busy one), counts as a sidecar."""
+    from coordinator.client import Address, _Channel
+    from coordinator.sidecar import protocol as p
+
+    try:
+        stream = await Address(socket_path=socket_path).connect()
+    except OSError:
+        return False
+    channel = _Channel(stream, p.DEFAULT_MAX_FRAME)
+    try:
+        with anyio.move_on_after(2.0):
+            await channel.send(p.Hello(protocol=p.PROTOCOL_VERSION, role="observer"))
+            await channel.receive()
+    except (OSError, anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, ValueError):
+        return False  # it hung up without a word: not a sidecar
+    finally:
+        with anyio.CancelScope(shield=True):
+            await channel.aclose()
+    return True
+
+
+class RecordError(Exception):
+    """The command could not be recorded (no sidecar, no log, a sidecar behind the log)."""
+
+
+async def _record(target: _Target, commands: Sequence[AnyCommand], command_ids: Sequence[str]) -> list[Recorded]:
+    """Record each command in order and say what it came to."""
+    if target.via_sidecar:
+        return await _through_sidecar(target, commands, command_ids)
+    return await _on_the_log(target.log_url, commands, command_ids)
+
+
+async def _through_sidecar(target: _Target, commands: Sequence[AnyCommand], command_ids: Sequence[str]) -> list[Recorded]:
+    from coordinator.client import Address, OperatorClient, SidecarError, SidecarUnavailable
+
+    address = Address(socket_path=target.socket_path) if target.socket_path else Address(tcp=target.tcp, token=target.token)
+    client = OperatorClient(address, retry_for=10.0)
+    recorded = []
+    for command, command_id in zip(commands, command_ids, strict=True):
+        try:
+            committed = await client.execute(command, command_id=command_id)
+        except (SidecarError, SidecarUnavailable, OSError) as error:
+            raise RecordError(f"the sidecar at {address} did not record it: {error}") from error
+        recorded.append(_summary(command, list(committed.events), committed.first_seq, committed.last_seq, committed.duplicate))
+    return recorded
+
+
+async def _on_the_log(log_url: str | None, commands: Sequence[AnyCommand], command_ids: Sequence[str]) -> list[Recorded]:
+    from coordinator.ledger import Ledger
+    from events.log import data_dir, open_log
+
+    default = data_dir() / "kvledger.sock"
+    if default.exists() and await _sidecar_answers(str(default)):
+        raise RecordError(
+            f"a sidecar answers on {default}: record through it with --socket {default} (appending to its log "
+            "behind its back would fork its state from the log)"
+        )
+    event_log = await open_log(log_url)
+    try:
+        ledger = await Ledger.open(event_log)
+        recorded = []
+        for command, command_id in zip(commands, command_ids, strict=True):
+            # Scoped as the sidecar scopes an operator's ids ("/<id>"): a retry through either
+            # path finds the first one's result.
+            commit = await ledger.execute(command, command_id=f"/{command_id}")
+            recorded.append(_summary(command, commit.events, commit.first_seq, commit.last_seq, commit.duplicate))
+        return recorded
+    finally:
+        await event_log.close()
+
+
+def _summary(command: AnyCommand, events: Sequence[Event], first_seq: int, last_seq: int, duplicate: bool) -> Recorded:
+    tag = type(command).__struct_config__.tag
+    assert isinstance(tag, str)
+    refused = next((e for e in events if isinstance(e, Refused)), None)
+    if refused is not None:
+        return Recorded(command=tag, refused=True, reason=str(refused.reason), detail=refused.detail,
+                        first_seq=first_seq, last_seq=last_seq, duplicate=duplicate)
+    affected = sum(isinstance(e, (KeyQuarantined, KeyEvicted)) for e in events)
+    if not any(isinstance(e, (NamespaceDecided, NamespaceReleased)) for e in events):
+        raise RecordError(f"{tag} committed no decision: {[type(e).__name__ for e in events]}")
+    return Recorded(command=tag, refused=False, first_seq=first_seq, last_seq=last_seq, duplicate=duplicate,
+                    affected_keys=affected)
+
+
+T = TypeVar("T")
+
+
+def _run(command: str, main: Callable[[], Awaitable[T]]) -> T:
+    """Run `main`; a log or recording error ends with one line and exit code 1. Logs below
+    warning are dropped and the rest go to stderr, so stdout holds the answer (--json) alone;
+    the logging configuration is restored after (the CLI may run inside another program)."""
+    from events.log import LogError
+
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+                        logger_factory=structlog.PrintLoggerFactory(sys.stderr), cache_logger_on_first_use=False)
+    try:
+        return anyio.run(main)
+    except (RecordError, LogError) as error:
+        typer.echo(f"kvledger namespace {command}: {error}", err=True)
+        raise typer.Exit(code=1) from None
+    finally:
+        structlog.configure(**saved)
+
+
+# --- commands -------------------------------------------------------------------------------------
+
+
+@namespace_app.command("decide")
+def decide(
+    from_namespace: str = typer.Option(..., "--from", help="Namespace A, in hex (as `kvledger audit namespaces` lists it)."),
+    to_namespace: str = typer.Option(..., "--to", help="Namespace B, in hex."),
+    outcome: Outcome = typer.Option(..., "--outcome", help="new: B shares nothing with A. compatible: B may treat A's keys as "
+                                    "equivalent (needs --evidence). clear: quarantine every key of A."),
+    reason: str = typer.Option(..., "--reason", help="Why: the audit record of this decision."),
+    evidence: str = typer.Option("", "--evidence", help="RUN_ID of the verification run that compared cached and uncached outputs (required for compatible)."),
+    log_url: str | None = LOG, socket_path: str | None = SOCKET, tcp: str | None = TCP, token: str = TOKEN,
+    command_id: str | None = COMMAND_ID, json_output: bool = JSON,
+) -> None:
+    """Record a release decision from namespace A to namespace B (seed 003)."""
+    target = _target(log_url, socket_path, tcp, token)
+    command = DecideNamespace(from_namespace=from_namespace, to_namespace=to_namespace, outcome=outcome.value,
+                              reason=reason, evidence=evidence)
+
+    async def main() -> list[Recorded]:
+        return await _record(target, [command], [command_id or uuid_utils.uuid7().hex])
+
+    [recorded] = _run("decide", main)
+    if json_output:
+        typer.echo(msgspec.json.encode(recorded).decode())
+    elif not recorded.refused:
+        cleared = f"; {recorded.affected_keys} keys of {from_namespace} quarantined" if outcome is Outcome.clear else ""
+        again = " (already recorded: this command id was committed before)" if recorded.duplicate else ""
+        typer.echo(f"decided {outcome.value}: {from_namespace} -> {to_namespace}{cleared}, "
+                   f"at seq {recorded.first_seq}..{recorded.last_seq}{again}")
+    if recorded.refused:
+        typer.echo(f"kvledger namespace decide: refused ({recorded.reason}): {recorded.detail}", err=True)
+        raise typer.Exit(code=1)
+
+
+@namespace_app.command("gc")
+def gc(
+    older_than: str = typer.Option(..., "--older-than", help="Release namespaces whose last use is older than this: 7d, 12h, 30m, 1d12h..."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List what would be released; record nothing."),
+    tenant: str | None = typer.Option(None, "--tenant", help="Only this tenant's namespaces."),
+    now: str | None = typer.Option(None, "--now", help="Judge ages at this time (ISO 8601 or epoch seconds; default: now)."),
+    log_url: str | None = LOG, socket_path: str | None = SOCKET, tcp: str | None = TCP, token: str = TOKEN,
+    command_id: str | None = COMMAND_ID, json_output: bool = JSON,
+) -> None:
+    """Release abandoned namespaces: evict every key of each namespace last used (published or
+    loaded, by the audit index) longer ago than --older-than."""
+    from coordinator.audit.queries import Audit, AuditError, parse_time
+    from coordinator.audit.store import sync_index
+    from events.log import open_log
+
+    try:
+        seconds = parse_duration(older_than)
+        at = time.time() if now is None else parse_time(now)
+    except (ValueError, AuditError) as error:
+        raise typer.BadParameter(str(error), param_hint="--older-than" if isinstance(error, ValueError) else "--now") from None
+    target = _target(log_url, socket_path, tcp, token)
+    batch = command_id or uuid_utils.uuid7().hex
+
+    async def main() -> GcReport:
+        event_log = await open_log(log_url)
+        try:
+            await sync_index(event_log)
+            inventory = await Audit(event_log, tenant=tenant).namespaces(now=at)
+        finally:
+            await event_log.close()
+        candidates = [
+            Candidate(namespace_id=e.namespace_id, tenant=e.tenant, model_id=e.model_id, keys=e.keys, bytes=e.bytes,
+                      last_used_at=e.last_used_at, idle_seconds=at - e.last_used_at)
+            for e in inventory
+            # A namespace with no live key has nothing to release (a released one stays so).
+            if e.keys > 0 and e.last_used_at is not None and at - e.last_used_at > seconds
+        ]
+        if dry_run or not candidates:
+            return GcReport(now=at, older_than_seconds=seconds, dry_run=dry_run, candidates=candidates)
+        commands: list[AnyCommand] = [
+            ReleaseNamespace(namespace=c.namespace_id,
+                             reason=f"kvledger namespace gc: last used {_iso(c.last_used_at)}, older than {older_than}")
+            for c in candidates
+        ]
+        released = await _record(target, commands, [f"{batch}/{c.namespace_id}" for c in candidates])
+        return GcReport(now=at, older_than_seconds=seconds, dry_run=False, candidates=candidates, released=released)
+
+    report = _run("gc", main)
+    if json_output:
+        typer.echo(msgspec.json.encode(report).decode())
+    else:
+        verb = "would release" if dry_run else "released"
+        typer.echo(f"{len(report.candidates)} namespaces last used more than {older_than} before {_iso(at)}")
+        outcomes: list[Recorded | None] = list(report.released) if report.released else [None] * len(report.candidates)
+        for candidate, outcome in zip(report.candidates, outcomes, strict=True):
+            line = (f"{candidate.namespace_id} tenant {candidate.tenant} model {candidate.model_id}: {candidate.keys} keys, "
+                    f"{candidate.bytes:,} bytes, last used {_iso(candidate.last_used_at)}")
+            if outcome is None:
+                typer.echo(f"{verb} {line}")
+            elif outcome.refused:
+                typer.echo(f"REFUSED {line}: {outcome.reason}: {outcome.detail}")
+            else:
+                typer.echo(f"released {line}: {outcome.affected_keys} keys evicted")
+    if any(r.refused for r in report.released):
+        raise typer.Exit(code=1)
+
+
+def _iso(epoch: float) -> str:
+    return dt.datetime.fromtimestamp(epoch, dt.UTC).isoformat(timespec="seconds")
+

@@ -1,0 +1,322 @@
+"""`kvledger audit timeline` (coordinator/audit/timeline.py) on a real simulator log: the model
+against the index and against the log's own events, the PNG and HTML files, the command's errors."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from coordinator.audit.store import indexed_seq, sync_index
+from coordinator.audit.timeline import (
+    IndexRows,
+    StepSpan,
+    Timeline,
+    TimelineError,
+    build_timeline,
+    draw_timeline,
+    load_timeline,
+    output_format,
+    parse_steps,
+)
+from coordinator.audit.timeline_cli import timeline_command
+from coordinator.recovery import decode, stored_steps
+from coordinator.simulator.report import mixed_workload
+from events import BlocksAllocated, EngineReset, EventCodec, NoticeDropped, OwnerStarted
+from events.log import SqlEventLog, open_log
+
+STEPS = 40
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+class SimLog:
+    def __init__(self, indexed: Path, fresh: Path) -> None:
+        self.indexed = indexed
+        """The simulator's log, with its audit index built."""
+        self.fresh = fresh
+        """A copy taken before indexing: the command must catch the index up itself."""
+
+
+@pytest.fixture(scope="module")
+def sim_log(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimLog]:
+    keep = tmp_path_factory.mktemp("timeline")
+    report = anyio.run(lambda: mixed_workload(engines=1, steps=STEPS, keep=keep))
+    assert report.wrong_reads == 0 and report.resets >= 1 and report.stores > 0 and report.loads > 0
+    fresh = keep / "fresh.sqlite"
+    shutil.copyfile(keep / "log.sqlite", fresh)
+
+    async def index() -> None:
+        event_log = await open_log(str(keep / "log.sqlite"))
+        try:
+            await sync_index(event_log)
+        finally:
+            await event_log.close()
+
+    anyio.run(index)
+    yield SimLog(keep / "log.sqlite", fresh)
+
+
+class LogFacts:
+    """What the log's events say, read without the index."""
+
+    def __init__(self) -> None:
+        self.allocations: list[tuple[int, int, int, int, int]] = []
+        """seq, pool, block, generation, owner_id"""
+        self.req_ids: dict[int, str] = {}
+        self.resets: list[int] = []
+        self.dropped: list[tuple[int, str]] = []
+
+
+async def log_facts(event_log: SqlEventLog) -> LogFacts:
+    facts, codec = LogFacts(), EventCodec()
+    async for steps in stored_steps(event_log):
+        for step in steps:
+            for stored in step.events():
+                event = decode(codec, stored)
+                if isinstance(event, BlocksAllocated):
+                    facts.allocations += [(stored.global_seq, b.pool_id, b.block_id, b.generation, event.owner_id)
+                                          for b in event.blocks]
+                elif isinstance(event, OwnerStarted):
+                    facts.req_ids[event.owner_id] = event.req_id
+                elif isinstance(event, EngineReset):
+                    facts.resets.append(stored.global_seq)
+                elif isinstance(event, NoticeDropped):
+                    facts.dropped.append((stored.global_seq, event.detail))
+    return facts
+
+
+async def _with_log(path: Path) -> tuple[SqlEventLog, Timeline, LogFacts]:
+    event_log = await open_log(str(path))
+    return event_log, await load_timeline(event_log, pool=0, first_step=1, last_step=STEPS), await log_facts(event_log)
+
+
+# --- the model ----------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_holds_of_a_slot_never_overlap_and_generations_grow(sim_log: SimLog) -> None:
+    """I1 as the picture shows it: one hold at a time per slot, each generation above the last."""
+    event_log, timeline, _ = await _with_log(sim_log.indexed)
+    try:
+        assert timeline.engine == "wl-0" and (timeline.first_step, timeline.last_step) == (1, STEPS)
+        assert timeline.bars and timeline.pins and timeline.jobs and timeline.slots
+        for block in timeline.slots:
+            bars = [b for b in timeline.bars if b.block == block]
+            for before, after in zip(bars, bars[1:], strict=False):
+                assert before.end_seq is not None and before.end_seq <= after.start_seq, (before, after)
+                assert timeline.x_end(before.end_seq) <= timeline.x(after.start_seq)
+                assert before.generation < after.generation, (before, after)
+            for bar in bars:
+                assert bar.start_step <= bar.end_step and bar.ended_by in ("freed", "reallocated", "reset", "open")
+                assert (bar.end_seq is None) == (bar.ended_by == "open")
+        for pin in timeline.pins:
+            assert pin.start_seq <= timeline.last_seq and (pin.end_seq is None or pin.start_seq <= pin.end_seq)
+            assert pin.kind in ("store", "load", "copy")
+            job = next(j for j in timeline.jobs if j.job_id == pin.job_id)
+            assert pin.block in job.blocks and job.kind == pin.kind
+        xs = [timeline.x(seq) for seq in range(timeline.first_seq, timeline.last_seq + 2)]
+        assert xs == sorted(xs) and xs[0] == timeline.first_step and xs[-1] == timeline.last_step + 1
+    finally:
+        await event_log.close()
+
+
+@pytest.mark.anyio
+async def test_every_allocation_reset_and_dropped_notice_in_the_log_is_drawn(sim_log: SimLog) -> None:
+    event_log, timeline, facts = await _with_log(sim_log.indexed)
+    try:
+        allocations = [a for a in facts.allocations if a[1] == 0]
+        assert allocations
+        bars = {(b.block, b.generation, b.start_seq): b for b in timeline.bars}
+        for seq, _, block, generation, owner in allocations:
+            bar = bars[(block, generation, seq)]
+            assert bar.owner_id == owner and bar.req_id == facts.req_ids[owner]
+            assert bar.start_step == timeline.step_of(seq)
+        assert len(timeline.bars) == len(allocations), "no reuse in this workload: one hold per allocation"
+        [reset] = facts.resets
+        by_reset = [b for b in timeline.bars if b.ended_by == "reset"]
+        assert by_reset and all(b.end_seq == reset for b in by_reset)
+        # A freed notice dropped because its slot was reallocated in the same step (I14): the
+        # refusal sits on that slot's lane, where one hold ends by reallocation and the next begins.
+        seq, detail = next((s, d) for s, d in facts.dropped if d.startswith("block 0/"))
+        block = int(re.findall(r"block 0/(\d+)", detail)[0])
+        mark = next(r for r in timeline.refusals if r.seq == seq)
+        assert mark.block == block and mark.kind == "dropped" and mark.reason == "reallocated_in_step"
+        assert any(b.block == block and b.ended_by == "reallocated" for b in timeline.bars)
+    finally:
+        await event_log.close()
+
+
+@pytest.mark.anyio
+async def test_a_narrow_range_is_the_wide_one_clipped(sim_log: SimLog) -> None:
+    """Holds that began before the range (the generation each slot held when it began) and holds
+    that go on after it are drawn, clipped; nothing else changes."""
+    event_log = await open_log(str(sim_log.indexed))
+    try:
+        wide = await load_timeline(event_log, pool=0, first_step=1, last_step=STEPS)
+        narrow = await load_timeline(event_log, pool=0, first_step=25, last_step=30)
+    finally:
+        await event_log.close()
+    lo, hi = narrow.first_seq, narrow.last_seq
+    expected = {(b.block, b.generation, b.start_seq, b.end_seq if b.end_seq is not None and b.end_seq <= hi else None)
+                for b in wide.bars if b.start_seq <= hi and (b.end_seq is None or b.end_seq >= lo)}
+    assert {(b.block, b.generation, b.start_seq, b.end_seq) for b in narrow.bars} == expected
+    assert any(b.start_seq < lo and b.start_step == 25 for b in narrow.bars), "a hold from before the range"
+    assert all(narrow.first_seq <= r.seq <= narrow.last_seq for r in narrow.refusals)
+
+
+@pytest.mark.anyio
+async def test_the_lane_cap_keeps_the_busiest_slots_and_says_so(sim_log: SimLog) -> None:
+    event_log = await open_log(str(sim_log.indexed))
+    try:
+        capped = await load_timeline(event_log, pool=0, first_step=1, last_step=STEPS, max_slots=5)
+        assert len(capped.slots) == 5 and capped.omitted_slots > 0 and "5 of" in capped.note
+        assert {b.block for b in capped.bars} <= set(capped.slots)
+        with pytest.raises(TimelineError, match="at most 10: narrow --steps"):
+            await load_timeline(event_log, pool=0, first_step=1, last_step=STEPS, max_steps=10)
+    finally:
+        await event_log.close()
+
+
+def test_cached_content_taken_back_after_its_free_is_a_new_hold() -> None:
+    """The fold on its own (pure): reuse of a freed, cached slot; a late row of an old generation."""
+    rows = IndexRows(
+        engine="e", pool=1, steps=[StepSpan(1, 1, 10), StepSpan(2, 11, 20), StepSpan(3, 21, 30)],
+        first_seq=1, last_seq=30,
+        slots=[(4, 1, 2, "allocated", 7, None), (4, 1, 3, "computed", None, None), (4, 1, 5, "released", 7, None),
+               (4, 1, 10, "freed", None, None), (4, 1, 12, "reused", 8, None), (4, 1, 13, "reused", 9, None),
+               (4, 1, 15, "released", 8, None), (4, 2, 25, "allocated", 9, None), (4, 1, 26, "released", 9, None)],
+        resets=[], req_ids={7: "a", 8: "b"}, jobs=[], refusals=[(14, "refused", "start_store", "slot_pinned",
+                                                                   "block 2/4 is pinned by a job in flight")])
+    timeline = build_timeline(rows)
+    first, second, third = timeline.bars
+    assert (first.start_seq, first.end_seq, first.ended_by, first.released_seq) == (2, 10, "freed", 5)
+    assert (second.owner_id, second.req_id, second.sharers, second.ended_by) == (8, "b", ["owner 9"], "reallocated")
+    assert second.released_seq is None, "owner 9 still held it when the slot was reallocated"
+    assert (third.generation, third.end_seq, third.ended_by, third.end_step) == (2, None, "open", 3)
+    assert timeline.refusals == [], "a refusal naming another pool's slot is not this pool's"
+
+
+def test_steps_and_suffix_are_checked() -> None:
+    assert parse_steps("3:9") == (3, 9) and parse_steps(" 4 : 4 ") == (4, 4)
+    for bad in ("5", "a:b", "9:3", "-1:4", "1:2:3"):
+        with pytest.raises(TimelineError):
+            parse_steps(bad)
+    assert output_format(Path("x.PNG")) == "png" and output_format(Path("r/x.html")) == "html"
+    with pytest.raises(TimelineError, match=r"\.png or \.html"):
+        output_format(Path("x.svg"))
+
+
+# --- the files ----------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_png_is_a_real_picture_drawn_off_the_event_loop(sim_log: SimLog, tmp_path: Path) -> None:
+    """STYLE.md 10: the loop keeps ticking while matplotlib draws (seconds of CPU). Measured on a
+    second picture: importing matplotlib's C extensions holds the GIL, wherever it happens."""
+    ticks: list[float] = []
+
+    async def tick() -> None:
+        while True:
+            ticks.append(anyio.current_time())
+            await anyio.sleep(0.02)
+
+    out = tmp_path / "timeline.png"
+    event_log = await open_log(str(sim_log.indexed))
+    try:
+        await draw_timeline(event_log, pool=1, first_step=1, last_step=3, out=tmp_path / "warm-up.png")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tick)
+            await draw_timeline(event_log, pool=0, first_step=1, last_step=STEPS, out=out)
+            tg.cancel_scope.cancel()
+        ticks.append(anyio.current_time())
+    finally:
+        await event_log.close()
+    gaps = [after - before for before, after in zip(ticks, ticks[1:], strict=False)]
+    assert len(ticks) >= 5 and max(gaps) < 0.5, f"the event loop stalled for {max(gaps):.2f} s while drawing"
+    data = out.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 20_000
+    assert not list(tmp_path.glob(".*partial")), "no half-written file is left behind"
+    image = pytest.importorskip("PIL.Image")
+    with image.open(out) as picture:
+        picture.verify()
+        assert picture.format == "PNG" and picture.size[0] >= 1000 and picture.size[1] >= 700
+
+
+@pytest.mark.anyio
+async def test_html_is_self_contained(sim_log: SimLog, tmp_path: Path) -> None:
+    out = tmp_path / "timeline.html"
+    event_log = await open_log(str(sim_log.indexed))
+    try:
+        timeline = await draw_timeline(event_log, pool=1, first_step=1, last_step=STEPS, out=out)
+    finally:
+        await event_log.close()
+    html = out.read_text(encoding="utf-8")
+    assert "<html>" in html[:200].lower() and len(html) > 1_000_000, "plotly.js is inlined"
+    assert "plotly.js v" in html and "Plotly.newPlot" in html
+    assert not re.search(r"<script[^>]*\bsrc\s*=", html, re.IGNORECASE), "no script is fetched"
+    assert not re.search(r"<link[^>]*\bhref\s*=\s*[\"']https?:", html, re.IGNORECASE)
+    assert f"1/{timeline.slots[0]}" in html and "wl-0" in html
+
+
+# --- the command --------------------------------------------------------------------------------
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+
+    @app.callback()
+    def audit() -> None:
+        """The group the lead registers the command in."""
+
+    app.command("timeline")(timeline_command)
+    return app
+
+
+runner = CliRunner()
+
+
+def test_command_catches_the_index_up_and_draws(sim_log: SimLog, tmp_path: Path) -> None:
+    out = tmp_path / "incident.html"
+    result = runner.invoke(_app(), ["timeline", "0", "--steps", "10:30", "--out", str(out), "--log", str(sim_log.fresh)])
+    assert result.exit_code == 0, (result.exception, result.output[-2000:])
+    assert out.stat().st_size > 1_000_000 and "steps 10..30" in result.stdout
+
+    async def caught_up() -> tuple[int, int]:
+        event_log = await open_log(str(sim_log.fresh))
+        try:
+            return await indexed_seq(event_log), await event_log.head()
+        finally:
+            await event_log.close()
+
+    indexed, head = anyio.run(caught_up)
+    assert indexed == head > 0
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["0", "--steps", "12"], "not A:B"),
+    (["0", "--steps", "30:10"], "after the last"),
+    (["0", "--steps", "1:5", "--out", "{tmp}/x.svg"], ".png or .html"),
+    (["0", "--steps", "1:5", "--engine", "nope"], "engine 'nope' is not in the log"),
+    (["9", "--steps", "1:5"], "no pool 9"),
+    (["0", "--steps", "500:600"], "no steps in 500..600 (its steps: 1..40)"),
+    (["0", "--steps", "1:5", "--out", "{tmp}/missing/x.png"], "does not exist"),
+    (["0", "--steps", "1:5", "--log", "{tmp}/nothing.sqlite"], "there is no log at"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(sim_log: SimLog, tmp_path: Path, args: list[str], says: str) -> None:
+    base = {"--out": str(tmp_path / "x.png"), "--log": str(sim_log.indexed)}
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    for option, value in base.items():
+        if option not in args:
+            args += [option, value]
+    result = runner.invoke(_app(), ["timeline", *args])
+    assert result.exit_code == 2, (result.exception, result.output)
+    assert says in result.stderr and "Traceback" not in result.output
+    assert isinstance(result.exception, SystemExit)
+    assert not (tmp_path / "nothing.sqlite").exists(), "an audit command never creates a log"
+    assert not (tmp_path / "x.png").exists()
