@@ -304,3 +304,21 @@ def test_cli_export_writes_every_event_once_in_order(golden: Path, tmp_path: Pat
     bytes.fromhex(published["event"]["key"])  # bytes are hex
     result = CliRunner().invoke(app, ["export", "--log", str(log), "--format", "csv"])
     assert result.exit_code == 2 and "unknown --format" in result.output
+
+
+def test_cli_verify_passes_a_clean_log_and_fails_an_incident_with_its_evidence(golden: Path, tmp_path: Path) -> None:
+    from coordinator.simulator.scenarios import SCENARIOS, run_scenario
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["verify", "--log", str(copy_of(golden, tmp_path))])
+    assert result.exit_code == 0, result.output
+    assert "0 violations" in result.output and "equals the full replay" in result.output
+    (tmp_path / "off").mkdir()
+    off = anyio.run(lambda: run_scenario(SCENARIOS["preempt-during-async-store"], protection_on=False, directory=tmp_path / "off"))
+    result = runner.invoke(app, ["verify", "--log", off.log, "--json"])
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["ok"] is False and {v["invariant"] for v in report["violations"]} == {"I3"}
+    assert all(v["seq"] > 0 and v["evidence"] for v in report["violations"])
+    result = runner.invoke(app, ["verify", "--log", str(tmp_path / "missing-dir" / "x" / "log.sqlite")])
+    assert result.exit_code == 1 and "Traceback" not in result.output

@@ -1,2 +1,2 @@
-"""Forensics: the audit index projection (index.py, pure), building it from the log (store.py)
-and the queries over it (queries.py)."""
+"""Forensics: the audit index projection (index.py, pure), building it from the log (store.py),
+the queries over it (queries.py) and the read-only HTTP API that serves them (api.py)."""

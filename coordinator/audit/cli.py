@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import anyio
 import msgspec
+import sqlalchemy as sa
 import structlog
 import typer
 from rich.console import Console
@@ -25,15 +26,18 @@ from coordinator.audit.queries import (
     BlockAnswer,
     HistoryAnswer,
     KeyAnswer,
+    DecisionEntry,
     NamespaceEntry,
     RefusalEntry,
     RequestAnswer,
     parse_time,
 )
 from coordinator.audit.store import IndexProgress, sync_index
-from events.log import LogError, SqlEventLog, open_log
+from coordinator.audit.timeline_cli import timeline_command
+from events.log import LogError, LogUnavailable, SqlEventLog, normalize, open_log
 
 audit_app = typer.Typer(help="Who owned what, when: point-in-time answers from the log's audit index.", no_args_is_help=True)
+audit_app.command("timeline")(timeline_command)
 
 LOG = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="SQLite path or URL, or PostgreSQL URL (default: the data directory's SQLite file).")
 ENGINE = typer.Option(None, "--engine", help="The engine whose pool and steps are meant (default: the log's only engine).")
@@ -63,6 +67,10 @@ def _errors(command: str) -> Iterator[None]:
     except LogError as error:
         typer.echo(f"kvledger {command}: {error}", err=True)
         raise typer.Exit(code=1) from None
+    except sa.exc.SQLAlchemyError as error:
+        first = str(error).splitlines()[0]
+        typer.echo(f"kvledger {command}: the log's database failed: {first}", err=True)
+        raise typer.Exit(code=1) from None
 
 
 def quiet_logs() -> None:
@@ -76,11 +84,20 @@ def quiet_logs() -> None:
                         logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
 
+async def open_existing(log_url: str | None) -> SqlEventLog:
+    """The log to examine. Forensics never creates one: a SQLite file that is not there is an
+    error naming the path (a typo must not answer "0 events, all fine")."""
+    target = normalize(log_url)
+    if target.get_backend_name() == "sqlite" and target.database and not Path(target.database).exists():
+        raise LogUnavailable(f"no log at {target.database}")
+    return await open_log(log_url)
+
+
 def _run(command: str, log_url: str | None, query: Callable[[Audit], Awaitable[T]]) -> T:
     quiet_logs()
 
     async def main() -> T:
-        event_log = await open_log(log_url)
+        event_log = await open_existing(log_url)
         try:
             await _catch_up(event_log)
             return await query(Audit(event_log))
@@ -279,6 +296,26 @@ def namespaces(log_url: str | None = LOG, json_output: bool = JSON) -> None:
     _print(_run("audit namespaces", log_url, query), json_output, render)
 
 
+@audit_app.command("decisions")
+def decisions(
+    namespace: str | None = typer.Option(None, "--namespace", help="Only decisions from or to this namespace (hex)."),
+    log_url: str | None = LOG, json_output: bool = JSON,
+) -> None:
+    """Namespace release decisions (new, compatible, clear) and releases, oldest first."""
+
+    async def query(audit: Audit) -> list[DecisionEntry]:
+        return await audit.decisions(namespace)
+
+    def render(entries: list[DecisionEntry]) -> None:
+        table = Table("seq", "outcome", "from", "to", "tenant", "keys", "evidence", "reason", title=f"{len(entries)} decisions")
+        for e in entries:
+            table.add_row(str(e.seq), e.outcome, e.from_namespace, e.to_namespace or "-", e.tenant, str(e.affected_keys),
+                          e.evidence or "-", e.reason)
+        console.print(table)
+
+    _print(_run("audit decisions", log_url, query), json_output, render)
+
+
 def _ago(epoch: float | None) -> str:
     return "-" if epoch is None else f"{_duration(time.time() - epoch)} ago"
 
@@ -310,7 +347,7 @@ def replay_command(
     from events import EventCodec
 
     async def main() -> dict[str, Any]:
-        event_log = await open_log(log_url)
+        event_log = await open_existing(log_url)
         try:
             until = until_seq
             if until_step is not None or until_time is not None:
@@ -360,7 +397,7 @@ def export_command(
         raise typer.Exit(code=2)
 
     async def main() -> int:
-        event_log = await open_log(log_url)
+        event_log = await open_existing(log_url)
         count = 0
         sink = open(out, "wb") if out is not None else sys.stdout.buffer  # noqa: SIM115 - closed below
         try:
@@ -381,3 +418,47 @@ def export_command(
         count = anyio.run(main)
     if out is not None:
         typer.echo(f"exported {count} events to {out}", err=True)
+
+
+def verify_command(
+    log_url: str | None = LOG,
+    json_output: bool = JSON,
+    max_violations: int = typer.Option(10_000, "--max-violations", min=1, help="List at most this many (all are counted)."),
+) -> None:
+    """Replay the whole log and check every invariant it can show (I1-I18); print each violation
+    with its global sequence, step and evidence. Exits 1 when anything is found."""
+    from coordinator.audit.verify_run import VerifyProgress, VerifyReport, verify_log
+
+    async def main() -> VerifyReport:
+        event_log = await open_existing(log_url)
+        try:
+            head = await event_log.head()
+            with _progress() as progress:
+                task = progress.add_task("verifying", total=head)
+
+                def advanced(done: VerifyProgress) -> None:
+                    progress.update(task, completed=done.checked_seq)
+
+                return await verify_log(event_log, on_progress=advanced, max_violations=max_violations)
+        finally:
+            await event_log.close()
+
+    quiet_logs()
+    with _errors("verify"):
+        report = anyio.run(main)
+    if json_output:
+        typer.echo(msgspec.json.encode(report).decode())
+    else:
+        if report.violations:
+            table = Table("invariant", "seq", "step", "engine", "what", "evidence", title=f"{report.violation_count} violations")
+            for v in report.violations:
+                table.add_row(v.invariant, str(v.seq), _dash(v.step if v.step >= 0 else None), v.engine or "-", v.message,
+                              "\n".join(v.evidence))
+            console.print(table)
+        replay = report.replay
+        console.print(f"{report.events_checked:,} events checked up to seq {report.head}: "
+                      f"{report.violation_count} violations {report.by_invariant() or ''}; "
+                      f"replay from a snapshot {'equals' if replay.ok else 'DIFFERS FROM'} the full replay (I18)"
+                      + (f"; {len(report.undecodable)} events undecodable" if report.undecodable else ""))
+    if not report.ok:
+        raise typer.Exit(code=1)

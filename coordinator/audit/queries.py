@@ -9,16 +9,19 @@ filtered (I9, for audit reads).
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
+import anyio
 import msgspec
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coordinator.audit.store import indexed_seq
 from events.log import SqlEventLog
 from events.log import _schema as t
+
+
+T = TypeVar("T")
 
 
 class AuditError(Exception):
@@ -84,7 +87,8 @@ class GenerationLife(msgspec.Struct, frozen=True):
     freed_seq: int | None
     freed_step: int | None
     ended_by: str
-    """freed, reset (the engine's incarnation ended), or open."""
+    """freed, reallocated (its freed notice was dropped: allocated again in that step), reset (the
+    engine's incarnation ended), or open."""
 
 
 class BlockAnswer(msgspec.Struct, frozen=True, kw_only=True):
@@ -206,12 +210,28 @@ class Audit:
     async def indexed(self) -> int:
         return await indexed_seq(self.log)
 
+    async def _read(self, query: Callable[[sa.Connection], T]) -> T:
+        """Run a query's statements on one connection in one go: on SQLite in a worker thread
+        through plain sqlite3 (one thread hop for the whole query, not one per statement); on
+        PostgreSQL through the async engine."""
+        blocking = self.log.blocking_engine
+        if blocking is not None:
+            def run() -> T:
+                with blocking.connect() as conn:
+                    return query(conn)
+
+            return await anyio.to_thread.run_sync(run)
+        async with self.log.engine.connect() as conn:
+            return await conn.run_sync(query)
+
     # --- points in time -------------------------------------------------------------------
 
     async def engines(self) -> list[str]:
-        async with self.log.engine.connect() as conn:
-            rows = await conn.execute(sa.select(t.audit_engines.c.engine).distinct().order_by(t.audit_engines.c.engine))
-            return [row.engine for row in rows]
+        return await self._read(lambda conn: self._engines(conn))
+
+    def _engines(self, conn: sa.Connection) -> list[str]:
+        rows = conn.execute(sa.select(t.audit_engines.c.engine).distinct().order_by(t.audit_engines.c.engine))
+        return [row.engine for row in rows]
 
     async def engine(self, engine: str | None) -> str:
         """The engine asked for, or the log's only engine."""
@@ -235,33 +255,35 @@ class Audit:
             if at_seq < 0:
                 raise AuditError(f"--at-seq must be >= 0, got {at_seq}")
             return min(at_seq, head)
-        async with self.log.engine.connect() as conn:
-            if at_step is not None:
-                s = t.audit_steps.c
-                found = (await conn.execute(sa.select(s.last_seq).where(s.engine == engine, s.step == at_step)
-                                            .order_by(s.first_seq.desc()).limit(1))).scalar()
-                if found is None:
-                    raise NotFound(f"engine {engine!r} has no step {at_step} in the log")
-                return int(found)
-            if at_time is not None:
-                s = t.audit_steps.c
-                found = (await conn.execute(sa.select(sa.func.max(s.last_seq)).where(s.recorded_at <= at_time))).scalar()
-                if found is None:
-                    raise NotFound(f"nothing was recorded at or before {_when(at_time)}")
-                return int(found)
-        return head
+        if at_step is None and at_time is None:
+            return head
+        return await self._read(lambda conn: self._resolve(conn, engine, at_step, at_time))
 
-    async def _point(self, conn: AsyncConnection, engine: str, seq: int) -> Point:
+    def _resolve(self, conn: sa.Connection, engine: str, at_step: int | None, at_time: float | None) -> int:
         s = t.audit_steps.c
-        row = (await conn.execute(sa.select(s.step, s.recorded_at).where(s.engine == engine, s.first_seq <= seq)
+        if at_step is not None:
+            found = conn.execute(sa.select(s.last_seq).where(s.engine == engine, s.step == at_step)
+                                 .order_by(s.first_seq.desc()).limit(1)).scalar()
+            if found is None:
+                raise NotFound(f"engine {engine!r} has no step {at_step} in the log")
+            return int(found)
+        assert at_time is not None
+        found = conn.execute(sa.select(sa.func.max(s.last_seq)).where(s.recorded_at <= at_time)).scalar()
+        if found is None:
+            raise NotFound(f"nothing was recorded at or before {_when(at_time)}")
+        return int(found)
+
+    def _point(self, conn: sa.Connection, engine: str, seq: int) -> Point:
+        s = t.audit_steps.c
+        row = (conn.execute(sa.select(s.step, s.recorded_at).where(s.engine == engine, s.first_seq <= seq)
                                   .order_by(s.first_seq.desc()).limit(1))).first()
         return Point(seq, -1, 0.0) if row is None else Point(seq, int(row.step), float(row.recorded_at))
 
     # --- tenancy --------------------------------------------------------------------------
 
-    async def _engine_tenant(self, conn: AsyncConnection, engine: str) -> str:
+    def _engine_tenant(self, conn: sa.Connection, engine: str) -> str:
         e, n = t.audit_engines.c, t.audit_namespaces.c
-        tenant = (await conn.execute(
+        tenant = (conn.execute(
             sa.select(n.tenant).select_from(t.audit_engines.join(t.audit_namespaces, e.namespace_id == n.namespace_id))
             .where(e.engine == engine, e.kind == "declared").order_by(e.seq.desc()).limit(1))).scalar()
         return str(tenant or "")
@@ -270,12 +292,12 @@ class Audit:
         if self.tenant is not None and tenant != self.tenant:
             raise OutOfScope(f"{what} is outside tenant {self.tenant!r}")
 
-    async def _tenant_engines(self, conn: AsyncConnection) -> set[str] | None:
+    def _tenant_engines(self, conn: sa.Connection) -> set[str] | None:
         """The engines the caller may see (None: all)."""
         if self.tenant is None:
             return None
         e, n = t.audit_engines.c, t.audit_namespaces.c
-        rows = await conn.execute(
+        rows = conn.execute(
             sa.select(e.engine).select_from(t.audit_engines.join(t.audit_namespaces, e.namespace_id == n.namespace_id))
             .where(n.tenant == self.tenant).distinct())
         return {row.engine for row in rows}
@@ -283,46 +305,53 @@ class Audit:
     # --- slots ----------------------------------------------------------------------------
 
     async def block(self, engine: str, pool: int, block: int, at_seq: int) -> BlockAnswer:
+        return await self._read(lambda conn: self._block(conn, engine, pool, block, at_seq))
+
+    def _block(self, conn: sa.Connection, engine: str, pool: int, block: int, at_seq: int) -> BlockAnswer:
         s = t.audit_slots.c
-        async with self.log.engine.connect() as conn:
-            tenant = await self._engine_tenant(conn, engine)
-            self._check(tenant, f"engine {engine!r}")
-            point = await self._point(conn, engine, at_seq)
-            allocation = (await conn.execute(
-                sa.select(s.generation).where(s.engine == engine, s.pool == pool, s.block == block, s.seq <= at_seq,
-                                              s.kind == "allocated").order_by(s.seq.desc()).limit(1))).first()
-            if allocation is None:
-                return BlockAnswer(engine=engine, pool=pool, block=block, tenant=tenant, at=point,
-                                   status="never_allocated", generation=None, owner=None, jobs=[], events=[])
-            generation = int(allocation.generation)
-            rows = (await conn.execute(
-                sa.select(s.seq, s.kind, s.owner_id, s.job_id, s.key)
-                .where(s.engine == engine, s.pool == pool, s.block == block, s.generation == generation)
-                .order_by(s.seq))).all()
-            events = [SlotEvent(r.seq, r.kind, r.owner_id, r.job_id, None if r.key is None else bytes(r.key).hex()) for r in rows]
-            life = (await self._lives(conn, engine, pool, block, [generation]))[0]
-            owner = None if life.owner_id is None else await self._owner(conn, engine, life.owner_id, blocks=False)
-            jobs = await self._jobs(conn, [e for e in events if e.job_id is not None], at_seq)
+        tenant = self._engine_tenant(conn, engine)
+        self._check(tenant, f"engine {engine!r}")
+        point = self._point(conn, engine, at_seq)
+        slot = (s.engine == engine, s.pool == pool, s.block == block)
+        allocation = conn.execute(sa.select(s.generation, s.seq).where(*slot, s.seq <= at_seq, s.kind == "allocated")
+                                  .order_by(s.seq.desc()).limit(1)).first()
+        if allocation is None:
+            return BlockAnswer(engine=engine, pool=pool, block=block, tenant=tenant, at=point,
+                               status="never_allocated", generation=None, owner=None, jobs=[], events=[])
+        generation = int(allocation.generation)
+        # A generation's rows lie between its allocation and the next one (a slot is freed before
+        # it is allocated again): one range of the (engine, pool, block, seq) index.
+        following = conn.execute(sa.select(s.seq).where(*slot, s.seq > allocation.seq, s.kind == "allocated")
+                                 .order_by(s.seq).limit(1)).scalar()
+        span = s.seq >= allocation.seq if following is None else s.seq.between(allocation.seq, following - 1)
+        rows = conn.execute(sa.select(s.seq, s.kind, s.owner_id, s.job_id, s.key)
+                            .where(*slot, span, s.generation == generation).order_by(s.seq)).all()
+        events = [SlotEvent(r.seq, r.kind, r.owner_id, r.job_id, None if r.key is None else bytes(r.key).hex()) for r in rows]
+        life = (self._lives(conn, engine, pool, block, [generation]))[0]
+        owner = None if life.owner_id is None else self._owner(conn, engine, life.owner_id, blocks=False)
+        jobs = self._jobs(conn, [e for e in events if e.job_id is not None], at_seq)
         freed = life.freed_seq is not None and life.freed_seq <= at_seq
         return BlockAnswer(engine=engine, pool=pool, block=block, tenant=tenant, at=point,
                            status="free" if freed else "held", generation=life, owner=owner, jobs=jobs, events=events)
 
     async def history(self, engine: str, pool: int, block: int) -> HistoryAnswer:
+        return await self._read(lambda conn: self._history(conn, engine, pool, block))
+
+    def _history(self, conn: sa.Connection, engine: str, pool: int, block: int) -> HistoryAnswer:
         s = t.audit_slots.c
-        async with self.log.engine.connect() as conn:
-            tenant = await self._engine_tenant(conn, engine)
-            self._check(tenant, f"engine {engine!r}")
-            generations = [int(r.generation) for r in await conn.execute(
-                sa.select(s.generation).where(s.engine == engine, s.pool == pool, s.block == block, s.kind == "allocated")
-                .order_by(s.seq))]
-            lives = await self._lives(conn, engine, pool, block, generations)
+        tenant = self._engine_tenant(conn, engine)
+        self._check(tenant, f"engine {engine!r}")
+        generations = [int(r.generation) for r in conn.execute(
+            sa.select(s.generation).where(s.engine == engine, s.pool == pool, s.block == block, s.kind == "allocated")
+            .order_by(s.seq))]
+        lives = self._lives(conn, engine, pool, block, generations)
         return HistoryAnswer(engine=engine, pool=pool, block=block, tenant=tenant, generations=lives)
 
-    async def _lives(self, conn: AsyncConnection, engine: str, pool: int, block: int, generations: Sequence[int]) -> list[GenerationLife]:
+    def _lives(self, conn: sa.Connection, engine: str, pool: int, block: int, generations: Sequence[int]) -> list[GenerationLife]:
         if not generations:
             return []
         s, o = t.audit_slots.c, t.audit_owners.c
-        rows = (await conn.execute(
+        rows = (conn.execute(
             sa.select(s.generation, s.seq, s.kind, s.owner_id)
             .where(s.engine == engine, s.pool == pool, s.block == block, s.kind.in_(("allocated", "freed")),
                    s.generation.in_(sorted(set(generations))))
@@ -335,29 +364,38 @@ class Audit:
             else:
                 freed.setdefault(row.generation, row.seq)
         owners = {oid for _, oid in allocated.values() if oid is not None}
-        req_ids = {r.owner_id: r.req_id for r in await conn.execute(
+        req_ids = {r.owner_id: r.req_id for r in conn.execute(
             sa.select(o.owner_id, o.req_id).where(o.engine == engine, o.kind == "started", o.owner_id.in_(owners)))} if owners else {}
-        resets = [int(r.seq) for r in await conn.execute(
+        resets = [int(r.seq) for r in conn.execute(
             sa.select(t.audit_engines.c.seq).where(t.audit_engines.c.engine == engine, t.audit_engines.c.kind == "reset"))]
+        following = (conn.execute(  # the allocation after the last one asked about
+            sa.select(s.seq).where(s.engine == engine, s.pool == pool, s.block == block, s.kind == "allocated",
+                                   s.seq > max(seq for seq, _ in allocated.values())).order_by(s.seq).limit(1))).scalar()
+        starts = sorted(seq for seq, _ in allocated.values()) + ([int(following)] if following is not None else [])
         lives = []
         for generation in generations:
             seq, owner = allocated[generation]
-            end = freed.get(generation)
-            reset = next((r for r in sorted(resets) if r > seq), None) if end is None else None
+            # A generation ends when its slot is freed; when the freed notice was dropped (the slot
+            # was allocated again in the same step, I14), at the next allocation; or at a reset.
+            end, ended_by = freed.get(generation), "freed"
+            if end is None:
+                reset = next((r for r in sorted(resets) if r > seq), None)
+                after = next((start for start in starts if start > seq), None)
+                end, ended_by = min(((x, why) for x, why in ((reset, "reset"), (after, "reallocated")) if x is not None),
+                                    default=(None, "open"))
             lives.append(GenerationLife(
                 generation=generation, owner_id=owner, req_id=req_ids.get(owner, "") if owner is not None else "",
-                allocated_seq=seq, allocated_step=(await self._point(conn, engine, seq)).step,
-                freed_seq=end if end is not None else reset,
-                freed_step=None if (end or reset) is None else (await self._point(conn, engine, end or reset or 0)).step,
-                ended_by="freed" if end is not None else "reset" if reset is not None else "open"))
+                allocated_seq=seq, allocated_step=(self._point(conn, engine, seq)).step,
+                freed_seq=end, freed_step=None if end is None else (self._point(conn, engine, end)).step,
+                ended_by=ended_by))
         return lives
 
-    async def _jobs(self, conn: AsyncConnection, touches: Sequence[SlotEvent], at_seq: int) -> list[JobTouch]:
+    def _jobs(self, conn: sa.Connection, touches: Sequence[SlotEvent], at_seq: int) -> list[JobTouch]:
         ids = sorted({e.job_id for e in touches if e.job_id is not None})
         if not ids:
             return []
         j = t.audit_jobs.c
-        rows = (await conn.execute(sa.select(j.job_id, j.seq, j.kind, j.rank, j.detail).where(j.job_id.in_(ids))
+        rows = (conn.execute(sa.select(j.job_id, j.seq, j.kind, j.rank, j.detail).where(j.job_id.in_(ids))
                                    .order_by(j.job_id, j.seq))).all()
         by_job: dict[int, list[Any]] = {}
         for row in rows:
@@ -367,9 +405,9 @@ class Audit:
 
     # --- owners and requests --------------------------------------------------------------
 
-    async def _owner(self, conn: AsyncConnection, engine: str, owner_id: int, *, blocks: bool) -> OwnerLife | None:
+    def _owner(self, conn: sa.Connection, engine: str, owner_id: int, *, blocks: bool) -> OwnerLife | None:
         o, s = t.audit_owners.c, t.audit_slots.c
-        rows = (await conn.execute(sa.select(o.req_id, o.seq, o.kind, o.detail)
+        rows = (conn.execute(sa.select(o.req_id, o.seq, o.kind, o.detail)
                                    .where(o.engine == engine, o.owner_id == owner_id).order_by(o.seq))).all()
         started = next((r for r in rows if r.kind == "started"), None)
         if started is None:
@@ -377,7 +415,7 @@ class Audit:
         finished = next((r for r in rows if r.kind == "finished"), None)
         held: list[str] = []
         if blocks:
-            held = [f"{r.pool}/{r.block}@g{r.generation} ({r.kind} at seq {r.seq})" for r in await conn.execute(
+            held = [f"{r.pool}/{r.block}@g{r.generation} ({r.kind} at seq {r.seq})" for r in conn.execute(
                 sa.select(s.pool, s.block, s.generation, s.kind, s.seq)
                 .where(s.engine == engine, s.owner_id == owner_id, s.kind.in_(("allocated", "reused"))).order_by(s.seq))]
         return OwnerLife(engine=engine, owner_id=owner_id, req_id=started.req_id, started_seq=started.seq,
@@ -386,20 +424,22 @@ class Audit:
                          resumed=started.detail == "resumed", blocks=held)
 
     async def request(self, req_id: str) -> RequestAnswer:
+        return await self._read(lambda conn: self._request(conn, req_id))
+
+    def _request(self, conn: sa.Connection, req_id: str) -> RequestAnswer:
         o = t.audit_owners.c
-        async with self.log.engine.connect() as conn:
-            rows = (await conn.execute(sa.select(o.engine, o.owner_id).where(o.req_id == req_id, o.kind == "started")
-                                       .order_by(o.seq))).all()
-            visible = await self._tenant_engines(conn)
-            if rows and visible is not None and not any(r.engine in visible for r in rows):
-                raise OutOfScope(f"request {req_id!r} is outside tenant {self.tenant!r}")
-            owners = []
-            for row in rows:
-                if visible is not None and row.engine not in visible:
-                    continue
-                life = await self._owner(conn, row.engine, row.owner_id, blocks=True)
-                if life is not None:
-                    owners.append(life)
+        rows = (conn.execute(sa.select(o.engine, o.owner_id).where(o.req_id == req_id, o.kind == "started")
+                                   .order_by(o.seq))).all()
+        visible = self._tenant_engines(conn)
+        if rows and visible is not None and not any(r.engine in visible for r in rows):
+            raise OutOfScope(f"request {req_id!r} is outside tenant {self.tenant!r}")
+        owners = []
+        for row in rows:
+            if visible is not None and row.engine not in visible:
+                continue
+            life = self._owner(conn, row.engine, row.owner_id, blocks=True)
+            if life is not None:
+                owners.append(life)
         if not owners:
             raise NotFound(f"request {req_id!r} is not in the log")
         return RequestAnswer(req_id=req_id, owners=owners)
@@ -407,23 +447,25 @@ class Audit:
     # --- keys -----------------------------------------------------------------------------
 
     async def key(self, key_hex: str) -> KeyAnswer:
+        return await self._read(lambda conn: self._key(conn, key_hex))
+
+    def _key(self, conn: sa.Connection, key_hex: str) -> KeyAnswer:
         try:
             key = bytes.fromhex(key_hex)
         except ValueError as error:
             raise AuditError(f"key {key_hex!r} is not hex: {error}") from error
         k, n = t.audit_keys.c, t.audit_namespaces.c
-        async with self.log.engine.connect() as conn:
-            rows = (await conn.execute(sa.select(t.audit_keys).where(k.key == key).order_by(k.seq))).all()
-            if not rows:
-                raise NotFound(f"key {key_hex} is not in the log")
-            namespace = next((bytes(r.namespace_id) for r in rows if r.namespace_id is not None), b"")
-            spec = (await conn.execute(sa.select(n.tenant, n.model_id).where(n.namespace_id == namespace))).first()
-            tenant, model = (spec.tenant, spec.model_id) if spec is not None else ("", "")
-            self._check(tenant, f"key {key_hex}")
-            job_rows = (await conn.execute(sa.select(t.audit_jobs.c.job_id, t.audit_jobs.c.seq, t.audit_jobs.c.kind,
-                                                     t.audit_jobs.c.rank, t.audit_jobs.c.detail)
-                                           .where(t.audit_jobs.c.job_id.in_({r.job_id for r in rows if r.job_id is not None}))
-                                           .order_by(t.audit_jobs.c.seq))).all()
+        rows = (conn.execute(sa.select(t.audit_keys).where(k.key == key).order_by(k.seq))).all()
+        if not rows:
+            raise NotFound(f"key {key_hex} is not in the log")
+        namespace = next((bytes(r.namespace_id) for r in rows if r.namespace_id is not None), b"")
+        spec = (conn.execute(sa.select(n.tenant, n.model_id).where(n.namespace_id == namespace))).first()
+        tenant, model = (spec.tenant, spec.model_id) if spec is not None else ("", "")
+        self._check(tenant, f"key {key_hex}")
+        job_rows = (conn.execute(sa.select(t.audit_jobs.c.job_id, t.audit_jobs.c.seq, t.audit_jobs.c.kind,
+                                                 t.audit_jobs.c.rank, t.audit_jobs.c.detail)
+                                       .where(t.audit_jobs.c.job_id.in_({r.job_id for r in rows if r.job_id is not None}))
+                                       .order_by(t.audit_jobs.c.seq))).all()
         outcomes: dict[int, list[Any]] = {}
         for row in job_rows:
             outcomes.setdefault(row.job_id, []).append(row)
@@ -443,44 +485,50 @@ class Audit:
     # --- refusals and namespaces ----------------------------------------------------------
 
     async def refusals(self, *, since_seq: int = 0, since_time: float | None = None, limit: int = 1000) -> list[RefusalEntry]:
+        return await self._read(lambda conn: self._refusals(conn, since_seq=since_seq, since_time=since_time, limit=limit))
+
+    def _refusals(self, conn: sa.Connection, *, since_seq: int = 0, since_time: float | None = None, limit: int = 1000) -> list[RefusalEntry]:
         r = t.audit_refusals.c
-        async with self.log.engine.connect() as conn:
-            if since_time is not None:
-                found = (await conn.execute(sa.select(sa.func.max(t.audit_steps.c.last_seq))
-                                            .where(t.audit_steps.c.recorded_at < since_time))).scalar()
-                since_seq = max(since_seq, int(found or 0))
-            query = sa.select(t.audit_refusals).where(r.seq > since_seq).order_by(r.seq).limit(limit)
-            visible = await self._tenant_engines(conn)
-            if visible is not None:
-                query = query.where(r.engine.in_(visible))
-            rows = (await conn.execute(query)).all()
-            entries = []
-            for row in rows:
-                point = await self._point(conn, row.engine, row.seq)
-                entries.append(RefusalEntry(row.seq, point.step, point.recorded_at, row.engine, row.kind, row.subject,
-                                            row.reason, row.detail))
-        return entries
+        if since_time is not None:
+            found = (conn.execute(sa.select(sa.func.max(t.audit_steps.c.last_seq))
+                                        .where(t.audit_steps.c.recorded_at < since_time))).scalar()
+            since_seq = max(since_seq, int(found or 0))
+        st = t.audit_steps.c
+        def at_step(column: sa.ColumnElement[Any]) -> sa.ScalarSelect[Any]:  # the engine's step at that sequence
+            return (sa.select(column).where(st.engine == r.engine, st.first_seq <= r.seq)
+                    .order_by(st.first_seq.desc()).limit(1).scalar_subquery())
+
+        query = (sa.select(t.audit_refusals, at_step(st.step).label("step"), at_step(st.recorded_at).label("recorded_at"))
+                 .where(r.seq > since_seq).order_by(r.seq).limit(limit))
+        visible = self._tenant_engines(conn)
+        if visible is not None:
+            query = query.where(r.engine.in_(visible))
+        return [RefusalEntry(row.seq, -1 if row.step is None else int(row.step), float(row.recorded_at or 0.0),
+                             row.engine, row.kind, row.subject, row.reason, row.detail)
+                for row in conn.execute(query)]
 
     async def namespaces(self, *, now: float) -> list[NamespaceEntry]:
         """Inventory for cleanup decisions: live keys (published, not evicted since), their bytes,
         the first publication and the last use (a publication or a load)."""
+        return await self._read(lambda conn: self._namespaces(conn, now=now))
+
+    def _namespaces(self, conn: sa.Connection, *, now: float) -> list[NamespaceEntry]:
         n = t.audit_namespaces.c
-        async with self.log.engine.connect() as conn:
-            query = sa.select(t.audit_namespaces).order_by(n.seq)
-            if self.tenant is not None:
-                query = query.where(n.tenant == self.tenant)
-            entries = []
-            for space in (await conn.execute(query)).all():
-                live = (await conn.execute(_LIVE_KEYS, {"namespace": space.namespace_id})).first()
-                first, last = (await conn.execute(_USE, {"namespace": space.namespace_id})).first() or (None, None)
-                first_at = None if first is None else await self._time_of(conn, int(first))
-                last_at = None if last is None else await self._time_of(conn, int(last))
-                entries.append(NamespaceEntry(
-                    namespace_id=bytes(space.namespace_id).hex(), tenant=space.tenant, model_id=space.model_id,
-                    spec=msgspec.json.decode(space.spec), keys=int(live[0] or 0) if live else 0,
-                    bytes=int(live[1] or 0) if live else 0, first_published_at=first_at, last_used_at=last_at,
-                    age_seconds=None if first_at is None else max(0.0, now - first_at),
-                    decisions=await self._decisions(conn, bytes(space.namespace_id))))
+        query = sa.select(t.audit_namespaces).order_by(n.seq)
+        if self.tenant is not None:
+            query = query.where(n.tenant == self.tenant)
+        entries = []
+        for space in (conn.execute(query)).all():
+            live = (conn.execute(_LIVE_KEYS, {"namespace": space.namespace_id})).first()
+            first, last = (conn.execute(_USE, {"namespace": space.namespace_id})).first() or (None, None)
+            first_at = None if first is None else self._time_of(conn, int(first))
+            last_at = None if last is None else self._time_of(conn, int(last))
+            entries.append(NamespaceEntry(
+                namespace_id=bytes(space.namespace_id).hex(), tenant=space.tenant, model_id=space.model_id,
+                spec=msgspec.json.decode(space.spec), keys=int(live[0] or 0) if live else 0,
+                bytes=int(live[1] or 0) if live else 0, first_published_at=first_at, last_used_at=last_at,
+                age_seconds=None if first_at is None else max(0.0, now - first_at),
+                decisions=self._decisions(conn, bytes(space.namespace_id))))
         return entries
 
     async def decisions(self, namespace: str | None = None) -> list[DecisionEntry]:
@@ -488,21 +536,23 @@ class Audit:
         from or to it. A decision never relates two tenants (the decider refuses it), so its
         tenant is its from-namespace's."""
         if namespace is None:
-            async with self.log.engine.connect() as conn:
-                return await self._decisions(conn, None)
+            return await self._read(lambda conn: self._decisions(conn, None))
         try:
             wanted = bytes.fromhex(namespace)
         except ValueError as error:
             raise AuditError(f"namespace {namespace!r} is not hex: {error}") from error
-        async with self.log.engine.connect() as conn:
+
+        def query(conn: sa.Connection) -> list[DecisionEntry]:
             n = t.audit_namespaces.c
-            tenant = (await conn.execute(sa.select(n.tenant).where(n.namespace_id == wanted))).scalar()
+            tenant = conn.execute(sa.select(n.tenant).where(n.namespace_id == wanted)).scalar()
             if tenant is None:
                 raise NotFound(f"namespace {namespace} is not in the log")
             self._check(str(tenant), f"namespace {namespace}")
-            return await self._decisions(conn, wanted)
+            return self._decisions(conn, wanted)
 
-    async def _decisions(self, conn: AsyncConnection, namespace: bytes | None) -> list[DecisionEntry]:
+        return await self._read(query)
+
+    def _decisions(self, conn: sa.Connection, namespace: bytes | None) -> list[DecisionEntry]:
         d, n = t.audit_decisions.c, t.audit_namespaces.c
         query = (sa.select(t.audit_decisions, n.tenant)
                  .select_from(t.audit_decisions.outerjoin(t.audit_namespaces, d.from_namespace == n.namespace_id))
@@ -512,17 +562,17 @@ class Audit:
         if self.tenant is not None:
             query = query.where(n.tenant == self.tenant)
         entries = []
-        for row in (await conn.execute(query)).all():
+        for row in (conn.execute(query)).all():
             entries.append(DecisionEntry(
-                seq=int(row.seq), recorded_at=await self._time_of(conn, int(row.seq)), outcome=row.outcome,
+                seq=int(row.seq), recorded_at=self._time_of(conn, int(row.seq)), outcome=row.outcome,
                 from_namespace=bytes(row.from_namespace).hex(),
                 to_namespace=None if row.to_namespace is None else bytes(row.to_namespace).hex(),
                 tenant=str(row.tenant or ""), affected_keys=int(row.affected_keys), evidence=row.evidence,
                 reason=row.reason))
         return entries
 
-    async def _time_of(self, conn: AsyncConnection, seq: int) -> float | None:
-        found = (await conn.execute(sa.select(t.steps.c.recorded_at).where(t.steps.c.first_seq <= seq)
+    def _time_of(self, conn: sa.Connection, seq: int) -> float | None:
+        found = (conn.execute(sa.select(t.steps.c.recorded_at).where(t.steps.c.first_seq <= seq)
                                     .order_by(t.steps.c.first_seq.desc()).limit(1))).scalar()
         return None if found is None else float(found)
 

@@ -14,7 +14,6 @@ from typing import Any
 import msgspec
 import sqlalchemy as sa
 import structlog
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coordinator.audit.index import AuditRows, Indexer, engine_of_stream
@@ -57,8 +56,8 @@ async def sync_index(
     event_log: SqlEventLog, *, until_seq: int | None = None, batch: int = 50_000,
     on_progress: Callable[[IndexProgress], None] | None = None, codec: EventCodec | None = None,
 ) -> int:
-    """Index every committed event after the checkpoint (up to `until_seq`, default the head now);
-    returns the new checkpoint. Safe to run from several processes: a batch whose checkpoint
+    """Index every committed event after the checkpoint (up to the end of the step holding
+    `until_seq`, default the head now); returns the new checkpoint. Safe to run from several processes: a batch whose checkpoint
     moved meanwhile is dropped and read again from the new one."""
     codec = codec or EventCodec()
     head = await event_log.head() if until_seq is None else until_seq
@@ -118,17 +117,23 @@ def _index_step(indexer: Indexer, codec: EventCodec, rows: AuditRows, step: Stor
 
 
 async def _insert(conn: AsyncConnection, rows: AuditRows, dialect: str) -> None:
-    for name, table in _TABLES.items():
+    await conn.run_sync(_insert_sync, rows)
+
+
+def _insert_sync(conn: sa.Connection, rows: AuditRows) -> None:
+    """Plain tuples through the driver's executemany: one call per table, no per-row dicts
+    (the index holds several rows per event; ops/bench/audit.py)."""
+    for name in _TABLES:
         found: list[tuple[Any, ...]] = getattr(rows, name)
-        if not found:
-            continue
-        columns = _COLUMNS[name]
-        values = [dict(zip(columns, row, strict=True)) for row in found]
-        if name == "namespaces":  # registered once, but a namespace may be declared again
-            insert = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(table)
-            await conn.execute(insert.on_conflict_do_nothing(index_elements=["namespace_id"]), values)
-        else:
-            await conn.execute(table.insert(), values)
+        if found:
+            conn.exec_driver_sql(_insert_sql(name, conn.dialect.paramstyle), found)
+
+
+def _insert_sql(name: str, paramstyle: str) -> str:
+    columns = _COLUMNS[name]
+    marks = [f"${i}" for i in range(1, len(columns) + 1)] if paramstyle == "numeric_dollar" else ["?"] * len(columns)
+    conflict = " ON CONFLICT (namespace_id) DO NOTHING" if name == "namespaces" else ""  # a namespace may be declared again
+    return f"INSERT INTO {_TABLES[name].name} ({', '.join(columns)}) VALUES ({', '.join(marks)}){conflict}"
 
 
 async def _namespaces(event_log: SqlEventLog) -> dict[str, bytes]:

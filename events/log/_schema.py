@@ -100,7 +100,6 @@ audit_slots = sa.Table(
     sa.Column("key", sa.LargeBinary, nullable=True),
 )
 sa.Index("ix_kvl_audit_slots_seq", audit_slots.c.engine, audit_slots.c.pool, audit_slots.c.block, audit_slots.c.seq)
-sa.Index("ix_kvl_audit_slots_generation", audit_slots.c.engine, audit_slots.c.pool, audit_slots.c.block, audit_slots.c.generation)
 sa.Index("ix_kvl_audit_slots_owner", audit_slots.c.engine, audit_slots.c.owner_id)
 
 audit_owners = sa.Table(
