@@ -179,6 +179,7 @@ def serve(
     subscriber_buffer: int = typer.Option(10_000, "--subscriber-buffer", envvar="KVLEDGER_SUBSCRIBER_BUFFER", help="Decisions a worker may fall behind before it is cut off (it resumes)."),
     snapshot_every: int = typer.Option(1000, "--snapshot-every", envvar="KVLEDGER_SNAPSHOT_EVERY", help="Steps between snapshots (one is also written at shutdown)."),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow --tcp/--http on a non-loopback address."),
+    audit_tokens: str | None = typer.Option(None, "--audit-tokens", envvar="KVLEDGER_AUDIT_TOKENS", help="Tokens file (JSON or TOML: token -> {tenant = NAME or \"*\"}) of the HTTP audit API under /audit/; without it the API answers 401."),
 ) -> None:
     """Run the sidecar: the coordinator on its log, on a Unix socket (and TCP if asked)."""
     from coordinator.sidecar.server import ConfigError, ServeConfig, Sidecar, run_sidecar
@@ -194,7 +195,7 @@ def serve(
     config = ServeConfig(
         log_url=log_url, socket_path=socket_path or str(data_dir() / "kvledger.sock"), tcp=_address(tcp, "--tcp"),
         token=token, http=_address(http, "--http"), max_frame=max_frame, subscriber_buffer=subscriber_buffer,
-        snapshot_every=snapshot_every, allow_remote=allow_remote,
+        snapshot_every=snapshot_every, allow_remote=allow_remote, audit_tokens=audit_tokens,
     )
 
     def started(sidecar: Sidecar) -> None:

@@ -1,19 +1,24 @@
-"""The sidecar's HTTP side, an ASGI app (Starlette): /metrics, /healthz, /readyz.
+"""The sidecar's HTTP side, an ASGI app (Starlette): /metrics, /healthz, /readyz, and the audit
+API under /audit/ (coordinator/audit/api.py).
 
 /healthz answers 200 while the process serves at all (liveness); /readyz answers 200 only while
 the sidecar takes steps and the log takes appends, else 503 with the reason (readiness).
-The audit API (issue 7) mounts here too. Nothing here changes state.
+Nothing here changes state (the audit API brings its index, a projection, up to the log).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Mount, Route
+
+from coordinator.audit.api import MOUNT, audit_app, load_tokens
+from events.log import SqlEventLog
 
 if TYPE_CHECKING:
     from coordinator.sidecar.server import Sidecar
@@ -30,8 +35,13 @@ def make_app(sidecar: Sidecar) -> Starlette:
         ready, reason = sidecar.readiness()
         return JSONResponse({"ready": ready, "reason": reason}, status_code=200 if ready else 503)
 
-    return Starlette(routes=[
+    routes: list[BaseRoute] = [
         Route("/metrics", metrics, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
-    ])
+    ]
+    if isinstance(sidecar.ledger.log, SqlEventLog):  # the audit index lives in a SQL log's database
+        # Read once, at start (check_config has validated it): rotating tokens is a restart.
+        path = sidecar.config.audit_tokens
+        routes.append(Mount(MOUNT, app=audit_app(sidecar.ledger.log, load_tokens(Path(path)) if path else None)))
+    return Starlette(routes=routes)

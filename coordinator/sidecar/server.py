@@ -29,6 +29,7 @@ import uuid_utils
 from anyio.abc import ByteStream, SocketStream, TaskGroup
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from coordinator.audit.api import TokenFileError, load_tokens
 from coordinator.commands import OPERATOR_COMMANDS, AnyCommand, DeclareTier, LookupPrefix
 from coordinator.decider import lookup
 from coordinator.ledger import Commit, Ledger, Single, Step as LedgerStep, StepCommit
@@ -59,6 +60,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     snapshot_every: int = 1000
     allow_remote: bool = False
     """Let --tcp/--http bind a non-loopback address (the operator asked for it explicitly)."""
+    audit_tokens: str | None = None
+    """The tokens file of the HTTP audit API (coordinator/audit/api.py); None: it answers 401."""
 
 
 class ConfigError(ValueError):
@@ -73,6 +76,11 @@ def check_config(config: ServeConfig) -> None:
             raise ConfigError(f"{name} {address[0]} is not a loopback address; pass --allow-remote to listen on it")
     if config.max_frame < 1024:
         raise ConfigError(f"--max-frame {config.max_frame} is below 1024 bytes")
+    if config.audit_tokens:
+        try:
+            load_tokens(Path(config.audit_tokens))
+        except TokenFileError as error:
+            raise ConfigError(str(error)) from None
 
 
 def _is_loopback(host: str) -> bool:
