@@ -10,7 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from coordinator.audit.cli import audit_app, export_command, replay_command
+from coordinator.audit.cli import audit_app, export_command, replay_command, verify_command
+from coordinator.namespace_cli import namespace_app
 
 app = typer.Typer(help="kvledger: an event-sourced coordinator for LLM KV caches.", no_args_is_help=True)
 log = structlog.get_logger("kvledger.cli")
@@ -23,6 +24,8 @@ app.add_typer(db, name="db")
 app.add_typer(audit_app, name="audit")
 app.command("replay")(replay_command)
 app.command("export")(export_command)
+app.command("verify")(verify_command)
+app.add_typer(namespace_app, name="namespace")
 LOG_OPTION = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="SQLite path or URL, or PostgreSQL URL (default: the data directory's SQLite file).")
 
 
@@ -83,8 +86,10 @@ def _demo_on_the_sidecar(json_output: bool) -> None:
         console.print(workload_table(workload, "kvledger demo, part two: a mixed workload of two engines on a real sidecar and real workers"))
         console.print(scenario_table(results, "kvledger demo, part three: the seeds' failures as fault scenarios, protection on and off"))
         example = keep / "mixed-workload" / "log.sqlite"
+        refused = keep / "duplicate-offload-with-different-bytes-on" / "log.sqlite"
         console.print(f"Every run's log is under {keep}. Try next:\n"
-                      f"  kvledger db status --log {example}\n"
+                      f"  kvledger audit block 0 5 --engine wl-0 --at-step 60 --log {example}\n"
+                      f"  kvledger audit refusals --log {refused}\n"
                       f"  kvledger simulate --engines 2 --steps 400")
     if workload.wrong_reads:
         typer.echo(f"kvledger demo: {workload.wrong_reads} wrong-KV reads in the mixed workload", err=True)
