@@ -173,6 +173,13 @@ async def test_tenant_scope_hides_other_tenants(golden: Path, tmp_path: Path) ->
         with pytest.raises(OutOfScope):
             await other.history("wl-0", 0, 1)
         assert await other.refusals() == [] and await other.namespaces(now=0.0) == []
+        assert await other.engines() == [] and await mine.engines() == ["wl-0", "wl-1"]
+        with pytest.raises(OutOfScope):
+            await other.engine("wl-0")
+        with pytest.raises(OutOfScope):  # scope before existence: no step numbers leak
+            await other.resolve("wl-0", at_step=100_000)
+        with pytest.raises(NotFound, match="engines: none"):
+            await other.engine("no-such-engine")
         assert len(await mine.refusals()) == len(await Audit(event_log).refusals())
     finally:
         await event_log.close()

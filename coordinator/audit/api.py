@@ -307,18 +307,14 @@ def parse(model: type[P], request: Request) -> P:
 
 
 async def _engine(audit: Audit, engine: str | None) -> str:
-    """The engine named, or the log's only one. Messages name only what the caller sent: the
-    list of engines spans every tenant."""
-    known = await audit.engines()
-    if engine is not None:
-        if engine not in known:
-            raise ApiError(404, "not_found", f"engine {engine!r} is not in the log")
-        return engine
-    if len(known) == 1:
-        return known[0]
-    if not known:
-        raise ApiError(404, "not_found", "the log has no engine yet")
-    raise invalid("engine", "the log has several engines: name one")
+    """The engine named, or the caller's only one (Audit.engine: another tenant's engine is out
+    of scope, and messages list only the caller's engines)."""
+    try:
+        return await audit.engine(engine)
+    except (NotFound, OutOfScope):
+        raise
+    except AuditError:  # several engines: error bodies echo only what the caller sent
+        raise invalid("engine", "the log has several engines: name one") from None
 
 
 async def _block(audit: Audit, params: BlockParams) -> BlockAnswer:
@@ -327,9 +323,6 @@ async def _block(audit: Audit, params: BlockParams) -> BlockAnswer:
     try:
         seq = await audit.resolve(engine, at_seq=params.at_seq, at_step=params.at_step, at_time=at_time)
     except NotFound:
-        # Scope before existence: for another tenant's engine a 404 would say which steps it ran.
-        # block() at sequence 0 checks the engine's tenant and reads next to nothing.
-        await audit.block(engine, params.pool, params.block, 0)
         raise ApiError(404, "not_found", f"engine {engine!r} has no such step" if params.at_step is not None
                        else "nothing was recorded at or before that time") from None
     return await audit.block(engine, params.pool, params.block, seq)

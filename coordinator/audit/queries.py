@@ -227,22 +227,33 @@ class Audit:
     # --- points in time -------------------------------------------------------------------
 
     async def engines(self) -> list[str]:
-        return await self._read(lambda conn: self._engines(conn))
+        """The engines in the log that the caller may see."""
+        return await self._read(lambda conn: self._engines(conn, scoped=True))
 
-    def _engines(self, conn: sa.Connection) -> list[str]:
+    def _engines(self, conn: sa.Connection, *, scoped: bool) -> list[str]:
         rows = conn.execute(sa.select(t.audit_engines.c.engine).distinct().order_by(t.audit_engines.c.engine))
-        return [row.engine for row in rows]
+        visible = self._tenant_engines(conn) if scoped else None
+        return [row.engine for row in rows if visible is None or row.engine in visible]
 
     async def engine(self, engine: str | None) -> str:
-        """The engine asked for, or the log's only engine."""
+        """The engine asked for, or the caller's only engine. Messages list only the engines the
+        caller may see; another tenant's engine is OutOfScope."""
         known = await self.engines()
         if engine is not None:
             if engine not in known:
+                if self.tenant is not None and engine in await self._read(lambda conn: self._engines(conn, scoped=False)):
+                    raise OutOfScope(f"engine {engine!r} is outside tenant {self.tenant!r}")
                 raise NotFound(f"engine {engine!r} is not in the log (engines: {', '.join(known) or 'none'})")
             return engine
         if len(known) != 1:
             raise AuditError(f"the log has {len(known)} engines ({', '.join(known) or 'none'}): name one with --engine")
         return known[0]
+
+    async def check_engine(self, engine: str) -> None:
+        """OutOfScope unless the caller may see `engine`'s data."""
+        if self.tenant is not None:
+            tenant = await self._read(lambda conn: self._engine_tenant(conn, engine))
+            self._check(tenant, f"engine {engine!r}")
 
     async def resolve(self, engine: str, *, at_seq: int | None = None, at_step: int | None = None,
                       at_time: float | None = None) -> int:
@@ -250,6 +261,7 @@ class Audit:
         last event) or --at-time (the last step recorded by then); default the index's head."""
         if sum(x is not None for x in (at_seq, at_step, at_time)) > 1:
             raise AuditError("give at most one of --at-seq, --at-step and --at-time")
+        await self.check_engine(engine)  # scope before existence: a missing step says nothing
         head = await self.indexed()
         if at_seq is not None:
             if at_seq < 0:
