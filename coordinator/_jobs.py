@@ -12,7 +12,7 @@ from coordinator.commands import Command, LookupPrefix, PlanStateCopy, ReportRan
 from coordinator.copy_plan import PlannedMove, overlapping_destinations, plan_copies
 from coordinator.keys import chain_keys, reuse_unit
 from coordinator.protections import Protection, is_off
-from coordinator.state import EngineState, JobState, PoolState, SlotStatus, State, TierState
+from coordinator.state import EngineState, JobState, KeyEntry, PoolState, SlotStatus, State, TierState
 from events import (
     FencedRankDone,
     NULL_BLOCK_ID,
@@ -115,13 +115,15 @@ def _reserve_tier_slots(
     tier: TierState, eng: EngineState, needed: int, keep: set[tuple[int, bytes]]
 ) -> tuple[list[int], list[KeyEvicted]]:
     """Free slots first, then evict least recently used keys that no live lease holds (I12)
-    and that this very decision does not rely on (`keep`: keys it reports as published)."""
+    and that this very decision does not rely on (`keep`: keys it reports as published).
+    Leases off (seed 002's offload path): a key being loaded is evicted like any other."""
     slots = list(itertools.islice(tier.free, needed))
     evictions: list[KeyEvicted] = []
+    honour_leases = not is_off(Protection.LEASES)
     if len(slots) < needed:
         for slot, published in tier.lru.items():
             entry = tier.entries[published.pool_id][published.key]
-            if entry.leased_at(eng.clock) or (published.pool_id, published.key) in keep:
+            if (honour_leases and entry.leased_at(eng.clock)) or (published.pool_id, published.key) in keep:
                 continue
             evictions.append(
                 KeyEvicted(
@@ -407,8 +409,9 @@ def _complete(state: State, job: JobState, reports: dict[int, RankReported]) -> 
         return events
     # A load: it counts only if the lease held (I12), the keys were not evicted meanwhile and
     # every destination verified against the published checksums (I11, I13).
+    naive_leases = is_off(Protection.LEASES)  # seed 002's offload read path: no lease check
     clock = state.engines[decision.engine_id].clock
-    if clock >= decision.lease_expires_at:  # a lease is live while clock < expiry
+    if clock >= decision.lease_expires_at and not naive_leases:  # a lease is live while clock < expiry
         return [
             JobFailed(
                 job_id=job_id,
@@ -416,16 +419,23 @@ def _complete(state: State, job: JobState, reports: dict[int, RankReported]) -> 
                 detail=f"completed at {clock}, lease expired at {decision.lease_expires_at}",
             )
         ]
+    verify = not is_off(Protection.CHECKSUMS)  # off: MOONCAKE_STORE_CHECKSUM unset (seed 002)
     quarantined: dict[tuple[int, bytes], None] = {}
+    unverified = 0
     for index, load_item in enumerate(decision.items):
-        entry = tier.entry(load_item.dest.pool_id, load_item.key)
-        if entry is None or (entry.tier_slot, entry.tier_generation) != (load_item.tier_slot, load_item.tier_generation):
+        entry = _current_entry(tier, load_item)
+        if entry is None and not naive_leases:
             return [JobFailed(job_id=job_id, reason=Reason.KEY_EVICTED, detail=f"key {load_item.key.hex()} left the tier")]
-        if entry.quarantined:
+        if entry is not None and entry.quarantined:
             return [JobFailed(job_id=job_id, reason=Reason.KEY_QUARANTINED, detail=f"key {load_item.key.hex()}")]
-        if [sums[index] for sums in per_rank] != entry.checksums:
-            quarantined[(load_item.dest.pool_id, load_item.key)] = None
-    if quarantined:
+        # A key that left the tier (only with leases off) is checked against what was published
+        # when the load was decided.
+        published = entry.checksums if entry is not None else load_item.checksums
+        if verify and published and [sums[index] for sums in per_rank] != published:
+            unverified += 1
+            if entry is not None:
+                quarantined[(load_item.dest.pool_id, load_item.key)] = None
+    if unverified:
         events += [
             KeyQuarantined(
                 tier=tier.spec.name, pool_id=pool_id, key=key, reason=Reason.CHECKSUM_MISMATCH, job_id=job_id,
@@ -435,25 +445,43 @@ def _complete(state: State, job: JobState, reports: dict[int, RankReported]) -> 
             if not tier.entries[pool_id][key].quarantined
         ]
         events.append(
-            JobFailed(job_id=job_id, reason=Reason.CHECKSUM_MISMATCH, detail=f"{len(quarantined)} keys failed verification")
+            JobFailed(job_id=job_id, reason=Reason.CHECKSUM_MISMATCH, detail=f"{unverified} items failed verification")
         )
         return events
     return [JobSucceeded(job_id=job_id)]
 
 
+def _current_entry(tier: TierState, item: LoadItem) -> KeyEntry | None:
+    """The key's entry if it is still the one the load was decided on (same slot and
+    generation); None when it left the tier or was stored again elsewhere."""
+    entry = tier.entry(item.dest.pool_id, item.key)
+    if entry is None or (entry.tier_slot, entry.tier_generation) != (item.tier_slot, item.tier_generation):
+        return None
+    return entry
+
+
 def _load_mismatches(state: State, decision: LoadJobStarted, reports: dict[int, RankReported]) -> list[Event]:
-    """KeyQuarantined for each key some rank read with other bytes than published, then the
-    job's failure; empty when no report carries a full, differing checksum list."""
+    """For a load some rank failed: KeyQuarantined for each key some rank read with other bytes
+    than published, then the job's failure (CHECKSUM_MISMATCH); empty when no report carries a
+    full, differing checksum list, or with checksums off. A key that left the tier (only
+    possible with leases off) is compared with the checksums in the decision and, being gone,
+    is not quarantined: the load fails all the same."""
+    if is_off(Protection.CHECKSUMS):
+        return []
     tier = state.tiers[decision.tier]
     keys: dict[tuple[int, bytes], None] = {}
+    mismatched = 0
     for rank, report in sorted(reports.items()):
         if len(report.checksums) != len(decision.items):
             continue
         for item, read in zip(decision.items, report.checksums, strict=True):
-            entry = tier.entry(item.dest.pool_id, item.key)
-            if entry is not None and read and rank < len(entry.checksums) and read != entry.checksums[rank]:
-                keys[(item.dest.pool_id, item.key)] = None
-    if not keys:
+            entry = _current_entry(tier, item)
+            published = entry.checksums if entry is not None else item.checksums
+            if read and rank < len(published) and read != published[rank]:
+                mismatched += 1
+                if entry is not None:
+                    keys[(item.dest.pool_id, item.key)] = None
+    if not mismatched:
         return []
     events: list[Event] = [
         KeyQuarantined(tier=tier.spec.name, pool_id=pool_id, key=key, reason=Reason.CHECKSUM_MISMATCH,
@@ -462,7 +490,7 @@ def _load_mismatches(state: State, decision: LoadJobStarted, reports: dict[int, 
         if not tier.entries[pool_id][key].quarantined
     ]
     events.append(JobFailed(job_id=decision.job_id, reason=Reason.CHECKSUM_MISMATCH,
-                            detail=f"{len(keys)} keys failed verification"))
+                            detail=f"{mismatched} reads differ from the published checksums"))
     return events
 
 

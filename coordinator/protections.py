@@ -5,6 +5,14 @@ The simulator (coordinator/simulator) switches exactly one off to reproduce the 
 of the systems in ../shared/seeds/ in the same code path, so a scenario's "off" run shows the
 wrong-KV reads that the "on" run prevents.
 
+Some protections are layered: leases (I12) keep a tier slot from being reused under a load, and
+checksums (I13) catch a load that read a reused slot anyway. With either one on, a slot reused
+under a slow load is a loud failure, never a wrong read. Seed 002 finds the silent channel only
+where both are down: Mooncake's offload read path has no master read-lease check, and the object
+CRC behind MOONCAKE_STORE_CHECKSUM is off by default. A scenario may therefore name a *baseline*
+(`Scenario.baseline`): protections switched off in both of its runs to reproduce the seed's
+deployment, so that the on/off comparison still toggles exactly one protection.
+
 The switch travels as a context variable that `CoordinatorCore` sets around each decision and
 the worker reads: the decider's signature stays `decide(state, command)`. Pure: no I/O.
 """
@@ -54,6 +62,16 @@ class Protection(enum.StrEnum):
     ORDERED_COPIES = "overlapping-state-copy"
     """I15: state copies keep parallel-assignment meaning. Off: moves run one by one, in the
     order given, each reading what earlier ones wrote."""
+    LEASES = "lease-expiry-during-slow-load"
+    """I12: eviction skips keys with a live lease; a load that completes after its lease expired
+    fails (LEASE_EXPIRED), and so does one whose key left the tier or moved (KEY_EVICTED). Off
+    (seed 002's offload read path, no lease check): eviction ignores leases, and a late load of
+    a key that is gone counts as success. Its scenario runs with CHECKSUMS off in both runs."""
+    CHECKSUMS = "eviction-under-store-pressure"
+    """I13: a worker checks what it read against the published checksum before copying it, and
+    the coordinator compares the checksums reported with the published ones; a mismatch fails
+    the load (and quarantines the key while it is still published). Off (MOONCAKE_STORE_CHECKSUM
+    unset, seed 002): neither. Its scenario runs with LEASES off in both runs."""
 
 
 ALL = frozenset(Protection)

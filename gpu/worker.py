@@ -6,6 +6,9 @@
   checked against the published checksum before anything is copied (I13); then every
   destination is filled and verified. A mismatch, a missing or truncated file, a bad block or a
   size mismatch is reported as a failure with its reason, never as success; the worker goes on.
+
+Both address the tier with the item's key and its tier slot (gpu/tiers.py): a slot-addressed
+tier returns what the slot holds now, which is why the published checksum is checked.
 * state copy: the planned batches, in order (gpu/copies.py, I15).
 
 Transfers run on the transfer stream, after the compute stream's work (gpu/device.py).
@@ -97,7 +100,7 @@ class Worker:
         tier = self._tier(event.tier)
         naive = Protection.NULL_STATES in self.protections_off
         blocks = [self.pools.block(item.source, allow_null=naive) for item in event.items]  # all validated first
-        return [tier.write(item.key, block) for item, block in zip(event.items, blocks, strict=True)]
+        return [tier.write(item.key, block, slot=item.tier_slot) for item, block in zip(event.items, blocks, strict=True)]
 
     def _load(self, event: LoadJobStarted) -> list[bytes]:
         tier = self._tier(event.tier)
@@ -106,11 +109,14 @@ class Worker:
         for item, dest in zip(event.items, destinations, strict=True):
             if item.key in read:
                 continue  # a duplicate key is read once (I11)
-            data = tier.read(item.key, dest.numel())
+            data = tier.read(item.key, dest.numel(), slot=item.tier_slot)
             read[item.key] = (data, checksum(data))
+        # I13. Off: seed 002's offload path with MOONCAKE_STORE_CHECKSUM unset (its default):
+        # whatever the slot holds is copied, and its checksum reported as read.
+        verify = Protection.CHECKSUMS not in self.protections_off
         mismatched = [
             item.key.hex() for item in event.items
-            if len(item.checksums) > self.rank and read[item.key][1] != item.checksums[self.rank]
+            if verify and len(item.checksums) > self.rank and read[item.key][1] != item.checksums[self.rank]
         ]
         if mismatched:
             # Nothing is copied from bytes that are not what was published.

@@ -18,6 +18,7 @@ import torch
 
 from coordinator.client import Address, EngineClient, WorkerClient
 from coordinator.commands import AllocateBlocks, LoadRequest, MarkComputed, Move, PlanStateCopy, StartLoad, StartOwner, StartStore
+from coordinator.protections import Protection
 from coordinator.sidecar import protocol as p
 from events import (
     BlockRef,
@@ -35,7 +36,7 @@ from events import (
 from events.log import EventLog
 from gpu.checksum import checksum
 from gpu.pools import DevicePools
-from gpu.tiers import DiskTier, HostTier, Tier, TierError
+from gpu.tiers import DiskTier, HostTier, SlotTier, Tier, TierError
 from gpu.worker import Pending, Worker, WorkerState
 from tests import builders as b
 from tests.sidecar_kit import TIER_SPEC, Engine, declaration, sidecar_on
@@ -222,7 +223,7 @@ def test_decisions_naming_the_null_block_or_a_block_outside_the_pool_are_failed_
         report = worker.execute(event)
         assert not report.ok and report.error.startswith(reason), report
         with pytest.raises(TierError, match="missing"):  # nothing stored: the bad item was found before any write
-            worker.tiers[b.TIER].read(b"k" * 16, BLOCK_BYTES)
+            worker.tiers[b.TIER].read(b"k" * 16, BLOCK_BYTES, slot=0)
         load = LoadJobStarted(job_id=2, engine_id="pod-a", incarnation=1, tier=b.TIER, world_size=2,
                               items=[LoadItem(b"k" * 16, 0, 1, BlockRef(0, block_id, 1))], lease_expires_at=10.0)
         report = worker.execute(load)
@@ -361,3 +362,61 @@ def test_pools_are_typed_from_the_declaration_and_transfers_move_their_bytes() -
     odd = msgspec.structs.replace(spec[0], bytes_per_block=255)
     with pytest.raises(ValueError, match="255 bytes per block"):
         DevicePools([odd], CPU, "bfloat16")
+
+
+def _store_then_reuse_the_slot(worker: Worker) -> LoadJobStarted:
+    """Key a is stored at tier slot 0 from block 3; then the slot goes to key b, stored from
+    block 4. Returns a load of key a at slot 0 (generation 1, a's checksum) into block 5."""
+    tier = worker.tiers[b.TIER]
+    worker.pools.block(BlockRef(0, 3, 1)).copy_(pattern(3, 0))
+    worker.pools.block(BlockRef(0, 4, 1)).copy_(pattern(4, 0))
+    stored = worker.execute(StoreJobStarted(job_id=1, engine_id="pod-a", incarnation=1, tier=b.TIER, world_size=1,
+                                            items=[StoreItem(BlockRef(0, 3, 1), b"a" * 16, 0, 1)]))
+    assert stored.ok and torch.equal(tier.read(b"a" * 16, BLOCK_BYTES, slot=0), pattern(3, 0))
+    reused = worker.execute(StoreJobStarted(job_id=2, engine_id="pod-a", incarnation=1, tier=b.TIER, world_size=1,
+                                            items=[StoreItem(BlockRef(0, 4, 1), b"b" * 16, 0, 2)]))
+    assert reused.ok
+    return LoadJobStarted(job_id=3, engine_id="pod-a", incarnation=1, tier=b.TIER, world_size=1,
+                          items=[LoadItem(b"a" * 16, 0, 1, BlockRef(0, 5, 1), stored.checksums)], lease_expires_at=10.0)
+
+
+def test_I13_a_slot_tier_read_of_a_reused_slot_returns_the_new_keys_bytes_and_the_checksum_catches_it() -> None:
+    """SlotTier is addressed by slot: a stale read of key a at its old slot gets key b's bytes.
+    The worker compares them with a's published checksum and copies nothing."""
+    worker = Worker("pod-a", 0, DevicePools(pools_spec(), CPU), {b.TIER: SlotTier(b.TIER, CPU, 4, BLOCK_BYTES)})
+    load = _store_then_reuse_the_slot(worker)
+    assert torch.equal(worker.tiers[b.TIER].read(b"a" * 16, BLOCK_BYTES, slot=0), pattern(4, 0))
+    before = worker.pools.block(BlockRef(0, 5, 1)).clone()
+    report = worker.execute(load)
+    assert not report.ok and report.error.startswith("checksum_mismatch"), report
+    assert report.checksums == [checksum(pattern(4, 0))]  # what was read, for the coordinator
+    assert torch.equal(worker.pools.block(BlockRef(0, 5, 1)), before)
+
+
+def test_I13_off_the_worker_copies_whatever_the_slot_holds_and_reports_success() -> None:
+    """Checksums off (MOONCAKE_STORE_CHECKSUM unset, seed 002): the same stale read lands."""
+    worker = Worker("pod-a", 0, DevicePools(pools_spec(), CPU), {b.TIER: SlotTier(b.TIER, CPU, 4, BLOCK_BYTES)},
+                    protections_off=frozenset({Protection.CHECKSUMS}))
+    report = worker.execute(_store_then_reuse_the_slot(worker))
+    assert report.ok and report.checksums == [checksum(pattern(4, 0))]
+    assert torch.equal(worker.pools.block(BlockRef(0, 5, 1)), pattern(4, 0))
+
+
+def test_a_slot_tier_checks_the_slot_and_the_size_and_a_key_tier_ignores_the_slot() -> None:
+    tier = SlotTier(b.TIER, CPU, 2, BLOCK_BYTES)
+    with pytest.raises(TierError, match="missing"):
+        tier.read(b"a" * 16, BLOCK_BYTES, slot=1)
+    with pytest.raises(TierError, match="unknown_slot"):
+        tier.write(b"a" * 16, pattern(1, 0), slot=2)
+    with pytest.raises(TierError, match="size_mismatch"):
+        tier.write(b"a" * 16, torch.zeros(BLOCK_BYTES + 1, dtype=torch.uint8), slot=0)
+    tier.write(b"a" * 16, pattern(1, 0), slot=1)
+    with pytest.raises(TierError, match="size_mismatch"):
+        tier.read(b"a" * 16, BLOCK_BYTES // 2, slot=1)
+    tier.delete(b"a" * 16)
+    with pytest.raises(TierError, match="missing"):
+        tier.read(b"a" * 16, BLOCK_BYTES, slot=1)
+    host = HostTier(b.TIER, CPU)
+    host.write(b"a" * 16, pattern(1, 0), slot=0)
+    host.write(b"b" * 16, pattern(2, 0), slot=0)  # the same slot: a key-addressed tier keeps both
+    assert torch.equal(host.read(b"a" * 16, BLOCK_BYTES, slot=7), pattern(1, 0))

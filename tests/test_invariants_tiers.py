@@ -13,6 +13,7 @@ from typing import TypeVar
 
 from coordinator.commands import DeclareEngine, LoadRequest, LookupPrefix, ReportRank, StartLoad, StartStore
 from coordinator.core import CoordinatorCore
+from coordinator.protections import Protection
 from coordinator.keys import chain_keys, content_key, namespace_id
 from coordinator.state import SlotStatus
 from events import (
@@ -485,4 +486,98 @@ def test_I13_a_load_checksum_mismatch_quarantines_the_key() -> None:
     assert core.state.engines[ENGINE].pools[0].keys[dest.block_id] is None
     rejected(core, StartLoad(engine_id=ENGINE, tier=TIER, items=[LoadRequest(key, spare)]), Refused, Reason.KEY_QUARANTINED)
     assert lookup(core, TOKENS[:4]).boundary == 0
+    assert replay_matches(core)
+
+
+# --- I12 / I13 layered: what each one alone still catches (the simulator's baselines) -------------
+
+
+def _slow_load_of_an_evicted_key(off: frozenset[Protection]) -> tuple[CoordinatorCore, LoadJobStarted, bytes]:
+    """A 2-slot tier full of r1's keys; a load of the first one (lease 5 s); at clock 1 another
+    store needs both slots. Returns the core (step open at clock 1), the load, and its key."""
+    core = new_core(tier_slots=2, core=CoordinatorCore(protections_off=off))
+    begin(core)
+    [key, other] = publish(core, TOKENS[:8])
+    dest = allocate(core, owner(core, "reader"), 1)[0]
+    job = load(core, [(key, dest)], lease_seconds=5.0)
+    end(core)
+    begin(core, clock=1.0)
+    blocks, _ = computed_blocks(core, TOKENS[8:16], "writer")
+    events = core.execute(StartStore(engine_id=ENGINE, tier=TIER, blocks=blocks))
+    if Protection.LEASES in off:
+        assert sorted(e.key for e in of_type(events, KeyEvicted)) == sorted([key, other])  # the lease is ignored
+    else:
+        assert [e.reason for e in of_type(events, Refused)] == [Reason.TIER_FULL]  # the leased key stays
+    return core, job, key
+
+
+def test_I12_off_a_load_of_a_key_evicted_under_it_counts_as_success_when_checksums_are_off_too() -> None:
+    """Both layers down (seed 002's offload path, MOONCAKE_STORE_CHECKSUM unset): the key was
+    evicted during the load, its slot reused, the lease is over and the bytes read are another
+    key's, and still the load succeeds: the silent wrong read the scenarios show."""
+    core, job, key = _slow_load_of_an_evicted_key(frozenset({Protection.LEASES, Protection.CHECKSUMS}))
+    end(core)
+    begin(core, clock=10.0)
+    events = report_all(core, job.job_id, [b"another key's bytes"])
+    assert isinstance(events[-1], JobSucceeded)
+    assert core.state.engines[ENGINE].pools[0].keys[job.items[0].dest.block_id] == key
+    assert replay_matches(core)
+
+
+def test_I12_on_the_same_late_load_fails_with_lease_expired_even_with_checksums_off() -> None:
+    core = new_core(tier_slots=2, core=CoordinatorCore(protections_off=frozenset({Protection.CHECKSUMS})))
+    begin(core)
+    [key] = publish(core, TOKENS[:4])
+    dest = allocate(core, owner(core, "reader"), 1)[0]
+    job = load(core, [(key, dest)], lease_seconds=5.0)
+    end(core)
+    begin(core, clock=10.0)
+    events = report_all(core, job.job_id, [b"another key's bytes"])
+    assert isinstance(events[-1], JobFailed) and events[-1].reason == Reason.LEASE_EXPIRED
+    assert core.state.engines[ENGINE].pools[0].keys[dest.block_id] is None
+    assert replay_matches(core)
+
+
+def test_I13_with_leases_off_a_mismatch_on_an_evicted_key_fails_the_load_and_quarantines_nothing() -> None:
+    """Leases off: the key left the tier during the load. Its read is checked against the
+    checksums in the decision, by the worker (a failed report) or by the coordinator (an ok
+    report with other checksums); either way the load fails with CHECKSUM_MISMATCH, and the
+    key, gone, is not quarantined."""
+    for worker_noticed in (True, False):
+        core, job, key = _slow_load_of_an_evicted_key(frozenset({Protection.LEASES}))
+        assert core.state.tiers[TIER].entry(0, key) is None
+        events = report_all(core, job.job_id, [b"another key's bytes"], ok_=not worker_noticed)
+        assert isinstance(events[-1], JobFailed) and events[-1].reason == Reason.CHECKSUM_MISMATCH
+        assert not of_type(events, KeyQuarantined)
+        assert core.state.engines[ENGINE].pools[0].keys[job.items[0].dest.block_id] is None
+        assert replay_matches(core)
+
+
+def test_I13_with_leases_off_a_load_of_an_evicted_key_that_read_the_right_bytes_succeeds() -> None:
+    """The decision's checksums are the reference once the key is gone: bytes that match them
+    are the key's bytes."""
+    core, job, key = _slow_load_of_an_evicted_key(frozenset({Protection.LEASES}))
+    events = report_all(core, job.job_id, [key])
+    assert isinstance(events[-1], JobSucceeded)
+    assert replay_matches(core)
+
+
+def test_I12_on_a_live_lease_keeps_the_key_when_only_checksums_are_off() -> None:
+    core, job, key = _slow_load_of_an_evicted_key(frozenset({Protection.CHECKSUMS}))
+    assert core.state.tiers[TIER].entry(0, key) is not None
+    events = report_all(core, job.job_id, [key])
+    assert isinstance(events[-1], JobSucceeded)
+    assert replay_matches(core)
+
+
+def test_I13_off_a_load_reporting_other_checksums_than_published_succeeds() -> None:
+    """Checksums off: the coordinator no longer compares; with them on the same reports fail
+    the load and quarantine the key (test_I13_a_load_checksum_mismatch_quarantines_the_key)."""
+    core = new_core(core=CoordinatorCore(protections_off=frozenset({Protection.CHECKSUMS})))
+    begin(core)
+    [key] = publish(core, TOKENS[:4])
+    dest = allocate(core, owner(core, "reader"), 1)[0]
+    job = load(core, [(key, dest)])
+    events = report_all(core, job.job_id, [b"corrupted"])
+    assert isinstance(events[-1], JobSucceeded) and not of_type(events, KeyQuarantined)
     assert replay_matches(core)

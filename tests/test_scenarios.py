@@ -49,10 +49,14 @@ def test_each_scenario_bites_with_its_protection_off_and_is_prevented_with_it_on
     scenario = SCENARIOS[name]
     assert scenario.protection == Protection(name), "a scenario switches off exactly its own protection"
     on, off = both(scenario, tmp_path)
+    baseline = sorted(p.value for p in scenario.baseline)
+    assert on.baseline == off.baseline == baseline
+    assert on.protections_off == baseline, "the on run switches off the baseline only"
+    assert off.protections_off == sorted([*baseline, scenario.protection.value]), "the off run adds exactly one"
     assert off.wrong_reads > 0, f"{name}: the scenario did not bite with the protection off: {off}"
     assert on.wrong_reads == 0, f"{name}: wrong-KV reads with the protection on: {on}"
     assert on.loads_checked or on.refusals, "the on run checked nothing"
-    if scenario.evidence.startswith(("Refused:", "NoticeDropped:", "KeyQuarantined:", "FencedRankDone:")):
+    if scenario.evidence.startswith(("Refused:", "NoticeDropped:", "JobFailed:", "KeyQuarantined:", "FencedRankDone:")):
         assert scenario.evidence in on.refusals, f"{name}: expected {scenario.evidence} in {on.refusals}"
         assert scenario.evidence not in off.refusals
     events_on = anyio.run(decided, Path(on.log))
@@ -72,6 +76,38 @@ def test_each_scenario_bites_with_its_protection_off_and_is_prevented_with_it_on
         stores_off = [e for e in events_off if isinstance(e, StoreJobStarted)]
         assert stores_off and not any(s.pinned for s in stores_off), "the unprotected store is recorded as unpinned"
         assert all(s.pinned for s in events_on if isinstance(s, StoreJobStarted))
+
+
+def test_a_baseline_never_includes_the_protection_it_toggles_and_only_layered_scenarios_have_one() -> None:
+    with_baseline = {name: scenario.baseline for name, scenario in SCENARIOS.items() if scenario.baseline}
+    assert with_baseline == {
+        "lease-expiry-during-slow-load": frozenset({Protection.CHECKSUMS}),
+        "eviction-under-store-pressure": frozenset({Protection.LEASES}),
+    }
+    assert all(scenario.protection not in scenario.baseline for scenario in SCENARIOS.values())
+    assert set(SCENARIOS) == {p.value for p in Protection}, "one scenario per protection"
+
+
+@pytest.mark.parametrize(("name", "caught"), [
+    # The lease expired: r1's keys are evicted and their slots reused; the worker's checksum
+    # check finds r3's bytes and copies nothing.
+    ("lease-expiry-during-slow-load", "JobFailed:checksum_mismatch"),
+    # The lease is live: r1's keys stay, r3's store is refused and the load lands intact.
+    ("eviction-under-store-pressure", "Refused:tier_full"),
+])
+@pytest.mark.parametrize("only_own_off", [True, False])
+def test_leases_and_checksums_are_layered_either_one_alone_prevents_the_wrong_read(
+    name: str, caught: str, only_own_off: bool, tmp_path: Path
+) -> None:
+    """Why these scenarios have a baseline: without it, with only the scenario's own protection
+    off (or every protection on), the other layer still stops the wrong read."""
+    scenario = msgspec.structs.replace(SCENARIOS[name], baseline=frozenset())
+    outcome = anyio.run(lambda: run_scenario(scenario, protection_on=not only_own_off, directory=tmp_path))
+    assert outcome.protections_off == ([scenario.protection.value] if only_own_off else [])
+    assert outcome.wrong_reads == 0, outcome
+    assert caught in outcome.refusals, outcome.refusals
+    if caught == "Refused:tier_full":
+        assert outcome.loads_checked == 2  # the load succeeded and its bytes were checked
 
 
 def test_serve_refuses_to_start_with_protections_off(tmp_path: Path) -> None:

@@ -44,7 +44,7 @@ from events import (
 )
 from events.log import EventLog, open_log
 from gpu.pools import DevicePools
-from gpu.tiers import HostTier, Tier
+from gpu.tiers import SlotTier, Tier
 from gpu.worker import Worker
 
 log = structlog.get_logger("kvledger.simulator")
@@ -169,8 +169,12 @@ class Simulation:
         self.off = off
         self.tally = Tally()
         self.tier_spec = TierSpec(name=TIER, num_slots=tier_slots, bytes_per_slot=1 << 20)
-        self.tiers: list[dict[str, Tier]] = [{TIER: HostTier(TIER, CPU)} for _ in range(world_size)]
-        """One shared tier per rank: every engine's worker of that rank sees the same one."""
+        self.tiers: list[dict[str, Tier]] = [
+            {TIER: SlotTier(TIER, CPU, self.tier_spec.num_slots, self.tier_spec.bytes_per_slot)} for _ in range(world_size)
+        ]
+        """One shared tier per rank: every engine's worker of that rank sees the same one. It is
+        addressed by tier slot, like a shared store's memory segment (gpu.tiers.SlotTier): a
+        slot the coordinator gives to another key holds that key's bytes from its store on."""
         # A Unix socket path has a length limit (108 bytes on Linux): the socket gets a short
         # directory of its own, whatever the log's directory is.
         self._socket_dir = tempfile.TemporaryDirectory(prefix="kvl-")

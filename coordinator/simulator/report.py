@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from coordinator.protections import Protection
 from coordinator.simulator.harness import Simulation
 from coordinator.simulator.scenarios import SCENARIOS, Outcome, Scenario, run_scenario
 from coordinator.simulator.workload import TIER_SLOTS, WorkloadReport, run_workload
@@ -17,8 +18,8 @@ Pair = tuple[Outcome, Outcome]
 
 
 async def run_scenarios(chosen: Sequence[Scenario] | None = None, keep: Path | None = None) -> list[Pair]:
-    """Each scenario on a fresh simulation with its protection on, then off. With `keep`, each
-    run's log stays in keep/NAME-on and keep/NAME-off."""
+    """Each scenario on a fresh simulation with its protection on, then off (its baseline off in
+    both runs). With `keep`, each run's log stays in keep/NAME-on and keep/NAME-off."""
     results = []
     for scenario in chosen or list(SCENARIOS.values()):
         runs = []
@@ -36,13 +37,14 @@ async def run_scenarios(chosen: Sequence[Scenario] | None = None, keep: Path | N
 
 def scenario_table(results: Sequence[Pair], title: str) -> Table:
     table = Table(title=title)
-    for column in ("scenario", "invariant", "requests", "wrong reads off", "wrong reads on",
+    for column in ("scenario", "invariant", "baseline off (both runs)", "requests", "wrong reads off", "wrong reads on",
                    "what kvledger recorded instead (on)", "events/s (on)"):
         table.add_column(column, overflow="fold")
     for on, off in results:
         recorded = ", ".join(f"{reason} x{count}" for reason, count in on.refusals.items()) or "-"
         table.add_row(
-            on.scenario, on.invariant, str(on.requests),
+            on.scenario, on.invariant, ", ".join(Protection(value).name.lower() for value in on.baseline) or "-",
+            str(on.requests),
             f"[bold red]{off.wrong_reads}[/]" if off.wrong_reads else "0",
             f"[bold red]{on.wrong_reads}[/]" if on.wrong_reads else "[green]0[/]",
             recorded, f"{on.events / on.seconds:,.0f}" if on.seconds else "-",

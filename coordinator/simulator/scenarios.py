@@ -1,7 +1,11 @@
 """The seeds' failures as named scenarios (../shared/seeds/). Each runs on a fresh simulation
 with its protection on, then off (`Protection`'s value is the scenario's name). Off must show
 wrong-KV reads (proof the scenario bites); on must show none, for the reason the scenario is
-about (`evidence`: the refusal or decision kvledger recorded instead)."""
+about (`evidence`: the refusal or decision kvledger recorded instead).
+
+A scenario's `baseline` names protections switched off in both runs, to reproduce the
+deployment of its seed where one protection backs up another (coordinator/protections.py): the
+on/off comparison still toggles exactly one protection."""
 
 from __future__ import annotations
 
@@ -37,6 +41,8 @@ from events import (
     BlocksAllocated,
     BlocksComputed,
     BlocksReused,
+    Event,
+    JobSucceeded,
     NamespaceSpec,
     OwnerStarted,
     PoolSpec,
@@ -70,9 +76,10 @@ def prompt(seed: int, blocks: int) -> list[int]:
 # --- request helpers --------------------------------------------------------------------------
 
 
-async def admit(engine: SimEngine, req_id: str) -> int:
+async def admit(engine: SimEngine, req_id: str, *, advance: float = 0.01) -> int:
+    """A new request; its step moves the engine's clock on by `advance` seconds."""
     engine.sim.tally.requests += 1
-    result = await engine.step([StartOwner(engine_id=engine.engine_id, req_id=req_id)])
+    result = await engine.step([StartOwner(engine_id=engine.engine_id, req_id=req_id)], advance=advance)
     return next(e for e in result.results[0] if isinstance(e, OwnerStarted)).owner_id
 
 
@@ -122,10 +129,20 @@ async def load_prefix(
     if not result.decisions:
         engine.compute(dests, tokens, first_block=first_block)  # refused: the engine recomputes instead
         return False
-    events = await engine.execute()
-    if any(type(e).__name__ == "JobSucceeded" for e in events):
-        engine.check([(dest, tokens[: (first_block + index + 1) * BLOCK]) for index, dest in enumerate(dests)])
+    use_or_recompute(engine, dests, tokens, await engine.execute(), first_block=first_block)
     return True
+
+
+def use_or_recompute(
+    engine: SimEngine, dests: Sequence[BlockRef], tokens: Sequence[int], events: Sequence[Event], *, first_block: int = 0
+) -> None:
+    """After a load into `dests` ran: if it succeeded the engine uses the blocks, so what landed
+    is checked against recompute; if it failed (lease expired, key evicted, checksum mismatch)
+    the engine recomputes them, whatever the worker left there."""
+    if any(isinstance(e, JobSucceeded) for e in events):
+        engine.check([(dest, tokens[: (first_block + index + 1) * BLOCK]) for index, dest in enumerate(dests)])
+    else:
+        engine.compute(dests, tokens, first_block=first_block)
 
 
 # --- the scenarios ------------------------------------------------------------------------------
@@ -398,6 +415,67 @@ async def reset_with_late_completions(sim: Simulation) -> None:
         engine.check([(mine[0], tokens[:BLOCK]), (mine[1], tokens)])
 
 
+SMALL_TIER = 2
+"""Tier slots for the slow-load scenarios: one two-block prompt fills the tier."""
+
+
+async def _slow_load_under_store_pressure(sim: Simulation, *, lease_seconds: float, pause: float) -> None:
+    """The shape both slow-load scenarios share. r1's prompt fills the (slot-addressed) tier; r2
+    starts a load of it with a lease of `lease_seconds`, but the worker is slow: the load is
+    held. `pause` seconds of engine clock later r3 stores another prompt; under store pressure
+    that evicts r1's keys and their slots go to r3's store, which lands. Then r2's load runs:
+    the slots it was told to read hold r3's bytes now."""
+    engine = await sim.engine("pod-a", namespace(), [attention()])
+    tokens, others = prompt(16, 2), prompt(17, 2)
+    stored = await produce(engine, "r1", tokens)
+    reader = await admit(engine, "r2")
+    dests = await allocate(engine, reader, 2)
+    assert dests is not None
+    items = [LoadRequest(item.key, dest) for item, dest in zip(stored.items, dests, strict=True)]
+    load = await engine.step([StartLoad(engine_id=engine.engine_id, tier=TIER, items=items, lease_seconds=lease_seconds)])
+    [decision] = load.decisions
+    slow = frozenset({decision.event.job_id})
+    writer = await admit(engine, "r3", advance=pause)
+    blocks = await allocate(engine, writer, 2)
+    assert blocks is not None
+    engine.compute(blocks, others)
+    # The tier is full: r1's keys are evicted unless a live lease holds them (I12), and then the
+    # store is refused (TIER_FULL) and the load lands first.
+    await engine.step([
+        MarkComputed(engine_id=engine.engine_id, owner_id=writer, blocks=blocks, token_ids=others),
+        StartStore(engine_id=engine.engine_id, tier=TIER, blocks=blocks),
+    ])
+    await engine.execute(hold=slow)  # r3's store lands in the slots r1's keys had
+    use_or_recompute(engine, dests, tokens, await engine.execute(only=slow))
+
+
+async def lease_expiry_during_slow_load(sim: Simulation) -> None:
+    """I12 (seed 002, Mooncake #4153). Mooncake's memory read path holds a read lease: eviction
+    skips leased keys and a read that outlived its lease fails loudly (LEASE_EXPIRED) after the
+    transfer. Its offload read path had no lease check, and the object CRC behind
+    MOONCAKE_STORE_CHECKSUM is off by default; the thread names an offload read "that outlives its
+    10s master lease, or that races an eviction plus backing-slot reuse" as the one silent
+    channel left.
+    (It then finds the offload files are per key, so that backend cannot alias a slot, and
+    settles the incident on #3929; this scenario shows the channel on a slot-addressed tier,
+    gpu.tiers.SlotTier, where it exists.) Baseline: CHECKSUMS off in both runs. The load's lease
+    (1 s) is over when r3's store evicts r1's keys. On: the late load fails with LEASE_EXPIRED
+    and the engine recomputes. Off: it counts as success, with r3's bytes."""
+    await _slow_load_under_store_pressure(sim, lease_seconds=1.0, pause=5.0)
+
+
+async def eviction_under_store_pressure(sim: Simulation) -> None:
+    """I13 (seed 002, Mooncake #4153: a store 92% full under eviction churn; "eviction-race
+    aliasing, a key mapping to a replica that was evicted and reallocated under pressure").
+    Baseline: LEASES off in both runs, as on the offload read path, so a key being read is
+    evicted under store pressure while its lease is still live and its slot is reused by r3's
+    store before the read lands. Only the object checksum is left, and MOONCAKE_STORE_CHECKSUM is
+    off by default. On: the worker finds the bytes differ from the published checksum and copies
+    nothing; the load fails (CHECKSUM_MISMATCH; the key is gone, so there is nothing left to
+    quarantine) and the engine recomputes. Off: the load copies r3's bytes and succeeds."""
+    await _slow_load_under_store_pressure(sim, lease_seconds=30.0, pause=0.01)
+
+
 class EncoderCache:
     """The model runner's encoder-output cache: slots of bytes, filled when the scheduler
     allocates an entry, released when a StepEnded notice says the entry was freed."""
@@ -455,6 +533,15 @@ class Scenario(msgspec.Struct, frozen=True):
     run: Run
     evidence: str
     """What the on run records instead of the wrong read (a refusal reason, or a decision)."""
+    baseline: frozenset[Protection] = frozenset()
+    """Protections off in both runs: the seed's deployment, where `protection` is the last
+    safety net left (coordinator/protections.py). Never includes `protection` itself."""
+    tier_slots: int = 4096
+    """The size of the simulation's shared tier (small: stores evict)."""
+
+    def off(self, *, protection_on: bool) -> frozenset[Protection]:
+        """What one run switches off: the baseline, and the scenario's protection in the off run."""
+        return self.baseline if protection_on else self.baseline | {self.protection}
 
 
 SCENARIOS = {
@@ -479,6 +566,10 @@ SCENARIOS = {
         Scenario("null-state-publication", Protection.NULL_STATES, "I2", null_state_publication, "Refused:null_block"),
         Scenario("load-before-compute-complete", Protection.VISIBLE_WHEN_COMPLETE, "I17", load_before_compute_complete,
                  "Refused:not_computed"),
+        Scenario("lease-expiry-during-slow-load", Protection.LEASES, "I12", lease_expiry_during_slow_load,
+                 "JobFailed:lease_expired", baseline=frozenset({Protection.CHECKSUMS}), tier_slots=SMALL_TIER),
+        Scenario("eviction-under-store-pressure", Protection.CHECKSUMS, "I13", eviction_under_store_pressure,
+                 "JobFailed:checksum_mismatch", baseline=frozenset({Protection.LEASES}), tier_slots=SMALL_TIER),
     )
 }
 
@@ -494,12 +585,16 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True):
     events: int
     seconds: float
     log: str = ""
+    baseline: list[str] = []
+    """The scenario's baseline: protections off in both of its runs (sorted)."""
+    protections_off: list[str] = []
+    """What this run switched off (sorted): the baseline, and the scenario's protection when off."""
 
 
 async def run_scenario(scenario: Scenario, *, protection_on: bool, directory: Path | None = None) -> Outcome:
-    off = frozenset() if protection_on else frozenset({scenario.protection})
+    off = scenario.off(protection_on=protection_on)
     started = time.perf_counter()
-    async with Simulation(directory, off) as sim:
+    async with Simulation(directory, off, tier_slots=scenario.tier_slots) as sim:
         await scenario.run(sim)
         tally: Tally = sim.tally
         where = str(sim.log_path) if directory is not None else ""
@@ -507,4 +602,5 @@ async def run_scenario(scenario: Scenario, *, protection_on: bool, directory: Pa
         scenario=scenario.name, invariant=scenario.invariant, protection_on=protection_on, requests=tally.requests,
         wrong_reads=tally.wrong_reads, loads_checked=tally.loads_checked, refusals=dict(sorted(tally.refusals.items())),
         events=tally.events, seconds=time.perf_counter() - started, log=where,
+        baseline=sorted(p.value for p in scenario.baseline), protections_off=sorted(p.value for p in off),
     )
