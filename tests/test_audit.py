@@ -329,3 +329,25 @@ def test_cli_verify_passes_a_clean_log_and_fails_an_incident_with_its_evidence(g
     assert all(v["seq"] > 0 and v["evidence"] for v in report["violations"])
     result = runner.invoke(app, ["verify", "--log", str(tmp_path / "missing-dir" / "x" / "log.sqlite")])
     assert result.exit_code == 1 and "Traceback" not in result.output
+
+
+async def test_long_lists_are_capped_newest_first_with_their_totals(golden: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from coordinator.audit import queries
+
+    event_log = await open_log(str(copy_of(golden, tmp_path)))
+    try:
+        await sync_index(event_log)
+        audit = Audit(event_log)
+        async with event_log.engine.connect() as conn:
+            hot = (await conn.execute(sa.text("SELECT key, count(*) AS n FROM kvl_audit_keys WHERE kind = 'loaded' "
+                                              "GROUP BY key ORDER BY n DESC LIMIT 1"))).first()
+        assert hot is not None and hot.n >= 3
+        full = await audit.key(bytes(hot.key).hex())
+        monkeypatch.setattr(queries, "LIST_LIMIT", 2)
+        capped = await audit.key(bytes(hot.key).hex())
+        assert full.loads_total == capped.loads_total == hot.n == len(full.loads)
+        assert capped.loads == full.loads[-2:]  # the newest two, oldest first
+        assert capped.publications == full.publications
+    finally:
+        await event_log.close()

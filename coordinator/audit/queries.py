@@ -22,6 +22,9 @@ from events.log import _schema as t
 
 
 T = TypeVar("T")
+LIST_LIMIT = 100
+"""Longest list in one answer (a hot key's loads, a reused req_id's owners): a point query stays a
+point query on a log of millions of events (ops/bench/audit.py)."""
 
 
 class AuditError(Exception):
@@ -143,13 +146,17 @@ class KeyAnswer(msgspec.Struct, frozen=True, kw_only=True):
     """engine pool/block@generation where it was computed, with the sequence."""
     publications: list[Publication]
     loads: list[KeyLoad]
+    """The newest LIST_LIMIT loads, oldest first; `loads_total` counts them all."""
     evictions: list[int]
     quarantines: list[str]
+    loads_total: int = 0
 
 
 class RequestAnswer(msgspec.Struct, frozen=True, kw_only=True):
     req_id: str
     owners: list[OwnerLife]
+    """The newest LIST_LIMIT owner lifetimes, oldest first; `owners_total` counts them all."""
+    owners_total: int = 0
 
 
 class RefusalEntry(msgspec.Struct, frozen=True):
@@ -339,12 +346,15 @@ class Audit:
         rows = conn.execute(sa.select(s.seq, s.kind, s.owner_id, s.job_id, s.key)
                             .where(*slot, span, s.generation == generation).order_by(s.seq)).all()
         events = [SlotEvent(r.seq, r.kind, r.owner_id, r.job_id, None if r.key is None else bytes(r.key).hex()) for r in rows]
-        life = (self._lives(conn, engine, pool, block, [generation]))[0]
-        owner = None if life.owner_id is None else self._owner(conn, engine, life.owner_id, blocks=False)
+        freed = next((e.seq for e in events if e.kind == "freed"), None)
+        owner_id = next((e.owner_id for e in events if e.kind == "allocated"), None)
+        life = self._life(conn, engine, generation, allocation.seq, owner_id, freed,
+                          None if following is None else int(following))
+        owner = None if life.owner_id is None else self._owner(conn, engine, life.owner_id)
         jobs = self._jobs(conn, [e for e in events if e.job_id is not None], at_seq)
-        freed = life.freed_seq is not None and life.freed_seq <= at_seq
+        ended = life.freed_seq is not None and life.freed_seq <= at_seq
         return BlockAnswer(engine=engine, pool=pool, block=block, tenant=tenant, at=point,
-                           status="free" if freed else "held", generation=life, owner=owner, jobs=jobs, events=events)
+                           status="free" if ended else "held", generation=life, owner=owner, jobs=jobs, events=events)
 
     async def history(self, engine: str, pool: int, block: int) -> HistoryAnswer:
         return await self._read(lambda conn: self._history(conn, engine, pool, block))
@@ -384,23 +394,36 @@ class Audit:
             sa.select(s.seq).where(s.engine == engine, s.pool == pool, s.block == block, s.kind == "allocated",
                                    s.seq > max(seq for seq, _ in allocated.values())).order_by(s.seq).limit(1))).scalar()
         starts = sorted(seq for seq, _ in allocated.values()) + ([int(following)] if following is not None else [])
-        lives = []
-        for generation in generations:
-            seq, owner = allocated[generation]
-            # A generation ends when its slot is freed; when the freed notice was dropped (the slot
-            # was allocated again in the same step, I14), at the next allocation; or at a reset.
-            end, ended_by = freed.get(generation), "freed"
-            if end is None:
-                reset = next((r for r in sorted(resets) if r > seq), None)
-                after = next((start for start in starts if start > seq), None)
-                end, ended_by = min(((x, why) for x, why in ((reset, "reset"), (after, "reallocated")) if x is not None),
-                                    default=(None, "open"))
-            lives.append(GenerationLife(
-                generation=generation, owner_id=owner, req_id=req_ids.get(owner, "") if owner is not None else "",
-                allocated_seq=seq, allocated_step=(self._point(conn, engine, seq)).step,
-                freed_seq=end, freed_step=None if end is None else (self._point(conn, engine, end)).step,
-                ended_by=ended_by))
-        return lives
+        return [self._life(conn, engine, generation, allocated[generation][0], allocated[generation][1],
+                           freed.get(generation), next((x for x in starts if x > allocated[generation][0]), None),
+                           resets=resets, req_ids=req_ids)
+                for generation in generations]
+
+    def _life(self, conn: sa.Connection, engine: str, generation: int, allocated_seq: int, owner: int | None,
+              freed: int | None, next_allocation: int | None, *, resets: Sequence[int] | None = None,
+              req_ids: dict[int, str] | None = None) -> GenerationLife:
+        """One generation's lifetime. It ends when its slot is freed; when the freed notice was
+        dropped (the slot was allocated again in the same step, I14), at the next allocation; or
+        at the engine's reset."""
+        end, ended_by = freed, "freed"
+        if end is None:
+            if resets is None:
+                e = t.audit_engines.c
+                found = conn.execute(sa.select(e.seq).where(e.engine == engine, e.kind == "reset", e.seq > allocated_seq)
+                                     .order_by(e.seq).limit(1)).scalar()
+                reset = None if found is None else int(found)
+            else:
+                reset = next((r for r in sorted(resets) if r > allocated_seq), None)
+            end, ended_by = min(((x, why) for x, why in ((reset, "reset"), (next_allocation, "reallocated")) if x is not None),
+                                default=(None, "open"))
+        if req_ids is None and owner is not None:
+            o = t.audit_owners.c
+            req_ids = {owner: str(conn.execute(sa.select(o.req_id).where(o.engine == engine, o.owner_id == owner,
+                                                                         o.kind == "started")).scalar() or "")}
+        return GenerationLife(
+            generation=generation, owner_id=owner, req_id=(req_ids or {}).get(owner, "") if owner is not None else "",
+            allocated_seq=allocated_seq, allocated_step=self._point(conn, engine, allocated_seq).step,
+            freed_seq=end, freed_step=None if end is None else self._point(conn, engine, end).step, ended_by=ended_by)
 
     def _jobs(self, conn: sa.Connection, touches: Sequence[SlotEvent], at_seq: int) -> list[JobTouch]:
         ids = sorted({e.job_id for e in touches if e.job_id is not None})
@@ -417,44 +440,60 @@ class Audit:
 
     # --- owners and requests --------------------------------------------------------------
 
-    def _owner(self, conn: sa.Connection, engine: str, owner_id: int, *, blocks: bool) -> OwnerLife | None:
+    def _owner(self, conn: sa.Connection, engine: str, owner_id: int) -> OwnerLife | None:
+        return self._owners(conn, [(engine, owner_id)], blocks=False).get((engine, owner_id))
+
+    def _owners(self, conn: sa.Connection, wanted: Sequence[tuple[str, int]], *, blocks: bool) -> dict[tuple[str, int], OwnerLife]:
+        """Each owner's lifetime (and with `blocks`, every allocation and reuse it made), in one
+        query per table per engine."""
         o, s = t.audit_owners.c, t.audit_slots.c
-        rows = (conn.execute(sa.select(o.req_id, o.seq, o.kind, o.detail)
-                                   .where(o.engine == engine, o.owner_id == owner_id).order_by(o.seq))).all()
-        started = next((r for r in rows if r.kind == "started"), None)
-        if started is None:
-            return None
-        finished = next((r for r in rows if r.kind == "finished"), None)
-        held: list[str] = []
-        if blocks:
-            held = [f"{r.pool}/{r.block}@g{r.generation} ({r.kind} at seq {r.seq})" for r in conn.execute(
-                sa.select(s.pool, s.block, s.generation, s.kind, s.seq)
-                .where(s.engine == engine, s.owner_id == owner_id, s.kind.in_(("allocated", "reused"))).order_by(s.seq))]
-        return OwnerLife(engine=engine, owner_id=owner_id, req_id=started.req_id, started_seq=started.seq,
-                         finished_seq=None if finished is None else finished.seq,
-                         finished_reason="" if finished is None else finished.detail,
-                         resumed=started.detail == "resumed", blocks=held)
+        by_engine: dict[str, list[int]] = {}
+        for engine, owner_id in wanted:
+            by_engine.setdefault(engine, []).append(owner_id)
+        lives: dict[tuple[str, int], OwnerLife] = {}
+        for engine, ids in by_engine.items():
+            rows: dict[int, list[Any]] = {}
+            for row in conn.execute(sa.select(o.owner_id, o.req_id, o.seq, o.kind, o.detail)
+                                    .where(o.engine == engine, o.owner_id.in_(ids)).order_by(o.seq)):
+                rows.setdefault(row.owner_id, []).append(row)
+            held: dict[int, list[str]] = {}
+            if blocks:
+                query = (sa.select(s.owner_id, s.pool, s.block, s.generation, s.kind, s.seq)
+                         .where(s.engine == engine, s.owner_id.in_(ids), s.kind.in_(("allocated", "reused"))).order_by(s.seq))
+                for owner_id, pool, block, generation, kind, seq in conn.execute(query):  # thousands of rows: unpacked, not by attribute
+                    held.setdefault(owner_id, []).append(f"{pool}/{block}@g{generation} ({kind} at seq {seq})")
+            for owner_id, found in rows.items():
+                started = next((r for r in found if r.kind == "started"), None)
+                if started is None:
+                    continue
+                finished = next((r for r in found if r.kind == "finished"), None)
+                lives[(engine, owner_id)] = OwnerLife(
+                    engine=engine, owner_id=owner_id, req_id=started.req_id, started_seq=started.seq,
+                    finished_seq=None if finished is None else finished.seq,
+                    finished_reason="" if finished is None else finished.detail,
+                    resumed=started.detail == "resumed", blocks=held.get(owner_id, []))
+        return lives
 
     async def request(self, req_id: str) -> RequestAnswer:
         return await self._read(lambda conn: self._request(conn, req_id))
 
     def _request(self, conn: sa.Connection, req_id: str) -> RequestAnswer:
         o = t.audit_owners.c
-        rows = (conn.execute(sa.select(o.engine, o.owner_id).where(o.req_id == req_id, o.kind == "started")
-                                   .order_by(o.seq))).all()
+        query = sa.select(o.engine, o.owner_id).where(o.req_id == req_id, o.kind == "started")
         visible = self._tenant_engines(conn)
-        if rows and visible is not None and not any(r.engine in visible for r in rows):
-            raise OutOfScope(f"request {req_id!r} is outside tenant {self.tenant!r}")
-        owners = []
-        for row in rows:
-            if visible is not None and row.engine not in visible:
-                continue
-            life = self._owner(conn, row.engine, row.owner_id, blocks=True)
-            if life is not None:
-                owners.append(life)
-        if not owners:
+        if visible is not None:
+            elsewhere = conn.execute(query.where(o.engine.not_in(visible)).limit(1)).first()
+            if elsewhere is not None and conn.execute(query.where(o.engine.in_(visible)).limit(1)).first() is None:
+                raise OutOfScope(f"request {req_id!r} is outside tenant {self.tenant!r}")
+            query = query.where(o.engine.in_(visible))
+        rows = conn.execute(query.order_by(o.seq.desc()).limit(LIST_LIMIT)).all()[::-1]
+        if not rows:
             raise NotFound(f"request {req_id!r} is not in the log")
-        return RequestAnswer(req_id=req_id, owners=owners)
+        total = len(rows) if len(rows) < LIST_LIMIT else int(conn.execute(
+            sa.select(sa.func.count()).select_from(query.subquery())).scalar() or 0)
+        lives = self._owners(conn, [(r.engine, r.owner_id) for r in rows], blocks=True)
+        owners = [lives[(r.engine, r.owner_id)] for r in rows if (r.engine, r.owner_id) in lives]
+        return RequestAnswer(req_id=req_id, owners=owners, owners_total=total)
 
     # --- keys -----------------------------------------------------------------------------
 
@@ -467,31 +506,35 @@ class Audit:
         except ValueError as error:
             raise AuditError(f"key {key_hex!r} is not hex: {error}") from error
         k, n = t.audit_keys.c, t.audit_namespaces.c
-        rows = (conn.execute(sa.select(t.audit_keys).where(k.key == key).order_by(k.seq))).all()
-        if not rows:
+        rows = conn.execute(sa.select(t.audit_keys).where(k.key == key, k.kind != "loaded").order_by(k.seq)).all()
+        loads = conn.execute(sa.select(t.audit_keys).where(k.key == key, k.kind == "loaded")
+                             .order_by(k.seq.desc()).limit(LIST_LIMIT)).all()[::-1]
+        if not rows and not loads:
             raise NotFound(f"key {key_hex} is not in the log")
-        namespace = next((bytes(r.namespace_id) for r in rows if r.namespace_id is not None), b"")
-        spec = (conn.execute(sa.select(n.tenant, n.model_id).where(n.namespace_id == namespace))).first()
+        namespace = next((bytes(r.namespace_id) for r in [*rows, *loads] if r.namespace_id is not None), b"")
+        spec = conn.execute(sa.select(n.tenant, n.model_id).where(n.namespace_id == namespace)).first()
         tenant, model = (spec.tenant, spec.model_id) if spec is not None else ("", "")
         self._check(tenant, f"key {key_hex}")
-        job_rows = (conn.execute(sa.select(t.audit_jobs.c.job_id, t.audit_jobs.c.seq, t.audit_jobs.c.kind,
-                                                 t.audit_jobs.c.rank, t.audit_jobs.c.detail)
-                                       .where(t.audit_jobs.c.job_id.in_({r.job_id for r in rows if r.job_id is not None}))
-                                       .order_by(t.audit_jobs.c.seq))).all()
+        loads_total = len(loads) if len(loads) < LIST_LIMIT else int(conn.execute(
+            sa.select(sa.func.count()).where(k.key == key, k.kind == "loaded")).scalar() or 0)
+        j = t.audit_jobs.c
+        job_ids = {r.job_id for r in [*rows, *loads] if r.job_id is not None}
         outcomes: dict[int, list[Any]] = {}
-        for row in job_rows:
+        for row in conn.execute(sa.select(j.job_id, j.seq, j.kind, j.rank, j.detail).where(j.job_id.in_(job_ids))
+                                .order_by(j.seq)):
             outcomes.setdefault(row.job_id, []).append(row)
         stored_from = {r.job_id: f"{r.engine} {r.pool}/{r.block}@g{r.generation}" for r in rows if r.kind == "stored"}
         return KeyAnswer(
             key=key_hex, namespace_id=namespace.hex(), tenant=tenant, model_id=model,
-            computed=[f"{r.engine} {r.pool}/{r.block}@g{r.generation} at seq {r.seq}" for r in rows if r.kind == "computed"],
+            computed=[f"{r.engine} {r.pool}/{r.block}@g{r.generation} at seq {r.seq}"
+                      for r in rows if r.kind == "computed"][-LIST_LIMIT:],
             publications=[Publication(r.seq, r.tier, r.tier_slot, r.size_bytes, r.job_id, stored_from.get(r.job_id, "?"),
                                       r.checksums.split(",") if r.checksums else []) for r in rows if r.kind == "published"],
             loads=[KeyLoad(r.seq, r.engine, r.job_id, f"{r.pool}/{r.block}@g{r.generation}",
-                           _job_touch(r.job_id, outcomes.get(r.job_id, []), r.seq, r.seq).outcome)
-                   for r in rows if r.kind == "loaded"],
-            evictions=[r.seq for r in rows if r.kind == "evicted"],
-            quarantines=[f"seq {r.seq}: {r.detail}" for r in rows if r.kind == "quarantined"],
+                           _job_touch(r.job_id, outcomes.get(r.job_id, []), r.seq, r.seq).outcome) for r in loads],
+            evictions=[r.seq for r in rows if r.kind == "evicted"][-LIST_LIMIT:],
+            quarantines=[f"seq {r.seq}: {r.detail}" for r in rows if r.kind == "quarantined"][-LIST_LIMIT:],
+            loads_total=loads_total,
         )
 
     # --- refusals and namespaces ----------------------------------------------------------
