@@ -225,7 +225,8 @@ def key(key_hex: str = typer.Argument(..., metavar="KEY", help="The content key,
             table.add_row(str(pub.seq), pub.tier, _dash(pub.tier_slot), _dash(pub.size_bytes), _dash(pub.source_job),
                           pub.source, "\n".join(pub.checksums))
         console.print(table)
-        table = Table("seq", "engine", "job", "into", "outcome", title=f"loads ({len(answer.loads)})")
+        table = Table("seq", "engine", "job", "into", "outcome",
+                      title=f"loads (the newest {len(answer.loads)} of {answer.counts.get('loaded', 0)})")
         for load in answer.loads:
             table.add_row(str(load.seq), load.engine, _dash(load.job_id), load.dest, load.outcome)
         console.print(table)

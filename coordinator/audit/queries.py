@@ -146,10 +146,11 @@ class KeyAnswer(msgspec.Struct, frozen=True, kw_only=True):
     """engine pool/block@generation where it was computed, with the sequence."""
     publications: list[Publication]
     loads: list[KeyLoad]
-    """The newest LIST_LIMIT loads, oldest first; `loads_total` counts them all."""
     evictions: list[int]
     quarantines: list[str]
-    loads_total: int = 0
+    counts: dict[str, int] = {}
+    """How many rows of each kind the key has (computed, stored, published, loaded, evicted,
+    quarantined): each list above holds the newest LIST_LIMIT of its kind, oldest first."""
 
 
 class RequestAnswer(msgspec.Struct, frozen=True, kw_only=True):
@@ -506,17 +507,23 @@ class Audit:
         except ValueError as error:
             raise AuditError(f"key {key_hex!r} is not hex: {error}") from error
         k, n = t.audit_keys.c, t.audit_namespaces.c
-        rows = conn.execute(sa.select(t.audit_keys).where(k.key == key, k.kind != "loaded").order_by(k.seq)).all()
-        loads = conn.execute(sa.select(t.audit_keys).where(k.key == key, k.kind == "loaded")
-                             .order_by(k.seq.desc()).limit(LIST_LIMIT)).all()[::-1]
-        if not rows and not loads:
+        counts = {str(kind): int(count) for kind, count in conn.execute(
+            sa.select(k.kind, sa.func.count()).where(k.key == key).group_by(k.kind))}
+        if not counts:
             raise NotFound(f"key {key_hex} is not in the log")
+
+        def newest(kind: str) -> list[Any]:  # one range of the (key, kind, seq) index
+            return list(conn.execute(sa.select(t.audit_keys).where(k.key == key, k.kind == kind)
+                                     .order_by(k.seq.desc()).limit(LIST_LIMIT)).all())[::-1]
+
+        published, loads = newest("published"), newest("loaded")
+        rows = [*newest("computed"), *published, *newest("evicted"), *newest("quarantined")]
+        sources = {r.job_id for r in published if r.job_id is not None}
+        rows += conn.execute(sa.select(t.audit_keys).where(k.key == key, k.kind == "stored", k.job_id.in_(sources))).all()
         namespace = next((bytes(r.namespace_id) for r in [*rows, *loads] if r.namespace_id is not None), b"")
         spec = conn.execute(sa.select(n.tenant, n.model_id).where(n.namespace_id == namespace)).first()
         tenant, model = (spec.tenant, spec.model_id) if spec is not None else ("", "")
         self._check(tenant, f"key {key_hex}")
-        loads_total = len(loads) if len(loads) < LIST_LIMIT else int(conn.execute(
-            sa.select(sa.func.count()).where(k.key == key, k.kind == "loaded")).scalar() or 0)
         j = t.audit_jobs.c
         job_ids = {r.job_id for r in [*rows, *loads] if r.job_id is not None}
         outcomes: dict[int, list[Any]] = {}
@@ -526,15 +533,14 @@ class Audit:
         stored_from = {r.job_id: f"{r.engine} {r.pool}/{r.block}@g{r.generation}" for r in rows if r.kind == "stored"}
         return KeyAnswer(
             key=key_hex, namespace_id=namespace.hex(), tenant=tenant, model_id=model,
-            computed=[f"{r.engine} {r.pool}/{r.block}@g{r.generation} at seq {r.seq}"
-                      for r in rows if r.kind == "computed"][-LIST_LIMIT:],
+            computed=[f"{r.engine} {r.pool}/{r.block}@g{r.generation} at seq {r.seq}" for r in rows if r.kind == "computed"],
             publications=[Publication(r.seq, r.tier, r.tier_slot, r.size_bytes, r.job_id, stored_from.get(r.job_id, "?"),
-                                      r.checksums.split(",") if r.checksums else []) for r in rows if r.kind == "published"],
+                                      r.checksums.split(",") if r.checksums else []) for r in published],
             loads=[KeyLoad(r.seq, r.engine, r.job_id, f"{r.pool}/{r.block}@g{r.generation}",
                            _job_touch(r.job_id, outcomes.get(r.job_id, []), r.seq, r.seq).outcome) for r in loads],
-            evictions=[r.seq for r in rows if r.kind == "evicted"][-LIST_LIMIT:],
-            quarantines=[f"seq {r.seq}: {r.detail}" for r in rows if r.kind == "quarantined"][-LIST_LIMIT:],
-            loads_total=loads_total,
+            evictions=[r.seq for r in rows if r.kind == "evicted"],
+            quarantines=[f"seq {r.seq}: {r.detail}" for r in rows if r.kind == "quarantined"],
+            counts=counts,
         )
 
     # --- refusals and namespaces ----------------------------------------------------------

@@ -100,7 +100,7 @@ audit_slots = sa.Table(
     sa.Column("key", sa.LargeBinary, nullable=True),
 )
 sa.Index("ix_kvl_audit_slots_seq", audit_slots.c.engine, audit_slots.c.pool, audit_slots.c.block, audit_slots.c.seq)
-sa.Index("ix_kvl_audit_slots_owner", audit_slots.c.engine, audit_slots.c.owner_id)
+sa.Index("ix_kvl_audit_slots_owner", audit_slots.c.engine, audit_slots.c.owner_id, audit_slots.c.kind)
 
 audit_owners = sa.Table(
     "kvl_audit_owners",
@@ -150,7 +150,9 @@ audit_keys = sa.Table(
     sa.Column("checksums", sa.Text, nullable=False),
     sa.Column("detail", sa.Text, nullable=False),
 )
-sa.Index("ix_kvl_audit_keys_key", audit_keys.c.key, audit_keys.c.seq)
+# kind in the key index: a hot key has tens of thousands of loads, and its other rows (or its
+# newest loads) are found without reading each load's row.
+sa.Index("ix_kvl_audit_keys_key", audit_keys.c.key, audit_keys.c.kind, audit_keys.c.seq)
 sa.Index("ix_kvl_audit_keys_namespace", audit_keys.c.namespace_id, audit_keys.c.kind)
 
 audit_refusals = sa.Table(
