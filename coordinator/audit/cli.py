@@ -163,8 +163,9 @@ def _render_block(answer: BlockAnswer) -> None:
                       f"ended at {_where(life.freed_seq, life.freed_step)} ({life.ended_by})")
     if answer.owner is not None:
         owner = answer.owner
+        finished = "not finished" if owner.finished_seq is None else f"{owner.finished_reason} at seq {owner.finished_seq}"
         console.print(f"owner {owner.owner_id} (req_id {owner.req_id}{', resumed' if owner.resumed else ''}): "
-                      f"started at seq {owner.started_seq}, finished at {_where(owner.finished_seq)} {owner.finished_reason}")
+                      f"started at seq {owner.started_seq}, {finished}")
     if answer.jobs:
         table = Table("job", "kind", "started", "ended", "outcome", "pinned then")
         for job in answer.jobs:
