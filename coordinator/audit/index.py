@@ -63,7 +63,8 @@ EngineRow = tuple[str, int, bytes | None, int, str, str]
 NamespaceRow = tuple[bytes, str, str, str, int]
 """namespace_id, tenant, model_id, spec (JSON), seq"""
 StepRow = tuple[str, int, int, int, float]
-"""engine, step, first_seq, last_seq, recorded_at"""
+"""engine, step (-1 for an append outside a step: a worker's report, a reset), first_seq, last_seq,
+recorded_at"""
 DecisionRow = tuple[int, str, bytes, bytes | None, int, str, str]
 """seq, outcome (new, compatible, clear or released), from_namespace, to_namespace, affected_keys,
 evidence, reason"""
@@ -106,8 +107,7 @@ class Indexer:
         """Add the rows of one stored step's events; `first_seq` is the first event's sequence
         (the events may be a tail of the step: then pass the tail's first sequence)."""
         engine = engine_of_stream(stream_id)
-        if step >= 0:
-            rows.steps.append((engine, step, first_seq, last_seq, recorded_at))
+        rows.steps.append((engine, step, first_seq, last_seq, recorded_at))  # every append: its time
         for offset, event in enumerate(events):
             self.event(rows, event, first_seq + offset, engine)
 

@@ -8,7 +8,9 @@ filtered (I9, for audit reads).
 
 from __future__ import annotations
 
+import bisect
 import datetime as dt
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -22,6 +24,8 @@ from events.log import _schema as t
 
 
 T = TypeVar("T")
+_HOLDS = ("allocated", "reused", "freed")
+"""The slot rows that change who holds a generation."""
 LIST_LIMIT = 100
 """Longest list in one answer (a hot key's loads, a reused req_id's owners): a point query stays a
 point query on a log of millions of events (ops/bench/audit.py)."""
@@ -115,6 +119,9 @@ class HistoryAnswer(msgspec.Struct, frozen=True, kw_only=True):
     block: int
     tenant: str
     generations: list[GenerationLife]
+    """The newest LIST_LIMIT generations, oldest first (a tenant sees only those allocated under
+    its own declarations of the engine)."""
+    generations_total: int = 0
 
 
 class Publication(msgspec.Struct, frozen=True):
@@ -232,16 +239,68 @@ class Audit:
         async with self.log.engine.connect() as conn:
             return await conn.run_sync(query)
 
+    # --- tenancy --------------------------------------------------------------------------
+    # An engine's data belongs to the tenant of the declaration in force when it was recorded: a
+    # restarted engine may be declared again under another namespace, even another tenant's.
+
+    def _declarations(self, conn: sa.Connection) -> dict[str, tuple[list[int], list[str]]]:
+        """engine -> (sequences of its declarations, the tenant each declared), in log order."""
+        e, n = t.audit_engines.c, t.audit_namespaces.c
+        found: dict[str, tuple[list[int], list[str]]] = {}
+        for engine, seq, tenant in conn.execute(
+                sa.select(e.engine, e.seq, n.tenant)
+                .select_from(t.audit_engines.outerjoin(t.audit_namespaces, e.namespace_id == n.namespace_id))
+                .where(e.kind == "declared").order_by(e.seq)):
+            seqs, tenants = found.setdefault(engine, ([], []))
+            seqs.append(int(seq))
+            tenants.append(str(tenant or ""))
+        return found
+
+    @staticmethod
+    def _tenant_at(declarations: dict[str, tuple[list[int], list[str]]], engine: str, seq: int) -> str | None:
+        """The tenant of `engine`'s declaration in force at `seq` (None before its first)."""
+        seqs, tenants = declarations.get(engine, ([], []))
+        index = bisect.bisect_right(seqs, seq) - 1
+        return tenants[index] if index >= 0 else None
+
+    def _visible_at(self, declarations: dict[str, tuple[list[int], list[str]]], engine: str, seq: int) -> bool:
+        return self.tenant is None or self._tenant_at(declarations, engine, seq) == self.tenant
+
+    def _spans(self, declarations: dict[str, tuple[list[int], list[str]]]) -> list[tuple[str, int, int | None]]:
+        """(engine, from_seq, to_seq or None) of every declaration under the caller's tenant."""
+        spans = []
+        for engine, (seqs, tenants) in declarations.items():
+            for index, (seq, tenant) in enumerate(zip(seqs, tenants, strict=True)):
+                if self.tenant is None or tenant == self.tenant:
+                    spans.append((engine, seq, seqs[index + 1] if index + 1 < len(seqs) else None))
+        return spans
+
+    def _span_filter(self, conn: sa.Connection, engine: sa.ColumnElement[Any],
+                     seq: sa.ColumnElement[Any]) -> sa.ColumnElement[bool] | None:
+        """A WHERE clause keeping the rows recorded under the caller's tenant (None: keep all)."""
+        if self.tenant is None:
+            return None
+        spans = self._spans(self._declarations(conn))
+        if not spans:
+            return sa.false()
+        return sa.or_(*(sa.and_(engine == name, seq >= start, *(() if end is None else (seq < end,)))
+                        for name, start, end in spans))
+
+    def _check(self, tenant: str | None, what: str) -> None:
+        if self.tenant is not None and tenant != self.tenant:
+            raise OutOfScope(f"{what} is outside tenant {self.tenant!r}")
+
     # --- points in time -------------------------------------------------------------------
 
     async def engines(self) -> list[str]:
-        """The engines in the log that the caller may see."""
+        """The engines in the log the caller may see (declared at least once under its tenant)."""
         return await self._read(lambda conn: self._engines(conn, scoped=True))
 
     def _engines(self, conn: sa.Connection, *, scoped: bool) -> list[str]:
-        rows = conn.execute(sa.select(t.audit_engines.c.engine).distinct().order_by(t.audit_engines.c.engine))
-        visible = self._tenant_engines(conn) if scoped else None
-        return [row.engine for row in rows if visible is None or row.engine in visible]
+        declarations = self._declarations(conn)
+        if not scoped or self.tenant is None:
+            return sorted(declarations)
+        return sorted({engine for engine, _, _ in self._spans(declarations)})
 
     async def engine(self, engine: str | None) -> str:
         """The engine asked for, or the caller's only engine. Messages list only the engines the
@@ -258,15 +317,14 @@ class Audit:
         return known[0]
 
     async def check_engine(self, engine: str) -> None:
-        """OutOfScope unless the caller may see `engine`'s data."""
-        if self.tenant is not None:
-            tenant = await self._read(lambda conn: self._engine_tenant(conn, engine))
-            self._check(tenant, f"engine {engine!r}")
+        """OutOfScope unless `engine` was declared under the caller's tenant at some point."""
+        if self.tenant is not None and engine not in await self.engines():
+            raise OutOfScope(f"engine {engine!r} is outside tenant {self.tenant!r}")
 
     async def resolve(self, engine: str, *, at_seq: int | None = None, at_step: int | None = None,
                       at_time: float | None = None) -> int:
         """The global sequence meant by one of --at-seq, --at-step (that engine's step: its
-        last event) or --at-time (the last step recorded by then); default the index's head."""
+        last event) or --at-time (the last append recorded by then); default the index's head."""
         if sum(x is not None for x in (at_seq, at_step, at_time)) > 1:
             raise AuditError("give at most one of --at-seq, --at-step and --at-time")
         await self.check_engine(engine)  # scope before existence: a missing step says nothing
@@ -277,6 +335,8 @@ class Audit:
             return min(at_seq, head)
         if at_step is None and at_time is None:
             return head
+        if at_time is not None and not math.isfinite(at_time):
+            raise AuditError(f"--at-time must be a finite time, got {at_time}")
         return await self._read(lambda conn: self._resolve(conn, engine, at_step, at_time))
 
     def _resolve(self, conn: sa.Connection, engine: str, at_step: int | None, at_time: float | None) -> int:
@@ -294,33 +354,11 @@ class Audit:
         return int(found)
 
     def _point(self, conn: sa.Connection, engine: str, seq: int) -> Point:
+        """The engine's step at `seq` (its last step begun by then) and the time `seq` was recorded."""
         s = t.audit_steps.c
-        row = (conn.execute(sa.select(s.step, s.recorded_at).where(s.engine == engine, s.first_seq <= seq)
-                                  .order_by(s.first_seq.desc()).limit(1))).first()
-        return Point(seq, -1, 0.0) if row is None else Point(seq, int(row.step), float(row.recorded_at))
-
-    # --- tenancy --------------------------------------------------------------------------
-
-    def _engine_tenant(self, conn: sa.Connection, engine: str) -> str:
-        e, n = t.audit_engines.c, t.audit_namespaces.c
-        tenant = (conn.execute(
-            sa.select(n.tenant).select_from(t.audit_engines.join(t.audit_namespaces, e.namespace_id == n.namespace_id))
-            .where(e.engine == engine, e.kind == "declared").order_by(e.seq.desc()).limit(1))).scalar()
-        return str(tenant or "")
-
-    def _check(self, tenant: str, what: str) -> None:
-        if self.tenant is not None and tenant != self.tenant:
-            raise OutOfScope(f"{what} is outside tenant {self.tenant!r}")
-
-    def _tenant_engines(self, conn: sa.Connection) -> set[str] | None:
-        """The engines the caller may see (None: all)."""
-        if self.tenant is None:
-            return None
-        e, n = t.audit_engines.c, t.audit_namespaces.c
-        rows = conn.execute(
-            sa.select(e.engine).select_from(t.audit_engines.join(t.audit_namespaces, e.namespace_id == n.namespace_id))
-            .where(n.tenant == self.tenant).distinct())
-        return {row.engine for row in rows}
+        step = conn.execute(sa.select(s.step).where(s.engine == engine, s.first_seq <= seq, s.step >= 0)
+                            .order_by(s.first_seq.desc()).limit(1)).scalar()
+        return Point(seq, -1 if step is None else int(step), self._time_of(conn, seq) or 0.0)
 
     # --- slots ----------------------------------------------------------------------------
 
@@ -329,14 +367,15 @@ class Audit:
 
     def _block(self, conn: sa.Connection, engine: str, pool: int, block: int, at_seq: int) -> BlockAnswer:
         s = t.audit_slots.c
-        tenant = self._engine_tenant(conn, engine)
-        self._check(tenant, f"engine {engine!r}")
-        point = self._point(conn, engine, at_seq)
+        declarations = self._declarations(conn)
         slot = (s.engine == engine, s.pool == pool, s.block == block)
         allocation = conn.execute(sa.select(s.generation, s.seq).where(*slot, s.seq <= at_seq, s.kind == "allocated")
                                   .order_by(s.seq.desc()).limit(1)).first()
+        tenant = self._tenant_at(declarations, engine, at_seq if allocation is None else int(allocation.seq))
+        self._check(tenant, f"engine {engine!r} then")
+        point = self._point(conn, engine, at_seq)
         if allocation is None:
-            return BlockAnswer(engine=engine, pool=pool, block=block, tenant=tenant, at=point,
+            return BlockAnswer(engine=engine, pool=pool, block=block, tenant=tenant or "", at=point,
                                status="never_allocated", generation=None, owner=None, jobs=[], events=[])
         generation = int(allocation.generation)
         # A generation's rows lie between its allocation and the next one (a slot is freed before
@@ -347,84 +386,79 @@ class Audit:
         rows = conn.execute(sa.select(s.seq, s.kind, s.owner_id, s.job_id, s.key)
                             .where(*slot, span, s.generation == generation).order_by(s.seq)).all()
         events = [SlotEvent(r.seq, r.kind, r.owner_id, r.job_id, None if r.key is None else bytes(r.key).hex()) for r in rows]
-        freed = next((e.seq for e in events if e.kind == "freed"), None)
-        owner_id = next((e.owner_id for e in events if e.kind == "allocated"), None)
-        life = self._life(conn, engine, generation, allocation.seq, owner_id, freed,
-                          None if following is None else int(following))
-        owner = None if life.owner_id is None else self._owner(conn, engine, life.owner_id)
+        life = self._lifetimes(conn, engine, [(generation, e.seq, e.kind, e.owner_id) for e in events],
+                               None if following is None else int(following))[0]
+        # Then: the last change of hands at or before the point. A slot freed with its content kept
+        # can be taken again (a reuse) without a new allocation: it is held again, by the reuser.
+        changes = [e for e in events if e.kind in _HOLDS and e.seq <= at_seq]
+        ended = life.ended_by in ("reset", "reallocated") and life.freed_seq is not None and life.freed_seq <= at_seq
+        held = bool(changes) and changes[-1].kind != "freed" and not ended
+        holder = next((e.owner_id for e in reversed(changes) if e.kind != "freed"), None)
+        owner = None if holder is None else self._owner(conn, engine, holder)
         jobs = self._jobs(conn, [e for e in events if e.job_id is not None], at_seq)
-        ended = life.freed_seq is not None and life.freed_seq <= at_seq
-        return BlockAnswer(engine=engine, pool=pool, block=block, tenant=tenant, at=point,
-                           status="free" if ended else "held", generation=life, owner=owner, jobs=jobs, events=events)
+        return BlockAnswer(engine=engine, pool=pool, block=block, tenant=tenant or "", at=point,
+                           status="held" if held else "free", generation=life, owner=owner, jobs=jobs, events=events)
 
     async def history(self, engine: str, pool: int, block: int) -> HistoryAnswer:
         return await self._read(lambda conn: self._history(conn, engine, pool, block))
 
     def _history(self, conn: sa.Connection, engine: str, pool: int, block: int) -> HistoryAnswer:
         s = t.audit_slots.c
-        tenant = self._engine_tenant(conn, engine)
-        self._check(tenant, f"engine {engine!r}")
-        generations = [int(r.generation) for r in conn.execute(
-            sa.select(s.generation).where(s.engine == engine, s.pool == pool, s.block == block, s.kind == "allocated")
+        slot = (s.engine == engine, s.pool == pool, s.block == block)
+        newest = [int(seq) for seq in conn.execute(sa.select(s.seq).where(*slot, s.kind == "allocated")
+                                                   .order_by(s.seq.desc()).limit(LIST_LIMIT)).scalars()][::-1]
+        total = len(newest) if len(newest) < LIST_LIMIT else int(conn.execute(
+            sa.select(sa.func.count()).where(*slot, s.kind == "allocated")).scalar() or 0)
+        rows = [] if not newest else [tuple(r) for r in conn.execute(
+            sa.select(s.generation, s.seq, s.kind, s.owner_id).where(*slot, s.seq >= newest[0], s.kind.in_(_HOLDS))
             .order_by(s.seq))]
-        lives = self._lives(conn, engine, pool, block, generations)
-        return HistoryAnswer(engine=engine, pool=pool, block=block, tenant=tenant, generations=lives)
+        declarations = self._declarations(conn)
+        lives = [life for life in self._lifetimes(conn, engine, rows, None)
+                 if self._visible_at(declarations, engine, life.allocated_seq)]
+        if self.tenant is not None and not lives and (newest or engine not in self._engines(conn, scoped=True)):
+            raise OutOfScope(f"engine {engine!r} is outside tenant {self.tenant!r}")
+        tenant = self.tenant if self.tenant is not None else (
+            self._tenant_at(declarations, engine, lives[-1].allocated_seq) if lives else None)
+        return HistoryAnswer(engine=engine, pool=pool, block=block, tenant=tenant or "", generations=lives,
+                             generations_total=total)
 
-    def _lives(self, conn: sa.Connection, engine: str, pool: int, block: int, generations: Sequence[int]) -> list[GenerationLife]:
-        if not generations:
+    def _lifetimes(self, conn: sa.Connection, engine: str, rows: Sequence[tuple[Any, ...]],
+                   next_allocation: int | None) -> list[GenerationLife]:
+        """Lifetimes of the generations allocated in `rows` ((generation, seq, kind, owner_id) of
+        one slot's allocated, reused and freed rows, in log order; other kinds are ignored). A
+        generation ends at its last free that no reuse follows; when its freed notice was dropped
+        (the slot was allocated again in the same step, I14), at the next allocation; or at the
+        engine's reset."""
+        allocations = [(int(g), int(seq), owner) for g, seq, kind, owner in rows if kind == "allocated"]
+        if not allocations:
             return []
-        s, o = t.audit_slots.c, t.audit_owners.c
-        rows = (conn.execute(
-            sa.select(s.generation, s.seq, s.kind, s.owner_id)
-            .where(s.engine == engine, s.pool == pool, s.block == block, s.kind.in_(("allocated", "freed")),
-                   s.generation.in_(sorted(set(generations))))
-            .order_by(s.seq))).all()
-        allocated: dict[int, tuple[int, int | None]] = {}
-        freed: dict[int, int] = {}
-        for row in rows:
-            if row.kind == "allocated":
-                allocated.setdefault(row.generation, (row.seq, row.owner_id))
-            else:
-                freed.setdefault(row.generation, row.seq)
-        owners = {oid for _, oid in allocated.values() if oid is not None}
-        req_ids = {r.owner_id: r.req_id for r in conn.execute(
-            sa.select(o.owner_id, o.req_id).where(o.engine == engine, o.kind == "started", o.owner_id.in_(owners)))} if owners else {}
-        resets = [int(r.seq) for r in conn.execute(
-            sa.select(t.audit_engines.c.seq).where(t.audit_engines.c.engine == engine, t.audit_engines.c.kind == "reset"))]
-        following = (conn.execute(  # the allocation after the last one asked about
-            sa.select(s.seq).where(s.engine == engine, s.pool == pool, s.block == block, s.kind == "allocated",
-                                   s.seq > max(seq for seq, _ in allocated.values())).order_by(s.seq).limit(1))).scalar()
-        starts = sorted(seq for seq, _ in allocated.values()) + ([int(following)] if following is not None else [])
-        return [self._life(conn, engine, generation, allocated[generation][0], allocated[generation][1],
-                           freed.get(generation), next((x for x in starts if x > allocated[generation][0]), None),
-                           resets=resets, req_ids=req_ids)
-                for generation in generations]
-
-    def _life(self, conn: sa.Connection, engine: str, generation: int, allocated_seq: int, owner: int | None,
-              freed: int | None, next_allocation: int | None, *, resets: Sequence[int] | None = None,
-              req_ids: dict[int, str] | None = None) -> GenerationLife:
-        """One generation's lifetime. It ends when its slot is freed; when the freed notice was
-        dropped (the slot was allocated again in the same step, I14), at the next allocation; or
-        at the engine's reset."""
-        end, ended_by = freed, "freed"
-        if end is None:
-            if resets is None:
-                e = t.audit_engines.c
-                found = conn.execute(sa.select(e.seq).where(e.engine == engine, e.kind == "reset", e.seq > allocated_seq)
-                                     .order_by(e.seq).limit(1)).scalar()
-                reset = None if found is None else int(found)
-            else:
-                reset = next((r for r in sorted(resets) if r > allocated_seq), None)
-            end, ended_by = min(((x, why) for x, why in ((reset, "reset"), (next_allocation, "reallocated")) if x is not None),
-                                default=(None, "open"))
-        if req_ids is None and owner is not None:
-            o = t.audit_owners.c
-            req_ids = {owner: str(conn.execute(sa.select(o.req_id).where(o.engine == engine, o.owner_id == owner,
-                                                                         o.kind == "started")).scalar() or "")}
-        return GenerationLife(
-            generation=generation, owner_id=owner, req_id=(req_ids or {}).get(owner, "") if owner is not None else "",
-            allocated_seq=allocated_seq, allocated_step=self._point(conn, engine, allocated_seq).step,
-            freed_seq=end, freed_step=None if end is None else self._point(conn, engine, end).step, ended_by=ended_by)
+        last: dict[int, tuple[str, int]] = {}
+        for generation, seq, kind, _ in rows:
+            if kind in _HOLDS:
+                last[int(generation)] = (str(kind), int(seq))
+        e, o = t.audit_engines.c, t.audit_owners.c
+        resets = [int(seq) for seq in conn.execute(sa.select(e.seq).where(
+            e.engine == engine, e.kind == "reset", e.seq > allocations[0][1]).order_by(e.seq)).scalars()]
+        owners = {owner for _, _, owner in allocations if owner is not None}
+        req_ids = {owner_id: req_id for owner_id, req_id in conn.execute(
+            sa.select(o.owner_id, o.req_id).where(o.engine == engine, o.kind == "started", o.owner_id.in_(owners)))}
+        lives = []
+        for index, (generation, seq, owner) in enumerate(allocations):
+            after = allocations[index + 1][1] if index + 1 < len(allocations) else next_allocation
+            kind, at = last.get(generation, ("allocated", seq))
+            end: int | None = at if kind == "freed" else None
+            ended_by = "freed"
+            if end is None:
+                later = bisect.bisect_right(resets, seq)
+                reset = resets[later] if later < len(resets) else None
+                end, ended_by = min(((x, why) for x, why in ((reset, "reset"), (after, "reallocated")) if x is not None),
+                                    default=(None, "open"))
+            lives.append(GenerationLife(
+                generation=generation, owner_id=owner, req_id=req_ids.get(owner, "") if owner is not None else "",
+                allocated_seq=seq, allocated_step=self._point(conn, engine, seq).step,
+                freed_seq=end, freed_step=None if end is None else self._point(conn, engine, end).step,
+                ended_by=ended_by))
+        return lives
 
     def _jobs(self, conn: sa.Connection, touches: Sequence[SlotEvent], at_seq: int) -> list[JobTouch]:
         ids = sorted({e.job_id for e in touches if e.job_id is not None})
@@ -481,12 +515,11 @@ class Audit:
     def _request(self, conn: sa.Connection, req_id: str) -> RequestAnswer:
         o = t.audit_owners.c
         query = sa.select(o.engine, o.owner_id).where(o.req_id == req_id, o.kind == "started")
-        visible = self._tenant_engines(conn)
-        if visible is not None:
-            elsewhere = conn.execute(query.where(o.engine.not_in(visible)).limit(1)).first()
-            if elsewhere is not None and conn.execute(query.where(o.engine.in_(visible)).limit(1)).first() is None:
+        mine = self._span_filter(conn, o.engine, o.seq)
+        if mine is not None:
+            if conn.execute(query.where(mine).limit(1)).first() is None and conn.execute(query.limit(1)).first() is not None:
                 raise OutOfScope(f"request {req_id!r} is outside tenant {self.tenant!r}")
-            query = query.where(o.engine.in_(visible))
+            query = query.where(mine)
         rows = conn.execute(query.order_by(o.seq.desc()).limit(LIST_LIMIT)).all()[::-1]
         if not rows:
             raise NotFound(f"request {req_id!r} is not in the log")
@@ -555,15 +588,15 @@ class Audit:
                                         .where(t.audit_steps.c.recorded_at < since_time))).scalar()
             since_seq = max(since_seq, int(found or 0))
         st = t.audit_steps.c
-        def at_step(column: sa.ColumnElement[Any]) -> sa.ScalarSelect[Any]:  # the engine's step at that sequence
-            return (sa.select(column).where(st.engine == r.engine, st.first_seq <= r.seq)
-                    .order_by(st.first_seq.desc()).limit(1).scalar_subquery())
-
-        query = (sa.select(t.audit_refusals, at_step(st.step).label("step"), at_step(st.recorded_at).label("recorded_at"))
+        step = (sa.select(st.step).where(st.engine == r.engine, st.first_seq <= r.seq, st.step >= 0)
+                .order_by(st.first_seq.desc()).limit(1).scalar_subquery())  # the engine's step then
+        recorded = (sa.select(st.recorded_at).where(st.first_seq <= r.seq)
+                    .order_by(st.first_seq.desc()).limit(1).scalar_subquery())  # when its append was recorded
+        query = (sa.select(t.audit_refusals, step.label("step"), recorded.label("recorded_at"))
                  .where(r.seq > since_seq).order_by(r.seq).limit(limit))
-        visible = self._tenant_engines(conn)
-        if visible is not None:
-            query = query.where(r.engine.in_(visible))
+        mine = self._span_filter(conn, r.engine, r.seq)
+        if mine is not None:
+            query = query.where(mine)
         return [RefusalEntry(row.seq, -1 if row.step is None else int(row.step), float(row.recorded_at or 0.0),
                              row.engine, row.kind, row.subject, row.reason, row.detail)
                 for row in conn.execute(query)]
@@ -633,16 +666,20 @@ class Audit:
         return entries
 
     def _time_of(self, conn: sa.Connection, seq: int) -> float | None:
-        found = (conn.execute(sa.select(t.steps.c.recorded_at).where(t.steps.c.first_seq <= seq)
-                                    .order_by(t.steps.c.first_seq.desc()).limit(1))).scalar()
+        """When the append holding `seq` was recorded (every append has a kvl_audit_steps row)."""
+        s = t.audit_steps.c
+        found = conn.execute(sa.select(s.recorded_at).where(s.first_seq <= seq).order_by(s.first_seq.desc()).limit(1)).scalar()
         return None if found is None else float(found)
 
 
 _LIVE_KEYS = sa.text(
+    # A key is live in a tier from its last publication there until an eviction from that tier, or
+    # a quarantine, after it; the same key may be live in several tiers and pools.
     "SELECT count(*), sum(p.size_bytes) FROM ("
-    " SELECT key, max(seq) AS seq, max(size_bytes) AS size_bytes FROM kvl_audit_keys"
-    " WHERE namespace_id = :namespace AND kind = 'published' GROUP BY key) AS p"
-    " WHERE NOT EXISTS (SELECT 1 FROM kvl_audit_keys AS e WHERE e.key = p.key AND e.kind = 'evicted' AND e.seq > p.seq)"
+    " SELECT key, tier, pool, max(seq) AS seq, max(size_bytes) AS size_bytes FROM kvl_audit_keys"
+    " WHERE namespace_id = :namespace AND kind = 'published' GROUP BY key, tier, pool) AS p"
+    " WHERE NOT EXISTS (SELECT 1 FROM kvl_audit_keys AS e WHERE e.key = p.key AND e.kind IN ('evicted', 'quarantined')"
+    " AND e.tier = p.tier AND e.pool = p.pool AND e.seq > p.seq)"
 )
 _USE = sa.text(
     "SELECT min(CASE WHEN kind = 'published' THEN seq END), max(seq) FROM kvl_audit_keys"

@@ -53,7 +53,7 @@ async def indexed_seq(event_log: SqlEventLog) -> int:
 
 
 async def sync_index(
-    event_log: SqlEventLog, *, until_seq: int | None = None, batch: int = 50_000,
+    event_log: SqlEventLog, *, until_seq: int | None = None, batch: int = 10_000,
     on_progress: Callable[[IndexProgress], None] | None = None, codec: EventCodec | None = None,
 ) -> int:
     """Index every committed event after the checkpoint (up to the end of the step holding

@@ -400,11 +400,12 @@ async def read_rows(event_log: SqlEventLog, *, pool: int, first_step: int, last_
         if pool not in pools:
             raise NotFound(f"engine {engine!r} has no pool {pool} in the audit index "
                            f"(pools with slots: {', '.join(map(str, pools)) or 'none'})")
-        in_range = sa.and_(st.engine == engine, st.step >= first_step, st.step <= last_step)
+        # kvl_audit_steps has a row for every append; steps are those with a step number.
+        in_range = sa.and_(st.engine == engine, st.step >= max(first_step, 0), st.step <= last_step)
         count = (await conn.execute(sa.select(sa.func.count()).where(in_range))).scalar() or 0
         if count == 0:
             known = (await conn.execute(sa.select(sa.func.min(st.step), sa.func.max(st.step))
-                                        .where(st.engine == engine))).one()
+                                        .where(st.engine == engine, st.step >= 0))).one()
             have = "none" if known[0] is None else f"{known[0]}..{known[1]}"
             raise NotFound(f"engine {engine!r} has no steps in {first_step}..{last_step} (its steps: {have})")
         if count > max_steps:
@@ -415,7 +416,7 @@ async def read_rows(event_log: SqlEventLog, *, pool: int, first_step: int, last_
         steps = [StepSpan(int(x.step), int(x.first_seq), int(x.last_seq)) for x in await conn.execute(
             sa.select(st.step, st.first_seq, st.last_seq).where(in_range).order_by(st.first_seq))]
         following = (await conn.execute(sa.select(sa.func.min(st.first_seq)).where(
-            st.engine == engine, st.first_seq > steps[-1].last_seq))).scalar()
+            st.engine == engine, st.step >= 0, st.first_seq > steps[-1].last_seq))).scalar()
         first_seq, last_seq = steps[0].first_seq, (int(following) - 1 if following is not None else max(head, steps[-1].last_seq))
 
         of_pool = sa.and_(s.engine == engine, s.pool == pool)

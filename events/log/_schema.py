@@ -89,12 +89,12 @@ audit_slots = sa.Table(
     metadata,
     # What happened to one generation of one slot: allocated, reused (a ref taken), released (a
     # ref dropped), computed, stored_from, loaded_into, copied, freed.
-    sa.Column("engine", sa.String(255), nullable=False),
+    sa.Column("engine", sa.Text, nullable=False),
     sa.Column("pool", sa.Integer, nullable=False),
     sa.Column("block", sa.Integer, nullable=False),
     sa.Column("generation", sa.Integer, nullable=False),
     sa.Column("seq", sa.BigInteger, nullable=False),
-    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("kind", sa.String(24), nullable=False),
     sa.Column("owner_id", sa.BigInteger, nullable=True),
     sa.Column("job_id", sa.BigInteger, nullable=True),
     sa.Column("key", sa.LargeBinary, nullable=True),
@@ -106,11 +106,11 @@ audit_owners = sa.Table(
     "kvl_audit_owners",
     metadata,
     # Owner lifetimes: started (detail "resumed" for a resumed request) and finished (the reason).
-    sa.Column("engine", sa.String(255), nullable=False),
+    sa.Column("engine", sa.Text, nullable=False),
     sa.Column("owner_id", sa.BigInteger, nullable=False),
-    sa.Column("req_id", sa.String(255), nullable=False),
+    sa.Column("req_id", sa.Text, nullable=False),
     sa.Column("seq", sa.BigInteger, nullable=False),
-    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("kind", sa.String(24), nullable=False),
     sa.Column("detail", sa.Text, nullable=False),
 )
 sa.Index("ix_kvl_audit_owners_req", audit_owners.c.req_id, audit_owners.c.seq)
@@ -122,7 +122,7 @@ audit_jobs = sa.Table(
     # A job's life: started (kind store, load or copy), reported (per rank), succeeded, failed,
     # fenced, fenced_rank_done.
     sa.Column("job_id", sa.BigInteger, nullable=False),
-    sa.Column("engine", sa.String(255), nullable=False),
+    sa.Column("engine", sa.Text, nullable=False),
     sa.Column("seq", sa.BigInteger, nullable=False),
     sa.Column("kind", sa.String(24), nullable=False),
     sa.Column("rank", sa.Integer, nullable=True),
@@ -137,9 +137,9 @@ audit_keys = sa.Table(
     # (with each rank's checksum), loaded (by a job into a slot), evicted, quarantined.
     sa.Column("key", sa.LargeBinary, nullable=False),
     sa.Column("seq", sa.BigInteger, nullable=False),
-    sa.Column("kind", sa.String(16), nullable=False),
-    sa.Column("engine", sa.String(255), nullable=False),
-    sa.Column("tier", sa.String(255), nullable=False),
+    sa.Column("kind", sa.String(24), nullable=False),
+    sa.Column("engine", sa.Text, nullable=False),
+    sa.Column("tier", sa.Text, nullable=False),
     sa.Column("pool", sa.Integer, nullable=False),
     sa.Column("namespace_id", sa.LargeBinary, nullable=True),
     sa.Column("job_id", sa.BigInteger, nullable=True),
@@ -160,10 +160,10 @@ audit_refusals = sa.Table(
     metadata,
     # What the coordinator refused or dropped, the jobs it failed and the keys it quarantined.
     sa.Column("seq", sa.BigInteger, nullable=False),
-    sa.Column("engine", sa.String(255), nullable=False),
-    sa.Column("kind", sa.String(16), nullable=False),
-    sa.Column("subject", sa.String(255), nullable=False),
-    sa.Column("reason", sa.String(64), nullable=False),
+    sa.Column("engine", sa.Text, nullable=False),
+    sa.Column("kind", sa.String(24), nullable=False),
+    sa.Column("subject", sa.Text, nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
     sa.Column("detail", sa.Text, nullable=False),
 )
 sa.Index("ix_kvl_audit_refusals_seq", audit_refusals.c.seq)
@@ -172,11 +172,11 @@ audit_engines = sa.Table(
     "kvl_audit_engines",
     metadata,
     # Engine incarnations: declared (with its namespace) and reset.
-    sa.Column("engine", sa.String(255), nullable=False),
+    sa.Column("engine", sa.Text, nullable=False),
     sa.Column("incarnation", sa.Integer, nullable=False),
     sa.Column("namespace_id", sa.LargeBinary, nullable=True),
     sa.Column("seq", sa.BigInteger, nullable=False),
-    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("kind", sa.String(24), nullable=False),
     sa.Column("detail", sa.Text, nullable=False),
 )
 sa.Index("ix_kvl_audit_engines_engine", audit_engines.c.engine, audit_engines.c.seq)
@@ -185,8 +185,8 @@ audit_namespaces = sa.Table(
     "kvl_audit_namespaces",
     metadata,
     sa.Column("namespace_id", sa.LargeBinary, primary_key=True),
-    sa.Column("tenant", sa.String(255), nullable=False),
-    sa.Column("model_id", sa.String(255), nullable=False),
+    sa.Column("tenant", sa.Text, nullable=False),
+    sa.Column("model_id", sa.Text, nullable=False),
     sa.Column("spec", sa.Text, nullable=False),
     sa.Column("seq", sa.BigInteger, nullable=False),
 )
@@ -199,11 +199,11 @@ audit_decisions = sa.Table(
     # namespace cleaned up by `kvledger namespace gc`: no to_namespace). affected_keys: the keys
     # a clear quarantined or a release evicted.
     sa.Column("seq", sa.BigInteger, nullable=False),
-    sa.Column("outcome", sa.String(16), nullable=False),
+    sa.Column("outcome", sa.Text, nullable=False),
     sa.Column("from_namespace", sa.LargeBinary, nullable=False),
     sa.Column("to_namespace", sa.LargeBinary, nullable=True),
     sa.Column("affected_keys", sa.Integer, nullable=False),
-    sa.Column("evidence", sa.String(255), nullable=False),
+    sa.Column("evidence", sa.Text, nullable=False),
     sa.Column("reason", sa.Text, nullable=False),
 )
 sa.Index("ix_kvl_audit_decisions_from", audit_decisions.c.from_namespace, audit_decisions.c.seq)
@@ -212,8 +212,9 @@ sa.Index("ix_kvl_audit_decisions_to", audit_decisions.c.to_namespace, audit_deci
 audit_steps = sa.Table(
     "kvl_audit_steps",
     metadata,
-    # Where each engine step lies in the log, and when it was recorded: --at-step and --at-time.
-    sa.Column("engine", sa.String(255), nullable=False),
+    # Every append: where it lies in the log and when it was recorded (--at-time), and for an
+    # engine step its step number (--at-step; -1 for an append outside a step).
+    sa.Column("engine", sa.Text, nullable=False),
     sa.Column("step", sa.BigInteger, nullable=False),
     sa.Column("first_seq", sa.BigInteger, nullable=False),
     sa.Column("last_seq", sa.BigInteger, nullable=False),
@@ -222,3 +223,4 @@ audit_steps = sa.Table(
 sa.Index("ix_kvl_audit_steps_step", audit_steps.c.engine, audit_steps.c.step)
 sa.Index("ix_kvl_audit_steps_time", audit_steps.c.recorded_at)
 sa.Index("ix_kvl_audit_steps_seq", audit_steps.c.engine, audit_steps.c.first_seq)
+sa.Index("ix_kvl_audit_steps_first", audit_steps.c.first_seq)
