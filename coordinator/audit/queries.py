@@ -710,7 +710,10 @@ def _job_touch(job_id: int, rows: Sequence[Any], touched_seq: int, at_seq: int) 
 
 
 def _when(epoch: float) -> str:
-    return dt.datetime.fromtimestamp(epoch, dt.UTC).isoformat()
+    try:
+        return dt.datetime.fromtimestamp(epoch, dt.UTC).isoformat()
+    except (ValueError, OverflowError, OSError):  # beyond the calendar datetime knows
+        return f"{epoch:g} s since the epoch"
 
 
 def parse_time(text: str) -> float:
