@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import enum
 import logging
+import math
 import re
 import sys
 import time
@@ -98,6 +99,8 @@ def parse_duration(text: str) -> float:
     if not compact or "".join(number + unit for number, unit in parts) != compact:
         raise ValueError(f"{text!r} is not a duration like 7d, 12h, 30m or 1d12h (units: w, d, h, m, s)")
     seconds = sum(float(number) * _UNITS[unit] for number, unit in parts)
+    if not math.isfinite(seconds):
+        raise ValueError(f"{text!r} is too long a duration")
     if seconds <= 0:
         raise ValueError(f"{text!r} is not a positive duration")
     return seconds
@@ -196,8 +199,9 @@ async def _through_sidecar(target: _Target, commands: Sequence[AnyCommand], comm
 
 
 async def _on_the_log(log_url: str | None, commands: Sequence[AnyCommand], command_ids: Sequence[str]) -> list[Recorded]:
+    from coordinator.audit.cli import open_existing
     from coordinator.ledger import Ledger
-    from events.log import data_dir, open_log
+    from events.log import data_dir
 
     default = data_dir() / "kvledger.sock"
     if default.exists() and await _sidecar_answers(str(default)):
@@ -205,7 +209,9 @@ async def _on_the_log(log_url: str | None, commands: Sequence[AnyCommand], comma
             f"a sidecar answers on {default}: record through it with --socket {default} (appending to its log "
             "behind its back would fork its state from the log)"
         )
-    event_log = await open_log(log_url)
+    # A decision names namespaces the log already holds: a mistyped --log must not create a new,
+    # empty log (where the decision would only be refused), so a missing SQLite file is an error.
+    event_log = await open_existing(log_url)
     try:
         ledger = await Ledger.open(event_log)
         recorded = []
@@ -300,20 +306,21 @@ def gc(
 ) -> None:
     """Release abandoned namespaces: evict every key of each namespace last used (published or
     loaded, by the audit index) longer ago than --older-than."""
-    from coordinator.audit.queries import Audit, AuditError, parse_time
+    from coordinator.audit.cli import open_existing
+    from coordinator.audit.queries import Audit, AuditError
     from coordinator.audit.store import sync_index
-    from events.log import open_log
+    from coordinator.audit.times import read_time
 
     try:
         seconds = parse_duration(older_than)
-        at = time.time() if now is None else parse_time(now)
+        at = time.time() if now is None else read_time(now)
     except (ValueError, AuditError) as error:
         raise typer.BadParameter(str(error), param_hint="--older-than" if isinstance(error, ValueError) else "--now") from None
     target = _target(log_url, socket_path, tcp, token)
     batch = command_id or uuid_utils.uuid7().hex
 
     async def main() -> GcReport:
-        event_log = await open_log(log_url)
+        event_log = await open_existing(log_url)  # never a new, empty log: a mistyped --log is an error
         try:
             await sync_index(event_log)
             inventory = await Audit(event_log, tenant=tenant).namespaces(now=at)

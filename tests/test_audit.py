@@ -351,3 +351,67 @@ async def test_long_lists_are_capped_newest_first_with_their_totals(golden: Path
         assert capped.publications == full.publications
     finally:
         await event_log.close()
+
+
+# --- odd input on the command line: one line and an exit code, never a traceback ------------------
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["audit", "block", "0", "5", "--engine", "wl-0", "--at-time", "-1e12"], "expected a time between 0001-01-01"),
+    (["audit", "block", "0", "5", "--engine", "wl-0", "--at-time", "1e300"], "expected a time between 0001-01-01"),
+    (["audit", "block", "0", "5", "--engine", "wl-0", "--at-time", "0001-01-01T00:00:00+01:00"], "expected a time between"),
+    (["audit", "block", "0", "5", "--engine", "wl-0", "--at-time", "nan"], "expected a finite time"),
+    (["audit", "block", "0", "5", "--engine", "wl-0", "--at-time", "inf"], "expected a finite time"),
+    (["audit", "refusals", "--since", "-inf"], "expected a finite time"),
+    (["replay", "--until-time", "-1e12"], "expected a time between"),
+])
+def test_cli_times_no_datetime_can_show_are_bad_input(golden: Path, tmp_path: Path, args: list[str], says: str) -> None:
+    result = CliRunner().invoke(app, [*args, "--log", str(copy_of(golden, tmp_path))])
+    assert result.exit_code == 2, (args, result.output)
+    assert says in result.stderr and "Traceback" not in result.output, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["audit", "block", "0", "99999999999999999999", "--engine", "wl-0"], "2147483647"),
+    (["audit", "block", "2147483648", "1", "--engine", "wl-0"], "2147483647"),
+    (["audit", "history", "0", "2147483648", "--engine", "wl-0"], "2147483647"),
+    (["audit", "block", "0", "5", "--engine", "wl-0", "--at-step", "1e20"], "--at-step"),
+    (["audit", "block", "0", "5", "--engine", "wl-0", "--at-step", "99999999999999999999"], "9223372036854775807"),
+    (["audit", "block", "0", "5", "--engine", "wl-0", "--at-seq", "9223372036854775808"], "9223372036854775807"),
+    (["audit", "refusals", "--since-seq", "99999999999999999999"], "9223372036854775807"),
+    (["audit", "refusals", "--limit", "99999999999999999999"], "9223372036854775807"),
+    (["replay", "--until-seq", "99999999999999999999"], "9223372036854775807"),
+    (["replay", "--until-step", "99999999999999999999", "--engine", "wl-0"], "9223372036854775807"),
+    (["export", "--after-seq", "99999999999999999999"], "9223372036854775807"),
+    (["audit", "timeline", "0", "--steps", "1:99999999999999999999", "--engine", "wl-0", "--out", "{tmp}/t.png"],
+     "a step is at most 9223372036854775807"),
+])
+def test_cli_numbers_past_what_a_log_holds_are_bad_input(golden: Path, tmp_path: Path, args: list[str], says: str) -> None:
+    """Typer bounds them (a sequence or step is a BIGINT, a pool or block an INTEGER): before,
+    SQLite raised OverflowError and the command printed a traceback."""
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    result = CliRunner().invoke(app, [*args, "--log", str(copy_of(golden, tmp_path))])
+    assert result.exit_code == 2, (args, result.output)
+    assert says in result.output and "Traceback" not in result.output, result.output
+    assert isinstance(result.exception, SystemExit)
+
+
+def test_cli_replay_and_export_check_the_output_directory_first(golden: Path, tmp_path: Path) -> None:
+    log = str(copy_of(golden, tmp_path))
+    runner = CliRunner()
+    for args in (["replay", "--out", str(tmp_path / "missing" / "state.json")],
+                 ["export", "--out", str(tmp_path / "missing" / "events.jsonl")]):
+        result = runner.invoke(app, [*args, "--log", log])
+        assert result.exit_code == 2, result.output
+        assert "does not exist" in result.stderr and str(tmp_path / "missing") in result.stderr
+        assert "Traceback" not in result.output and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "missing").exists()
+    for command in ("replay", "export"):
+        result = runner.invoke(app, [command, "--out", str(tmp_path), "--log", log])
+        assert result.exit_code == 2 and "is a directory" in result.stderr, result.output
+    if Path("/dev/full").exists():  # a write that fails (a full disk) is an I/O error: exit 1, the file named
+        for command in ("replay", "export"):
+            result = runner.invoke(app, [command, "--out", "/dev/full", "--log", log])
+            assert result.exit_code == 1, result.output
+            assert "/dev/full" in result.stderr and "Traceback" not in result.output

@@ -32,11 +32,11 @@ from typer.testing import CliRunner
 from coordinator.audit.api import INDEXED_SEQ_HEADER, TokenFileError, Tokens, load_tokens
 from coordinator.audit.queries import Audit
 from coordinator.cli import app as cli
-from coordinator.commands import AllocateBlocks
+from coordinator.commands import AllocateBlocks, DeclareTier, StartOwner
 from coordinator.sidecar.server import ConfigError, ServeConfig, Sidecar, check_config
 from coordinator.simulator.harness import Simulation
 from coordinator.simulator.scenarios import admit, attention, load_prefix, namespace, produce, prompt
-from events import BlockRef
+from events import BlockRef, OwnerStarted
 from events.log import SqlEventLog, open_log
 from tests.sidecar_kit import TIER_SPEC, declaration, sidecar_on
 
@@ -520,3 +520,84 @@ async def test_the_openapi_schema_lists_every_route_and_the_answers_conform_to_i
                                                OPERATOR)
             assert status == 200, (path, parameter["name"], body)
 
+
+
+# --- odd input: 404 or 422, never 500 -----------------------------------------------------------
+
+
+async def _asgi_get(app: Any, target: str, token: str) -> tuple[int, Any]:
+    """GET `target` (a percent-encoded path and query, as a client sends it) from an ASGI app in
+    this process: (status, the JSON body)."""
+    path, _, query = target.partition("?")
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+             "path": urllib.parse.unquote(path), "raw_path": path.encode(), "query_string": query.encode(),
+             "root_path": "", "headers": [(b"host", b"test"), (b"authorization", f"Bearer {token}".encode())],
+             "client": ("127.0.0.1", 1), "server": ("test", 80)}
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    return status, json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+
+
+ODD = [  # (the request, its status, the parameter a 422 names)
+    ("/block/0/1?engine=pod-x&at_time=-1e12", 422, "at_time"),  # was 500: the 404's message could not print the time
+    ("/block/0/1?engine=pod-x&at_time=-62135596801", 422, "at_time"),  # a second before year 1
+    ("/block/0/1?engine=pod-x&at_time=1e300", 422, "at_time"),
+    ("/block/0/1?engine=pod-x&at_time=0001-01-01T00:00:00%2B01:00", 422, "at_time"),
+    ("/block/0/1?engine=pod-x&at_time=-inf", 422, "at_time"),
+    ("/refusals?since_time=-1e12", 422, "since_time"),
+    ("/block/0/1?engine=pod-x&at_time=-62135596800", 404, None),  # year 1 itself: nothing was recorded by then
+    ("/block/3000000000/1?engine=pod-x", 422, "pool"),  # was 500 on PostgreSQL: an INTEGER column
+    ("/history/0/2147483648?engine=pod-x", 422, "block"),
+    ("/block/2147483647/2147483647?engine=pod-x", 200, None),
+    ("/block/0/1?engine=pod-x&at_seq=9223372036854775807", 200, None),
+    ("/block/0/1?engine=pod-x&at_step=9223372036854775807", 404, None),
+    ("/block/0/1?engine=pod-x&at_step=9223372036854775808", 422, "at_step"),
+    ("/refusals?since_seq=9223372036854775807&limit=10000", 200, None),
+    ("/refusals?since_seq=9223372036854775808", 422, "since_seq"),
+    ("/request/%00", 422, "req_id"),  # was 500 on PostgreSQL: text cannot hold NUL
+    ("/request/a%00b", 422, "req_id"),
+    ("/request/a%0A", 422, "req_id"),  # Starlette's route would have read it as "a"
+    ("/request/tab%09id", 422, "req_id"),
+    ("/block/0/1?engine=%00", 422, "engine"),
+    ("/history/0/1?engine=pod%7F", 422, "engine"),
+    ("/refusals?since_time=%00", 422, "since_time"),
+    ("/key/00", 404, None),
+    ("/request/r%C3%A9q-%F0%9F%98%80", 404, None),  # printable Unicode is a name like any other
+]
+
+
+async def test_odd_input_is_404_or_422_never_500_on_each_backend(event_log: SqlEventLog) -> None:
+    from coordinator.audit.api import AuditApi, Grant
+    from coordinator.ledger import Ledger
+
+    ledger = await Ledger.open(event_log)
+    await ledger.execute(DeclareTier(spec=TIER_SPEC))
+    await ledger.execute(declaration("pod-x"))
+    commit = await ledger.run_step("pod-x", 1, 1.0, [StartOwner(engine_id="pod-x", req_id="r-1")])
+    owner = next(e for e in commit.events if isinstance(e, OwnerStarted)).owner_id
+    await ledger.run_step("pod-x", 2, 2.0, [AllocateBlocks(engine_id="pod-x", owner_id=owner, pool_id=0, count=1)])
+    app = AuditApi(event_log, Tokens({OPERATOR: Grant(tenant="*")})).app()
+    wrong = []
+    for target, status, parameter in ODD:
+        got, body = await _asgi_get(app, target, OPERATOR)
+        if got != status or (status == 422 and (body["error"], body["parameter"]) != ("invalid_parameter", parameter)):
+            wrong.append((target, got, body))
+        assert set(body) == ERROR_FIELDS or got == 200
+    assert not wrong, wrong
+    _, body = await _asgi_get(app, "/block/0/1?engine=pod-x&at_time=-1e12", OPERATOR)
+    assert "0001-01-01" in body["detail"] and "9999-12-31" in body["detail"], "the 422 says which times are accepted"
+
+
+async def test_odd_input_over_real_http(served: Served) -> None:
+    for path, parameter in (("/audit/request/%00", "req_id"), ("/audit/block/0/1?engine=pod-a&at_time=-1e12", "at_time"),
+                            ("/audit/block/0/1?engine=pod-a%0A", "engine"), ("/audit/history/4294967296/1?engine=pod-a", "pool")):
+        status, _, body = await served.get(path, OPERATOR)
+        assert status == 422 and body["parameter"] == parameter, (path, body)

@@ -503,3 +503,41 @@ def test_the_cli_runs_as_a_subprocess_module() -> None:
     out = subprocess.run([sys.executable, "-c", "from coordinator.namespace_cli import namespace_app; namespace_app()", "--help"],
                          capture_output=True, text=True, cwd=ROOT, check=False)
     assert out.returncode == 0 and "decide" in out.stdout and "gc" in out.stdout
+
+
+# --- a mistyped --log, odd times ---------------------------------------------------------------------------
+
+
+def test_cli_never_creates_a_log_where_none_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """decide and gc on a mistyped --log: an error naming the path (exit 1, as the audit commands
+    answer a missing log), and no new, empty log left there."""
+    monkeypatch.setenv("KVLEDGER_DATA_DIR", str(tmp_path))  # no sidecar on the default socket
+    typo = tmp_path / "typo" / "nolog.sqlite"
+    for args in (["decide", "--from", A_ID.hex(), "--to", B_ID.hex(), "--outcome", "new", "--reason", "r"],
+                 ["gc", "--older-than", "1d"], ["gc", "--older-than", "1d", "--dry-run"]):
+        result = runner.invoke(namespace_app, [*args, "--log", str(typo)])
+        assert result.exit_code == 1, (args, result.output)
+        assert f"no log at {typo}" in result.stderr and "Traceback" not in result.output
+        assert len(result.stderr.strip().splitlines()) == 1
+        assert not typo.exists() and not typo.parent.exists(), "no log (nor its directory) was created"
+    # Nor on the default log, when there is none.
+    result = runner.invoke(namespace_app, ["decide", "--from", A_ID.hex(), "--to", B_ID.hex(), "--outcome", "new",
+                                           "--reason", "r"])
+    assert result.exit_code == 1 and "no log at" in result.stderr, result.output
+    assert not list(tmp_path.glob("*.sqlite*"))
+
+
+@pytest.mark.parametrize("now", ["-1e12", "1e300", "nan", "inf", "0001-01-01T00:00:00+01:00"])
+def test_cli_gc_refuses_a_time_no_datetime_can_show(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, now: str) -> None:
+    monkeypatch.setenv("KVLEDGER_DATA_DIR", str(tmp_path))
+    path = tmp_path / "log.sqlite"
+    anyio.run(_build_log, path)
+    result = runner.invoke(namespace_app, ["gc", "--older-than", "1d", "--now", now, "--log", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "--now" in result.output and "expected a" in result.output and "Traceback" not in result.output
+    assert isinstance(result.exception, SystemExit)
+
+
+def test_a_duration_too_long_for_a_float_is_refused() -> None:
+    with pytest.raises(ValueError, match="too long"):
+        parse_duration("9" * 400 + "w")

@@ -38,7 +38,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import math
 import re
 import time
 import tomllib
@@ -72,6 +71,7 @@ from coordinator.audit.queries import (
     parse_time,
 )
 from coordinator.audit.store import sync_index
+from coordinator.audit.times import RANGE, time_problem
 from events.log import LogError, SqlEventLog
 
 log = structlog.get_logger("kvledger.audit.api")
@@ -88,6 +88,11 @@ INDEXED_SEQ_HEADER = "Kvledger-Indexed-Seq"
 """On every answer: the global sequence the index held when it answered."""
 JSON = "application/json"
 _MAX_INT = 2**63 - 1  # a BIGINT column: anything larger is not in the log, and SQL would overflow
+_MAX_SLOT = 2**31 - 1  # pools and blocks are INTEGER columns (PostgreSQL would refuse a larger one)
+_PRINTABLE = r"^(?![\s\S]*[\x00-\x1f\x7f-\x9f])"
+"""No control character anywhere (PostgreSQL's text cannot hold NUL, and none is a name). A
+lookahead, since `$` lets a trailing newline through (and JSON Schema's regexes have no `\\Z`)."""
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _TOKEN_SYNTAX = re.compile(r"[A-Za-z0-9\-._~+/]+=*")  # RFC 6750's b64token: what the header can carry
 
 
@@ -210,7 +215,8 @@ def _json(value: object, status: int = 200, headers: Mapping[str, str] | None = 
 
 Moment = float | Annotated[str, Meta(min_length=1, max_length=64, extra_json_schema={"format": "date-time"})]
 """Seconds since the epoch, or an ISO 8601 time (UTC when it names no zone)."""
-EngineName = Annotated[str, Meta(min_length=1, max_length=256, description="The engine (default: the log's only engine).")]
+EngineName = Annotated[str, Meta(min_length=1, max_length=256, pattern=_PRINTABLE,
+                                  description="The engine (default: the log's only engine).")]
 
 
 class Params(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -219,8 +225,8 @@ class Params(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class SlotParams(Params, kw_only=True):
-    pool: Annotated[int, Meta(ge=0, le=_MAX_INT, description="The pool id.")]
-    block: Annotated[int, Meta(ge=0, le=_MAX_INT, description="The block id in that pool.")]
+    pool: Annotated[int, Meta(ge=0, le=_MAX_SLOT, description="The pool id.")]
+    block: Annotated[int, Meta(ge=0, le=_MAX_SLOT, description="The block id in that pool.")]
     engine: EngineName | None = None
 
 
@@ -244,7 +250,8 @@ class KeyParams(Params, kw_only=True):
 
 
 class RequestParams(Params, kw_only=True):
-    req_id: Annotated[str, Meta(min_length=1, max_length=1024, description="The request id (every owner that used it).")]
+    req_id: Annotated[str, Meta(min_length=1, max_length=1024, pattern=_PRINTABLE,
+                                description="The request id (every owner that used it).")]
 
 
 class RefusalParams(Params, kw_only=True):
@@ -272,8 +279,12 @@ def seconds(moment: float | str, parameter: str) -> float:
         value = moment if isinstance(moment, float) else parse_time(moment)
     except AuditError:
         raise invalid(parameter, "expected seconds since the epoch or an ISO 8601 time") from None
-    if not math.isfinite(value):
-        raise invalid(parameter, "expected a finite time")
+    except (ValueError, OverflowError):  # a zone offset that takes the time past year 1 or 9999
+        raise invalid(parameter, f"expected a time between {RANGE}") from None
+    # Years 1..9999 only: no log holds a step outside them, and a datetime can show any time inside.
+    problem = time_problem(value)
+    if problem is not None:
+        raise invalid(parameter, problem)
     return value
 
 
@@ -292,6 +303,11 @@ def parse(model: type[P], request: Request) -> P:
         if name in raw:
             raise invalid(name, "given more than once")
         raw[name] = value
+    for name, value in raw.items():
+        if _CONTROL.search(value):  # no parameter holds one (the names' schemas say so: _PRINTABLE)
+            raise invalid(name, "expected no control characters")
+    if _CONTROL.search(request.scope["path"]):  # a trailing newline, which the route's `$` kept out of its last parameter
+        raise invalid(list(request.path_params)[-1] if request.path_params else "path", "expected no control characters")
     values = {}
     for name, value in raw.items():
         try:

@@ -30,10 +30,10 @@ from coordinator.audit.queries import (
     NamespaceEntry,
     RefusalEntry,
     RequestAnswer,
-    parse_time,
 )
 from coordinator.audit.store import IndexProgress, sync_index
 from coordinator.audit.timeline_cli import timeline_command
+from coordinator.audit.times import read_time
 from events.log import LogError, LogUnavailable, SqlEventLog, normalize, open_log
 
 audit_app = typer.Typer(help="Who owned what, when: point-in-time answers from the log's audit index.", no_args_is_help=True)
@@ -42,8 +42,12 @@ audit_app.command("timeline")(timeline_command)
 LOG = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="SQLite path or URL, or PostgreSQL URL (default: the data directory's SQLite file).")
 ENGINE = typer.Option(None, "--engine", help="The engine whose pool and steps are meant (default: the log's only engine).")
 JSON = typer.Option(False, "--json", help="Print JSON instead of a table.")
-AT_SEQ = typer.Option(None, "--at-seq", help="At this global sequence (default: the end of the log).")
-AT_STEP = typer.Option(None, "--at-step", help="At the end of this engine step.")
+MAX_INT = 2**63 - 1
+"""The largest sequence or step a log holds (BIGINT columns): a larger option is bad input."""
+MAX_SLOT = 2**31 - 1
+"""The largest pool or block id (INTEGER columns)."""
+AT_SEQ = typer.Option(None, "--at-seq", max=MAX_INT, help="At this global sequence (default: the end of the log).")
+AT_STEP = typer.Option(None, "--at-step", max=MAX_INT, help="At the end of this engine step.")
 AT_TIME = typer.Option(None, "--at-time", help="At this time: ISO 8601 (UTC unless it names a zone) or seconds since the epoch.")
 
 T = TypeVar("T")
@@ -57,8 +61,8 @@ def _progress() -> Progress:
 
 @contextmanager
 def _errors(command: str) -> Iterator[None]:
-    """Bad input and unreadable logs end with a message and exit code 2 (1 for the log), never a
-    traceback."""
+    """Bad input and unreadable logs end with a message and exit code 2 (1 for the log or a
+    file that cannot be written), never a traceback."""
     try:
         yield
     except AuditError as error:
@@ -71,6 +75,30 @@ def _errors(command: str) -> Iterator[None]:
         first = str(error).splitlines()[0]
         typer.echo(f"kvledger {command}: the log's database failed: {first}", err=True)
         raise typer.Exit(code=1) from None
+    except OSError as error:  # mostly writing --out: a full disk, no permission
+        where = f"{error.filename}: " if error.filename else ""
+        typer.echo(f"kvledger {command}: {where}{error.strerror or error}", err=True)
+        raise typer.Exit(code=1) from None
+
+
+def _writable(out: Path | None) -> None:
+    """--out names a file in a directory that exists (checked before any work: an hour of replay
+    must not end in 'no such directory')."""
+    if out is not None and not out.parent.is_dir():
+        raise AuditError(f"--out {str(out)!r}: the directory {str(out.parent)!r} does not exist")
+    if out is not None and out.is_dir():
+        raise AuditError(f"--out {str(out)!r} is a directory: name a file")
+
+
+@contextmanager
+def _naming(out: Path | None) -> Iterator[None]:
+    """An OSError while writing `out` names it (a failed write says only 'No space left')."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is None and out is not None:
+            error.filename = str(out)
+        raise
 
 
 def quiet_logs() -> None:
@@ -137,17 +165,19 @@ def _where(seq: int | None, step: int | None = None) -> str:
 
 @audit_app.command("block")
 def block(
-    pool: int = typer.Argument(..., help="Pool id."),
-    block_id: int = typer.Argument(..., metavar="ID", help="Block id in the pool."),
+    pool: int = typer.Argument(..., min=0, max=MAX_SLOT, help="Pool id."),
+    block_id: int = typer.Argument(..., metavar="ID", min=0, max=MAX_SLOT, help="Block id in the pool."),
     engine: str | None = ENGINE, at_seq: int | None = AT_SEQ, at_step: int | None = AT_STEP, at_time: str | None = AT_TIME,
     log_url: str | None = LOG, json_output: bool = JSON,
 ) -> None:
     """Which generation held the slot at that point: its owner, allocation and free, and the
     pins and jobs that touched it."""
 
+    with _errors("audit block"):  # before the log is opened and indexed
+        when = None if at_time is None else read_time(at_time, "--at-time")
+
     async def query(audit: Audit) -> BlockAnswer:
         name = await audit.engine(engine)
-        when = None if at_time is None else parse_time(at_time)
         return await audit.block(name, pool, block_id, await audit.resolve(name, at_seq=at_seq, at_step=at_step, at_time=when))
 
     _print(_run("audit block", log_url, query), json_output, _render_block)
@@ -185,7 +215,8 @@ def _dash(value: object) -> str:
 
 @audit_app.command("history")
 def history(
-    pool: int = typer.Argument(..., help="Pool id."), block_id: int = typer.Argument(..., metavar="ID", help="Block id in the pool."),
+    pool: int = typer.Argument(..., min=0, max=MAX_SLOT, help="Pool id."),
+    block_id: int = typer.Argument(..., metavar="ID", min=0, max=MAX_SLOT, help="Block id in the pool."),
     engine: str | None = ENGINE, log_url: str | None = LOG, json_output: bool = JSON,
 ) -> None:
     """Every generation of the slot: owner, allocation, end."""
@@ -263,14 +294,17 @@ def request(req_id: str = typer.Argument(..., metavar="REQ_ID"), log_url: str | 
 @audit_app.command("refusals")
 def refusals(
     since: str | None = typer.Option(None, "--since", help="After this time (ISO 8601 or epoch seconds)."),
-    since_seq: int = typer.Option(0, "--since-seq", help="After this global sequence."),
-    limit: int = typer.Option(1000, "--limit", min=1, help="At most this many."),
+    since_seq: int = typer.Option(0, "--since-seq", min=0, max=MAX_INT, help="After this global sequence."),
+    limit: int = typer.Option(1000, "--limit", min=1, max=MAX_INT, help="At most this many."),
     log_url: str | None = LOG, json_output: bool = JSON,
 ) -> None:
     """What the coordinator refused or dropped, the jobs it failed and the keys it quarantined."""
 
+    with _errors("audit refusals"):
+        since_time = None if since is None else read_time(since, "--since")
+
     async def query(audit: Audit) -> list[RefusalEntry]:
-        return await audit.refusals(since_seq=since_seq, since_time=None if since is None else parse_time(since), limit=limit)
+        return await audit.refusals(since_seq=since_seq, since_time=since_time, limit=limit)
 
     def render(entries: list[RefusalEntry]) -> None:
         table = Table("seq", "step", "engine", "kind", "what", "reason", "detail", title=f"{len(entries)} refusals")
@@ -336,8 +370,8 @@ def _duration(seconds: float | None) -> str:
 
 def replay_command(
     log_url: str | None = LOG,
-    until_seq: int | None = typer.Option(None, "--until-seq", help="Stop after this global sequence."),
-    until_step: int | None = typer.Option(None, "--until-step", help="Stop at the end of this engine step (see --engine)."),
+    until_seq: int | None = typer.Option(None, "--until-seq", max=MAX_INT, help="Stop after this global sequence."),
+    until_step: int | None = typer.Option(None, "--until-step", max=MAX_INT, help="Stop at the end of this engine step (see --engine)."),
     until_time: str | None = typer.Option(None, "--until-time", help="Stop at the last step recorded by then (ISO 8601 or epoch seconds)."),
     engine: str | None = ENGINE,
     out: Path | None = typer.Option(None, "--out", help="Write the state there: .json for JSON (bytes as base64), else msgpack (a snapshot's state)."),
@@ -349,6 +383,8 @@ def replay_command(
     from events import EventCodec
 
     async def main() -> dict[str, Any]:
+        _writable(out)
+        until_moment = None if until_time is None else read_time(until_time, "--until-time")
         event_log = await open_existing(log_url)
         try:
             until = until_seq
@@ -357,7 +393,7 @@ def replay_command(
                 audit = Audit(event_log)
                 name = await audit.engine(engine) if until_step is not None else ""
                 until = await audit.resolve(name, at_seq=until_seq, at_step=until_step,
-                                            at_time=None if until_time is None else parse_time(until_time))
+                                            at_time=until_moment)
             elif until is not None and until < 0:
                 raise AuditError(f"--until-seq must be >= 0, got {until}")
             head = await event_log.head()
@@ -369,7 +405,8 @@ def replay_command(
         finally:
             await event_log.close()
         if out is not None:
-            out.write_bytes(msgspec.json.encode(state) if out.suffix == ".json" else encode_state(state))
+            with _naming(out):
+                out.write_bytes(msgspec.json.encode(state) if out.suffix == ".json" else encode_state(state))
         tiers = {name: sum(len(keys) for keys in tier.entries.values()) for name, tier in state.tiers.items()}
         return {"global_seq": last, "head": head, "digest": state_digest(state), "engines": sorted(state.engines),
                 "published_keys": tiers, "out": None if out is None else str(out)}
@@ -389,7 +426,7 @@ def export_command(
     log_url: str | None = LOG,
     export_format: str = typer.Option("jsonl", "--format", help="Only jsonl: one JSON object per event."),
     out: Path | None = typer.Option(None, "--out", help="Write there instead of standard output."),
-    after_seq: int = typer.Option(0, "--after-seq", min=0, help="Only events after this global sequence."),
+    after_seq: int = typer.Option(0, "--after-seq", min=0, max=MAX_INT, help="Only events after this global sequence."),
 ) -> None:
     """Every committed event as JSON lines (bytes in hex), for other tools."""
     from coordinator.audit.export import export_jsonl
@@ -399,19 +436,23 @@ def export_command(
         raise typer.Exit(code=2)
 
     async def main() -> int:
+        _writable(out)
         event_log = await open_existing(log_url)
         count = 0
-        sink = open(out, "wb") if out is not None else sys.stdout.buffer  # noqa: SIM115 - closed below
         try:
-            async for lines in export_jsonl(event_log, after_seq=after_seq):
-                if lines:
-                    sink.write(b"\n".join(lines) + b"\n")
-                    count += len(lines)
-        finally:
-            if out is not None:
-                sink.close()
-            else:
-                sink.flush()
+            with _naming(out):
+                sink = open(out, "wb") if out is not None else sys.stdout.buffer  # noqa: SIM115 - closed below
+                try:
+                    async for lines in export_jsonl(event_log, after_seq=after_seq):
+                        if lines:
+                            sink.write(b"\n".join(lines) + b"\n")
+                            count += len(lines)
+                finally:
+                    if out is not None:
+                        sink.close()
+                    else:
+                        sink.flush()
+        finally:  # the log is closed whatever the file did (a full disk, no permission)
             await event_log.close()
         return count
 

@@ -20,10 +20,13 @@ from coordinator.audit.timeline import Timeline, draw_timeline, output_format, p
 from events.log import LogError, normalize, open_log
 
 COMMAND = "kvledger audit timeline"
+MAX_STEP = 2**63 - 1
+"""The largest step a log holds (a BIGINT column): a larger one in --steps is bad input."""
+MAX_POOL = 2**31 - 1
 
 
 def timeline_command(
-    pool: int = typer.Argument(..., help="The pool (cache group) whose slots are drawn."),
+    pool: int = typer.Argument(..., min=0, max=MAX_POOL, help="The pool (cache group) whose slots are drawn."),
     steps: str = typer.Option(..., "--steps", help="The engine steps to draw, A:B (both included)."),
     out: Path = typer.Option(..., "--out", help="The picture: FILE.png, or FILE.html (self-contained, works offline)."),
     engine: str | None = typer.Option(None, "--engine", help="The engine (default: the log's only engine)."),
@@ -31,8 +34,13 @@ def timeline_command(
 ) -> None:
     """Draw which generation and owner held each slot of one pool over a range of steps, with
     pins, jobs and refusals marked: the picture for an incident report."""
+    from coordinator.audit.cli import quiet_logs  # that module registers this command
+
+    quiet_logs()
     try:
         first_step, last_step = parse_steps(steps)
+        if last_step > MAX_STEP:
+            raise AuditError(f"--steps {steps!r}: a step is at most {MAX_STEP}")
         output_format(out)
         target = _existing_log(log_url)
     except (AuditError, ValueError) as error:
