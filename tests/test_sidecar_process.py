@@ -103,10 +103,12 @@ def test_sigkill_under_load_loses_nothing_committed_and_retries_commit_exactly_o
         reconnects: dict[str, int] = {}
         worker_seen: list[int] = []
         killed = anyio.Event()
+        clients: dict[str, EngineClient] = {}
 
         async def engine(engine_id: str) -> None:
             client = EngineClient(Address(socket_path=str(server.socket)), declaration(engine_id, num_blocks=4096),
                                   tiers=[TIER_SPEC], retry_for=60)
+            clients[engine_id] = client
             driver = Engine(client)
             async with client:
                 index = 0
@@ -123,10 +125,15 @@ def test_sigkill_under_load_loses_nothing_committed_and_retries_commit_exactly_o
                 worker_seen.append(decision.seq)
 
         async def killer() -> None:
-            for _ in range(3):
+            for kill in range(1, 4):
                 await anyio.sleep(rng.uniform(0.3, 1.0))
                 server.kill()  # SIGKILL
                 await anyio.to_thread.run_sync(server.start)
+                # Each kill must land under load: wait until both engines are back and stepping
+                # (on a busy machine two kills could otherwise fall into one reconnect backoff).
+                with anyio.fail_after(60):
+                    while len(clients) < 2 or any(c.reconnects < kill for c in clients.values()):
+                        await anyio.sleep(0.02)
             killed.set()
 
         async def main() -> None:
