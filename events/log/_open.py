@@ -1,4 +1,8 @@
-"""Opening a log: reach the database, check its schema, upgrade SQLite by itself."""
+"""Opening a log: reach the database, check its schema, upgrade SQLite by itself.
+
+A kafka:// URL opens a KafkaEventLog (events/log/_kafka.py): the topic, plus its SQL state store
+(checkpoints, projections, snapshots), which these functions open, check and upgrade as they do
+any SQL log."""
 
 from __future__ import annotations
 
@@ -12,8 +16,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 import migrations
 from events.log._contract import LogUnavailable, SchemaMismatch
+from events.log._kafka import KafkaEventLog
+from events.log._kafka_target import parse_kafka_url, probe
 from events.log._sql import SqlEventLog, make_blocking_sqlite_engine, make_engine
-from events.log._urls import mask, normalize
+from events.log._urls import is_kafka, mask, normalize
 
 log = structlog.get_logger("kvledger.log")
 
@@ -33,7 +39,12 @@ async def _prepare(url: str | None) -> sa.URL:
 
 
 async def schema_revision(url: str | None) -> tuple[str | None, str]:
-    """(the database's revision, this code's head) without changing anything."""
+    """(the database's revision, this code's head) without changing anything. For a Kafka log:
+    its state store's, once a broker has answered."""
+    if is_kafka(url):
+        kafka = parse_kafka_url(str(url))
+        await probe(kafka)
+        return await schema_revision(kafka.state_url)
     target = await _prepare(url)
     engine = make_engine(target)
     try:
@@ -46,7 +57,12 @@ async def schema_revision(url: str | None) -> tuple[str | None, str]:
 
 
 async def upgrade_log(url: str | None) -> str:
-    """Bring the log's schema to head (what `kvledger db upgrade` does); returns the revision."""
+    """Bring the log's schema to head (what `kvledger db upgrade` does); returns the revision.
+    For a Kafka log: its state store's, once a broker has answered."""
+    if is_kafka(url):
+        kafka = parse_kafka_url(str(url))
+        await probe(kafka)
+        return await upgrade_log(kafka.state_url)
     target = await _prepare(url)
     engine = make_engine(target)
     try:
@@ -62,10 +78,21 @@ async def upgrade_log(url: str | None) -> str:
 
 
 async def open_log(url: str | None = None) -> SqlEventLog:
-    """Open the log at `url` (a path, sqlite:// or postgresql://; None: the default file).
+    """Open the log at `url` (a path, sqlite://, postgresql:// or kafka://; None: the default file).
 
     SQLite upgrades its own schema under a file lock. PostgreSQL behind head is refused with the
-    command to run. A schema newer than this code is refused, naming both revisions."""
+    command to run. A schema newer than this code is refused, naming both revisions. A Kafka log
+    opens its state store by these rules, then reads its topic (KafkaEventLog.open): it is a
+    SqlEventLog whose SQL side is that store, so this signature holds for every backend."""
+    if is_kafka(url):
+        kafka = parse_kafka_url(str(url))
+        state = await open_log(kafka.state_url)
+        try:
+            return await KafkaEventLog.open(kafka, state)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await state.close()
+            raise
     target = await _prepare(url)
     masked = mask(target)
     engine = make_engine(target)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import urllib.parse
 from pathlib import Path
 
 import platformdirs
@@ -28,11 +29,24 @@ def normalize(url: str | None) -> sa.URL:
         return parsed.set(drivername="sqlite+aiosqlite")
     if parsed.get_backend_name() == "postgresql":
         return parsed.set(drivername="postgresql+asyncpg")
-    raise ValueError(f"unsupported log URL {mask(url)!r}: use a file path, sqlite:// or postgresql://")
+    if is_kafka(url):
+        raise ValueError(f"{mask(url)!r} is a Kafka log: it has no SQL URL (open it with open_log)")
+    raise ValueError(f"unsupported log URL {mask(url)!r}: use a file path, sqlite://, postgresql:// or kafka://")
+
+
+def is_kafka(url: str | None) -> bool:
+    """Whether `url` names a Kafka log (kafka://HOST:PORT/TOPIC), which normalize does not take."""
+    return bool(url) and str(url).startswith("kafka://")
 
 
 def mask(url: str | sa.URL) -> str:
     """The URL with any password replaced by ***."""
+    if isinstance(url, str) and is_kafka(url):
+        parts = urllib.parse.urlsplit(url)
+        if parts.password is None:
+            return url
+        hosts = parts.netloc.rsplit("@", 1)[1]
+        return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{hosts}"))
     try:
         parsed = url if isinstance(url, sa.URL) else sa.make_url(url)
     except sa.exc.ArgumentError:

@@ -1,0 +1,483 @@
+"""The Kafka log backend (aiokafka): `open_log("kafka://HOST:PORT[,HOST:PORT...]/TOPIC")`.
+
+Layout. One topic per deployment, with ONE partition. Every record is keyed by its (first) stream
+id, so a stream's records keep their order by Kafka's own rule too, but the single partition is
+what gives the log its total, commit-ordered global sequence: the projector folds every stream
+in one order (a report joins its job's engine stream, tiers and namespaces are streams of their
+own, one append may span several streams), and readers in different processes must agree on
+that order without asking each other. Several partitions would need a sequencer or a merge rule
+of our own; one partition of one topic carries tens of MB/s, above the design's 250,000 events/s
+of ~100 bytes. A topic with more than one partition is refused.
+
+Records (events/log/_kafka_fold.py). One EventLog.append is one record: its parts (one per
+stream) hold the steps encoded as the SQL log stores them (pack_step), so a step, and a
+multi-stream append, is atomic: the broker stores a record whole or not at all. Global sequences
+are not written anywhere: each reader assigns them deterministically while folding the topic in
+offset order, counting the events of accepted records only (a fenced, conflicting or copied
+record takes none). The same fold gives stream versions, command ids (find_commands) and claims.
+
+Writers. A stream has one writer at a time. A KafkaEventLog claims a stream before its first
+append to it: it writes a claim record with epoch = the highest epoch seen on that stream + 1,
+and from then on stamps its epoch and writer id on every part it appends there. Readers drop
+any part whose epoch is not the stream's current claim, so a second writer (a restarted sidecar)
+fences the first: the old one's later records, even ones still in flight when the new one
+claimed, are dropped by every reader, and the old writer gets WriterFenced. Expected versions,
+command ids and event-id uniqueness are checked by the writer before it produces (it folds the
+topic too), and checked again by the fold, which is the arbiter: after the broker acknowledges
+a record at offset N, the writer folds up to N and reports what the fold made of it.
+
+No idempotent producer, no transactions (the test broker, Tansu, rejects InitProducerId, and the
+design does not need them): the producer runs with acks="all" and enable_idempotence=False. A
+producer retry may store a record twice; the copy has the same stream, version and event ids as
+the accepted original and is applied once (rule 2 of the fold). A write whose acknowledgement is
+lost raises LogUnavailable; retrying it with the same command id is answered from the log.
+No consumer group and no auto-commit: a reader assigns partition 0 and reads from offset 0.
+
+Failing closed. If the topic goes backwards (its end below what this process has read, a record
+of ours acknowledged at an offset that now holds another, records deleted by retention), the log
+raises LogDiverged, with the offsets, from every call from then on: it never continues a forked
+history. `failure` says why, for a readiness check. A restarted process checks its state store:
+a snapshot beyond the topic's head, or a topic whose first record is not the one the store was
+built from, is refused too. Data lost and rewritten past what a process has read cannot be seen
+from the outside: the broker settings in the production docs (replication, min.insync.replicas,
+no unclean leader election, no retention) are what prevents that.
+
+State store. Kafka cannot commit a projection's rows and its checkpoint in one transaction, so
+checkpoints, projection transactions and snapshots live in a SQL database beside the topic:
+`?state=PATH-or-SQL-URL`, by default a SQLite file under the data directory named after the
+brokers and the topic. KafkaEventLog is a SqlEventLog whose engine is that store's (so the
+audit index and any projection write there, with their checkpoints, as on the SQL backends);
+every method that reads or writes events is overridden to go to the topic.
+
+Memory: a reader keeps the accepted steps it folded (payloads included), their event ids and
+command ids in memory, and answers reads, tails and replays from there.
+
+The URL and its parameters: events/log/_kafka_target.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import anyio
+import msgspec
+import structlog
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # type: ignore[import-untyped]
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError, OffsetOutOfRangeError  # type: ignore[import-untyped]
+
+from events.log._contract import (
+    AppendBatch,
+    AppendRejected,
+    AppendResult,
+    LogDiverged,
+    LogError,
+    LogUnavailable,
+    StoredEvent,
+    StoredStep,
+    WriterFenced,
+    WrongExpectedVersion,
+    pack_step,
+)
+from events.log._kafka_fold import AppendRecord, ClaimRecord, KafkaFold, StepPart, encode_append, encode_claim
+from events.log._kafka_target import CALL_TIMEOUT_S, REQUEST_TIMEOUT_MS, KafkaTarget, ensure_topic, one_line
+from events.log._sql import SqlEventLog, events_of
+
+log = structlog.get_logger("kvledger.log")
+
+TAIL_CHECK_S = 1.0
+"""An idle tail asks for the topic's end this often, to notice a topic that went backwards."""
+FETCH_RECORDS = 256
+"""Records folded per fetch: the fold runs on the event loop, at about 200 us for a record of 256
+events, so a batch holds the loop for at most ~50 ms before the fetcher awaits the broker again."""
+CLAIM_ATTEMPTS = 3
+ORIGIN_CHECKPOINT = "kvledger.kafka.origin"
+"""The state store's checkpoint naming the topic history it was built from (KafkaFold.origin_code)."""
+
+
+class KafkaEventLog(SqlEventLog):
+    """EventLog on a Kafka topic, with a SQL state store for checkpoints, projections and
+    snapshots. Open it with events.log.open_log("kafka://...")."""
+
+    def __init__(self, target: KafkaTarget, state: SqlEventLog, producer: Any, consumer: Any) -> None:
+        super().__init__(state.engine, target.url, state.blocking_engine)
+        self.target = target
+        self.state_url = state.url
+        """Masked: safe to print."""
+        self.writer_id = uuid.uuid4().hex
+        self._fold = KafkaFold()
+        self._producer = producer
+        self._consumer = consumer
+        self._partition = TopicPartition(target.topic, 0)
+        self._held: dict[str, int] = {}
+        """Streams this writer claimed: stream id -> its epoch there."""
+        self._appending = anyio.Lock()
+        self._advanced = anyio.Event()
+        self._failure: tuple[type[LogError], str] | None = None
+        self._fetcher: asyncio.Task[None] | None = None
+        self._origin_saved = False
+        self._opened = False
+        """True once open() checked the state store against the topic."""
+        self._closed = False
+
+    @classmethod
+    async def open(cls, target: KafkaTarget, state: SqlEventLog) -> KafkaEventLog:
+        """Create the topic if needed, read it whole, and check the state store against it."""
+        await ensure_topic(target)
+        producer = AIOKafkaProducer(
+            bootstrap_servers=target.bootstrap, acks="all", enable_idempotence=False, linger_ms=0,
+            request_timeout_ms=REQUEST_TIMEOUT_MS, client_id=f"kvledger-{target.topic}",
+        )
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=target.bootstrap, group_id=None, enable_auto_commit=False, auto_offset_reset="none",
+            isolation_level="read_uncommitted", fetch_max_wait_ms=target.fetch_wait_ms,
+            request_timeout_ms=REQUEST_TIMEOUT_MS, client_id=f"kvledger-{target.topic}",
+        )
+        event_log = cls(target, state, producer, consumer)
+        try:
+            try:
+                with anyio.fail_after(CALL_TIMEOUT_S):
+                    await producer.start()
+                    await consumer.start()
+                    consumer.assign([event_log._partition])
+                    begins = await consumer.beginning_offsets([event_log._partition])
+            except (KafkaError, OSError, TimeoutError) as error:
+                raise LogUnavailable(f"cannot open log {target.url}: {one_line(error)}") from error
+            begin = int(begins[event_log._partition])
+            if begin > 0:
+                raise LogDiverged(
+                    f"topic {target.topic!r} on {target.url} now begins at offset {begin}: records before it were "
+                    "deleted (retention?), and the log needs its whole history (set retention.ms=-1 on the topic)"
+                )
+            consumer.seek(event_log._partition, 0)
+            event_log._fetcher = asyncio.create_task(event_log._fetch_forever())
+            await event_log._catch_up()
+            await event_log._check_state_store()
+            event_log._opened = True
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await event_log.close()
+            raise
+        log.info("kafka_log_opened", url=target.url, records=event_log._fold.next_offset, global_seq=event_log._fold.head,
+                 streams=len(event_log._fold.versions), state=state.url)
+        return event_log
+
+    @property
+    def failure(self) -> str | None:
+        """Why the log failed closed (None while it is healthy): for a readiness check."""
+        return None if self._failure is None else self._failure[1]
+
+    # --- writing ---------------------------------------------------------------------------
+
+    async def append(self, batches: Sequence[AppendBatch]) -> list[AppendResult]:
+        """Append every batch in one record, atomically; raises WrongExpectedVersion,
+        WriterFenced or AppendRejected and appends nothing."""
+        async with self._appending:
+            self._check()
+            results: list[AppendResult | None] = [None] * len(batches)
+            sent: list[tuple[int, AppendBatch]] = []
+            first_of: dict[str, int] = {}
+            versions: dict[str, int] = {}
+            ids: set[str] = set()
+            fold = self._fold
+            for index, batch in enumerate(batches):
+                stream, command_id = batch.stream_id, batch.command_id
+                if command_id is not None:
+                    if command_id in fold.commands:
+                        results[index] = fold.commands[command_id]
+                        continue
+                    if command_id in first_of:
+                        continue  # answered by its first batch below, as the SQL log does
+                    first_of[command_id] = index
+                self._check_not_fenced(stream)
+                actual = versions.get(stream, fold.versions.get(stream, 0))
+                if batch.expected_version != actual:
+                    raise WrongExpectedVersion(stream, batch.expected_version, actual)
+                for event in batch.events:
+                    if event.event_id in ids or event.event_id in fold.event_ids:
+                        raise AppendRejected(f"append refused by {self.url}: event id {event.event_id!r} is already in the log")
+                    ids.add(event.event_id)
+                versions[stream] = actual + len(batch.events)
+                if batch.events or command_id is not None:
+                    sent.append((index, batch))
+                else:
+                    results[index] = AppendResult(stream_id=stream, first_seq=0, last_seq=0, stream_version=actual)
+            if sent:
+                appended = await self._append_record([batch for _, batch in sent])
+                for (index, _), result in zip(sent, appended, strict=True):
+                    results[index] = result
+            for index, batch in enumerate(batches):
+                if results[index] is None:
+                    assert batch.command_id is not None
+                    first = results[first_of[batch.command_id]]
+                    assert first is not None
+                    results[index] = msgspec.structs.replace(first, duplicate=True)
+        return [result for result in results if result is not None]
+
+    def _check_not_fenced(self, stream: str) -> None:
+        if stream in self._held and self._fold.epochs.get(stream) != (self._held[stream], self.writer_id):
+            epoch, writer = self._fold.epochs[stream]
+            raise WriterFenced(
+                f"stream {stream!r} of {self.url} was claimed at epoch {epoch} by writer {writer}; this writer "
+                f"({self.writer_id}, epoch {self._held[stream]}) is fenced and may not append to it"
+            )
+
+    async def _append_record(self, batches: list[AppendBatch]) -> list[AppendResult]:
+        unclaimed = sorted({batch.stream_id for batch in batches} - set(self._held))
+        if unclaimed:
+            await self._claim(unclaimed)
+        parts = []
+        for batch in batches:
+            schemas, header, payload = pack_step(batch.events)
+            first = batch.events[0] if batch.events else None
+            parts.append(StepPart(
+                batch.stream_id, self._held[batch.stream_id], batch.expected_version, batch.command_id,
+                first.step if first else -1, first.recorded_at if first else 0.0, schemas, header, payload,
+            ))
+        record = AppendRecord(uuid.uuid4().hex, self.writer_id, parts)
+        verdict = await self._send(record.append_id, *encode_append(record), key=batches[0].stream_id)
+        if isinstance(verdict, LogError):
+            if isinstance(verdict, AppendRejected):
+                raise AppendRejected(f"append refused by {self.url}: {verdict}")
+            raise verdict
+        assert isinstance(verdict, list)
+        return verdict
+
+    async def _claim(self, streams: list[str]) -> None:
+        """Claim `streams` at their highest epoch + 1; a claim that lost a race is made again."""
+        for _ in range(CLAIM_ATTEMPTS):
+            epochs = {stream: self._fold.epochs.get(stream, (0, ""))[0] + 1 for stream in streams}
+            claim = ClaimRecord(uuid.uuid4().hex, self.writer_id, epochs)
+            won = await self._send(claim.claim_id, *encode_claim(claim), key=streams[0])
+            assert isinstance(won, dict)
+            self._held.update(won)
+            log.info("kafka_streams_claimed", url=self.url, writer=self.writer_id, epochs=won)
+            streams = [stream for stream in streams if stream not in won]
+            if not streams:
+                return
+        raise WriterFenced(f"{self.url}: other writers kept claiming stream(s) {', '.join(streams)} first")
+
+    async def _send(self, record_id: str, value: bytes, headers: list[tuple[str, bytes]], *, key: str) -> object:
+        """Produce one record and fold up to it: its verdict."""
+        self._fold.awaited.add(record_id)
+        try:
+            metadata = await self._producer.send_and_wait(
+                self.target.topic, value, key=key.encode(), partition=0, headers=headers
+            )
+        except MessageSizeTooLargeError as error:
+            self._fold.awaited.discard(record_id)
+            raise AppendRejected(
+                f"append refused by {self.url}: its record is {len(value):,} bytes, more than the broker or producer "
+                f"takes ({one_line(error)}); split the step"
+            ) from error
+        except (KafkaError, OSError) as error:
+            self._fold.awaited.discard(record_id)
+            raise LogUnavailable(
+                f"append to {self.url} failed ({one_line(error)}): it may or may not be committed; "
+                "retry it with the same command id"
+            ) from error
+        offset = int(metadata.offset)
+        if self._fold.next_offset == offset:
+            # Everything before it is folded and these are its exact bytes: fold it now rather
+            # than wait for the fetch to bring it back.
+            self._fold_record(offset, headers, value)
+            self._wake()
+        await self._reach(offset + 1, f"reading back the record acknowledged at offset {offset}")
+        verdict = self._fold.verdicts.pop(record_id, None)
+        if verdict is None:
+            self._fold.awaited.discard(record_id)
+            self._fail(LogDiverged(
+                f"topic {self.target.topic!r} on {self.url}: the broker acknowledged this writer's record at offset "
+                f"{offset}, but the record read at that offset is another: the topic went backwards (committed "
+                "records were lost) and was written again; refusing to continue a forked history"
+            ))
+            self._check()
+        return verdict
+
+    # --- reading ---------------------------------------------------------------------------
+
+    async def read(self, after_seq: int = 0, limit: int = 10_000) -> list[StoredEvent]:
+        return events_of(await self.read_steps(after_seq, limit), after_seq, limit)
+
+    async def read_steps(self, after_seq: int = 0, limit: int = 10_000) -> list[StoredStep]:
+        if limit <= 0:
+            return []
+        if self._fold.head < after_seq + limit:
+            await self._catch_up()  # it may hold more by now
+        self._check()
+        return self._fold.steps_for(after_seq, limit)
+
+    async def tail(self, after_seq: int = 0, batch: int = 10_000) -> AsyncIterator[StoredEvent]:
+        """Every committed event after `after_seq`, in order, forever: woken by every record
+        folded (the fetch waits on the broker); an idle tail checks the topic's end."""
+        last = after_seq
+        while True:
+            self._check()
+            waiter = self._advanced
+            events = events_of(self._fold.steps_for(last, batch), last, batch)
+            for event in events:
+                yield event
+                last = event.global_seq
+            if len(events) < batch:
+                with anyio.move_on_after(TAIL_CHECK_S) as idle:
+                    await waiter.wait()
+                if idle.cancelled_caught:
+                    await self._end()
+
+    async def head(self) -> int:
+        await self._catch_up()
+        return self._fold.head
+
+    async def find_commands(self, command_ids: Sequence[str]) -> dict[str, AppendResult]:
+        """From the records folded so far, without asking the broker: a stream's commands come
+        from its one writer, which has folded its own records (the fold also answers a command
+        id that another writer committed meanwhile, at append time)."""
+        self._check()
+        commands = self._fold.commands
+        return {command_id: commands[command_id] for command_id in command_ids if command_id in commands}
+
+    async def stream_version(self, stream_id: str) -> int:
+        await self._catch_up()
+        return self._fold.versions.get(stream_id, 0)
+
+    async def stream_versions(self) -> dict[str, int]:
+        await self._catch_up()
+        return {stream: version for stream, version in self._fold.versions.items() if version}
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        with anyio.CancelScope(shield=True):
+            if self._opened and not self._origin_saved and self._failure is None and self._fold.origin is not None:
+                try:  # the topic was empty at open: remember which history this store now follows
+                    await self._save_origin()
+                except Exception as error:  # noqa: BLE001 - only the next open's check is weaker for it
+                    log.warning("kafka_origin_not_saved", url=self.url, error=one_line(error))
+            self._closed = True
+            if self._fetcher is not None:
+                self._fetcher.cancel()
+                await asyncio.wait([self._fetcher])
+            for client in (self._consumer, self._producer):
+                try:
+                    await client.stop()
+                except (KafkaError, OSError) as error:
+                    log.warning("kafka_client_stop_failed", url=self.url, error=one_line(error))
+            await super().close()
+
+    # --- following the topic -------------------------------------------------------------------
+
+    async def _fetch_forever(self) -> None:
+        """Fold every record as it arrives, in offset order; any error fails the log closed."""
+        try:
+            while True:
+                fetched = await self._consumer.getmany(self._partition, timeout_ms=1000, max_records=FETCH_RECORDS)
+                folded = False
+                for record in fetched.get(self._partition, []):
+                    if record.offset >= self._fold.next_offset:  # not folded already by its writer
+                        if not self._fold_record(int(record.offset), record.headers, record.value):
+                            return
+                        folded = True
+                if folded:
+                    self._wake()
+        except asyncio.CancelledError:
+            raise
+        except OffsetOutOfRangeError as error:
+            self._fail(LogDiverged(
+                f"topic {self.target.topic!r} on {self.url} has no record at offset {self._fold.next_offset}, the next "
+                f"one this log reads ({one_line(error)}): the topic went backwards; refusing to continue a forked history"
+            ))
+        except Exception as error:  # noqa: BLE001 - the fetcher's end: recorded, and raised by every later call
+            self._fail(LogUnavailable(f"reading {self.url} failed: {one_line(error)}"))
+
+    def _fold_record(self, offset: int, headers: Sequence[tuple[str, bytes]], value: bytes | None) -> bool:
+        try:
+            skipped = self._fold.fold(offset, headers, value)
+        except LogError as error:
+            self._fail(error)
+            return False
+        if skipped is not None:
+            log.warning("kafka_record_skipped", url=self.url, offset=offset, reason=skipped)
+        return True
+
+    def _wake(self) -> None:
+        event, self._advanced = self._advanced, anyio.Event()
+        event.set()
+
+    def _fail(self, error: LogError) -> None:
+        if self._failure is None:
+            self._failure = (type(error), str(error))
+            log.error("kafka_log_failed_closed", url=self.url, error=type(error).__name__, reason=str(error))
+        self._wake()
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            kind, reason = self._failure
+            raise kind(reason)
+        if self._closed:
+            raise LogUnavailable(f"log {self.url} is closed")
+
+    async def _end(self) -> int:
+        """The topic's end offset now; fails the log closed if it is below what was read."""
+        self._check()
+        try:
+            with anyio.fail_after(CALL_TIMEOUT_S):
+                ends = await self._consumer.end_offsets([self._partition])
+        except (KafkaError, OSError, TimeoutError) as error:
+            raise LogUnavailable(f"cannot reach log {self.url}: {one_line(error)}") from error
+        end = int(ends[self._partition])
+        if end < self._fold.next_offset:
+            self._fail(LogDiverged(
+                f"topic {self.target.topic!r} on {self.url} now ends at offset {end}, but this log has read up to "
+                f"offset {self._fold.next_offset - 1}: the broker lost committed records; refusing to continue a "
+                "forked history"
+            ))
+            self._check()
+        return end
+
+    async def _catch_up(self) -> None:
+        """Fold everything committed before this call."""
+        await self._reach(await self._end(), "catching up with the topic")
+
+    async def _reach(self, offset: int, doing: str) -> None:
+        try:
+            with anyio.fail_after(CALL_TIMEOUT_S):
+                while self._fold.next_offset < offset:
+                    self._check()
+                    await self._advanced.wait()
+        except TimeoutError:
+            raise LogUnavailable(
+                f"log {self.url}: no records from the broker for {CALL_TIMEOUT_S:.0f} s while {doing}"
+            ) from None
+        self._check()
+
+    # --- the state store -------------------------------------------------------------------------
+
+    async def _check_state_store(self) -> None:
+        """Refuse a state store built from another history of the topic, or ahead of it."""
+        origin, saved = self._fold.origin_code(), await self.checkpoint(ORIGIN_CHECKPOINT)
+        if saved and saved != origin:
+            found = "is empty" if not origin else "begins with another record"
+            raise LogDiverged(
+                f"topic {self.target.topic!r} on {self.url} {found}, but the state store {self.state_url} was built from "
+                "a topic that began otherwise: the topic lost its history (or the store belongs to another topic); "
+                "refusing to continue a forked history. Move the store away to rebuild it from the topic."
+            )
+        snapshots = await self.snapshots(1)
+        if snapshots and snapshots[0].global_seq > self._fold.head:
+            raise LogDiverged(
+                f"the state store {self.state_url} holds a snapshot at global sequence {snapshots[0].global_seq}, "
+                f"but topic {self.target.topic!r} on {self.url} holds {self._fold.head} events: the broker lost "
+                "committed events; refusing to continue a forked history"
+            )
+        if origin:
+            await self._save_origin()
+
+    async def _save_origin(self) -> None:
+        origin = self._fold.origin_code()
+        if not origin:
+            return
+        async with self.projection_transaction(ORIGIN_CHECKPOINT) as tx:
+            await tx.advance(origin)
+        self._origin_saved = True
