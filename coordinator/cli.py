@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from coordinator.audit.cli import audit_app, export_command, replay_command, verify_command
+from coordinator.fleet import fleet_command
 from coordinator.namespace_cli import namespace_app
 
 app = typer.Typer(help="kvledger: an event-sourced coordinator for LLM KV caches.", no_args_is_help=True)
@@ -25,6 +26,7 @@ app.add_typer(audit_app, name="audit")
 app.command("replay")(replay_command)
 app.command("export")(export_command)
 app.command("verify")(verify_command)
+app.command("fleet")(fleet_command)
 app.add_typer(namespace_app, name="namespace")
 LOG_OPTION = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="SQLite path or URL, or PostgreSQL URL (default: the data directory's SQLite file).")
 

@@ -35,11 +35,12 @@ from coordinator.audit.store import IndexProgress, sync_index
 from coordinator.audit.timeline_cli import timeline_command
 from coordinator.audit.times import read_time
 from events.log import LogError, LogUnavailable, SqlEventLog, normalize, open_log
+from events.log._urls import is_kafka
 
 audit_app = typer.Typer(help="Who owned what, when: point-in-time answers from the log's audit index.", no_args_is_help=True)
 audit_app.command("timeline")(timeline_command)
 
-LOG = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="SQLite path or URL, or PostgreSQL URL (default: the data directory's SQLite file).")
+LOG = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="SQLite path or URL, PostgreSQL URL, or Kafka log kafka://HOST:PORT/TOPIC?state=DB (the index lives in DB) (default: the data directory's SQLite file).")
 ENGINE = typer.Option(None, "--engine", help="The engine whose pool and steps are meant (default: the log's only engine).")
 JSON = typer.Option(False, "--json", help="Print JSON instead of a table.")
 MAX_INT = 2**63 - 1
@@ -114,7 +115,12 @@ def quiet_logs() -> None:
 
 async def open_existing(log_url: str | None) -> SqlEventLog:
     """The log to examine. Forensics never creates one: a SQLite file that is not there is an
-    error naming the path (a typo must not answer "0 events, all fine")."""
+    error naming the path (a typo must not answer "0 events, all fine"). A Kafka log's topic must
+    exist, and its index lives in its state store (coordinator/fleet.py, open_for_audit)."""
+    if is_kafka(log_url):
+        from coordinator.fleet import open_for_audit
+
+        return await open_for_audit(str(log_url))
     target = normalize(log_url)
     if target.get_backend_name() == "sqlite" and target.database and not Path(target.database).exists():
         raise LogUnavailable(f"no log at {target.database}")

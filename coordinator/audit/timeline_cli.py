@@ -18,6 +18,7 @@ from coordinator.audit.queries import AuditError
 from coordinator.audit.store import sync_index
 from coordinator.audit.timeline import Timeline, draw_timeline, output_format, parse_steps
 from events.log import LogError, normalize, open_log
+from events.log._urls import is_kafka
 
 COMMAND = "kvledger audit timeline"
 MAX_STEP = 2**63 - 1
@@ -30,7 +31,7 @@ def timeline_command(
     steps: str = typer.Option(..., "--steps", help="The engine steps to draw, A:B (both included)."),
     out: Path = typer.Option(..., "--out", help="The picture: FILE.png, or FILE.html (self-contained, works offline)."),
     engine: str | None = typer.Option(None, "--engine", help="The engine (default: the log's only engine)."),
-    log_url: str | None = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="SQLite path or URL, or PostgreSQL URL (default: the data directory's SQLite file)."),
+    log_url: str | None = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="SQLite path or URL, PostgreSQL URL, or Kafka log kafka://HOST:PORT/TOPIC?state=DB (default: the data directory's SQLite file)."),
 ) -> None:
     """Draw which generation and owner held each slot of one pool over a range of steps, with
     pins, jobs and refusals marked: the picture for an incident report."""
@@ -63,7 +64,12 @@ def timeline_command(
 
 
 async def _run(target: str, pool: int, first_step: int, last_step: int, out: Path, engine: str | None) -> Timeline:
-    event_log = await open_log(target)
+    if is_kafka(target):  # its topic must exist; the index lives in its state store
+        from coordinator.fleet import open_for_audit
+
+        event_log = await open_for_audit(target)
+    else:
+        event_log = await open_log(target)
     try:
         await sync_index(event_log)  # catch the index up with the log first
         return await draw_timeline(event_log, pool=pool, first_step=first_step, last_step=last_step, out=out,
@@ -74,7 +80,9 @@ async def _run(target: str, pool: int, first_step: int, last_step: int, out: Pat
 
 def _existing_log(log_url: str | None) -> str:
     """The log's URL; a SQLite file must exist (opening one would create an empty log: an audit
-    command never writes a log into being)."""
+    command never writes a log into being). A Kafka log's URL as given (checked when opened)."""
+    if is_kafka(log_url):
+        return str(log_url)
     url = normalize(log_url)
     if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:" \
             and not Path(url.database).exists():

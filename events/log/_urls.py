@@ -43,10 +43,14 @@ def mask(url: str | sa.URL) -> str:
     """The URL with any password replaced by ***."""
     if isinstance(url, str) and is_kafka(url):
         parts = urllib.parse.urlsplit(url)
-        if parts.password is None:
-            return url
-        hosts = parts.netloc.rsplit("@", 1)[1]
-        return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{hosts}"))
+        if parts.password is not None:
+            hosts = parts.netloc.rsplit("@", 1)[1]
+            parts = parts._replace(netloc=f"{parts.username}:***@{hosts}")
+        pairs = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        if any(key == "state" and "://" in value for key, value in pairs):  # ?state=postgresql://user:pw@...
+            masked = [(key, mask(value) if key == "state" and "://" in value else value) for key, value in pairs]
+            parts = parts._replace(query=urllib.parse.urlencode(masked, safe=":/@*"))
+        return urllib.parse.urlunsplit(parts)
     try:
         parsed = url if isinstance(url, sa.URL) else sa.make_url(url)
     except sa.exc.ArgumentError:

@@ -1,0 +1,284 @@
+"""`kvledger fleet`: the fleet audit service. It reads every engine's stream from a Kafka log's
+topic and keeps the audit index (kvl_audit_*) of the whole fleet in one SQL database, so that
+`kvledger audit ... --log kafka://HOST:PORT/TOPIC?state=<that database>` and the HTTP audit API
+answer for every engine.
+
+Where it writes. `--db` becomes the Kafka log's state store (the `?state=` of its URL): the audit
+index, its "audit" checkpoint and the store's own checkpoints live there, and nothing else is
+written anywhere (the topic is only read). PostgreSQL is the fleet's database; a SQLite file works
+too (one machine, tests).
+
+Exactly once. The position in the topic is the audit checkpoint itself: a global sequence, which
+every reader of the topic assigns alike (events/log/_kafka_fold.py). Each batch of index rows is
+inserted in the same transaction as the checkpoint that follows it (coordinator/audit/store.py,
+`sync_index`), so whatever stops the service (SIGTERM, a crash, a lost broker, a cancelled batch)
+the index holds each event's rows once, and a restart goes on from the checkpoint. No Kafka
+consumer group and no Kafka offsets are committed anywhere.
+
+Tailing. It catches up with the topic in batches, then asks the topic for its head every
+`--poll` seconds and indexes what came. SIGTERM or SIGINT stops it between batches (a second one
+stops it at once: the batch in flight rolls back). While the broker is unreachable it reopens the
+log with a backoff; a topic that went backwards (LogDiverged) ends it with the reason, exit 1.
+
+Forensics never creates a log: the topic must exist (`require_topic`), and a missing one is an
+error rather than a new, empty topic.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+import urllib.parse
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import sqlalchemy as sa
+import structlog
+import typer
+from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped]
+from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
+
+from coordinator.audit.queries import AuditError
+from coordinator.audit.store import IndexProgress, indexed_seq, sync_index
+from events.log import LogError, LogUnavailable, SqlEventLog, mask, normalize, open_log
+from events.log._kafka_target import CALL_TIMEOUT_S, REQUEST_TIMEOUT_MS, KafkaTarget, one_line, parse_kafka_url
+from events.log._urls import is_kafka
+
+log = structlog.get_logger("kvledger.fleet")
+
+DEFAULT_BATCH = 10_000
+DEFAULT_POLL_S = 0.5
+RETRY_MAX_S = 30.0
+
+
+class FleetError(ValueError):
+    """Bad input (exit code 2): what is wrong, in one line."""
+
+
+def fleet_url(log_url: str | None, db: str | None) -> str:
+    """The Kafka log URL with `db` as its state store (the audit index's database).
+
+    Raises FleetError for a log that is not kafka://, a --db that is neither PostgreSQL nor
+    SQLite, no database at all, or a `?state=` in the URL that names another database than --db."""
+    if not log_url or not is_kafka(log_url):
+        shown = "nothing" if not log_url else repr(mask(log_url) if "://" in log_url else log_url)
+        raise FleetError(f"--log must be a Kafka log, kafka://HOST:PORT/TOPIC; got {shown}")
+    try:
+        parse_kafka_url(log_url)
+    except ValueError as error:
+        raise FleetError(str(error)) from None
+    parts = urllib.parse.urlsplit(log_url)
+    query = urllib.parse.parse_qs(parts.query, keep_blank_values=True)
+    given = query.get("state", [None])[-1]
+    if db is None:
+        if given is None:
+            raise FleetError("name the audit index's database with --db postgresql://... (or ?state= in the --log URL)")
+        db = given
+    elif given is not None and given != db:
+        raise FleetError(f"--db {mask(db)!r} and the --log URL's ?state={mask(given)!r} name different databases")
+    check_state_store(db, "--db")
+    query["state"] = [db]
+    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query, doseq=True)))
+
+
+def check_state_store(url: str, what: str) -> None:
+    """FleetError unless `url` is a PostgreSQL URL, a sqlite:// URL or a file path."""
+    try:
+        backend = normalize(url).get_backend_name()
+    except Exception:  # noqa: BLE001 - normalize's ValueError or SQLAlchemy's ArgumentError: not a database URL
+        backend = ""
+    if backend not in ("postgresql", "sqlite"):
+        raise FleetError(f"{what} {mask(url)!r} is not a PostgreSQL or SQLite database (postgresql://..., sqlite:///PATH or a file path)")
+
+
+async def require_topic(target: KafkaTarget) -> None:
+    """LogUnavailable unless a broker answers and the topic exists. Never creates it: opening a
+    Kafka log creates a missing topic, and forensics must not create a log."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=target.bootstrap, request_timeout_ms=REQUEST_TIMEOUT_MS)
+    try:
+        with anyio.fail_after(CALL_TIMEOUT_S):
+            await admin.start()
+            topics = await admin.list_topics()
+    except (KafkaError, OSError, TimeoutError) as error:
+        raise LogUnavailable(f"cannot reach log {_shown(target)}: {one_line(error)}") from error
+    finally:
+        await admin.close()
+    if target.topic not in topics:
+        raise LogUnavailable(f"no topic {target.topic!r} on {','.join(target.bootstrap)}: no Kafka log there (nothing is created)")
+
+
+def quiet_kafka_client() -> None:
+    """aiokafka logs each failed connection attempt itself (stdlib logging, several lines): the
+    errors that matter reach kvledger's own one-line messages and structured logs instead."""
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+
+
+def _shown(target: KafkaTarget) -> str:
+    """The log's brokers and topic, without the query (its state store URL may hold a password)."""
+    return f"kafka://{','.join(target.bootstrap)}/{target.topic}"
+
+
+async def open_fleet_log(url: str) -> SqlEventLog:
+    """The Kafka log at `url` (which names its state store), opened only if its topic exists."""
+    await require_topic(parse_kafka_url(url))
+    return await open_log(url)
+
+
+class BadLogUrl(AuditError, LogError):
+    """A Kafka log URL the audit cannot use as given: bad input (the audit CLI exits 2; commands
+    that catch only LogError exit 1)."""
+
+
+async def open_for_audit(log_url: str) -> SqlEventLog:
+    """A Kafka log for forensics: its topic must exist (never created), and the audit index needs
+    a state store to live in: `?state=` (the fleet service's database, or a file), or this
+    machine's default store for that topic if it exists."""
+    try:
+        target = parse_kafka_url(log_url)
+        check_state_store(target.state_url, "the state store")
+    except ValueError as error:
+        raise BadLogUrl(f"--log {_shown_url(log_url)}: {error}") from None
+    quiet_kafka_client()
+    explicit = "state" in urllib.parse.parse_qs(urllib.parse.urlsplit(log_url).query, keep_blank_values=True)
+    store = normalize(target.state_url)
+    if not explicit and store.get_backend_name() == "sqlite" and not Path(str(store.database)).exists():
+        raise BadLogUrl(
+            f"--log {_shown(target)} names no state store for the audit index (and this machine has none at "
+            f"{store.database}): add ?state=postgresql://... (the fleet service's --db) or ?state=PATH"
+        )
+    await require_topic(target)
+    return await open_log(log_url)
+
+
+def _shown_url(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    return f"kafka://{parts.netloc.rsplit('@', 1)[-1]}{parts.path}"
+
+
+class FleetProgress(IndexProgress, frozen=True):
+    events_per_s: float
+
+
+async def run_fleet(
+    url: str, *, stop: anyio.Event, batch: int = DEFAULT_BATCH, poll_s: float = DEFAULT_POLL_S,
+    on_progress: Callable[[IndexProgress], None] | None = None, until_idle: bool = False,
+) -> int:
+    """Index the Kafka log at `url` (state store included, see fleet_url) into its state store
+    until `stop` is set (between batches), or with `until_idle` until it has caught up; returns
+    the indexed sequence. Raises LogError when it cannot open the log the first time, or when the
+    log failed closed (LogDiverged and the like); while the broker is down it retries."""
+    target = parse_kafka_url(url)
+    shown = _shown(target)
+    state = mask(target.state_url)
+    event_log: SqlEventLog | None = await open_fleet_log(url)
+    retry_s = 1.0
+    done = 0
+    try:
+        assert event_log is not None
+        done = await indexed_seq(event_log)
+        log.info("fleet_started", log=shown, db=state, indexed_seq=done, batch=batch)
+        caught_up = False
+        while not stop.is_set():
+            try:
+                if event_log is None:
+                    event_log = await open_fleet_log(url)
+                    log.info("fleet_log_reopened", log=shown)
+                    retry_s = 1.0
+                head = await event_log.head()
+                if head > done:
+                    caught_up = False
+                    started, first = time.monotonic(), done
+                    rows: list[IndexProgress] = []
+                    done = await sync_index(event_log, until_seq=min(head, done + batch), batch=batch, on_progress=rows.append)
+                    elapsed = time.monotonic() - started
+                    rate = (done - first) / elapsed if elapsed > 0 else 0.0
+                    progress = FleetProgress(done, head, sum(r.rows for r in rows[-1:]), rate)
+                    log.info("fleet_indexed", indexed_seq=done, head=head, behind=max(head - done, 0), rows=progress.rows,
+                             events_per_s=round(rate))
+                    if on_progress is not None:
+                        on_progress(progress)
+                    continue
+                if not caught_up:
+                    caught_up = True
+                    log.info("fleet_caught_up", indexed_seq=done, head=head)
+                if until_idle:
+                    break
+                with anyio.move_on_after(poll_s):
+                    await stop.wait()
+            except LogUnavailable as error:
+                # The broker went away (the log fails closed on any fetch error): reopen it.
+                log.warning("fleet_log_unavailable", log=shown, error=str(error), retry_in_s=retry_s)
+                if event_log is not None:
+                    with anyio.CancelScope(shield=True):
+                        await event_log.close()
+                    event_log = None
+                with anyio.move_on_after(retry_s):
+                    await stop.wait()
+                retry_s = min(retry_s * 2, RETRY_MAX_S)
+    finally:
+        if event_log is not None:
+            with anyio.CancelScope(shield=True):
+                await event_log.close()
+    log.info("fleet_stopped", log=shown, indexed_seq=done)
+    return done
+
+
+async def _serve(url: str, batch: int, poll_s: float) -> int:
+    """run_fleet until SIGTERM or SIGINT (the first stops after the batch in flight, a second at once)."""
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tasks:
+
+        async def signals() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
+                async for signum in received:
+                    if stop.is_set():
+                        log.warning("fleet_stopping_now", signal=signal.Signals(signum).name)
+                        tasks.cancel_scope.cancel()
+                        return
+                    log.info("fleet_stopping", signal=signal.Signals(signum).name)
+                    stop.set()
+
+        tasks.start_soon(signals)
+        try:
+            done = await run_fleet(url, stop=stop, batch=batch, poll_s=poll_s)
+        except Exception as error:  # noqa: BLE001 - raised below, outside the task group (no ExceptionGroup)
+            failed: Exception | None = error
+        else:
+            failed = None
+        tasks.cancel_scope.cancel()
+    if failed is not None:
+        raise failed
+    return done
+
+
+def fleet_command(
+    log_url: str | None = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="The fleet's Kafka log: kafka://HOST:PORT/TOPIC."),
+    db: str | None = typer.Option(None, "--db", envvar="KVLEDGER_FLEET_DB", help="The audit index's database: postgresql://... (or a SQLite file); it becomes the log's ?state= store."),
+    batch: int = typer.Option(DEFAULT_BATCH, "--batch", min=1, max=1_000_000, help="Events indexed per transaction."),
+    poll: float = typer.Option(DEFAULT_POLL_S, "--poll", min=0.01, max=3600.0, help="Seconds between looks at the topic's head once caught up."),
+) -> None:
+    """Index every engine's stream of a Kafka log into one audit database, exactly once, and keep
+    tailing it (until SIGTERM or SIGINT): `kvledger audit ... --log 'kafka://HOST:PORT/TOPIC?state=DB'`
+    then answers for the whole fleet."""
+    from coordinator.cli import configure_json_logs
+
+    try:
+        url = fleet_url(log_url, db)
+    except FleetError as error:
+        typer.echo(f"kvledger fleet: {error}", err=True)
+        raise typer.Exit(code=2) from None
+    configure_json_logs()
+    quiet_kafka_client()
+    try:
+        anyio.run(_serve, url, batch, poll)
+    except LogError as error:
+        typer.echo(f"kvledger fleet: {error}", err=True)
+        raise typer.Exit(code=1) from None
+    except sa.exc.SQLAlchemyError as error:
+        typer.echo(f"kvledger fleet: the audit database failed: {one_line(error)}", err=True)
+        raise typer.Exit(code=1) from None
+    except OSError as error:
+        typer.echo(f"kvledger fleet: {error.strerror or error}", err=True)
+        raise typer.Exit(code=1) from None
