@@ -164,7 +164,8 @@ class Ledger:
     async def close(self) -> None:
         """Clean shutdown: leave a snapshot so the next start replays only what follows."""
         async with self._lock:
-            if self.last_seq and self.last_seq != self._snapshot_seq:
+            # A stale state (a failed append whose rebuild failed too) may hold what the log never took.
+            if self.last_seq and self.last_seq != self._snapshot_seq and not self.stale:
                 await self._snapshot()
 
     async def _fresh(self) -> None:

@@ -129,10 +129,13 @@ class Sidecar:
             return False, "shutting down"
         if not self.accepting:
             return False, "starting"
+        failure = getattr(self.ledger.log, "failure", None)  # a log that failed closed (Kafka: LogDiverged)
+        if failure:
+            return False, f"the log failed closed: {failure}"
+        if self.committer.failure is not None:  # e.g. the broker is unreachable: ready again after an append succeeds
+            return False, f"the log refused the last append: {self.committer.failure}"
         if self.ledger.stale:
             return False, "the state is being rebuilt from the log after a failed append"
-        if self.committer.failure is not None:
-            return False, f"the log refused the last append: {self.committer.failure}"
         return True, "ready"
 
     def health(self) -> p.HealthResult:

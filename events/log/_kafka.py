@@ -82,7 +82,7 @@ from events.log._contract import (
     pack_step,
 )
 from events.log._kafka_fold import AppendRecord, ClaimRecord, KafkaFold, StepPart, encode_append, encode_claim
-from events.log._kafka_target import CALL_TIMEOUT_S, REQUEST_TIMEOUT_MS, KafkaTarget, ensure_topic, one_line
+from events.log._kafka_target import KafkaTarget, ensure_topic, one_line
 from events.log._sql import SqlEventLog, events_of
 
 log = structlog.get_logger("kvledger.log")
@@ -128,17 +128,17 @@ class KafkaEventLog(SqlEventLog):
         await ensure_topic(target)
         producer = AIOKafkaProducer(
             bootstrap_servers=target.bootstrap, acks="all", enable_idempotence=False, linger_ms=0,
-            request_timeout_ms=REQUEST_TIMEOUT_MS, client_id=f"kvledger-{target.topic}",
+            request_timeout_ms=target.request_timeout_ms, client_id=f"kvledger-{target.topic}",
         )
         consumer = AIOKafkaConsumer(
             bootstrap_servers=target.bootstrap, group_id=None, enable_auto_commit=False, auto_offset_reset="none",
             isolation_level="read_uncommitted", fetch_max_wait_ms=target.fetch_wait_ms,
-            request_timeout_ms=REQUEST_TIMEOUT_MS, client_id=f"kvledger-{target.topic}",
+            request_timeout_ms=target.request_timeout_ms, client_id=f"kvledger-{target.topic}",
         )
         event_log = cls(target, state, producer, consumer)
         try:
             try:
-                with anyio.fail_after(CALL_TIMEOUT_S):
+                with anyio.fail_after(target.call_timeout_s):
                     await producer.start()
                     await consumer.start()
                     consumer.assign([event_log._partition])
@@ -243,6 +243,13 @@ class KafkaEventLog(SqlEventLog):
                 raise AppendRejected(f"append refused by {self.url}: {verdict}")
             raise verdict
         assert isinstance(verdict, list)
+        if not self._origin_saved:
+            # The topic was empty at open: from its first record on, the state store names the
+            # history it follows, so a restart on a topic that lost it is refused even after a kill.
+            try:
+                await self._save_origin()
+            except Exception as error:  # noqa: BLE001 - the record is committed; close() tries again
+                log.warning("kafka_origin_not_saved", url=self.url, error=one_line(error))
         return verdict
 
     async def _claim(self, streams: list[str]) -> None:
@@ -350,8 +357,10 @@ class KafkaEventLog(SqlEventLog):
         if self._closed:
             return
         with anyio.CancelScope(shield=True):
-            if self._opened and not self._origin_saved and self._failure is None and self._fold.origin is not None:
-                try:  # the topic was empty at open: remember which history this store now follows
+            if self._opened and not self._origin_saved and self._fold.origin is not None:
+                # The topic was empty at open: remember which history this store now follows (the
+                # one this process read, even if the topic lost it since: the next open refuses then).
+                try:
                     await self._save_origin()
                 except Exception as error:  # noqa: BLE001 - only the next open's check is weaker for it
                     log.warning("kafka_origin_not_saved", url=self.url, error=one_line(error))
@@ -422,7 +431,7 @@ class KafkaEventLog(SqlEventLog):
         """The topic's end offset now; fails the log closed if it is below what was read."""
         self._check()
         try:
-            with anyio.fail_after(CALL_TIMEOUT_S):
+            with anyio.fail_after(self.target.call_timeout_s):
                 ends = await self._consumer.end_offsets([self._partition])
         except (KafkaError, OSError, TimeoutError) as error:
             raise LogUnavailable(f"cannot reach log {self.url}: {one_line(error)}") from error
@@ -442,13 +451,13 @@ class KafkaEventLog(SqlEventLog):
 
     async def _reach(self, offset: int, doing: str) -> None:
         try:
-            with anyio.fail_after(CALL_TIMEOUT_S):
+            with anyio.fail_after(self.target.call_timeout_s):
                 while self._fold.next_offset < offset:
                     self._check()
                     await self._advanced.wait()
         except TimeoutError:
             raise LogUnavailable(
-                f"log {self.url}: no records from the broker for {CALL_TIMEOUT_S:.0f} s while {doing}"
+                f"log {self.url}: no records from the broker for {self.target.call_timeout_s:.0f} s while {doing}"
             ) from None
         self._check()
 

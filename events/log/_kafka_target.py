@@ -1,10 +1,13 @@
 """Where a Kafka log lives: its kafka:// URL, and the topic it needs (one partition).
 
-kafka://HOST:PORT[,HOST:PORT...]/TOPIC[?state=...&replication_factor=N&fetch_wait_ms=N]
+kafka://HOST:PORT[,HOST:PORT...]/TOPIC[?state=...&replication_factor=N&fetch_wait_ms=N&request_timeout_ms=N]
 * state: the SQL state store (a path or a SQL URL) for checkpoints, projections and snapshots;
   default: a SQLite file under the data directory, named after the brokers and the topic.
 * replication_factor: used only when kvledger creates the topic (default 3).
 * fetch_wait_ms: how long a fetch waits on the broker for new records (default 100).
+* request_timeout_ms: how long one request waits for the broker before it fails (default 15000);
+  a call that waits on the broker (an append, a catch-up) gives up after twice that, with
+  LogUnavailable: how soon an unreachable broker shows as a failed append and on /readyz.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ log = structlog.get_logger("kvledger.log")
 DEFAULT_PORT = 9092
 DEFAULT_REPLICATION = 3
 DEFAULT_FETCH_WAIT_MS = 100
-CALL_TIMEOUT_S = 30.0
-"""How long a call waits for the broker before LogUnavailable."""
 REQUEST_TIMEOUT_MS = 15_000
+"""The default request_timeout_ms."""
+CALL_TIMEOUT_S = 2 * REQUEST_TIMEOUT_MS / 1000
+"""How long a call waits for the broker before LogUnavailable, by default (KafkaTarget.call_timeout_s)."""
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-_QUERY_KEYS = {"state", "replication_factor", "fetch_wait_ms"}
+_QUERY_KEYS = {"state", "replication_factor", "fetch_wait_ms", "request_timeout_ms"}
 
 
 class KafkaTarget(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,10 +46,16 @@ class KafkaTarget(msgspec.Struct, frozen=True, kw_only=True):
     state_url: str
     replication_factor: int = DEFAULT_REPLICATION
     fetch_wait_ms: int = DEFAULT_FETCH_WAIT_MS
+    request_timeout_ms: int = REQUEST_TIMEOUT_MS
+
+    @property
+    def call_timeout_s(self) -> float:
+        """How long a call waits for the broker before LogUnavailable."""
+        return 2 * self.request_timeout_ms / 1000
 
 
 def parse_kafka_url(url: str) -> KafkaTarget:
-    """Parse kafka://HOST:PORT[,HOST:PORT...]/TOPIC[?state=...&replication_factor=N&fetch_wait_ms=N]."""
+    """Parse kafka://HOST:PORT[,HOST:PORT...]/TOPIC[?state=...&replication_factor=N&fetch_wait_ms=N&request_timeout_ms=N]."""
     shown = mask(url)
     parts = urllib.parse.urlsplit(url)
     if parts.scheme != "kafka":
@@ -72,17 +82,20 @@ def parse_kafka_url(url: str) -> KafkaTarget:
     try:
         replication = int(query.get("replication_factor", [DEFAULT_REPLICATION])[-1])
         fetch_wait = int(query.get("fetch_wait_ms", [DEFAULT_FETCH_WAIT_MS])[-1])
+        request_timeout = int(query.get("request_timeout_ms", [REQUEST_TIMEOUT_MS])[-1])
     except ValueError:
-        raise ValueError(f"{shown}: replication_factor and fetch_wait_ms are integers") from None
+        raise ValueError(f"{shown}: replication_factor, fetch_wait_ms and request_timeout_ms are integers") from None
+    if request_timeout < 100:
+        raise ValueError(f"{shown}: request_timeout_ms {request_timeout} is below 100")
     return KafkaTarget(url=shown, bootstrap=bootstrap, topic=topic, state_url=state,
-                       replication_factor=replication, fetch_wait_ms=fetch_wait)
+                       replication_factor=replication, fetch_wait_ms=fetch_wait, request_timeout_ms=request_timeout)
 
 
 async def probe(target: KafkaTarget) -> None:
     """Raise LogUnavailable (one line) unless a broker of `target` answers."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=target.bootstrap, request_timeout_ms=REQUEST_TIMEOUT_MS)
+    admin = AIOKafkaAdminClient(bootstrap_servers=target.bootstrap, request_timeout_ms=target.request_timeout_ms)
     try:
-        with anyio.fail_after(CALL_TIMEOUT_S):
+        with anyio.fail_after(target.call_timeout_s):
             await admin.start()
     except (KafkaError, OSError, TimeoutError) as error:
         raise LogUnavailable(f"cannot reach log {target.url}: {one_line(error)}") from error
@@ -95,9 +108,9 @@ async def ensure_topic(target: KafkaTarget) -> None:
 
     Existence is checked by listing topics: a metadata request for a missing topic creates it
     on brokers that auto-create topics, with their default partition count."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=target.bootstrap, request_timeout_ms=REQUEST_TIMEOUT_MS)
+    admin = AIOKafkaAdminClient(bootstrap_servers=target.bootstrap, request_timeout_ms=target.request_timeout_ms)
     try:
-        with anyio.fail_after(CALL_TIMEOUT_S):
+        with anyio.fail_after(target.call_timeout_s):
             await admin.start()
             if target.topic not in await admin.list_topics():
                 response = await admin.create_topics(

