@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+import anyio
 import pytest
 from aiokafka import AIOKafkaProducer  # type: ignore[import-untyped]
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic  # type: ignore[import-untyped]
@@ -390,3 +391,65 @@ async def test_the_ledger_recovers_from_a_snapshot_plus_the_topics_tail(kafka_ur
         await _serve_request(recovered, 3, clock=3.0)  # and it writes on, as the engine's new writer
     finally:
         await reopened.close()
+
+
+# --- a reader's state store, and closing with the broker gone (review findings) ------------------
+
+
+async def writer_steps(broker: KafkaBroker, topic: str, state: Path, streams: Sequence[str]) -> None:
+    """Another process writes one event on each stream (a writer, not the reader under test)."""
+    writer = await open_log(broker.url(topic, state=state, fetch_wait_ms=KAFKA_FETCH_WAIT_MS))
+    try:
+        for stream in streams:
+            await writer.append([step(stream, 0, [f"{stream}-{uuid.uuid4().hex[:8]}"])])
+    finally:
+        await writer.close()
+
+
+async def test_a_reader_killed_before_close_still_refuses_a_topic_that_lost_its_history(
+    kafka_broker: KafkaBroker, tmp_path: Path
+) -> None:
+    topic = f"kvl-{uuid.uuid4().hex[:8]}"
+    url = kafka_broker.url(topic, state=tmp_path / "reader.sqlite", fetch_wait_ms=KAFKA_FETCH_WAIT_MS)
+    reader = await open_log(url)  # opened on an empty topic: there is no history to name yet
+    assert isinstance(reader, KafkaEventLog)
+    await writer_steps(kafka_broker, topic, tmp_path / "w1.sqlite", ["tier/old-a", "tier/old-b"])
+    async with reader.projection_transaction("audit") as tx:  # what the fleet service does: it never appends
+        await tx.advance(await reader.head())
+    # ...and is SIGKILLed: no close(). Only its state store's engine is let go, to leak nothing.
+    reader._closed = True  # noqa: SLF001
+    await SqlEventLog.close(reader)
+    await recreate_topic(url)  # the broker lost everything; a writer starts a new history
+    await writer_steps(kafka_broker, topic, tmp_path / "w2.sqlite", ["tier/new-a", "tier/new-b", "tier/new-c"])
+    with pytest.raises(LogDiverged, match="forked history"):
+        await open_log(url)
+
+
+async def test_a_checkpoint_beyond_the_topics_head_is_refused(kafka_broker: KafkaBroker, tmp_path: Path) -> None:
+    topic = f"kvl-{uuid.uuid4().hex[:8]}"
+    url = kafka_broker.url(topic, state=tmp_path / "reader.sqlite", fetch_wait_ms=KAFKA_FETCH_WAIT_MS)
+    await writer_steps(kafka_broker, topic, tmp_path / "w.sqlite", ["tier/a", "tier/b", "tier/c"])
+    reader = await open_log(url)
+    try:
+        async with reader.projection_transaction("audit") as tx:
+            await tx.advance(7)  # as if the topic had held 7 events and lost its tail since
+    finally:
+        await reader.close()
+    with pytest.raises(LogDiverged, match="checkpoint at global sequence 7"):
+        await open_log(url)
+
+
+async def test_close_with_the_broker_gone_returns_and_stops_both_clients(tmp_path: Path) -> None:
+    broker = KafkaBroker.start()
+    url = broker.url(state=tmp_path / "state.sqlite", fetch_wait_ms=KAFKA_FETCH_WAIT_MS, request_timeout_ms=1000)
+    try:
+        event_log = await open_log(url)
+        assert isinstance(event_log, KafkaEventLog)
+        await event_log.append([step("tier/a", 0, ["x1"])])
+    finally:
+        broker.stop()  # the broker is gone while the log is open
+    with pytest.raises(LogError):
+        await event_log.append([step("tier/a", 1, ["x2"])])
+    with anyio.fail_after(30):
+        await event_log.close()  # returns: the consumer's fetch task's CancelledError is not ours
+    assert event_log._producer._closed  # noqa: SLF001 - the producer was stopped after the consumer

@@ -60,10 +60,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import msgspec
+import sqlalchemy as sa
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # type: ignore[import-untyped]
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError, OffsetOutOfRangeError  # type: ignore[import-untyped]
@@ -83,7 +85,8 @@ from events.log._contract import (
 )
 from events.log._kafka_fold import AppendRecord, ClaimRecord, KafkaFold, StepPart, encode_append, encode_claim
 from events.log._kafka_target import KafkaTarget, ensure_topic, one_line
-from events.log._sql import SqlEventLog, events_of
+from events.log import _schema as t
+from events.log._sql import SqlEventLog, SqlProjectionTransaction, events_of
 
 log = structlog.get_logger("kvledger.log")
 
@@ -365,15 +368,29 @@ class KafkaEventLog(SqlEventLog):
                 except Exception as error:  # noqa: BLE001 - only the next open's check is weaker for it
                     log.warning("kafka_origin_not_saved", url=self.url, error=one_line(error))
             self._closed = True
-            if self._fetcher is not None:
-                self._fetcher.cancel()
-                await asyncio.wait([self._fetcher])
-            for client in (self._consumer, self._producer):
-                try:
-                    await client.stop()
-                except (KafkaError, OSError) as error:
-                    log.warning("kafka_client_stop_failed", url=self.url, error=one_line(error))
-            await super().close()
+            try:
+                if self._fetcher is not None:
+                    self._fetcher.cancel()
+                    await asyncio.wait([self._fetcher])
+                for client in (self._consumer, self._producer):
+                    await self._stop(client)
+            finally:
+                await super().close()  # the state store's engine, whatever the clients did
+
+    async def _stop(self, client: Any) -> None:
+        """Stop one aiokafka client, bounded. With the broker down, a consumer's stop re-raises
+        the CancelledError of its fetch task sleeping in backoff: that is not our cancellation,
+        so it is logged, and the other client and the state store are still closed."""
+        task = asyncio.current_task()
+        try:
+            with anyio.move_on_after(self.target.call_timeout_s):
+                await client.stop()
+        except asyncio.CancelledError as error:
+            if task is not None and task.cancelling():
+                raise
+            log.warning("kafka_client_stop_failed", url=self.url, error=f"CancelledError: {error}")
+        except (KafkaError, OSError) as error:
+            log.warning("kafka_client_stop_failed", url=self.url, error=one_line(error))
 
     # --- following the topic -------------------------------------------------------------------
 
@@ -473,6 +490,19 @@ class KafkaEventLog(SqlEventLog):
                 "a topic that began otherwise: the topic lost its history (or the store belongs to another topic); "
                 "refusing to continue a forked history. Move the store away to rebuild it from the topic."
             )
+        progress = await self._progress()
+        if progress and not saved:
+            raise LogDiverged(
+                f"the state store {self.state_url} holds checkpoints up to global sequence {progress} but does not "
+                f"name the history of topic {self.target.topic!r} it follows, so it cannot be checked against the "
+                "topic; refusing to continue what may be a forked history. Move the store away to rebuild it."
+            )
+        if progress > self._fold.head:
+            raise LogDiverged(
+                f"the state store {self.state_url} holds a checkpoint at global sequence {progress}, but topic "
+                f"{self.target.topic!r} on {self.url} holds {self._fold.head} events: the broker lost committed "
+                "events; refusing to continue a forked history"
+            )
         snapshots = await self.snapshots(1)
         if snapshots and snapshots[0].global_seq > self._fold.head:
             raise LogDiverged(
@@ -482,6 +512,27 @@ class KafkaEventLog(SqlEventLog):
             )
         if origin:
             await self._save_origin()
+
+    async def _progress(self) -> int:
+        """The highest projection checkpoint in the state store (0: none)."""
+        async with self.engine.connect() as conn:
+            found = (await conn.execute(sa.select(sa.func.max(t.checkpoints.c.global_seq))
+                                        .where(t.checkpoints.c.name != ORIGIN_CHECKPOINT))).scalar()
+        return int(found or 0)
+
+    @asynccontextmanager
+    async def projection_transaction(self, name: str) -> AsyncIterator[SqlProjectionTransaction]:
+        """As on SQL, and the store names the topic's history in the same transaction as its
+        first checkpoint: a reader killed before close() (the fleet service, the audit CLI) still
+        leaves a store that a restart can check against the topic."""
+        async with super().projection_transaction(name) as tx:
+            yield tx
+            origin = self._fold.origin_code()
+            naming = not self._origin_saved and name != ORIGIN_CHECKPOINT and bool(origin)
+            if naming:
+                await SqlProjectionTransaction(tx.connection, ORIGIN_CHECKPOINT, self.dialect).advance(origin)
+        if naming:
+            self._origin_saved = True
 
     async def _save_origin(self) -> None:
         origin = self._fold.origin_code()
