@@ -17,8 +17,16 @@ consumer group and no Kafka offsets are committed anywhere.
 
 Tailing. It catches up with the topic in batches, then asks the topic for its head every
 `--poll` seconds and indexes what came. SIGTERM or SIGINT stops it between batches (a second one
-stops it at once: the batch in flight rolls back). While the broker is unreachable it reopens the
-log with a backoff; a topic that went backwards (LogDiverged) ends it with the reason, exit 1.
+stops it at once: the batch in flight rolls back).
+
+Outages. While the broker is unreachable it reopens the log with a backoff; while the audit
+database is unreachable (a connection refused or dropped: `database_outage`) likewise, the batch
+in flight having rolled back with its checkpoint. A topic that went backwards (LogDiverged), or
+a database that refuses what it is asked (a schema problem), ends it with the reason, exit 1.
+
+HTTP (`--http HOST:PORT`, coordinator/fleet_http.py): the audit API under /audit/ for the whole
+fleet (tokens from `--audit-tokens`, as the sidecar's), /healthz, /readyz (503 with the reason
+during an outage) and /metrics (indexed sequence, head, lag, outages).
 
 Forensics never creates a log: the topic must exist (`require_topic`), and a missing one is an
 error rather than a new, empty topic.
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -37,11 +46,14 @@ import anyio
 import sqlalchemy as sa
 import structlog
 import typer
+import uvicorn
 from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped]
 from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
 
 from coordinator.audit.queries import AuditError
+from coordinator.audit.api import TokenFileError, Tokens, load_tokens
 from coordinator.audit.store import IndexProgress, indexed_seq, sync_index
+from coordinator.fleet_http import FleetHealth, fleet_app
 from events.log import LogError, LogUnavailable, SqlEventLog, mask, normalize, open_log
 from events.log._kafka_target import CALL_TIMEOUT_S, REQUEST_TIMEOUT_MS, KafkaTarget, one_line, parse_kafka_url
 from events.log._urls import is_kafka
@@ -161,38 +173,55 @@ class FleetProgress(IndexProgress, frozen=True):
     events_per_s: float
 
 
+def database_outage(error: BaseException) -> bool:
+    """Whether `error` says the audit database is unreachable or dropped the connection (retry),
+    rather than refused what was asked of it (a bug or a schema problem: stop)."""
+    if isinstance(error, (sa.exc.OperationalError, sa.exc.InterfaceError, OSError, TimeoutError)):
+        return True
+    return isinstance(error, sa.exc.DBAPIError) and bool(error.connection_invalidated)
+
+
 async def run_fleet(
     url: str, *, stop: anyio.Event, batch: int = DEFAULT_BATCH, poll_s: float = DEFAULT_POLL_S,
     on_progress: Callable[[IndexProgress], None] | None = None, until_idle: bool = False,
+    health: FleetHealth | None = None,
 ) -> int:
     """Index the Kafka log at `url` (state store included, see fleet_url) into its state store
     until `stop` is set (between batches), or with `until_idle` until it has caught up; returns
     the indexed sequence. Raises LogError when it cannot open the log the first time, or when the
-    log failed closed (LogDiverged and the like); while the broker is down it retries."""
+    log failed closed (LogDiverged and the like); while the broker or the audit database is down
+    it retries, and `health` (the HTTP side's view) says so."""
     target = parse_kafka_url(url)
     shown = _shown(target)
     state = mask(target.state_url)
+    health = health if health is not None else FleetHealth()
     event_log: SqlEventLog | None = await open_fleet_log(url)
     retry_s = 1.0
     done = 0
     try:
         assert event_log is not None
         done = await indexed_seq(event_log)
+        health.serving(event_log)
+        health.progressed(done, done)
         log.info("fleet_started", log=shown, db=state, indexed_seq=done, batch=batch)
         caught_up = False
         while not stop.is_set():
             try:
                 if event_log is None:
                     event_log = await open_fleet_log(url)
-                    log.info("fleet_log_reopened", log=shown)
+                    done = await indexed_seq(event_log)
+                    health.serving(event_log)
+                    log.info("fleet_log_reopened", log=shown, indexed_seq=done)
                     retry_s = 1.0
                 head = await event_log.head()
+                health.progressed(done, head)
                 if head > done:
                     caught_up = False
                     started, first = time.monotonic(), done
                     rows: list[IndexProgress] = []
                     done = await sync_index(event_log, until_seq=min(head, done + batch), batch=batch, on_progress=rows.append)
                     elapsed = time.monotonic() - started
+                    health.progressed(done, head)
                     rate = (done - first) / elapsed if elapsed > 0 else 0.0
                     progress = FleetProgress(done, head, sum(r.rows for r in rows[-1:]), rate)
                     log.info("fleet_indexed", indexed_seq=done, head=head, behind=max(head - done, 0), rows=progress.rows,
@@ -200,35 +229,59 @@ async def run_fleet(
                     if on_progress is not None:
                         on_progress(progress)
                     continue
-                if not caught_up:
+                if caught_up:
+                    await indexed_seq(event_log)  # idle: a look at the database, so readiness sees an outage
+                else:
                     caught_up = True
                     log.info("fleet_caught_up", indexed_seq=done, head=head)
                 if until_idle:
                     break
                 with anyio.move_on_after(poll_s):
                     await stop.wait()
-            except LogUnavailable as error:
-                # The broker went away (the log fails closed on any fetch error): reopen it.
-                log.warning("fleet_log_unavailable", log=shown, error=str(error), retry_in_s=retry_s)
+            except (LogUnavailable, sa.exc.SQLAlchemyError, OSError, TimeoutError) as error:
+                if isinstance(error, LogUnavailable):
+                    # The broker went away (the log fails closed on any fetch error): reopen it.
+                    health.failed("log", f"the log is unavailable: {error}")
+                    log.warning("fleet_log_unavailable", log=shown, error=str(error), retry_in_s=retry_s)
+                elif database_outage(error):
+                    # The audit database went away: the batch in flight rolled back; reopen.
+                    health.failed("database", f"the audit database failed: {one_line(error)}")
+                    log.warning("fleet_db_unavailable", db=state, error=one_line(error), retry_in_s=retry_s)
+                else:
+                    raise
                 if event_log is not None:
-                    with anyio.CancelScope(shield=True):
-                        await event_log.close()
+                    await _close_quietly(event_log)
                     event_log = None
                 with anyio.move_on_after(retry_s):
                     await stop.wait()
                 retry_s = min(retry_s * 2, RETRY_MAX_S)
     finally:
+        health.stopping()
         if event_log is not None:
-            with anyio.CancelScope(shield=True):
-                await event_log.close()
+            await _close_quietly(event_log)
     log.info("fleet_stopped", log=shown, indexed_seq=done)
     return done
 
 
-async def _serve(url: str, batch: int, poll_s: float) -> int:
-    """run_fleet until SIGTERM or SIGINT (the first stops after the batch in flight, a second at once)."""
+async def _close_quietly(event_log: SqlEventLog) -> None:
+    """Close the log whatever the outage left of it: the index's rows and checkpoint are already
+    committed together or not at all, so a failed close loses nothing."""
+    with anyio.CancelScope(shield=True):
+        try:
+            await event_log.close()
+        except (sa.exc.SQLAlchemyError, LogError, OSError, TimeoutError) as error:
+            log.warning("fleet_close_failed", error=one_line(error))
+
+
+async def _serve(url: str, batch: int, poll_s: float, http: tuple[str, int] | None = None,
+                 tokens: Tokens | None = None) -> int:
+    """run_fleet until SIGTERM or SIGINT (the first stops after the batch in flight, a second at
+    once), with the HTTP side on `http` if given."""
     stop = anyio.Event()
+    health = FleetHealth()
     async with anyio.create_task_group() as tasks:
+        if http is not None:
+            await tasks.start(_serve_http, health, tokens, http)
 
         async def signals() -> None:
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
@@ -242,7 +295,7 @@ async def _serve(url: str, batch: int, poll_s: float) -> int:
 
         tasks.start_soon(signals)
         try:
-            done = await run_fleet(url, stop=stop, batch=batch, poll_s=poll_s)
+            done = await run_fleet(url, stop=stop, batch=batch, poll_s=poll_s, health=health)
         except Exception as error:  # noqa: BLE001 - raised below, outside the task group (no ExceptionGroup)
             failed: Exception | None = error
         else:
@@ -253,26 +306,67 @@ async def _serve(url: str, batch: int, poll_s: float) -> int:
     return done
 
 
+async def _serve_http(health: FleetHealth, tokens: Tokens | None, address: tuple[str, int], *,
+                      task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    from coordinator.sidecar.server import _HttpServer
+
+    host, port = address
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise FleetError(f"--http {host}:{port}: cannot listen there: {error.strerror or error}") from None
+    sock.listen(128)
+    sock.setblocking(False)
+    bound = sock.getsockname()[:2]
+    server = _HttpServer(uvicorn.Config(fleet_app(health, tokens), log_config=None, access_log=False, lifespan="off"))
+    log.info("fleet_http", url=f"http://{bound[0]}:{bound[1]}", audit_tokens=tokens is not None)
+    task_status.started()
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        sock.close()
+
+
 def fleet_command(
     log_url: str | None = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="The fleet's Kafka log: kafka://HOST:PORT/TOPIC."),
     db: str | None = typer.Option(None, "--db", envvar="KVLEDGER_FLEET_DB", help="The audit index's database: postgresql://... (or a SQLite file); it becomes the log's ?state= store."),
     batch: int = typer.Option(DEFAULT_BATCH, "--batch", min=1, max=1_000_000, help="Events indexed per transaction."),
     poll: float = typer.Option(DEFAULT_POLL_S, "--poll", min=0.01, max=3600.0, help="Seconds between looks at the topic's head once caught up."),
+    http: str = typer.Option("off", "--http", envvar="KVLEDGER_FLEET_HTTP", help="HOST:PORT for the fleet-wide audit API under /audit/, /metrics, /healthz and /readyz; 'off' (default) serves none."),
+    audit_tokens: str | None = typer.Option(None, "--audit-tokens", envvar="KVLEDGER_AUDIT_TOKENS", help="Tokens file of the HTTP audit API (as `kvledger serve --audit-tokens`); without it /audit/ answers 401."),
+    allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow --http on a non-loopback address."),
 ) -> None:
     """Index every engine's stream of a Kafka log into one audit database, exactly once, and keep
     tailing it (until SIGTERM or SIGINT): `kvledger audit ... --log 'kafka://HOST:PORT/TOPIC?state=DB'`
     then answers for the whole fleet."""
-    from coordinator.cli import configure_json_logs
+    from coordinator.cli import _address, configure_json_logs
+    from coordinator.sidecar.server import _is_loopback
 
     try:
         url = fleet_url(log_url, db)
+        try:
+            address = _address(http, "--http")
+        except typer.BadParameter:
+            raise FleetError(f"--http {http!r} is not HOST:PORT (or 'off')") from None
+        if address is not None and not allow_remote and not _is_loopback(address[0]):
+            raise FleetError(f"--http {address[0]} is not a loopback address; pass --allow-remote to listen on it")
+        try:
+            tokens = load_tokens(Path(audit_tokens)) if audit_tokens else None
+        except TokenFileError as error:
+            raise FleetError(str(error)) from None
     except FleetError as error:
         typer.echo(f"kvledger fleet: {error}", err=True)
         raise typer.Exit(code=2) from None
     configure_json_logs()
     quiet_kafka_client()
     try:
-        anyio.run(_serve, url, batch, poll)
+        anyio.run(_serve, url, batch, poll, address, tokens)
+    except FleetError as error:
+        typer.echo(f"kvledger fleet: {error}", err=True)
+        raise typer.Exit(code=2) from None
     except LogError as error:
         typer.echo(f"kvledger fleet: {error}", err=True)
         raise typer.Exit(code=1) from None

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -51,6 +52,7 @@ from events.log import SqlEventLog, mask, open_log, upgrade_log
 from events.log._schema import metadata
 from tests.conftest import KAFKA_FETCH_WAIT_MS, PG_URL, _drop_pg_database, _new_pg_database, require_postgres
 from tests.kafka_kit import KafkaBroker, free_port
+from tests.tcp_proxy import TcpProxy
 
 ENGINE_A, ENGINE_B = "engine-a", "engine-b"
 AUDIT_TABLES = sorted(name for name in metadata.tables if name.startswith("kvl_audit_"))
@@ -341,6 +343,113 @@ def test_the_command_tails_and_stops_cleanly_on_sigterm(kafka_broker: KafkaBroke
     assert events.count("fleet_caught_up") == 2  # caught up, tailed, caught up again
 
 
+def test_over_http_it_answers_fleet_wide_and_an_audit_database_outage_is_unready_retried_and_loses_nothing(
+    kafka_broker: KafkaBroker, two_pg_dbs: list[str], tmp_path: Path,
+) -> None:
+    """`kvledger fleet --http`: the audit API, /readyz and /metrics. Its connections to PostgreSQL
+    pass through a proxy that the test cuts while an engine writes: the service stays up, says
+    why it is not ready, answers 503 to audit reads, then catches up once the database is back,
+    each event indexed once (the same rows as an index built from scratch)."""
+    fleet_db, scratch_db = two_pg_dbs
+    topic_url = kafka_broker.url(fetch_wait_ms=KAFKA_FETCH_WAIT_MS)
+    writer_url = f"{topic_url}&state={tmp_path / 'a.sqlite'}"
+
+    async def first(ledger: Ledger) -> tuple[int, list[bytes]]:
+        await declare(ledger, ENGINE_A, tier=True)
+        keys = await serve_and_store(ledger, ENGINE_A, 0)
+        return ledger.last_seq, keys
+
+    async def more(ledger: Ledger) -> int:
+        await serve_and_store(ledger, ENGINE_A, 1)
+        return ledger.last_seq
+
+    written = anyio.run(as_engine, writer_url, ENGINE_A, first)
+    assert isinstance(written, tuple)
+    head: int = written[0]
+    keys: list[bytes] = written[1]
+    pg = urllib.parse.urlsplit(fleet_db)
+    tokens = tmp_path / "tokens.toml"
+    token = "op-token-0123456789abcdef"
+    tokens.write_text(f'["{token}"]\ntenant = "*"\n')
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with TcpProxy((pg.hostname or "127.0.0.1", pg.port or 5432)) as proxy:
+        proxied_db = urllib.parse.urlunsplit(pg._replace(netloc=f"{pg.username}@127.0.0.1:{proxy.port}"))
+        process = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "fleet", "--log", topic_url, "--db", proxied_db,
+                                    "--poll", "0.05", "--batch", "7", "--http", f"127.0.0.1:{port}", "--audit-tokens", str(tokens)],
+                                   stderr=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "KVLEDGER_LOG_LEVEL": "info"})
+        try:
+            ready = _wait_for_http(f"{base}/readyz", lambda status, body: status == 200 and body["indexed_seq"] == head, process)
+            assert ready["reason"] == "ready"
+            status, answer = _get(f"{base}/audit/key/{keys[0].hex()}", token=token)
+            assert status == 200 and answer["publications"][0]["source"].startswith(ENGINE_A)
+            assert _get(f"{base}/audit/key/{keys[0].hex()}")[0] == 401
+            metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+            assert f"kvledger_fleet_indexed_seq {float(head)}" in metrics and "kvledger_fleet_ready 1.0" in metrics
+
+            proxy.cut()  # the audit database goes away ...
+            later = anyio.run(as_engine, writer_url, ENGINE_A, more)  # ... while an engine writes
+            assert isinstance(later, int) and later > head
+            unready = _wait_for_http(f"{base}/readyz", lambda status, body: status == 503, process)
+            assert "the audit database failed" in unready["reason"], unready
+            status, refused = _get(f"{base}/audit/key/{keys[0].hex()}", token=token)
+            assert status == 503 and "the audit database failed" in refused["detail"], refused
+            assert process.poll() is None  # still serving
+
+            proxy.restore()
+            _wait_for_http(f"{base}/readyz", lambda status, body: status == 200 and body["indexed_seq"] == later, process)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                _, stderr = process.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                raise
+            finally:
+                print(stderr.decode())  # the service's log, shown when the test fails
+    assert process.returncode == 0, stderr.decode()
+    events = [json.loads(line)["event"] for line in stderr.decode().splitlines() if line.startswith("{")]
+    assert "fleet_db_unavailable" in events and "fleet_log_reopened" in events, events
+
+    async def compare() -> None:
+        fleet = await open_fleet_log(with_state(topic_url, fleet_db))
+        scratch = await open_fleet_log(with_state(topic_url, scratch_db))
+        try:
+            assert await indexed_seq(fleet) == later
+            assert await sync_index(scratch) == later
+            assert await index_rows(fleet) == await index_rows(scratch)
+        finally:
+            await fleet.close()
+            await scratch.close()
+
+    anyio.run(compare)
+
+
+def _get(url: str, token: str | None = None) -> tuple[int, Any]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def _wait_for_http(url: str, until: Any, process: subprocess.Popen[bytes], timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            status, body = _get(url)
+        except OSError as error:  # not listening yet
+            last = error
+        else:
+            last = (status, body)
+            if until(status, body):
+                return body
+        time.sleep(0.05)
+    raise AssertionError(f"{url}: still {last} (the service's exit code: {process.poll()})")
+
+
 def _wait_for_checkpoint(db: str, seq: int) -> int:
     deadline = time.monotonic() + 30
     indexed = 0
@@ -385,6 +494,14 @@ def test_bad_input_is_one_line_and_never_creates_a_topic(kafka_broker: KafkaBrok
         (["audit", "key", "00", "--log", f"{missing}&state={urllib.parse.quote(state)}"], 1, "no topic 'kvl-no-such-topic'"),
         (["audit", "refusals", "--log", story.topic_url], 2, "names no state store for the audit index"),
         (["audit", "key", "00", "--log", f"{story.topic_url}&state=mysql://u@h/db"], 2, "is not a PostgreSQL or SQLite database"),
+    ]
+    bad_tokens = tmp_path / "tokens.toml"
+    bad_tokens.write_text('[short]\ntenant = "*"\n')
+    cases += [
+        (["fleet", "--log", story.topic_url, "--db", state, "--http", "0.0.0.0:9470"], 2, "is not a loopback address"),
+        (["fleet", "--log", story.topic_url, "--db", state, "--http", "nowhere"], 2, "is not HOST:PORT"),
+        (["fleet", "--log", story.topic_url, "--db", state, "--http", "127.0.0.1:9470", "--audit-tokens", str(bad_tokens)],
+         2, "must be at least 16 characters"),
     ]
     require_postgres()
     behind = _new_pg_database()  # a PostgreSQL database nobody upgraded: the operator runs `kvledger db upgrade`
