@@ -221,3 +221,40 @@ def test_the_request_timeout_is_a_url_parameter() -> None:
     assert parse_kafka_url("kafka://b1:9092/kvl-events").call_timeout_s == 30.0
     with pytest.raises(ValueError, match="request_timeout_ms 5 is below 100"):
         parse_kafka_url("kafka://b1:9092/kvl-events?request_timeout_ms=5")
+
+
+def test_an_idle_sidecar_reports_a_paused_broker_unready_and_recovers_without_a_step(
+    tmp_path: Path, broker: KafkaBroker
+) -> None:
+    """No engine steps while the broker is paused: the sidecar's own look at the log (every
+    2 s) is what turns /readyz to 503, naming the log, and back to 200 once the broker answers."""
+    served = Served(tmp_path, broker)
+    served.server.start()
+    try:
+
+        async def run() -> None:
+            async with client_for(served) as client:
+                assert not isinstance(await step(client, 1), str)
+            assert served.readyz() == (200, "ready")
+            assert broker.process is not None
+            broker.process.send_signal(signal.SIGSTOP)
+            try:
+                with anyio.fail_after(30):
+                    while (found := await anyio.to_thread.run_sync(served.readyz))[0] != 503:
+                        await anyio.sleep(0.2)
+            finally:
+                broker.process.send_signal(signal.SIGCONT)
+            assert found[1].startswith("the log is unreachable: ") and "log kafka://" in found[1], found
+            with anyio.fail_after(30):
+                while (found := await anyio.to_thread.run_sync(served.readyz)) != (200, "ready"):
+                    await anyio.sleep(0.2)
+            async with client_for(served) as client:
+                assert not isinstance(await step(client, 2), str)
+
+        anyio.run(run)
+        served.server.signal(signal.SIGTERM)
+        assert served.server.wait() == 0
+        log_lines = served.server.stderr()
+        assert "log_probe_failed" in log_lines and "log_probe_recovered" in log_lines, log_lines[-2000:]
+    finally:
+        served.server.kill()

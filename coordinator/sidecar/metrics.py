@@ -39,7 +39,7 @@ class SidecarMetrics:
         self.connections = Gauge("kvledger_connections", "Open client connections.", registry=r)
         self.subscribers = Gauge("kvledger_subscribers", "Open decision subscriptions.", registry=r)
         self.slow_subscribers = Counter("kvledger_slow_subscribers_disconnected", "Subscriptions cut off for falling behind.", registry=r)
-        self.ready = Gauge("kvledger_ready", "1 while the sidecar accepts steps.", registry=r)
+        self.ready = Gauge("kvledger_ready", "1 while the sidecar is ready (/readyz answers 200), else 0.", registry=r)
         r.register(_StateCollector(state))
 
     def committed(self, events: list[Event]) -> None:

@@ -108,6 +108,11 @@ class Connection:
             await self.stream.send(p.frame(message))
 
 
+PROBE_SECONDS = 2.0
+"""How often the sidecar looks at its log while serving (`Sidecar._probe_log`)."""
+PROBE_TIMEOUT_SECONDS = 10.0
+
+
 class Sidecar:
     def __init__(self, ledger: Ledger, config: ServeConfig) -> None:
         self.ledger = ledger
@@ -121,6 +126,9 @@ class Sidecar:
         """Requests read and not yet answered: a drain waits for them."""
         self.http_address: tuple[str, int] | None = None
         self.tcp_address: tuple[str, int] | None = None
+        self.probe_failure: str | None = None
+        """Why the last look at the log (`_probe_log`) failed, if it did: readiness reports it."""
+        self.metrics.ready.set_function(lambda: 1.0 if self.readiness()[0] else 0.0)
 
     # --- readiness -------------------------------------------------------------------------
 
@@ -134,6 +142,8 @@ class Sidecar:
             return False, f"the log failed closed: {failure}"
         if self.committer.failure is not None:  # e.g. the broker is unreachable: ready again after an append succeeds
             return False, f"the log refused the last append: {self.committer.failure}"
+        if self.probe_failure is not None:  # an idle sidecar's look at the log failed: ready again after one succeeds
+            return False, f"the log is unreachable: {self.probe_failure}"
         if self.ledger.stale:
             return False, "the state is being rebuilt from the log after a failed append"
         return True, "ready"
@@ -160,6 +170,7 @@ class Sidecar:
 
         async with anyio.create_task_group() as service:
             service.start_soon(commit_loop)
+            service.start_soon(self._probe_log)
             async with anyio.create_task_group() as doors:
                 listeners = await self._listeners()
                 for listener in listeners:
@@ -167,14 +178,12 @@ class Sidecar:
                 if self.config.http is not None:
                     await doors.start(self._serve_http)
                 self.accepting = True
-                self.metrics.ready.set(1)
                 log.info("sidecar_started", **self.where())
                 task_status.started()
                 await self._stop.wait()
                 # Stop accepting: close the doors; connections already open live in `service`.
                 self.draining = True
                 self.accepting = False
-                self.metrics.ready.set(0)
                 doors.cancel_scope.cancel()
             for listener in listeners:
                 await listener.aclose()
@@ -196,6 +205,28 @@ class Sidecar:
 
     def stop(self) -> None:
         self._stop.set()
+
+    async def _probe_log(self) -> None:
+        """Every PROBE_SECONDS, ask the log for its head: an idle sidecar then notices a log it
+        cannot reach (a broker gone, a database down) without waiting for an append to fail."""
+        while True:
+            await anyio.sleep(PROBE_SECONDS)
+            try:
+                with anyio.fail_after(PROBE_TIMEOUT_SECONDS):
+                    await self.ledger.log.head()
+            except (LogError, OSError, TimeoutError) as error:
+                reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+                if self.probe_failure is None:
+                    log.warning("log_probe_failed", error=reason)
+                self.probe_failure = reason
+            except Exception as error:  # noqa: BLE001 - e.g. a SQL driver's error: still a reason to be unready
+                if self.probe_failure is None:
+                    log.warning("log_probe_failed", error=f"{type(error).__name__}: {error}")
+                self.probe_failure = f"{type(error).__name__}: {error}"
+            else:
+                if self.probe_failure is not None:
+                    log.info("log_probe_recovered")
+                    self.probe_failure = None
 
     def where(self) -> dict[str, Any]:
         return {
