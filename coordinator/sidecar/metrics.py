@@ -1,25 +1,53 @@
 """Prometheus metrics of one sidecar (prometheus_client, on a registry of its own).
 
-Counters move as commits land; gauges that describe the state (pins, draining slots, published
-keys) are read from the committed state when Prometheus scrapes, so they never drift from it.
+Counters move as commits land (`SidecarMetrics.committed`, fed with each commit's events); gauges
+that describe the state (pins, draining slots, published keys, the oldest pin's age) are read
+from the committed state when Prometheus scrapes, so they never drift from it. The alerting
+rules in ops/alerts/kvledger.rules.yml and the dashboard in ops/dashboards/ use these names, and
+tests/test_ops.py checks each name they use against a live sidecar's /metrics: rename one here
+and that test fails until the rules follow.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from coordinator.state import State
-from events import Event, JobFailed, NoticeDropped, Reason, Refused
+from coordinator.state import JobState, State
+from events import (
+    Event,
+    JobFailed,
+    KeyQuarantined,
+    LoadJobStarted,
+    NoticeDropped,
+    Reason,
+    Refused,
+    StateCopyPlanned,
+    StoreJobStarted,
+)
 
 STEP_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
+INTEGRITY_KINDS = ("checksum_mismatch", "store_conflict", "conflicting_report")
+"""What `kvledger_integrity_violations_total{kind}` counts:
+
+- checksum_mismatch: a load whose workers read other bytes than the key's published checksum
+  (I13): the load failed and the key was quarantined; one per job.
+- store_conflict: a key stored again with other bytes than the ones published (I10): someone
+  computed wrong KV; the key was quarantined; one per key.
+- conflicting_report: a rank reported the same job twice with different results (I4): a worker
+  is confused about what it did.
+
+Each is a refusal of something that would otherwise have served another request's KV, so each
+one is worth a page. Every kind is exported from the start at 0, so `increase()` sees the first."""
+
 
 class SidecarMetrics:
-    def __init__(self, state: Callable[[], State]) -> None:
+    def __init__(self, state: Callable[[], State], clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.step_seconds = Histogram(
@@ -34,28 +62,71 @@ class SidecarMetrics:
             "kvledger_refusals", "Commands refused and notices dropped, by reason.", ["kind", "reason"], registry=r
         )
         self.lease_expiries = Counter("kvledger_lease_expiries", "Loads that completed after their lease expired (I12).", registry=r)
+        self.integrity_violations = Counter(
+            "kvledger_integrity_violations",
+            "KV whose bytes or reports contradict what was published, by kind: checksum_mismatch (a load, I13), "
+            "store_conflict (a re-store with other bytes, I10), conflicting_report (a rank, I4).",
+            ["kind"], registry=r,
+        )
+        for kind in INTEGRITY_KINDS:
+            self.integrity_violations.labels(kind)
         self.append_errors = Counter("kvledger_log_append_errors", "Appends the log did not take.", registry=r)
         self.protocol_errors = Counter("kvledger_protocol_errors", "Error replies sent, by code.", ["code"], registry=r)
         self.connections = Gauge("kvledger_connections", "Open client connections.", registry=r)
         self.subscribers = Gauge("kvledger_subscribers", "Open decision subscriptions.", registry=r)
         self.slow_subscribers = Counter("kvledger_slow_subscribers_disconnected", "Subscriptions cut off for falling behind.", registry=r)
         self.ready = Gauge("kvledger_ready", "1 while the sidecar is ready (/readyz answers 200), else 0.", registry=r)
-        r.register(_StateCollector(state))
+        self.job_started: dict[int, float] = {}
+        """job_id -> when this process saw its decision commit (`clock`): what pin ages count from."""
+        r.register(_StateCollector(state, self.job_started, clock))
+        self._state = state
+        self._clock = clock
 
     def committed(self, events: list[Event]) -> None:
         self.events_appended.inc(len(events))
+        # A load's checksum mismatch comes as KeyQuarantined(s) then JobFailed(CHECKSUM_MISMATCH)
+        # for the same job, in the same commit (coordinator/_jobs.py); a quarantine naming a job
+        # with no such failure is a store's conflict (I10).
+        failed_loads = {e.job_id for e in events if isinstance(e, JobFailed) and e.reason == Reason.CHECKSUM_MISMATCH}
         for event in events:
-            if isinstance(event, Refused):
-                self.refusals.labels("refused", event.reason.value).inc()
-            elif isinstance(event, NoticeDropped):
-                self.refusals.labels("dropped", event.reason.value).inc()
-            elif isinstance(event, JobFailed) and event.reason == Reason.LEASE_EXPIRED:
-                self.lease_expiries.inc()
+            if isinstance(event, Refused | NoticeDropped):
+                self.refusals.labels("refused" if isinstance(event, Refused) else "dropped", event.reason.value).inc()
+                if event.reason == Reason.CONFLICTING_REPORT:  # a report is a notice: dropped, not refused
+                    self.integrity_violations.labels("conflicting_report").inc()
+            elif isinstance(event, JobFailed):
+                if event.reason == Reason.LEASE_EXPIRED:
+                    self.lease_expiries.inc()
+                elif event.reason == Reason.CHECKSUM_MISMATCH:
+                    self.integrity_violations.labels("checksum_mismatch").inc()
+            elif isinstance(event, KeyQuarantined):
+                if event.reason == Reason.CHECKSUM_MISMATCH and event.job_id not in failed_loads:
+                    self.integrity_violations.labels("store_conflict").inc()
+            elif isinstance(event, StoreJobStarted | LoadJobStarted | StateCopyPlanned):
+                self.job_started[event.job_id] = self._clock()
+        if len(self.job_started) > 2 * _in_flight(self._state()) + 1024:
+            # Nobody scrapes (the collector forgets finished jobs too): keep this bounded.
+            _forget_finished(self.job_started, self._state())
+
+
+def _in_flight(state: State) -> int:
+    return len(state.jobs) + len(state.fenced)
+
+
+def _forget_finished(job_started: dict[int, float], state: State) -> None:
+    for job_id in [job_id for job_id in job_started if job_id not in state.jobs and job_id not in state.fenced]:
+        del job_started[job_id]  # a job id is never reused
+
+
+def _pins(job: JobState) -> bool:
+    """Whether the job holds pins on device slots (I3): every job but an unpinned store."""
+    return not (isinstance(job.decision, StoreJobStarted) and not job.decision.pinned)
 
 
 class _StateCollector(Collector):
-    def __init__(self, state: Callable[[], State]) -> None:
+    def __init__(self, state: Callable[[], State], job_started: dict[int, float], clock: Callable[[], float]) -> None:
         self._state = state
+        self._job_started = job_started
+        self._clock = clock
 
     def collect(self) -> Iterator[Metric]:
         state = self._state()
@@ -73,4 +144,32 @@ class _StateCollector(Collector):
             keys.add_metric([name], sum(len(group) for group in tier.entries.values()))
         jobs = GaugeMetricFamily("kvledger_jobs_in_flight", "Jobs waiting for rank reports.")
         jobs.add_metric([], len(state.jobs))
-        yield from (pins, draining, keys, jobs)
+        yield from (pins, draining, keys, jobs, self._oldest_pin(state))
+
+    def _oldest_pin(self, state: State) -> Metric:
+        """Per engine, the age of its oldest job in flight that pins slots, fenced ones included
+        (they keep their pins until every rank is done, I16); 0 when it has none.
+
+        The state records no wall time (time enters the core only as engine clocks, which stop
+        when an engine hangs, just when a stuck pin matters), so the age counts from when this
+        process saw the job's decision commit; a job recovered from the log at a restart counts
+        from the first scrape after it: an age is never more than the truth."""
+        now = self._clock()
+        oldest = {engine_id: 0.0 for engine_id in state.engines}
+        in_flight = [*state.jobs.values(), *(fenced.job for fenced in state.fenced.values())]
+        for job in in_flight:
+            if not _pins(job):
+                continue
+            started = self._job_started.setdefault(job.job_id, now)
+            engine_id = job.decision.engine_id
+            oldest[engine_id] = max(oldest.get(engine_id, 0.0), now - started)
+        _forget_finished(self._job_started, state)
+        gauge = GaugeMetricFamily(
+            "kvledger_oldest_pin_seconds",
+            "Age of the engine's oldest job in flight that pins device slots (I3), counted from its commit as this "
+            "process saw it (or from the first scrape after a restart); 0 with none.",
+            labels=["engine"],
+        )
+        for engine_id, age in oldest.items():
+            gauge.add_metric([engine_id], age)
+        return gauge
