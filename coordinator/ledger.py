@@ -239,16 +239,19 @@ class Ledger:
                     continue  # answered from the log, or from its first copy
                 first_of[tx.command_id] = index
             detail: StepCommit | None = None
-            if isinstance(tx, Step):
-                stream, step = f"engine/{tx.engine_id}", tx.step
-                began = self.core.execute(BeginStep(engine_id=tx.engine_id, step=tx.step, clock=tx.clock))
-                per_command = [self.core.execute(command) for command in tx.commands]
-                ended = self.core.execute(EndStep(engine_id=tx.engine_id))
-                events = began + [e for produced in per_command for e in produced] + ended
-                detail = StepCommit(commit=_PLACEHOLDER, began=began, results=per_command, ended=ended)
-            else:
-                stream, step = stream_for(self.state, tx.command), -1
-                events = self.core.execute(tx.command)
+            try:
+                if isinstance(tx, Step):
+                    stream, step = f"engine/{tx.engine_id}", tx.step
+                    began = self.core.execute(BeginStep(engine_id=tx.engine_id, step=tx.step, clock=tx.clock))
+                    per_command = [self.core.execute(command) for command in tx.commands]
+                    ended = self.core.execute(EndStep(engine_id=tx.engine_id))
+                    events = began + [e for produced in per_command for e in produced] + ended
+                    detail = StepCommit(commit=_PLACEHOLDER, began=began, results=per_command, ended=ended)
+                else:
+                    stream, step = stream_for(self.state, tx.command), -1
+                    events = self.core.execute(tx.command)
+            except Exception as error:
+                raise DecideFailed(index, error) from error
             version = expected.get(stream, 0)
             batches.append(AppendBatch(stream_id=stream, expected_version=version,
                                        events=self._pending(events, step, now), command_id=tx.command_id))
@@ -297,6 +300,17 @@ class Ledger:
         self._steps_since_snapshot = 0
         self._snapshot_seq = snapshot.global_seq
         log.info("snapshot_saved", global_seq=snapshot.global_seq, bytes=len(snapshot.state))
+
+
+class DecideFailed(RuntimeError):
+    """The core raised while deciding transaction `index` of a group (a bug, never a refusal):
+    nothing of the group was committed and the state was rebuilt from the log, so the others
+    may be committed without it (coordinator/sidecar/committer.py does)."""
+
+    def __init__(self, index: int, cause: Exception) -> None:
+        super().__init__(f"the core failed on transaction {index} of the group: {type(cause).__name__}: {cause}")
+        self.index = index
+        self.cause = cause
 
 
 _PLACEHOLDER = Commit(events=[], stream_id="", first_seq=0, last_seq=0)

@@ -591,3 +591,58 @@ async def test_a_rebuild_that_fails_is_retried_before_anything_else_is_decided(e
         async with sidecar.ledger.committed() as live:
             assert state_digest(replayed) == state_digest(live)
             assert sorted(o.req_id for o in live.owners.values()) == ["r1", "r3"]
+
+
+async def test_a_transaction_the_core_fails_on_fails_alone_and_the_rest_of_its_group_commits(
+    event_log: EventLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in the core on one transaction of a group: that one gets the error, the others are
+    committed without it (they were failed with it before), and readiness is untouched."""
+    from coordinator import decider
+    from coordinator.commands import DeclareTier
+    from coordinator.ledger import Step
+    from coordinator.sidecar.committer import Committer
+    from coordinator.sidecar.hub import DecisionHub
+    from coordinator.sidecar.metrics import SidecarMetrics
+    from tests.sidecar_kit import TIER_SPEC
+
+    ledger = await Ledger.open(event_log)
+    await ledger.execute(DeclareTier(spec=TIER_SPEC))
+    engines = ["pod-a", "pod-b", "pod-c", "pod-d"]
+    for engine in engines:
+        await ledger.execute(declaration(engine))
+    real = decider._HANDLERS[StartOwner]
+
+    def buggy(state: object, command: StartOwner) -> object:
+        if command.req_id == "boom":
+            raise ZeroDivisionError("a bug in the core")
+        return real(state, command)  # type: ignore[arg-type]
+
+    monkeypatch.setitem(decider._HANDLERS, StartOwner, buggy)  # type: ignore[misc]
+    committer = Committer(ledger, DecisionHub(ledger.log, ledger.codec, ledger.last_seq, 100), SidecarMetrics(lambda: ledger.state))
+    outcomes: dict[str, object] = {}
+
+    async def submit(engine: str, req_id: str) -> None:
+        tx = Step(engine_id=engine, step=1, clock=1.0, commands=[StartOwner(engine_id=engine, req_id=req_id)], command_id=f"{engine}-1")
+        try:
+            outcomes[engine] = await committer.submit(tx)
+        except ZeroDivisionError as error:
+            outcomes[engine] = error
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tasks:
+            for engine, req_id in zip(engines, ["r", "boom", "r", "boom"], strict=True):
+                tasks.start_soon(submit, engine, req_id)
+            await anyio.sleep(0.05)  # all four queued: the committer takes them as one group
+            tasks.start_soon(committer.run)
+            while len(outcomes) < len(engines):
+                await anyio.sleep(0.01)
+            committer.close()
+    assert isinstance(outcomes["pod-b"], ZeroDivisionError) and isinstance(outcomes["pod-d"], ZeroDivisionError)
+    assert not isinstance(outcomes["pod-a"], Exception) and not isinstance(outcomes["pod-c"], Exception), outcomes
+    assert committer.failure is None  # the log never failed: readiness stays true
+    stored = await event_log.read(0, 100_000)
+    began = {s.stream_id for s in stored if s.event_type == "step_began"}
+    assert began == {"engine/pod-a", "engine/pod-c"}
+    full, _ = await replay(event_log, EventCodec())
+    assert state_digest(full) == state_digest(ledger.state)  # what the failed transactions folded is gone

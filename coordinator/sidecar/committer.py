@@ -15,7 +15,7 @@ from collections import deque
 import anyio
 import structlog
 
-from coordinator.ledger import Commit, Ledger, StepCommit, Transaction
+from coordinator.ledger import Commit, DecideFailed, Ledger, StepCommit, Transaction
 from coordinator.sidecar.hub import DecisionHub
 from coordinator.sidecar.metrics import SidecarMetrics
 
@@ -105,6 +105,18 @@ class Committer:
         started = time.perf_counter()
         try:
             results = await self.ledger.commit_group([w.tx for w in group])
+        except DecideFailed as failed:
+            # A bug in the core on one transaction: nothing of the group was committed and the
+            # state is the log's again. That transaction gets the error; the others are committed
+            # without it, as if they had come alone (each failing one is taken out in turn).
+            culprit = group[failed.index]
+            culprit.error = failed.cause
+            log.error("transaction_failed", transactions=len(group), error=f"{type(failed.cause).__name__}: {failed.cause}",
+                      command_id=culprit.tx.command_id)
+            rest = [waiter for waiter in group if waiter is not culprit]
+            if rest:
+                await self._commit_and_publish(rest)
+            return
         except Exception as error:  # noqa: BLE001 - every waiter gets the error; the loop goes on
             self.metrics.append_errors.inc()
             self.failure = f"{type(error).__name__}: {error}"
