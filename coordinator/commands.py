@@ -8,6 +8,8 @@ is refused. Both are recorded (I1).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from events import BlockRef, NamespaceSpec, PoolSpec, TierSpec
@@ -196,6 +198,68 @@ class ReleaseNamespace(Command, frozen=True, tag="release_namespace"):
     reason: str
 
 
+# --- observed engines: an engine kvledger does not coordinate, read from its own KV events --------
+# (coordinator/vllm/ decodes vLLM's; coordinator/_observe.py decides these)
+
+ObservedKind = Literal["stored", "removed", "cleared", "unknown", "malformed"]
+
+
+class ObservedKvEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One of the engine's KV events, normalized: hashes as bytes, the medium named, the group a
+    number, whatever the engine's version encoded (coordinator/vllm/kv_events.py)."""
+
+    kind: ObservedKind
+    """stored, removed, cleared; unknown (a type this kvledger does not know: `type_name`) or
+    malformed (an event of a known type that could not be read: `detail`)."""
+    medium: str = "GPU"
+    group: int = 0
+    block_hashes: list[bytes] = []
+    parent_hash: bytes | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    type_name: str = ""
+    """The engine's name for the event type (BlockStored, BlockRemoved, AllBlocksCleared...)."""
+    detail: str = ""
+
+
+class ObserveEngine(Command, frozen=True, tag="observe_engine"):
+    """Begin observing an engine (first sight), or note that it restarted: a new observed
+    incarnation. `namespace` is what the operator declares the engine runs."""
+
+    engine_id: str
+    namespace: NamespaceSpec
+    source: str
+    reason: str
+
+
+class ObserveKvEvents(Command, frozen=True, tag="observe_kv_events"):
+    """One batch of the engine's KV events, with the engine's sequence number and timestamp."""
+
+    engine_id: str
+    seq: int
+    ts: float
+    dp_rank: int | None
+    events: list[ObservedKvEvent]
+
+
+class ObserveGap(Command, frozen=True, tag="observe_gap"):
+    """Batches first_seq..last_seq were never received and replay could not fill them."""
+
+    engine_id: str
+    first_seq: int
+    last_seq: int
+    reason: str = ""
+
+
+class ObserveMalformed(Command, frozen=True, tag="observe_malformed"):
+    """A frame of the engine's that could not be decoded (seq -1: not even its sequence)."""
+
+    engine_id: str
+    seq: int
+    detail: str
+
+
 AnyCommand = (
     DeclareTier
     | DeclareEngine
@@ -217,6 +281,10 @@ AnyCommand = (
     | FreeEncoderEntry
     | DecideNamespace
     | ReleaseNamespace
+    | ObserveEngine
+    | ObserveKvEvents
+    | ObserveGap
+    | ObserveMalformed
 )
 
 NOTICES: tuple[type[Command], ...] = (FreeBlocks, FreeEncoderEntry, ReportRank)

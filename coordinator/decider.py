@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from coordinator import _checks as check
-from coordinator import _jobs, _namespaces
+from coordinator import _jobs, _namespaces, _observe
 from coordinator._checks import Refusal
 from coordinator.commands import (
     NOTICES,
@@ -450,4 +450,5 @@ _HANDLERS: dict[type[Command], Handler] = {
     FreeEncoderEntry: _free_encoder_entry,
     **_jobs.HANDLERS,
     **_namespaces.HANDLERS,
+    **_observe.HANDLERS,
 }

@@ -10,7 +10,20 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from coordinator.state import EngineState, FencedJob, JobState, KeyEntry, OwnerState, PoolState, PublishedRef, State, TierState, removed
+from coordinator.state import (
+    EngineState,
+    FencedJob,
+    JobState,
+    KeyEntry,
+    ObservedEngine,
+    OwnerState,
+    PoolState,
+    PublishedRef,
+    State,
+    TierState,
+    observed_place,
+    removed,
+)
 from events import (
     NULL_BLOCK_ID,
     BlockRef,
@@ -21,6 +34,7 @@ from events import (
     EncoderEntryAllocated,
     EncoderEntryFreed,
     EngineDeclared,
+    EngineObserved,
     EngineReset,
     Event,
     JobFailed,
@@ -35,6 +49,11 @@ from events import (
     NamespaceRegistered,
     NamespaceReleased,
     NoticeDropped,
+    ObservedBatch,
+    ObservedBlocksRemoved,
+    ObservedBlocksStored,
+    ObservedCacheCleared,
+    ObservedEventsMissed,
     OwnerFinished,
     OwnerStarted,
     PrefixLookedUp,
@@ -419,6 +438,53 @@ def _encoder_entry_freed(state: State, event: EncoderEntryFreed) -> None:
     engine.pending_freed_encoder.append(event.entry_id)
 
 
+# --- observed engines (coordinator/_observe.py) ---------------------------------------------------
+
+
+def _engine_observed(state: State, event: EngineObserved) -> None:
+    """A new observed incarnation starts with nothing stored and expects the engine's batch 0."""
+    state.observed[event.engine_id] = ObservedEngine(
+        engine_id=event.engine_id, incarnation=event.incarnation, namespace_id=event.namespace_id, source=event.source)
+
+
+def _observed_batch(state: State, event: ObservedBatch) -> None:
+    state.observed[event.engine_id].next_seq = event.source_seq + 1
+
+
+def _observed_blocks_stored(state: State, event: ObservedBlocksStored) -> None:
+    stored = state.observed[event.engine_id].stored
+    place = observed_place(event.medium, event.group)
+    hashes = stored.get(place)
+    if hashes is None:
+        hashes = stored[place] = {}
+    for block_hash in event.block_hashes:
+        hashes[block_hash] = None  # a hash stored again keeps its place: the order is the first store's
+
+
+def _observed_blocks_removed(state: State, event: ObservedBlocksRemoved) -> None:
+    stored = state.observed[event.engine_id].stored
+    place = observed_place(event.medium, event.group)
+    hashes = stored.get(place)
+    if hashes is None:
+        return  # an incomplete view: the engine removed what kvledger never saw stored
+    for block_hash in event.block_hashes:
+        hashes.pop(block_hash, None)
+    if not hashes:
+        del stored[place]
+
+
+def _observed_cache_cleared(state: State, event: ObservedCacheCleared) -> None:
+    stored = state.observed[event.engine_id].stored
+    for place in [p for p in stored if p.rsplit("/", 1)[0] == event.medium]:
+        del stored[place]
+
+
+def _observed_events_missed(state: State, event: ObservedEventsMissed) -> None:
+    engine = state.observed[event.engine_id]
+    engine.complete = False
+    engine.next_seq = max(engine.next_seq, event.last_seq + 1)
+
+
 def _nothing(state: State, event: Event) -> None:
     """Refusals, dropped notices, lookups and namespace release decisions are records for
     forensics, not state (what a decision changes comes as KeyQuarantined / KeyEvicted events)."""
@@ -455,4 +521,10 @@ _FOLDS: dict[type[Event], Callable[[State, Any], None]] = {
     EncoderEntryFreed: _encoder_entry_freed,
     Refused: _nothing,
     NoticeDropped: _nothing,
+    EngineObserved: _engine_observed,
+    ObservedBatch: _observed_batch,
+    ObservedBlocksStored: _observed_blocks_stored,
+    ObservedBlocksRemoved: _observed_blocks_removed,
+    ObservedCacheCleared: _observed_cache_cleared,
+    ObservedEventsMissed: _observed_events_missed,
 }

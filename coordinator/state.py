@@ -185,6 +185,30 @@ class FencedJob(msgspec.Struct, kw_only=True):
     """Ranks not heard from yet."""
 
 
+class ObservedEngine(msgspec.Struct, kw_only=True):
+    """An engine kvledger observes but does not coordinate (vLLM, from its KV events): the
+    hashes its current incarnation holds, per medium and group."""
+
+    engine_id: str
+    incarnation: int
+    namespace_id: bytes
+    source: str = ""
+    next_seq: int = 0
+    """The engine's sequence number the next batch should carry (one past the last recorded)."""
+    complete: bool = True
+    """False once a batch of this incarnation was missed (a gap, an unreadable frame, or
+    ingestion that joined mid-life): the view may lack blocks, so parent-chain and removal
+    checks are off until the next incarnation."""
+    stored: dict[str, dict[bytes, None]] = msgspec.field(default_factory=dict)
+    """"medium/group" -> the hashes stored there now, in the order they were stored (an
+    insertion-ordered set: a dict, never a set, so the snapshot bytes are fixed, I18)."""
+
+
+def observed_place(medium: str, group: int) -> str:
+    """The key of a medium and group in `ObservedEngine.stored`."""
+    return f"{medium}/{group}"
+
+
 class State(msgspec.Struct, kw_only=True):
     """Everything the coordinator knows. Finished jobs leave `jobs`; ids below `next_job_id`
     that are not in flight are stale (finished or fenced)."""
@@ -196,13 +220,18 @@ class State(msgspec.Struct, kw_only=True):
     jobs: dict[int, JobState] = msgspec.field(default_factory=dict)
     fenced: dict[int, FencedJob] = msgspec.field(default_factory=dict)
     """Fenced jobs still draining (I16): by job id."""
+    observed: dict[str, ObservedEngine] = msgspec.field(default_factory=dict)
+    """Engines kvledger observes (coordinator/_observe.py), by engine id."""
     next_owner_id: int = 1
     next_job_id: int = 1
     last_event: int = 0
     """How many events have been folded in."""
 
 
-SNAPSHOT_SCHEMA_VERSION = 2
+SNAPSHOT_SCHEMA_VERSION = 3
+"""v3 added `State.observed`. A v2 snapshot still decodes (the field has a default) but its bytes,
+and so its digest, lack the field: recovery ignores it and replays the log, and verify does not
+compare it with a replay (a snapshot is a cache, always rebuildable)."""
 _snapshot_encoder = msgspec.msgpack.Encoder()
 _snapshot_decoder = msgspec.msgpack.Decoder(State)
 

@@ -338,6 +338,91 @@ class EncoderEntryFreed(Event, frozen=True, tag="encoder_entry_freed"):
     entry_id: str
 
 
+# --- observed engines (an engine kvledger does not coordinate: vLLM's KV events) ----------------
+
+
+class EngineObserved(Event, frozen=True, tag="engine_observed"):
+    """kvledger began observing an engine it does not coordinate (it reads the engine's own KV
+    events), or saw it restart: a new observed incarnation, whose stored hashes start empty."""
+
+    engine_id: str
+    incarnation: int
+    namespace_id: bytes
+    source: str
+    """Where the events come from, e.g. "vllm zmq tcp://127.0.0.1:5557 topic kv"."""
+    reason: str
+    """first_seen, or why a new incarnation began (a restart names both sequence numbers)."""
+
+
+class ObservedBatch(Event, frozen=True, tag="observed_batch"):
+    """One batch of the engine's KV events was received, whatever became of its events: the
+    engine's sequence number moves on even for an empty batch or one whose every event was
+    refused, so a batch delivered twice is recognised (DUPLICATE_BATCH)."""
+
+    engine_id: str
+    incarnation: int
+    source_seq: int
+    """The engine's own sequence number of the batch (vLLM's, restarting at 0 with the engine)."""
+    ts: float
+    """The engine's timestamp of the batch (its clock, seconds): data, never read as kvledger's."""
+    dp_rank: int | None
+    events: int
+    """How many events the batch held."""
+
+
+class ObservedBlocksStored(Event, frozen=True, tag="observed_blocks_stored"):
+    """The engine cached full blocks under these hashes: `block_hashes` chain from `parent_hash`
+    (the first block's parent), `token_ids` are the blocks' tokens."""
+
+    engine_id: str
+    incarnation: int
+    source_seq: int
+    dp_rank: int | None
+    medium: str
+    """GPU, CPU, STORAGE... as the engine names it."""
+    group: int
+    """The engine's KV-cache group (vLLM's group_idx)."""
+    block_hashes: list[bytes]
+    parent_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+
+
+class ObservedBlocksRemoved(Event, frozen=True, tag="observed_blocks_removed"):
+    """The engine evicted these hashes from a medium and group."""
+
+    engine_id: str
+    incarnation: int
+    source_seq: int
+    dp_rank: int | None
+    medium: str
+    group: int
+    block_hashes: list[bytes]
+
+
+class ObservedCacheCleared(Event, frozen=True, tag="observed_cache_cleared"):
+    """The engine dropped every block of a medium (vLLM's AllBlocksCleared: a prefix-cache reset)."""
+
+    engine_id: str
+    incarnation: int
+    source_seq: int
+    dp_rank: int | None
+    medium: str
+
+
+class ObservedEventsMissed(Event, frozen=True, tag="observed_events_missed"):
+    """Batches first_seq..last_seq of the engine were never recorded (lost, unreadable, or before
+    ingestion joined) and replay could not fill them: from here on this incarnation's view may
+    lack blocks, so its parent-chain and removal checks are off."""
+
+    engine_id: str
+    incarnation: int
+    first_seq: int
+    last_seq: int
+    reason: str = ""
+
+
 # --- refusals and dropped notices ------------------------------------------------------------
 
 
@@ -390,6 +475,12 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     EncoderEntryFreed,
     Refused,
     NoticeDropped,
+    EngineObserved,
+    ObservedBatch,
+    ObservedBlocksStored,
+    ObservedBlocksRemoved,
+    ObservedCacheCleared,
+    ObservedEventsMissed,
 )
 
 
@@ -430,5 +521,11 @@ AnyEvent = (
     | EncoderEntryFreed
     | Refused
     | NoticeDropped
+    | EngineObserved
+    | ObservedBatch
+    | ObservedBlocksStored
+    | ObservedBlocksRemoved
+    | ObservedCacheCleared
+    | ObservedEventsMissed
 )
 """Every event type, as one tagged union: what a message field holding any event is typed as."""

@@ -56,3 +56,9 @@ class Reason(enum.StrEnum):
     CROSS_TENANT = "cross_tenant"  # I9: a release decision never relates two tenants' namespaces
     NAMESPACE_IN_USE = "namespace_in_use"  # I12: a release never evicts a key a load holds
     NAMESPACE_CLEARED = "namespace_cleared"  # seed 003: a deliberate cache clearing quarantines its keys
+    # observed engines (vLLM's KV events, coordinator/_observe.py)
+    MALFORMED_EVENT = "malformed_event"  # a frame or an event that could not be decoded
+    UNKNOWN_EVENT_TYPE = "unknown_event_type"  # an event type this kvledger does not know
+    BROKEN_PARENT_CHAIN = "broken_parent_chain"  # a block stored under a parent that is not stored
+    UNKNOWN_BLOCK_HASH = "unknown_block_hash"  # a removal of a hash that is not stored
+    DUPLICATE_BATCH = "duplicate_batch"  # a batch at or below the last one recorded

@@ -17,6 +17,8 @@ PURE_MODULES = [
     "coordinator/decider.py",
     "coordinator/_jobs.py",
     "coordinator/_namespaces.py",
+    "coordinator/_observe.py",
+    "coordinator/vllm/kv_events.py",
     "coordinator/_checks.py",
     "coordinator/projector.py",
     "coordinator/keys.py",
