@@ -24,7 +24,7 @@ from coordinator.protections import Protection
 from coordinator.recovery import decode, make_snapshot, recover
 from coordinator.state import State
 from events import Event, EventCodec, StepBegan, StepEnded
-from events.log import AppendBatch, AppendRejected, AppendResult, EventLog, PendingEvent
+from events.log import AppendBatch, AppendRejected, AppendResult, EventLog, PendingEvent, Snapshot
 
 log = structlog.get_logger("kvledger.ledger")
 
@@ -159,7 +159,12 @@ class Ledger:
         come back with `duplicate=True`. If the append fails, nothing of the group is committed,
         the state is rebuilt from the log, and the error propagates."""
         async with self._lock:
-            return await self._commit_group(transactions)
+            results, snapshot = await self._commit_group(transactions)
+        if snapshot is not None:
+            # Written outside the lock: the next group need not wait for it (a snapshot is a
+            # cache; the rows are insert-only, so an older one landing later changes nothing).
+            await self._save_snapshot(snapshot)
+        return results
 
     async def close(self) -> None:
         """Clean shutdown: leave a snapshot so the next start replays only what follows."""
@@ -174,7 +179,8 @@ class Ledger:
         if self.stale:
             await self._rebuild("stale_after_failed_rebuild")
 
-    async def _commit_group(self, transactions: Sequence[Transaction]) -> list[StepCommit | Commit]:
+    async def _commit_group(self, transactions: Sequence[Transaction]) -> tuple[list[StepCommit | Commit], Snapshot | None]:
+        """Decide and append; with the state encoded for a snapshot when one is due."""
         await self._fresh()
         ids = [tx.command_id for tx in transactions if tx.command_id is not None]
         done = await self.log.find_commands(ids) if ids else {}
@@ -214,13 +220,12 @@ class Ledger:
                 original = done.get(tx.command_id)
                 earlier = results[first_of[tx.command_id]] if original is None else None
                 results[index] = await self._retried(tx, original, earlier)
+        snapshot = None
         if self._steps_since_snapshot >= self._snapshot_every:
-            try:
-                await self._snapshot()
-            except Exception as error:  # noqa: BLE001 - a snapshot is a cache: the group is committed
-                self._steps_since_snapshot = 0  # try again after another snapshot_every steps
-                log.warning("snapshot_failed", global_seq=self.last_seq, error=f"{type(error).__name__}: {error}")
-        return [results[index] for index in range(len(transactions))]
+            # Encoded under the lock (the state must not move meanwhile); saved after it.
+            self._steps_since_snapshot = 0  # the next one after another snapshot_every steps, saved or not
+            snapshot = await anyio.to_thread.run_sync(make_snapshot, self.state, self.last_seq)
+        return [results[index] for index in range(len(transactions))], snapshot
 
     def _decide_group(
         self, transactions: Sequence[Transaction], done: dict[str, AppendResult]
@@ -296,9 +301,20 @@ class Ledger:
 
     async def _snapshot(self) -> None:
         snapshot = await anyio.to_thread.run_sync(make_snapshot, self.state, self.last_seq)
-        await self.log.save_snapshot(snapshot)
         self._steps_since_snapshot = 0
-        self._snapshot_seq = snapshot.global_seq
+        await self.log.save_snapshot(snapshot)
+        self._saved(snapshot)
+
+    async def _save_snapshot(self, snapshot: Snapshot) -> None:
+        try:
+            await self.log.save_snapshot(snapshot)
+        except Exception as error:  # noqa: BLE001 - a snapshot is a cache: the group is committed
+            log.warning("snapshot_failed", global_seq=snapshot.global_seq, error=f"{type(error).__name__}: {error}")
+            return
+        self._saved(snapshot)
+
+    def _saved(self, snapshot: Snapshot) -> None:
+        self._snapshot_seq = max(self._snapshot_seq or 0, snapshot.global_seq)
         log.info("snapshot_saved", global_seq=snapshot.global_seq, bytes=len(snapshot.state))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import anyio
 import msgspec
 import pytest
 import sqlalchemy as sa
@@ -21,7 +22,7 @@ from coordinator.ledger import Ledger
 from coordinator.recovery import make_snapshot, recover, replay
 from coordinator.state import encode_state
 from events import BlocksAllocated, EventCodec, OwnerStarted, Reason, Refused, StoreJobStarted, TierSpec
-from events.log import AppendBatch, EventLog, PendingEvent, WrongExpectedVersion
+from events.log import AppendBatch, EventLog, PendingEvent, Snapshot, WrongExpectedVersion
 from tests import builders as b
 
 pytestmark = pytest.mark.anyio
@@ -160,3 +161,28 @@ async def test_sqlite_work_never_runs_on_the_event_loop(tmp_path: pytest.TempPat
     assert len(executed_in) > 20
     assert threading.get_ident() not in executed_in
     await event_log.close()
+
+
+async def test_a_snapshot_being_written_does_not_hold_up_the_next_step(event_log: EventLog, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state is encoded under the ledger's lock, but written to the log after it: a slow
+    snapshot write (held open here) does not stop the next step from committing."""
+    ledger = await Ledger.open(event_log, snapshot_every=1)
+    await _declare(ledger)
+    release, writing = anyio.Event(), anyio.Event()
+    save = event_log.save_snapshot
+
+    async def slow_save(snapshot: Snapshot) -> None:
+        writing.set()
+        await release.wait()
+        await save(snapshot)
+
+    monkeypatch.setattr(event_log, "save_snapshot", slow_save)
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(ledger.run_step, ENGINE, 1, 1.0, [StartOwner(engine_id=ENGINE, req_id="first")])
+            await writing.wait()  # step 1 is committed; its snapshot is being written
+            monkeypatch.setattr(event_log, "save_snapshot", save)
+            commit = await ledger.run_step(ENGINE, 2, 2.0, [StartOwner(engine_id=ENGINE, req_id="second")])
+            assert commit.first_seq > 0
+            release.set()
+    assert [s.global_seq for s in await event_log.snapshots()][:2] == [ledger.last_seq, commit.first_seq - 1]
