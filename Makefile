@@ -34,3 +34,10 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The separate vLLM environment for issue 9 (about 3.4 GB; see ops/vllm/setup.sh).
+.PHONY: vllm-env
+.venv-vllm/.installed: ops/vllm/setup.sh
+	ops/vllm/setup.sh
+
+vllm-env: .venv-vllm/.installed
