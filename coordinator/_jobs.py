@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coordinator import _checks as check
+from coordinator import _external
 from coordinator._checks import Refusal
 from coordinator.commands import Command, LookupPrefix, PlanStateCopy, ReportRank, StartLoad, StartStore
 from coordinator.copy_plan import PlannedMove, overlapping_destinations, plan_copies
@@ -14,6 +15,8 @@ from coordinator.keys import chain_keys, reuse_unit
 from coordinator.protections import Protection, is_off
 from coordinator.state import EngineState, JobState, KeyEntry, PoolState, SlotStatus, State, TierState
 from events import (
+    ExternalLoadStarted,
+    ExternalStoreStarted,
     FencedRankDone,
     NULL_BLOCK_ID,
     CopyOp,
@@ -111,7 +114,7 @@ def prefix_hit(state: State, command: LookupPrefix, eng: EngineState) -> PrefixL
 # --- store -----------------------------------------------------------------------------------------
 
 
-def _reserve_tier_slots(
+def reserve_tier_slots(
     tier: TierState, eng: EngineState, needed: int, keep: set[tuple[int, bytes]]
 ) -> tuple[list[int], list[KeyEvicted]]:
     """Free slots first, then evict least recently used keys that no live lease holds (I12)
@@ -170,7 +173,7 @@ def _start_store(state: State, command: StartStore) -> list[Event]:
             continue
         seen.add((ref.pool_id, key))
         to_store.append((ref, key))
-    slots, evictions = _reserve_tier_slots(tier, eng, len(to_store), kept)
+    slots, evictions = reserve_tier_slots(tier, eng, len(to_store), kept)
     job_id = state.next_job_id
     items = [
         StoreItem(ref, key, slot, tier.generations[slot] + 1)
@@ -345,6 +348,8 @@ def _report_rank(state: State, command: ReportRank) -> list[Event]:
 
 def _complete(state: State, job: JobState, reports: dict[int, RankReported]) -> list[Event]:
     decision = job.decision
+    if isinstance(decision, ExternalStoreStarted | ExternalLoadStarted):
+        return _external.complete(state, decision, reports)  # the engine's own blocks (vLLM's)
     job_id = decision.job_id
     failed = sorted(rank for rank, report in reports.items() if not report.ok)
     if failed and isinstance(decision, LoadJobStarted):

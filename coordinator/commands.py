@@ -32,6 +32,11 @@ class DeclareEngine(Command, frozen=True, tag="declare_engine"):
     world_size: int
     tiers: list[str] = []
     encoder_cache_tokens: int = 0
+    key_hash_algorithm: str = ""
+    """The algorithm the engine's own block keys are made with, when it names its keys itself
+    (external keys: vLLM's prefix_caching_hash_algo, as "vllm/sha256"). Given, it must equal the
+    namespace's hash_algorithm: keys hashed another way never meet the namespace's (refused, naming
+    both)."""
 
 
 class ResetCache(Command, frozen=True, tag="reset_cache"):
@@ -260,6 +265,45 @@ class ObserveMalformed(Command, frozen=True, tag="observe_malformed"):
     detail: str
 
 
+# --- external keys: the engine owns its device blocks and names its keys (vLLM's offloading) -------
+# (coordinator/_external.py decides these; the tier key is made from the engine's key by kvledger)
+
+
+class ExternalKey(msgspec.Struct, frozen=True, array_like=True):
+    pool_id: int
+    """The cache group the key belongs to."""
+    engine_key: bytes
+    """The key as the engine names it (vLLM: the block hash + group_idx)."""
+
+
+class LookupExternal(Command, frozen=True, tag="lookup_external"):
+    """Which of these keys are loadable now, in this engine's namespace (recorded)."""
+
+    engine_id: str
+    tier: str
+    keys: list[ExternalKey]
+
+
+class StoreExternal(Command, frozen=True, tag="store_external"):
+    """Store blocks the engine holds in memory kvledger does not manage, under its own keys:
+    kvledger admits the new ones, gives each a tier slot (evicting by LRU, never a leased key,
+    I12) and names the job."""
+
+    engine_id: str
+    tier: str
+    keys: list[ExternalKey]
+
+
+class LoadExternal(Command, frozen=True, tag="load_external"):
+    """Load published keys into the engine's blocks; the keys are leased until the job ends or
+    `lease_seconds` pass (I12)."""
+
+    engine_id: str
+    tier: str
+    keys: list[ExternalKey]
+    lease_seconds: float = 30.0
+
+
 AnyCommand = (
     DeclareTier
     | DeclareEngine
@@ -285,6 +329,9 @@ AnyCommand = (
     | ObserveKvEvents
     | ObserveGap
     | ObserveMalformed
+    | LookupExternal
+    | StoreExternal
+    | LoadExternal
 )
 
 NOTICES: tuple[type[Command], ...] = (FreeBlocks, FreeEncoderEntry, ReportRank)

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from coordinator import _checks as check
-from coordinator import _jobs, _namespaces, _observe
+from coordinator import _external, _jobs, _namespaces, _observe
 from coordinator._checks import Refusal
 from coordinator.commands import (
     NOTICES,
@@ -148,6 +148,13 @@ def _declare_engine(state: State, command: DeclareEngine) -> list[Event]:
         raise Refusal(
             Reason.NAMESPACE_MISMATCH,
             f"pools have block sizes {block_sizes}, the namespace says {ns.block_sizes}",
+        )
+    if command.key_hash_algorithm and command.key_hash_algorithm != ns.hash_algorithm:
+        # The engine names its keys itself (external keys): hashed another way, they are not the
+        # namespace's keys, whatever their length.
+        raise Refusal(
+            Reason.NAMESPACE_MISMATCH,
+            f"the engine hashes its blocks with {command.key_hash_algorithm!r}, the namespace says {ns.hash_algorithm!r}",
         )
     for tier_name in command.tiers:
         if tier_name not in state.tiers:
@@ -451,4 +458,5 @@ _HANDLERS: dict[type[Command], Handler] = {
     **_jobs.HANDLERS,
     **_namespaces.HANDLERS,
     **_observe.HANDLERS,
+    **_external.HANDLERS,
 }

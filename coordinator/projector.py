@@ -25,6 +25,9 @@ from coordinator.state import (
     removed,
 )
 from events import (
+    ExternalKeysLookedUp,
+    ExternalLoadStarted,
+    ExternalStoreStarted,
     NULL_BLOCK_ID,
     BlockRef,
     BlocksAllocated,
@@ -327,6 +330,49 @@ def _state_copy_planned(state: State, event: StateCopyPlanned) -> None:
         pool.keys[ref.block_id] = None  # I17: being written, so no longer a hit
 
 
+def _external_store_started(state: State, event: ExternalStoreStarted) -> None:
+    """Tier slots are reserved for the new keys; the engine's blocks are its own (no pins here:
+    vLLM keeps them until the job completes)."""
+    state.jobs[event.job_id] = JobState(decision=event)
+    state.next_job_id = event.job_id + 1
+    tier = state.tiers[event.tier]
+    for item in event.items:
+        del tier.free[item.tier_slot]
+        tier.generations[item.tier_slot] = item.tier_generation
+    removed(tier, "free", len(event.items))
+
+
+def _external_load_started(state: State, event: ExternalLoadStarted) -> None:
+    state.jobs[event.job_id] = JobState(decision=event)
+    state.next_job_id = event.job_id + 1
+    tier = state.tiers[event.tier]
+    for item in event.items:
+        entry = tier.entries[item.pool_id][item.key]
+        if entry.leases is None:
+            entry.leases = {}
+        entry.leases[event.job_id] = event.lease_expires_at  # I12
+
+
+def _end_external_job(state: State, decision: ExternalStoreStarted | ExternalLoadStarted, succeeded: bool) -> None:
+    """Release what an external job held: reserved tier slots not published, leases (I12)."""
+    tier = state.tiers[decision.tier]
+    if isinstance(decision, ExternalStoreStarted):
+        for item in decision.items:
+            published = tier.entry(item.pool_id, item.key)
+            if published is None or published.tier_slot != item.tier_slot:
+                tier.free[item.tier_slot] = None  # reserved but not published: give it back
+        return
+    for item in decision.items:
+        entry = tier.entry(item.pool_id, item.key)
+        if entry is not None and entry.leases:
+            entry.leases.pop(decision.job_id, None)
+            if not entry.leases:
+                entry.leases = None
+        if succeeded and item.tier_slot in tier.lru:  # touch: most recently used
+            tier.lru[item.tier_slot] = tier.lru.pop(item.tier_slot)
+            removed(tier, "lru")
+
+
 def _rank_reported(state: State, event: RankReported) -> None:
     state.jobs[event.job_id].reports[event.rank] = event
 
@@ -334,6 +380,9 @@ def _rank_reported(state: State, event: RankReported) -> None:
 def _end_job(state: State, job: JobState, succeeded: bool) -> None:
     """Release what the job held: pins (I3), reserved tier slots, leases (I12)."""
     decision = job.decision
+    if isinstance(decision, ExternalStoreStarted | ExternalLoadStarted):
+        _end_external_job(state, decision, succeeded)
+        return
     engine = state.engines[decision.engine_id]
     pools = engine.pools
     if isinstance(decision, StoreJobStarted):
@@ -527,4 +576,7 @@ _FOLDS: dict[type[Event], Callable[[State, Any], None]] = {
     ObservedBlocksRemoved: _observed_blocks_removed,
     ObservedCacheCleared: _observed_cache_cleared,
     ObservedEventsMissed: _observed_events_missed,
+    ExternalKeysLookedUp: _nothing,
+    ExternalStoreStarted: _external_store_started,
+    ExternalLoadStarted: _external_load_started,
 }

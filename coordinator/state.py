@@ -15,6 +15,8 @@ import msgspec
 
 from events import (
     NULL_BLOCK_ID,
+    ExternalLoadStarted,
+    ExternalStoreStarted,
     BlockRef,
     LoadJobStarted,
     NamespaceSpec,
@@ -163,7 +165,8 @@ class TierState(msgspec.Struct, kw_only=True, dict=True):
         return None if group is None else group.get(key)
 
 
-JobDecision = StoreJobStarted | LoadJobStarted | StateCopyPlanned
+JobDecision = StoreJobStarted | LoadJobStarted | StateCopyPlanned | ExternalStoreStarted | ExternalLoadStarted
+"""External jobs (coordinator/_external.py) move blocks the engine owns: they pin no kvledger slot."""
 
 
 class JobState(msgspec.Struct, kw_only=True):

@@ -423,6 +423,65 @@ class ObservedEventsMissed(Event, frozen=True, tag="observed_events_missed"):
     reason: str = ""
 
 
+# --- external keys (an engine that owns its device blocks and names its own keys: vLLM's offloading) --
+
+
+class ExternalItem(msgspec.Struct, frozen=True, array_like=True):
+    """One block of an external job: the engine's own key for it, the tier key kvledger made of
+    that key in the engine's namespace (coordinator/_external.py, `external_key`: I8, I9), and the
+    tier slot. The device block is the engine's: kvledger never names it."""
+
+    pool_id: int
+    """The cache group (vLLM's group_idx)."""
+    engine_key: bytes
+    """The key as the engine names it (vLLM: its block hash + the group, 4 bytes big-endian)."""
+    key: bytes
+    """The tier key: what the tier publishes, leases and quarantines."""
+    tier_slot: int
+    tier_generation: int
+    checksums: list[bytes] = []
+    """Loads: the published checksum of each rank's shard, for the worker to verify (I13)."""
+
+
+class ExternalKeysLookedUp(Event, frozen=True, tag="external_keys_looked_up"):
+    """An engine asked which of its keys are loadable (published, not quarantined, in its
+    namespace: I9, I17); `loadable[i]` answers `engine_keys[i]`. A record, not state."""
+
+    engine_id: str
+    tier: str
+    pool_ids: list[int]
+    engine_keys: list[bytes]
+    loadable: list[bool]
+
+
+class ExternalStoreStarted(Event, frozen=True, tag="external_store_started"):
+    """A decision: each rank copies the engine's blocks of these keys into their tier slots and
+    reports a checksum per item; a key is published only when every rank did (I5). Slots came
+    free or from evicting unleased keys (I12); the KeyEvicted events come first."""
+
+    job_id: int
+    engine_id: str
+    incarnation: int
+    tier: str
+    world_size: int
+    items: list[ExternalItem]
+    already_published: list[bytes] = []
+    """Engine keys the tier already holds, or that a store in flight is writing: an idempotent skip (I10)."""
+
+
+class ExternalLoadStarted(Event, frozen=True, tag="external_load_started"):
+    """A decision: each rank reads each item's slot, verifies it against the published checksum
+    (I13), fills the engine's block and reports. The keys are leased until `lease_expires_at` (I12)."""
+
+    job_id: int
+    engine_id: str
+    incarnation: int
+    tier: str
+    world_size: int
+    items: list[ExternalItem]
+    lease_expires_at: float
+
+
 # --- refusals and dropped notices ------------------------------------------------------------
 
 
@@ -481,6 +540,9 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     ObservedBlocksRemoved,
     ObservedCacheCleared,
     ObservedEventsMissed,
+    ExternalKeysLookedUp,
+    ExternalStoreStarted,
+    ExternalLoadStarted,
 )
 
 
@@ -527,5 +589,8 @@ AnyEvent = (
     | ObservedBlocksRemoved
     | ObservedCacheCleared
     | ObservedEventsMissed
+    | ExternalKeysLookedUp
+    | ExternalStoreStarted
+    | ExternalLoadStarted
 )
 """Every event type, as one tagged union: what a message field holding any event is typed as."""

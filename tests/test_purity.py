@@ -18,6 +18,7 @@ PURE_MODULES = [
     "coordinator/_jobs.py",
     "coordinator/_namespaces.py",
     "coordinator/_observe.py",
+    "coordinator/_external.py",
     "coordinator/vllm/kv_events.py",
     "coordinator/_checks.py",
     "coordinator/projector.py",

@@ -655,7 +655,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         tier = self.core.state.tiers[TIER]
         # What the tier held for the job's keys before this report: the expected outcome.
         before: dict[tuple[int, bytes], KeyEntry | None] = {}
-        if not isinstance(job.decision, StateCopyPlanned):
+        if isinstance(job.decision, StoreJobStarted | LoadJobStarted):  # this machine starts no external job
             for item in job.decision.items:
                 pool_id = item.dest.pool_id if isinstance(item, LoadItem) else item.source.pool_id
                 entry = tier.entry(pool_id, item.key)
@@ -1044,8 +1044,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 pinned = [item.source for item in decision.items]
             elif isinstance(decision, LoadJobStarted):
                 pinned = [item.dest for item in decision.items]
-            else:
+            elif isinstance(decision, StateCopyPlanned):
                 pinned = list(decision.blocks)
+            else:
+                pinned = []  # external jobs pin none of kvledger's slots
             for ref in pinned:
                 expected_pins[ref.pool_id][ref.block_id] += 1
         expected_refs = {pool_id: [0] * pool.spec.num_blocks for pool_id, pool in self.engine.pools.items()}

@@ -1,0 +1,273 @@
+"""External keys: decisions for an engine that owns its device blocks and names its own keys.
+
+vLLM's offloading connector is such an engine: vLLM allocates its GPU blocks and hashes them
+itself, and its offloading manager only ever sees keys (block hash + group), never a block id.
+kvledger cannot pin or generation-check those blocks (vLLM does, until the job completes), but it
+still decides everything about the tier, under the same invariants as for its own blocks:
+
+* the tier key is kvledger's, made from the engine's key *in the engine's namespace*
+  (`external_key`): two engines whose hashes ignore the weights revision (vLLM's do) never meet
+  in the tier unless their namespaces are the same (I8, I9; seed 003);
+* a lookup answers from published, unquarantined keys of the namespace only (I9, I17);
+* a store is admitted by kvledger, which gives each new key a tier slot, evicting least recently
+  used keys that no lease holds and that no store in flight writes (I12), and names the job;
+  keys are published only when every rank reported success with a checksum (I5); a re-store with
+  other bytes quarantines the key (I10);
+* a load leases its keys (I12) and carries the published checksums; a rank that read other bytes
+  quarantines the key (I13); a load that completes after its lease expired fails (I12).
+
+Jobs are counted per (job_id, rank) by the ordinary ReportRank (I4, coordinator/_jobs.py), which
+hands external jobs to `complete` here. Pure, like the rest of the decider.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import blake3
+import msgspec
+
+from coordinator import _checks as check
+from coordinator import _jobs
+from coordinator._checks import Refusal
+from coordinator.commands import Command, ExternalKey, LoadExternal, LookupExternal, StoreExternal
+from coordinator.keys import KEY_BYTES, KEY_SEED_DIGEST
+from coordinator.state import EngineState, KeyEntry, PoolState, State, TierState
+from events import (
+    Event,
+    ExternalItem,
+    ExternalKeysLookedUp,
+    ExternalLoadStarted,
+    ExternalStoreStarted,
+    JobFailed,
+    JobSucceeded,
+    KeyPublished,
+    KeyQuarantined,
+    RankReported,
+    Reason,
+)
+
+Handler = Callable[[State, Any], list[Event]]
+
+MAX_ENGINE_KEY_BYTES = 256
+"""vLLM's keys are 36 bytes (a sha256 block hash + 4 bytes of group); a key this long is garbage."""
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def external_key(namespace_id: bytes, pool_id: int, engine_key: bytes) -> bytes:
+    """The tier key of an engine's own block key: blake3 keyed by the chain seed (coordinator.keys)
+    over ("external", namespace_id, pool_id, engine_key), 16 bytes. The namespace roots it, as it
+    roots every content key (I8): the same vLLM hash under another weights revision, tokenizer or
+    tenant is another key."""
+    payload = _encoder.encode(("external", namespace_id, pool_id, engine_key))
+    return blake3.blake3(payload, key=KEY_SEED_DIGEST).digest(KEY_BYTES)
+
+
+def _pools(eng: EngineState, keys: list[ExternalKey]) -> None:
+    """Every key names a pool of the engine that the engine allocates itself (a reported pool)."""
+    check.count(len(keys), check.MAX_ITEMS_PER_COMMAND, "number of keys")
+    for index, ref in enumerate(keys):
+        pool: PoolState = check.pool(eng, ref.pool_id)
+        if pool.spec.kind == "encoder":
+            raise Refusal(Reason.INVALID_ARGUMENT, f"key {index}: pool {ref.pool_id} is an encoder pool")
+        if pool.spec.managed:
+            raise Refusal(Reason.INVALID_ARGUMENT,
+                          f"key {index}: pool {ref.pool_id} is managed by kvledger; store its blocks with StartStore")
+        if not 0 < len(ref.engine_key) <= MAX_ENGINE_KEY_BYTES:
+            raise Refusal(Reason.INVALID_ARGUMENT,
+                          f"key {index} is {len(ref.engine_key)} bytes; an engine key is 1..{MAX_ENGINE_KEY_BYTES}")
+
+
+def _loadable(entry: KeyEntry | None, eng: EngineState) -> bool:
+    # I9: another namespace's key reads exactly like an absent one.
+    return entry is not None and not entry.quarantined and entry.namespace_id == eng.namespace_id
+
+
+# --- lookup ------------------------------------------------------------------------------------
+
+
+def _lookup_external(state: State, command: LookupExternal) -> list[Event]:
+    eng = check.engine_in_step(state, command.engine_id)
+    tier = check.tier(state, eng, command.tier)
+    _pools(eng, command.keys)
+    loadable = [
+        _loadable(tier.entry(ref.pool_id, external_key(eng.namespace_id, ref.pool_id, ref.engine_key)), eng)
+        for ref in command.keys
+    ]
+    return [ExternalKeysLookedUp(engine_id=eng.engine_id, tier=tier.spec.name, pool_ids=[k.pool_id for k in command.keys],
+                                 engine_keys=[k.engine_key for k in command.keys], loadable=loadable)]
+
+
+# --- store -------------------------------------------------------------------------------------
+
+
+def _in_flight(state: State, tier: TierState) -> set[tuple[int, bytes]]:
+    """(pool, tier key) of every external store in flight to this tier: written, not yet published."""
+    return {
+        (item.pool_id, item.key)
+        for job in state.jobs.values()
+        if isinstance(job.decision, ExternalStoreStarted) and job.decision.tier == tier.spec.name
+        for item in job.decision.items
+    }
+
+
+def _store_external(state: State, command: StoreExternal) -> list[Event]:
+    eng = check.engine_in_step(state, command.engine_id)
+    tier = check.tier(state, eng, command.tier)
+    _pools(eng, command.keys)
+    writing = _in_flight(state, tier)
+    to_store: list[tuple[ExternalKey, bytes]] = []
+    skipped: list[bytes] = []
+    kept: set[tuple[int, bytes]] = set()
+    seen: set[tuple[int, bytes]] = set()
+    for ref in command.keys:
+        key = external_key(eng.namespace_id, ref.pool_id, ref.engine_key)
+        place = (ref.pool_id, key)
+        if place in seen or place in writing or tier.entry(ref.pool_id, key) is not None:
+            skipped.append(ref.engine_key)  # I10: there already, or on its way: an idempotent skip
+            kept.add(place)
+            continue
+        seen.add(place)
+        to_store.append((ref, key))
+    slots, evictions = _jobs.reserve_tier_slots(tier, eng, len(to_store), kept)
+    job_id = state.next_job_id
+    items = [
+        ExternalItem(ref.pool_id, ref.engine_key, key, slot, tier.generations[slot] + 1)
+        for (ref, key), slot in zip(to_store, slots, strict=True)
+    ]
+    events: list[Event] = [*evictions]
+    events.append(ExternalStoreStarted(job_id=job_id, engine_id=eng.engine_id, incarnation=eng.incarnation,
+                                       tier=tier.spec.name, world_size=eng.world_size, items=items,
+                                       already_published=skipped))
+    if not items:
+        events.append(JobSucceeded(job_id=job_id))
+    return events
+
+
+# --- load --------------------------------------------------------------------------------------
+
+
+def _load_external(state: State, command: LoadExternal) -> list[Event]:
+    eng = check.engine_in_step(state, command.engine_id)
+    tier = check.tier(state, eng, command.tier)
+    _pools(eng, command.keys)
+    check.finite(command.lease_seconds, "lease_seconds", high=check.MAX_LEASE_SECONDS)
+    if command.lease_seconds <= 0:
+        raise Refusal(Reason.INVALID_ARGUMENT, "lease_seconds must be positive")
+    items = []
+    for ref in command.keys:
+        key = external_key(eng.namespace_id, ref.pool_id, ref.engine_key)
+        entry = tier.entry(ref.pool_id, key)
+        if entry is None or entry.namespace_id != eng.namespace_id:
+            raise Refusal(Reason.KEY_NOT_PUBLISHED,
+                          f"engine key {ref.engine_key.hex()} of group {ref.pool_id} is not published in tier "
+                          f"{tier.spec.name!r}")
+        if entry.quarantined:
+            raise Refusal(Reason.KEY_QUARANTINED, f"engine key {ref.engine_key.hex()} (tier key {key.hex()}) is quarantined")
+        items.append(ExternalItem(ref.pool_id, ref.engine_key, key, entry.tier_slot, entry.tier_generation,
+                                  list(entry.checksums)))
+    return [ExternalLoadStarted(job_id=state.next_job_id, engine_id=eng.engine_id, incarnation=eng.incarnation,
+                                tier=tier.spec.name, world_size=eng.world_size, items=items,
+                                lease_expires_at=eng.clock + command.lease_seconds)]
+
+
+# --- completion (from ReportRank, once every rank reported) -----------------------------------
+
+
+def complete(
+    state: State, decision: ExternalStoreStarted | ExternalLoadStarted, reports: dict[int, RankReported]
+) -> list[Event]:
+    job_id = decision.job_id
+    tier = state.tiers[decision.tier]
+    failed = sorted(rank for rank, report in reports.items() if not report.ok)
+    if failed and isinstance(decision, ExternalLoadStarted):
+        mismatched = _mismatches(tier, decision, reports)
+        if mismatched:
+            return mismatched
+    if failed:
+        return [JobFailed(job_id=job_id, reason=Reason.RANK_FAILED, detail=f"ranks {failed} failed")]
+    per_rank = [reports[rank].checksums for rank in range(decision.world_size)]
+    if any(len(sums) != len(decision.items) or not all(sums) for sums in per_rank):
+        # I5: every item needs a checksum from every rank.
+        return [JobFailed(job_id=job_id, reason=Reason.MISSING_CHECKSUM, detail="a rank left items unverified")]
+    if isinstance(decision, ExternalStoreStarted):
+        return [*_publish(state, tier, decision, per_rank), JobSucceeded(job_id=job_id)]
+    clock = state.engines[decision.engine_id].clock
+    if clock >= decision.lease_expires_at:  # a lease is live while clock < expiry (I12)
+        return [JobFailed(job_id=job_id, reason=Reason.LEASE_EXPIRED,
+                          detail=f"completed at {clock}, lease expired at {decision.lease_expires_at}")]
+    quarantined: dict[tuple[int, bytes], None] = {}
+    for index, item in enumerate(decision.items):
+        entry = _current_entry(tier, item)
+        if entry is None:
+            return [JobFailed(job_id=job_id, reason=Reason.KEY_EVICTED, detail=f"key {item.key.hex()} left the tier")]
+        if entry.quarantined:
+            return [JobFailed(job_id=job_id, reason=Reason.KEY_QUARANTINED, detail=f"key {item.key.hex()}")]
+        if [sums[index] for sums in per_rank] != entry.checksums:
+            quarantined[(item.pool_id, item.key)] = None
+    if quarantined:
+        return [
+            *(KeyQuarantined(tier=tier.spec.name, pool_id=pool_id, key=key, reason=Reason.CHECKSUM_MISMATCH, job_id=job_id,
+                             detail="loaded bytes differ from the published checksum") for pool_id, key in quarantined),
+            JobFailed(job_id=job_id, reason=Reason.CHECKSUM_MISMATCH, detail=f"{len(quarantined)} keys failed verification"),
+        ]
+    return [JobSucceeded(job_id=job_id)]
+
+
+def _publish(state: State, tier: TierState, decision: ExternalStoreStarted, per_rank: list[list[bytes]]) -> list[Event]:
+    engine = state.engines[decision.engine_id]
+    events: list[Event] = []
+    for index, item in enumerate(decision.items):
+        checksums = [sums[index] for sums in per_rank]
+        existing = tier.entry(item.pool_id, item.key)
+        if existing is None:
+            events.append(KeyPublished(tier=tier.spec.name, namespace_id=engine.namespace_id, pool_id=item.pool_id,
+                                       key=item.key, tier_slot=item.tier_slot, tier_generation=item.tier_generation,
+                                       checksums=checksums, size_bytes=engine.pools[item.pool_id].spec.bytes_per_block,
+                                       source_job=decision.job_id))
+        elif existing.checksums != checksums and not existing.quarantined:
+            # I10: the same key with other bytes. Someone stored the wrong KV; trust neither.
+            events.append(KeyQuarantined(tier=tier.spec.name, pool_id=item.pool_id, key=item.key,
+                                         reason=Reason.CHECKSUM_MISMATCH, job_id=decision.job_id,
+                                         detail=f"re-store by job {decision.job_id} differs from job {existing.source_job}"))
+    return events
+
+
+def _current_entry(tier: TierState, item: ExternalItem) -> KeyEntry | None:
+    """The key's entry if it is still the one the load was decided on (same slot and generation)."""
+    entry = tier.entry(item.pool_id, item.key)
+    if entry is None or (entry.tier_slot, entry.tier_generation) != (item.tier_slot, item.tier_generation):
+        return None
+    return entry
+
+
+def _mismatches(tier: TierState, decision: ExternalLoadStarted, reports: dict[int, RankReported]) -> list[Event]:
+    """A load some rank failed: the keys a rank read with other bytes than published are
+    quarantined (I13) and the job fails CHECKSUM_MISMATCH; empty when no report carries a full,
+    differing checksum list (a failure for another reason)."""
+    keys: dict[tuple[int, bytes], None] = {}
+    for rank, report in sorted(reports.items()):
+        if len(report.checksums) != len(decision.items):
+            continue
+        for item, read in zip(decision.items, report.checksums, strict=True):
+            entry = _current_entry(tier, item)
+            if entry is not None and read and rank < len(entry.checksums) and read != entry.checksums[rank]:
+                keys[(item.pool_id, item.key)] = None
+    if not keys:
+        return []
+    return [
+        *(KeyQuarantined(tier=tier.spec.name, pool_id=pool_id, key=key, reason=Reason.CHECKSUM_MISMATCH,
+                         job_id=decision.job_id, detail="a worker read other bytes than the published checksum")
+          for pool_id, key in keys if not tier.entries[pool_id][key].quarantined),
+        JobFailed(job_id=decision.job_id, reason=Reason.CHECKSUM_MISMATCH,
+                  detail=f"{len(keys)} keys read with other bytes than published"),
+    ]
+
+
+HANDLERS: dict[type[Command], Handler] = {
+    LookupExternal: _lookup_external,
+    StoreExternal: _store_external,
+    LoadExternal: _load_external,
+}
