@@ -28,6 +28,7 @@ from coordinator.audit.queries import (
     KeyAnswer,
     DecisionEntry,
     NamespaceEntry,
+    ObservedHashAnswer,
     RefusalEntry,
     RequestAnswer,
 )
@@ -274,6 +275,39 @@ def key(key_hex: str = typer.Argument(..., metavar="KEY", help="The content key,
             console.print(f"[bold red]quarantined[/] {line}")
 
     _print(_run("audit key", log_url, query), json_output, render)
+
+
+@audit_app.command("hash")
+def observed_hash(
+    hash_hex: str = typer.Argument(..., metavar="HEX", help="The block hash as the engine names it, hex (an int hash: its 8-byte big-endian two's complement)."),
+    log_url: str | None = LOG, json_output: bool = JSON,
+) -> None:
+    """When an observed engine (`kvledger ingest vllm`) stored and removed a block hash: by which
+    incarnation, in which medium and group, at which global sequence and engine sequence."""
+
+    async def query(audit: Audit) -> ObservedHashAnswer:
+        return await audit.observed(hash_hex)
+
+    def render(answer: ObservedHashAnswer) -> None:
+        console.print(f"[bold]block hash {answer.hash}[/] (tenant {answer.tenant or '-'}): "
+                      f"{len(answer.residencies)} stays, {answer.total} rows")
+        table = Table("engine", "incarnation", "medium/group", "dp rank", "stored at", "ended at", "by",
+                      title="stays (seq: global sequence; engine: the engine's batch number)")
+        for r in answer.residencies:
+            ended = "-" if r.ended_seq is None else f"seq {r.ended_seq}" + (
+                f" (engine {r.ended_source_seq})" if r.ended_source_seq is not None else "")
+            table.add_row(r.engine, str(r.incarnation), f"{r.medium}/{r.group}", _dash(r.dp_rank),
+                          f"seq {r.stored_seq} (engine {r.stored_source_seq})", ended, r.ended_by)
+        console.print(table)
+        table = Table("seq", "kind", "engine", "incarnation", "medium/group", "engine seq", title="events")
+        for e in answer.events:
+            where = "-" if not e.medium else e.medium + ("" if e.group is None else f"/{e.group}")
+            table.add_row(str(e.seq), e.kind, e.engine, str(e.incarnation), where, _dash(e.source_seq))
+        console.print(table)
+        for gap in answer.gaps:
+            console.print(f"[yellow]missed[/] {gap}")
+
+    _print(_run("audit hash", log_url, query), json_output, render)
 
 
 @audit_app.command("request")

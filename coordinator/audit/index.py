@@ -24,6 +24,7 @@ from events import (
     BlocksReleased,
     BlocksReused,
     EngineDeclared,
+    EngineObserved,
     EngineReset,
     Event,
     FencedRankDone,
@@ -38,6 +39,10 @@ from events import (
     NamespaceRegistered,
     NamespaceReleased,
     NoticeDropped,
+    ObservedBlocksRemoved,
+    ObservedBlocksStored,
+    ObservedCacheCleared,
+    ObservedEventsMissed,
     OwnerFinished,
     OwnerStarted,
     RankReported,
@@ -68,6 +73,9 @@ recorded_at"""
 DecisionRow = tuple[int, str, bytes, bytes | None, int, str, str]
 """seq, outcome (new, compatible, clear or released), from_namespace, to_namespace, affected_keys,
 evidence, reason"""
+ObservedRow = tuple[bytes, int, str, str, int, str, int, int | None, int]
+"""hash (empty for cleared), seq, kind (stored, removed, cleared), engine, incarnation, medium, group
+(-1 for cleared), dp_rank, source_seq"""
 
 
 class AuditRows(msgspec.Struct, kw_only=True):
@@ -80,6 +88,7 @@ class AuditRows(msgspec.Struct, kw_only=True):
     namespaces: list[NamespaceRow] = msgspec.field(default_factory=list)
     steps: list[StepRow] = msgspec.field(default_factory=list)
     decisions: list[DecisionRow] = msgspec.field(default_factory=list)
+    observed: list[ObservedRow] = msgspec.field(default_factory=list)
 
     def count(self) -> int:
         return sum(len(rows) for rows in msgspec.structs.astuple(self))
@@ -191,5 +200,18 @@ class Indexer:
                 rows.decisions.append((seq, outcome, source, target, affected, evidence, rationale))
             case NamespaceReleased(namespace_id=namespace, rationale=rationale, evicted_keys=evicted):
                 rows.decisions.append((seq, "released", namespace, None, evicted, "", rationale))
+            case ObservedBlocksStored(engine_id=by, incarnation=incarnation, medium=medium, group=group, dp_rank=rank,
+                                      source_seq=source, block_hashes=hashes):
+                rows.observed += [(h, seq, "stored", by, incarnation, medium, group, rank, source) for h in dict.fromkeys(hashes)]
+            case ObservedBlocksRemoved(engine_id=by, incarnation=incarnation, medium=medium, group=group, dp_rank=rank,
+                                       source_seq=source, block_hashes=hashes):
+                rows.observed += [(h, seq, "removed", by, incarnation, medium, group, rank, source) for h in dict.fromkeys(hashes)]
+            case ObservedCacheCleared(engine_id=by, incarnation=incarnation, medium=medium, dp_rank=rank, source_seq=source):
+                rows.observed.append((b"", seq, "cleared", by, incarnation, medium, -1, rank, source))
+            case EngineObserved(engine_id=by, incarnation=incarnation, namespace_id=namespace, source=source, reason=reason):
+                rows.engines.append((by, incarnation, namespace, seq, "observed", f"{reason} ({source})" if source else reason))
+            case ObservedEventsMissed(engine_id=by, incarnation=incarnation, first_seq=first, last_seq=last, reason=reason):
+                rows.engines.append((by, incarnation, None, seq, "events_missed",
+                                     f"engine batches {first}..{last}" + (f": {reason}" if reason else "")))
             case _:
                 pass  # steps began, lookups, encoder entries, tiers: nothing a forensic query asks for

@@ -24,6 +24,9 @@ from events.log import _schema as t
 
 
 T = TypeVar("T")
+_DECLARATIONS = ("declared", "observed")
+"""The kvl_audit_engines rows that put an engine under a namespace (and so a tenant): a sidecar
+engine's declaration, or the start of an observed engine's incarnation (`kvledger ingest`)."""
 _HOLDS = ("allocated", "reused", "freed")
 """The slot rows that change who holds a generation."""
 LIST_LIMIT = 100
@@ -212,6 +215,52 @@ class NamespaceEntry(msgspec.Struct, frozen=True):
     """Release decisions from or to this namespace, and its releases, oldest first."""
 
 
+class ObservedEvent(msgspec.Struct, frozen=True):
+    """One thing an observed engine said of a block hash (stored, removed), or did to all of a
+    medium's (cleared), or a restart that ended its incarnation's cache."""
+
+    seq: int
+    """kvledger's global sequence."""
+    kind: str
+    """stored, removed, cleared or restarted."""
+    engine: str
+    incarnation: int
+    medium: str
+    group: int | None
+    """The engine's KV-cache group; None for a clear or a restart (all groups)."""
+    dp_rank: int | None
+    source_seq: int | None
+    """The engine's own batch number (vLLM's sequence number); None for a restart."""
+
+
+class ObservedResidency(msgspec.Struct, frozen=True):
+    """One stay of a block hash in one engine incarnation's medium and group."""
+
+    engine: str
+    incarnation: int
+    medium: str
+    group: int
+    dp_rank: int | None
+    stored_seq: int
+    stored_source_seq: int
+    ended_seq: int | None
+    ended_source_seq: int | None
+    ended_by: str
+    """removed, cleared, restarted (a new incarnation began), or stored (still there)."""
+
+
+class ObservedHashAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    hash: str
+    tenant: str
+    residencies: list[ObservedResidency]
+    events: list[ObservedEvent]
+    """The hash's newest LIST_LIMIT rows (oldest first), with the clears and restarts among them."""
+    total: int
+    """Every stored and removed row of the hash."""
+    gaps: list[str] = []
+    """Batches the engines' incarnations in `residencies` missed (a removal may lie in one)."""
+
+
 # --- the reader ---------------------------------------------------------------------------------
 
 
@@ -250,7 +299,7 @@ class Audit:
         for engine, seq, tenant in conn.execute(
                 sa.select(e.engine, e.seq, n.tenant)
                 .select_from(t.audit_engines.outerjoin(t.audit_namespaces, e.namespace_id == n.namespace_id))
-                .where(e.kind == "declared").order_by(e.seq)):
+                .where(e.kind.in_(_DECLARATIONS)).order_by(e.seq)):
             seqs, tenants = found.setdefault(engine, ([], []))
             seqs.append(int(seq))
             tenants.append(str(tenant or ""))
@@ -576,6 +625,56 @@ class Audit:
             counts=counts,
         )
 
+    # --- observed engines' block hashes (kvledger ingest) -----------------------------------
+
+    async def observed(self, hash_hex: str) -> ObservedHashAnswer:
+        """When an observed engine (vLLM) stored and removed a block hash: by which incarnation,
+        in which medium and group, at which global sequence and at which of the engine's own."""
+        return await self._read(lambda conn: self._observed(conn, hash_hex))
+
+    def _observed(self, conn: sa.Connection, hash_hex: str) -> ObservedHashAnswer:
+        text = hash_hex.strip().lower().removeprefix("0x")
+        try:
+            block_hash = bytes.fromhex(text)
+        except ValueError as error:
+            raise AuditError(f"block hash {hash_hex[:80]!r} is not hex: {error}") from error
+        if not block_hash:
+            raise AuditError("the block hash is empty")
+        o, e = t.audit_observed.c, t.audit_engines.c
+        rows = conn.execute(sa.select(t.audit_observed).where(o.hash == block_hash)
+                            .order_by(o.seq.desc()).limit(LIST_LIMIT)).all()[::-1]
+        if not rows:
+            raise NotFound(f"block hash {text} is not in the log")
+        declarations = self._declarations(conn)
+        visible = [r for r in rows if self._visible_at(declarations, r.engine, int(r.seq))]
+        if not visible:
+            raise OutOfScope(f"block hash {text} is outside tenant {self.tenant!r}")
+        total = len(rows) if len(rows) < LIST_LIMIT else int(conn.execute(
+            sa.select(sa.func.count()).where(o.hash == block_hash)).scalar() or 0)
+        engines = sorted({r.engine for r in visible})
+        since = int(visible[0].seq)
+        clears = conn.execute(sa.select(t.audit_observed).where(o.hash == b"", o.seq > since, o.engine.in_(engines))
+                              .order_by(o.seq)).all()
+        lives = conn.execute(sa.select(e.engine, e.incarnation, e.seq, e.kind, e.detail)
+                             .where(e.engine.in_(engines), e.kind.in_(("observed", "events_missed")), e.seq > since)
+                             .order_by(e.seq)).all()
+        timeline = sorted(
+            [ObservedEvent(int(r.seq), r.kind, r.engine, int(r.incarnation), r.medium, int(r.grp), r.dp_rank,
+                           int(r.source_seq)) for r in visible]
+            + [ObservedEvent(int(r.seq), "cleared", r.engine, int(r.incarnation), r.medium, None, r.dp_rank,
+                             int(r.source_seq)) for r in clears]
+            + [ObservedEvent(int(r.seq), "restarted", r.engine, int(r.incarnation), "", None, None, None)
+               for r in lives if r.kind == "observed"],
+            key=lambda event: event.seq)
+        residencies = _residencies(timeline)
+        involved = {(r.engine, r.incarnation) for r in residencies}
+        gaps = [f"{r.engine} incarnation {r.incarnation} at seq {r.seq}: {r.detail}" for r in lives
+                if r.kind == "events_missed" and (r.engine, int(r.incarnation)) in involved]
+        enders = {r.ended_seq for r in residencies if r.ended_by in ("cleared", "restarted")}
+        events = [ev for ev in timeline if ev.kind in ("stored", "removed") or ev.seq in enders]
+        tenant = self._tenant_at(declarations, visible[-1].engine, int(visible[-1].seq)) or ""
+        return ObservedHashAnswer(hash=text, tenant=tenant, residencies=residencies, events=events, total=total, gaps=gaps)
+
     # --- refusals and namespaces ----------------------------------------------------------
 
     async def refusals(self, *, since_seq: int = 0, since_time: float | None = None, limit: int = 1000) -> list[RefusalEntry]:
@@ -685,6 +784,40 @@ _USE = sa.text(
     "SELECT min(CASE WHEN kind = 'published' THEN seq END), max(seq) FROM kvl_audit_keys"
     " WHERE namespace_id = :namespace AND kind IN ('published', 'loaded')"
 )
+
+
+def _residencies(timeline: Sequence[ObservedEvent]) -> list[ObservedResidency]:
+    """Each stay of the hash, from its store to the removal, clear of its medium, or restart of
+    its engine that ended it (a store of a hash already there does not start another)."""
+    open_: dict[tuple[str, int, str, int], ObservedEvent] = {}
+    done: list[ObservedResidency] = []
+
+    def close(key: tuple[str, int, str, int], end: ObservedEvent | None, how: str) -> None:
+        start = open_.pop(key)
+        assert start.source_seq is not None and start.group is not None
+        done.append(ObservedResidency(
+            engine=start.engine, incarnation=start.incarnation, medium=start.medium, group=start.group,
+            dp_rank=start.dp_rank, stored_seq=start.seq, stored_source_seq=start.source_seq,
+            ended_seq=None if end is None else end.seq, ended_source_seq=None if end is None else end.source_seq,
+            ended_by=how))
+
+    for event in timeline:
+        if event.kind in ("stored", "removed"):
+            assert event.group is not None
+            key = (event.engine, event.incarnation, event.medium, event.group)
+            if event.kind == "stored":
+                open_.setdefault(key, event)
+            elif key in open_:
+                close(key, event, "removed")
+        elif event.kind == "cleared":
+            for key in [k for k in open_ if k[:3] == (event.engine, event.incarnation, event.medium)]:
+                close(key, event, "cleared")
+        else:  # a new incarnation: the old one's cache is gone
+            for key in [k for k in open_ if k[0] == event.engine and k[1] < event.incarnation]:
+                close(key, event, "restarted")
+    for key in list(open_):
+        close(key, None, "stored")
+    return sorted(done, key=lambda r: r.stored_seq)
 
 
 def _job_touch(job_id: int, rows: Sequence[Any], touched_seq: int, at_seq: int) -> JobTouch:

@@ -2,7 +2,7 @@
 them into rows (coordinator/audit/index.py) and insert them with the new checkpoint in one
 transaction, so the index is exactly once whatever stops it.
 
-The index lives in the log's own database (tables kvl_audit_*, migration 0003). Building it never
+The index lives in the log's own database (tables kvl_audit_*, migrations 0003 and 0004). Building it never
 touches the log's rows: a copied log file can be indexed and audited offline.
 """
 
@@ -37,6 +37,7 @@ _TABLES: dict[str, sa.Table] = {
     "namespaces": t.audit_namespaces,
     "decisions": t.audit_decisions,
     "steps": t.audit_steps,
+    "observed": t.audit_observed,
 }
 _COLUMNS = {name: [c.name for c in table.columns] for name, table in _TABLES.items()}
 

@@ -224,3 +224,22 @@ sa.Index("ix_kvl_audit_steps_step", audit_steps.c.engine, audit_steps.c.step)
 sa.Index("ix_kvl_audit_steps_time", audit_steps.c.recorded_at)
 sa.Index("ix_kvl_audit_steps_seq", audit_steps.c.engine, audit_steps.c.first_seq)
 sa.Index("ix_kvl_audit_steps_first", audit_steps.c.first_seq)
+
+audit_observed = sa.Table(
+    "kvl_audit_observed",
+    metadata,
+    # What an observed engine (vLLM, from its own KV events; coordinator/_observe.py) said of one
+    # block hash: stored or removed, by which incarnation, in which medium and group; seq is the
+    # global sequence, source_seq the engine's own batch number. A `cleared` row (every hash of a
+    # medium dropped) has an empty hash and group -1. Migration 0004.
+    sa.Column("hash", sa.LargeBinary, nullable=False),
+    sa.Column("seq", sa.BigInteger, nullable=False),
+    sa.Column("kind", sa.String(24), nullable=False),
+    sa.Column("engine", sa.Text, nullable=False),
+    sa.Column("incarnation", sa.Integer, nullable=False),
+    sa.Column("medium", sa.Text, nullable=False),
+    sa.Column("grp", sa.Integer, nullable=False),
+    sa.Column("dp_rank", sa.Integer, nullable=True),
+    sa.Column("source_seq", sa.BigInteger, nullable=False),
+)
+sa.Index("ix_kvl_audit_observed_hash", audit_observed.c.hash, audit_observed.c.seq)
