@@ -13,6 +13,7 @@ from rich.table import Table
 from coordinator.audit.cli import audit_app, export_command, replay_command, verify_command
 from coordinator.fleet import fleet_command
 from coordinator.namespace_cli import namespace_app
+from coordinator.vllm.cli import ingest_app
 
 app = typer.Typer(help="kvledger: an event-sourced coordinator for LLM KV caches.", no_args_is_help=True)
 log = structlog.get_logger("kvledger.cli")
@@ -28,6 +29,7 @@ app.command("export")(export_command)
 app.command("verify")(verify_command)
 app.command("fleet")(fleet_command)
 app.add_typer(namespace_app, name="namespace")
+app.add_typer(ingest_app, name="ingest")
 LOG_OPTION = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="SQLite path or URL, or PostgreSQL URL (default: the data directory's SQLite file).")
 
 
