@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 import msgspec
 import pytest
+from structlog.testing import capture_logs
 import sqlalchemy as sa
 import zmq
 import zmq.asyncio
@@ -51,7 +52,7 @@ from events import (
     Reason,
     Refused,
 )
-from events.log import SqlEventLog, open_log, upgrade_log
+from events.log import LogUnavailable, SqlEventLog, open_log, upgrade_log
 from tests import builders as b
 
 pytestmark = pytest.mark.anyio
@@ -277,7 +278,7 @@ async def running(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
                 replay = vllm.bind_replay()
                 tg.start_soon(vllm.serve_replay)
             config = IngestConfig(endpoint="tcp://127.0.0.1:*", engine_id=ENGINE, namespace=namespace(block_sizes),
-                                  topic=TOPIC, replay=replay, replay_timeout=replay_timeout)
+                                  topic=TOPIC, replay=replay, replay_timeout=replay_timeout, retry_every=0.05)
             harness = Harness(ledger, Ingestor(ledger, config), vllm, event_log)
             ready = anyio.Event()
 
@@ -466,8 +467,10 @@ async def test_a_restart_seq_back_to_0_is_a_new_incarnation(running: Callable[..
         await vllm.publish([stored(h(n), parent=h(n - 1) if n > 1 else None)])
     await harness.recorded(3)
     vllm.restart()
-    await vllm.publish([stored(h(7))])
-    await harness.recorded(1, incarnation=2)
+    with capture_logs() as logs:
+        await vllm.publish([stored(h(7))])
+        await harness.recorded(1, incarnation=2)
+    assert {"event": "engine_restarted", "log_level": "warning", "last_seq": 2, "seq": 0} in logs
     events = await harness.events()
     restarts = [e for e in events if isinstance(e, EngineObserved)]
     assert [e.incarnation for e in restarts] == [1, 2]
@@ -534,6 +537,28 @@ async def test_ingestion_resumes_on_the_ledger_without_a_new_incarnation(running
     await second.vllm.publish([stored(h(2), parent=h(1))])
     await second.recorded(2)
     assert second.ledger.state.observed[ENGINE].incarnation == 1 and second.stored() == [h(1), h(2)]
+
+
+async def test_batches_are_committed_once_when_the_log_comes_back(running: Callable[..., Any]) -> None:
+    harness: Harness = await running()
+    append = harness.log.append
+    outage = [2]
+
+    async def unavailable_twice(batches: Any) -> Any:
+        if outage[0]:
+            outage[0] -= 1
+            raise LogUnavailable("the database went away (test)")
+        return await append(batches)
+
+    setattr(harness.log, "append", unavailable_twice)  # noqa: B010 - the log's own append, failing first
+    with capture_logs() as logs:
+        for n in range(1, 4):
+            await harness.vllm.publish([stored(h(n), parent=h(n - 1) if n > 1 else None)])
+        await harness.recorded(3)
+    assert outage == [0] and [line["event"] for line in logs].count("log_unavailable") == 2
+    events = await harness.events()
+    assert [e.source_seq for e in events if isinstance(e, ObservedBlocksStored)] == [0, 1, 2]
+    assert harness.stored() == [h(1), h(2), h(3)] and not [e for e in events if isinstance(e, Refused)]
 
 
 # --- the audit ------------------------------------------------------------------------------------

@@ -277,6 +277,11 @@ class Ingestor:
                 commits = await self.ledger.commit_group(group)
                 break
             except LogUnavailable as error:
+                if self._stop.is_set():
+                    # Nothing of the group is in the log: the next start resumes before it and asks
+                    # the replay socket for those batches.
+                    log.error("ingest_stopped_uncommitted", error=str(error), commands=len(group))
+                    return
                 log.warning("log_unavailable", error=str(error), retry_in=self.config.retry_every, commands=len(group))
                 await anyio.sleep(self.config.retry_every)
         for commit in commits:
