@@ -186,3 +186,20 @@ async def test_a_snapshot_being_written_does_not_hold_up_the_next_step(event_log
             assert commit.first_seq > 0
             release.set()
     assert [s.global_seq for s in await event_log.snapshots()][:2] == [ledger.last_seq, commit.first_seq - 1]
+
+
+async def test_only_the_newest_snapshots_are_kept(event_log: EventLog) -> None:
+    """Recovery reads the newest valid snapshot: the log keeps KEEP_SNAPSHOTS of them, not one
+    per `snapshot_every` steps forever (each is a whole state)."""
+    from events.log._sql import KEEP_SNAPSHOTS
+
+    ledger = await Ledger.open(event_log, snapshot_every=1)
+    await _declare(ledger)
+    for step in range(1, KEEP_SNAPSHOTS + 4):
+        await ledger.run_step(ENGINE, step, float(step), [StartOwner(engine_id=ENGINE, req_id=f"r{step}")])
+    kept = await event_log.snapshots(limit=100)
+    assert len(kept) == KEEP_SNAPSHOTS
+    assert kept[0].global_seq == ledger.last_seq
+    await ledger.close()
+    reopened = await Ledger.open(event_log)
+    assert encode_state(reopened.state) == encode_state(ledger.state)

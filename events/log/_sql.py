@@ -47,6 +47,8 @@ NOTIFY_CHANNEL = "kvl_events"
 WRITE_OPTION = "kvledger_write"
 """Execution option marking a transaction that writes (SQLite: BEGIN IMMEDIATE)."""
 POLL_SECONDS = 0.2
+KEEP_SNAPSHOTS = 5
+"""Snapshots kept in the log's database: the newest, and four older in case it fails its digest."""
 
 
 def make_engine(url: sa.URL) -> AsyncEngine:
@@ -276,6 +278,13 @@ class SqlEventLog:
             yield SqlProjectionTransaction(conn, name, self.dialect)
 
     async def save_snapshot(self, snapshot: Snapshot) -> None:
+        """Insert it, and keep only the newest KEEP_SNAPSHOTS (recovery tries them newest first:
+        older ones are never read, and each is a whole state)."""
+        newest = (
+            sa.select(t.snapshots.c.snapshot_id)
+            .order_by(t.snapshots.c.global_seq.desc(), t.snapshots.c.snapshot_id.desc())
+            .limit(KEEP_SNAPSHOTS)
+        )
         async with self._write() as conn:
             await conn.execute(
                 t.snapshots.insert().values(
@@ -286,6 +295,8 @@ class SqlEventLog:
                     created_at=snapshot.created_at,
                 )
             )
+            keep = (await conn.execute(newest)).scalars().all()
+            await conn.execute(t.snapshots.delete().where(t.snapshots.c.snapshot_id.not_in(keep)))
 
     async def snapshots(self, limit: int = 5) -> list[Snapshot]:
         query = sa.select(t.snapshots).order_by(t.snapshots.c.global_seq.desc(), t.snapshots.c.snapshot_id.desc()).limit(limit)
