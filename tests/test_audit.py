@@ -415,3 +415,45 @@ def test_cli_replay_and_export_check_the_output_directory_first(golden: Path, tm
             result = runner.invoke(app, [command, "--out", "/dev/full", "--log", log])
             assert result.exit_code == 1, result.output
             assert "/dev/full" in result.stderr and "Traceback" not in result.output
+
+
+async def test_a_store_decided_without_its_pin_is_not_shown_as_pinning(tmp_path: Path) -> None:
+    """With the PINS protection off (a simulator run of seed 000), a store is decided with
+    pinned=False: `audit block` must not claim it pinned the slot while in flight."""
+    from coordinator.commands import AllocateBlocks, MarkComputed, StartOwner, StartStore
+    from coordinator.ledger import Ledger
+    from coordinator.protections import Protection
+    from events import BlocksAllocated, StoreJobStarted
+    from tests import builders as b
+    from tests.sidecar_kit import TIER_SPEC, declaration
+
+    event_log = await open_log(str(tmp_path / "unpinned.sqlite"))
+    try:
+        async def stored_while_in_flight(off: frozenset[Protection], engine: str) -> tuple[StoreJobStarted, int]:
+            ledger = await Ledger.open(event_log, protections_off=off)
+            from coordinator.commands import DeclareTier
+            await ledger.execute(DeclareTier(spec=TIER_SPEC))
+            await ledger.execute(declaration(engine))
+            commit = await ledger.run_step(engine, 1, 1.0, [StartOwner(engine_id=engine, req_id="r")])
+            owner = next(e for e in commit.events if isinstance(e, OwnerStarted)).owner_id
+            commit = await ledger.run_step(engine, 2, 2.0, [AllocateBlocks(engine_id=engine, owner_id=owner, pool_id=0, count=1)])
+            blocks = next(e for e in commit.events if isinstance(e, BlocksAllocated)).blocks
+            commit = await ledger.run_step(engine, 3, 3.0, [
+                MarkComputed(engine_id=engine, owner_id=owner, blocks=blocks, token_ids=list(range(b.BLOCK))),
+                StartStore(engine_id=engine, tier=b.TIER, blocks=blocks),
+            ])
+            job = next(e for e in commit.events if isinstance(e, StoreJobStarted))
+            assert job.pinned == (Protection.PINS not in off)
+            return job, commit.last_seq
+
+        pinned_job, pinned_at = await stored_while_in_flight(frozenset(), "pinned")
+        unpinned_job, unpinned_at = await stored_while_in_flight(frozenset({Protection.PINS}), "unpinned")
+        await sync_index(event_log)
+        audit = Audit(event_log)
+        for engine, job, seq, expected in (("pinned", pinned_job, pinned_at, True), ("unpinned", unpinned_job, unpinned_at, False)):
+            source = job.items[0].source
+            answer = await audit.block(engine, source.pool_id, source.block_id, seq)
+            [touch] = [j for j in answer.jobs if j.job_id == job.job_id]
+            assert touch.outcome == "in flight" and touch.pinned_then is expected, (engine, touch)
+    finally:
+        await event_log.close()

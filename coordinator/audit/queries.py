@@ -73,7 +73,9 @@ class JobTouch(msgspec.Struct, frozen=True):
     outcome: str
     """succeeded, failed: <reason>, fenced, or in flight."""
     pinned_then: bool
-    """Whether the job held its pin on the slot at the asked point (I3)."""
+    """Whether the job held its pin on the slot at the asked point (I3): in flight then, and
+    decided with its pin (a store decided without one, in a simulator run with the PINS
+    protection off, never pinned)."""
 
 
 class OwnerLife(msgspec.Struct, frozen=True):
@@ -838,7 +840,10 @@ def _job_touch(job_id: int, rows: Sequence[Any], touched_seq: int, at_seq: int) 
             pending -= 1
             if pending <= 0:
                 ended = row.seq
-    pinned = start <= at_seq and (ended is None or at_seq < ended)
+    # A store decided without its pin (the simulator's PINS protection off) never pinned: the
+    # index says so in the decision's detail (coordinator/audit/index.py).
+    held = started is None or not started.detail.endswith(", NOT pinned")
+    pinned = held and start <= at_seq and (ended is None or at_seq < ended)
     return JobTouch(job_id, kind, start, ended, outcome, pinned)
 
 
