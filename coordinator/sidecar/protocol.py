@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Literal, Union, cast
+from typing import Annotated, Literal, Union, cast
 
 import msgspec
+from msgspec import Meta
 
 from coordinator.commands import AnyCommand, DeclareEngine, ReportRank
 from events import AnyEvent, Event, LoadJobStarted, PoolSpec, PrefixLookedUp, Refused, StateCopyPlanned, StoreJobStarted, TierSpec
@@ -25,6 +26,12 @@ PROTOCOL_VERSION = 1
 HEADER_BYTES = 4
 DEFAULT_MAX_FRAME = 16 << 20
 """Bytes; `kvledger serve --max-frame` changes it."""
+MAX_STEP = 2**63 - 1
+"""The log keeps a step's number in a signed 64-bit column (events/log/_schema.py, kvl_steps.step):
+a larger one failed the append of its whole group and made the ledger rebuild from the log."""
+MAX_ENGINE_ID = 248
+"""Characters: the engine's stream id, "engine/<id>", is a 255-character column (kvl_steps.stream_id;
+PostgreSQL refused a longer one at the append)."""
 
 
 class ErrorCode(enum.StrEnum):
@@ -63,7 +70,7 @@ class Hello(Message, frozen=True, tag="hello"):
     role: Literal["engine", "worker", "observer", "operator"]
     """An operator (`kvledger namespace`) names no engine and may only Execute operator commands
     (coordinator.commands.OPERATOR_COMMANDS); engines may not send those."""
-    engine_id: str = ""
+    engine_id: Annotated[str, Meta(max_length=MAX_ENGINE_ID)] = ""
     token: str = ""
     declare: DeclareEngine | None = None
     incarnation: int = 0
@@ -76,7 +83,8 @@ class Hello(Message, frozen=True, tag="hello"):
 class Step(Message, frozen=True, tag="step"):
     """One scheduler step: the server runs BeginStep, the commands, EndStep, as one transaction."""
 
-    step: int
+    step: Annotated[int, Meta(le=MAX_STEP)]
+    """Above the engine's last step (the decider refuses one that does not advance)."""
     clock: float
     commands: list[AnyCommand]
     command_id: str

@@ -34,12 +34,12 @@ from coordinator.commands import OPERATOR_COMMANDS, AnyCommand, DeclareTier, Loo
 from coordinator.decider import lookup
 from coordinator.ledger import Commit, Ledger, Single, Step as LedgerStep, StepCommit
 from coordinator.protections import switched_off
-from coordinator.sidecar import protocol as p
+from coordinator.sidecar import admission, protocol as p
 from coordinator.sidecar.committer import Committer, ShuttingDown
 from coordinator.sidecar.http import make_app
 from coordinator.sidecar.hub import DEFAULT_BUFFER, DecisionHub, SlowSubscriber, Subscription
 from coordinator.sidecar.metrics import SidecarMetrics
-from events import EngineDeclared, Refused
+from events import EngineDeclared, Event, Refused
 from events.log import EventLog, LogError, open_log
 
 log = structlog.get_logger("kvledger.sidecar")
@@ -128,6 +128,8 @@ class Sidecar:
         self.tcp_address: tuple[str, int] | None = None
         self.probe_failure: str | None = None
         """Why the last look at the log (`_probe_log`) failed, if it did: readiness reports it."""
+        self._declaring = anyio.Lock()
+        """Held while a Hello's declarations are checked and committed (`_engine_hello`)."""
         self.metrics.ready.set_function(lambda: 1.0 if self.readiness()[0] else 0.0)
 
     # --- readiness -------------------------------------------------------------------------
@@ -385,35 +387,51 @@ class Sidecar:
 
     async def _engine_hello(self, conn: Connection, hello: p.Hello) -> tuple[Session | None, bool]:
         engine_id = hello.engine_id
-        events = []
+        known = self.ledger.state.engines.get(engine_id)
+        reconnect = known is not None and hello.incarnation != 0 and hello.incarnation == known.incarnation
+        if not reconnect and (hello.declare is None or hello.declare.engine_id != engine_id):
+            await self._error(conn, p.ErrorCode.INVALID_MESSAGE,
+                              f"engine {engine_id!r} is not running incarnation {hello.incarnation}: its Hello must "
+                              "carry `declare` (a DeclareEngine for the same engine_id)")
+            return None, False
+        problem = admission.tier_conflict(hello.tiers)
+        if problem is None and not reconnect:
+            assert hello.declare is not None
+            problem = admission.declaration_problem(hello.declare)
+        if problem is not None:
+            await self._error(conn, p.ErrorCode.INVALID_MESSAGE, problem)
+            return None, False
+        declarations: list[AnyCommand] = [DeclareTier(spec=spec) for spec in hello.tiers]
+        if not reconnect:
+            assert hello.declare is not None
+            declarations.append(hello.declare)
+        events: list[Event] = []
         try:
-            for spec in hello.tiers:
-                commit = await self.committer.submit(Single(command=DeclareTier(spec=spec)))
-                events += _commit_of(commit).events
-                refused = [e for e in events if isinstance(e, Refused)]
-                if refused:  # before the engine is declared: a refused Hello resets nothing
-                    await self._error(conn, p.ErrorCode.REFUSED, f"{refused[0].reason}: {refused[0].detail}")
-                    return None, False
-            known = self.ledger.state.engines.get(engine_id)
-            if known is not None and hello.incarnation and hello.incarnation == known.incarnation:
-                log.info("engine_reconnected", engine=engine_id, incarnation=known.incarnation, peer=conn.peer)
-                await conn.send(p.Welcome(protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, engine_id=engine_id,
-                                          incarnation=known.incarnation, head_seq=self.ledger.last_seq, events=p.any_events(events)))
-                return Session("engine", engine_id, 0), False
-            if hello.declare is None or hello.declare.engine_id != engine_id:
-                await self._error(conn, p.ErrorCode.INVALID_MESSAGE,
-                                  f"engine {engine_id!r} is not running incarnation {hello.incarnation}: its Hello must "
-                                  "carry `declare` (a DeclareEngine for the same engine_id)")
-                return None, False
-            commit = await self.committer.submit(Single(command=hello.declare))
+            # A Hello is taken whole or not at all (admission.refused_declaration): its declarations
+            # are decided first, one Hello at a time; a refused one is committed alone and ends it.
+            async with self._declaring:
+                async with self.ledger.committed() as state:
+                    with switched_off(self.ledger.protections_off):
+                        refused_first = admission.refused_declaration(state, declarations)
+                if refused_first is not None:
+                    declarations.remove(refused_first)
+                    declarations.insert(0, refused_first)
+                for command in declarations:
+                    commit = _commit_of(await self.committer.submit(Single(command=command)))
+                    events += commit.events
+                    refused = [e for e in commit.events if isinstance(e, Refused)]
+                    if refused:
+                        await self._error(conn, p.ErrorCode.REFUSED, f"{refused[0].reason}: {refused[0].detail}")
+                        return None, False
         except Exception as error:  # noqa: BLE001 - the log failed: this Hello was not committed
             await self._error(conn, p.ErrorCode.COMMIT_FAILED, f"{type(error).__name__}: {error}", fatal=True)
             return None, True
-        events += _commit_of(commit).events
-        refused = [e for e in events if isinstance(e, Refused)]
-        if refused:
-            await self._error(conn, p.ErrorCode.REFUSED, f"{refused[0].reason}: {refused[0].detail}")
-            return None, False
+        if reconnect:
+            assert known is not None
+            log.info("engine_reconnected", engine=engine_id, incarnation=known.incarnation, peer=conn.peer)
+            await conn.send(p.Welcome(protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, engine_id=engine_id,
+                                      incarnation=known.incarnation, head_seq=self.ledger.last_seq, events=p.any_events(events)))
+            return Session("engine", engine_id, 0), False
         declared = next(e for e in events if isinstance(e, EngineDeclared))
         log.info("engine_declared", engine=engine_id, incarnation=declared.incarnation, peer=conn.peer)
         await conn.send(p.Welcome(protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, engine_id=engine_id,
@@ -430,7 +448,8 @@ class Sidecar:
         if isinstance(message, p.Report):
             if session.role not in ("worker", "engine"):
                 return _wrong_role(session, message)
-            return await self._commit_single(session, message.report, message.command_id or _report_id(message))
+            problem = admission.foreign_report(self.ledger.state, session.engine_id, message.report)
+            return problem or await self._commit_single(session, message.report, message.command_id or _report_id(message))
         if session.role == "operator" and isinstance(message, p.Execute) and isinstance(message.command, OPERATOR_COMMANDS):
             # Scoped by the operator session's empty engine id: "/<id>", which no engine's can be.
             return await self._commit_single(session, message.command, message.command_id)
@@ -443,13 +462,13 @@ class Sidecar:
                 with switched_off(self.ledger.protections_off):  # empty outside the simulator
                     return p.LookupResult(answer=lookup(state, command))
         if isinstance(message, p.Execute):
-            problem = _foreign(session, [message.command])
+            problem = admission.foreign(session.engine_id, [message.command])
             return problem or await self._commit_single(session, message.command, message.command_id)
         assert isinstance(message, p.Step)
         return await self._step(session, message)
 
     async def _step(self, session: Session, message: p.Step) -> p.ServerMessage:
-        problem = _foreign(session, message.commands)
+        problem = admission.foreign(session.engine_id, message.commands)
         if problem is not None:
             return problem
         if not message.command_id:
@@ -457,7 +476,7 @@ class Sidecar:
         started = time.perf_counter()
         bound = log.bind(engine=session.engine_id, step=message.step)
         tx = LedgerStep(engine_id=session.engine_id, step=message.step, clock=message.clock,
-                        commands=message.commands, command_id=_scoped(session, message.command_id))
+                        commands=message.commands, command_id=admission.scoped(session.engine_id, message.command_id))
         try:
             result = await self.committer.submit(tx)
         except ShuttingDown as error:
@@ -467,6 +486,9 @@ class Sidecar:
             return p.Error(code=p.ErrorCode.COMMIT_FAILED, message=f"step {message.step} was not committed: {error}")
         assert isinstance(result, StepCommit)
         commit = result.commit
+        reused = admission.retried_as_another_step(result, message)
+        if reused is not None:
+            return reused
         self.metrics.step_seconds.observe(time.perf_counter() - started)
         bound.debug("step_committed", first_seq=commit.first_seq, last_seq=commit.last_seq, duplicate=commit.duplicate)
         return p.StepResult(
@@ -478,7 +500,7 @@ class Sidecar:
 
     async def _commit_single(self, session: Session, command: AnyCommand, command_id: str) -> p.ServerMessage:
         try:
-            scoped = _scoped(session, command_id) if command_id else None
+            scoped = admission.scoped(session.engine_id, command_id) if command_id else None
             result = await self.committer.submit(Single(command=command, command_id=scoped))
         except ShuttingDown as error:
             return p.Error(code=p.ErrorCode.SHUTTING_DOWN, message=str(error), fatal=True)
@@ -543,12 +565,6 @@ def _commit_of(result: StepCommit | Commit) -> Commit:
     return result.commit if isinstance(result, StepCommit) else result
 
 
-def _scoped(session: Session, command_id: str) -> str:
-    """Command ids are the client's; the log's are unique per engine: one engine's retry can
-    never be answered with another engine's committed events (I9)."""
-    return f"{session.engine_id}/{command_id}"
-
-
 def _report_id(message: p.Report) -> str:
     # Reports are idempotent in the decider (I4); a generated id only keeps retries cheap.
     return f"report/{message.report.job_id}/{message.report.rank}/{uuid_utils.uuid7().hex}"
@@ -556,20 +572,6 @@ def _report_id(message: p.Report) -> str:
 
 def _wrong_role(session: Session, message: p.Message) -> p.Error:
     return p.Error(code=p.ErrorCode.WRONG_ROLE, message=f"a {session.role} connection cannot send {type(message).__name__}")
-
-
-def _foreign(session: Session, commands: list[AnyCommand]) -> p.Error | None:
-    """An engine speaks only for itself: a command naming another engine is refused whole, and so
-    is an operator's command (a namespace decision may touch other engines' keys)."""
-    for index, command in enumerate(commands):
-        if isinstance(command, OPERATOR_COMMANDS):
-            return p.Error(code=p.ErrorCode.WRONG_ROLE,
-                           message=f"command {index} ({type(command).__name__}) is an operator's: send it on an operator connection")
-        engine_id = getattr(command, "engine_id", session.engine_id)
-        if engine_id != session.engine_id:
-            return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
-                           message=f"command {index} names engine {engine_id!r}; this connection is engine {session.engine_id!r}")
-    return None
 
 
 async def run_sidecar(config: ServeConfig, *, on_started: Callable[[Sidecar], None] | None = None) -> None:

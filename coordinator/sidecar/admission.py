@@ -1,0 +1,124 @@
+"""Admission: what the sidecar checks of a request before the ledger decides it. Pure: values
+in, values out; server.py calls these and sends what they answer.
+
+Two rules, each broken by an input found while fuzzing the protocol (tests/test_fuzz_protocol.py
+names each one):
+
+* a connection speaks only for its own engine (I9): a command naming another engine, an
+  operator's command, a report on another engine's job are refused whole;
+* nothing reaches the log that its columns cannot hold (events/log/_schema.py): an id too long
+  or a number too large used to fail the append of a whole group commit (every other engine's
+  transaction in it too) and make the ledger rebuild, or, past the append, to stop the audit
+  index from catching up for good.
+
+A refused request is an `Error` (INVALID_MESSAGE or WRONG_ROLE) and nothing of it is committed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import msgspec
+
+from coordinator.commands import OPERATOR_COMMANDS, AnyCommand, DeclareEngine, DeclareTier, ReportRank
+from coordinator.decider import decide
+from coordinator.ledger import StepCommit
+from coordinator.sidecar import protocol as p
+from coordinator.state import State, TierState
+from events import Refused, StepBegan, TierSpec
+
+MAX_LOGGED_COMMAND_ID = 128
+"""Characters of the log's command id column (kvl_commands.command_id; see `scoped`)."""
+MAX_POOL_ID = 2**31 - 1
+"""The largest pool id the audit index holds (see `declaration_problem`)."""
+
+
+def scoped(engine_id: str, command_id: str) -> str:
+    """The log's id for a client's command id. Command ids are the client's; the log's are unique
+    per engine: one engine's retry can never be answered with another engine's committed events
+    (I9). The log keeps them in a 128-character column: a longer one is kept as its digest, the
+    same for every retry (PostgreSQL refused it at the append, failing the whole group)."""
+    scoped_id = f"{engine_id}/{command_id}"
+    if len(scoped_id) <= MAX_LOGGED_COMMAND_ID:
+        return scoped_id
+    return "sha256:" + hashlib.sha256(scoped_id.encode()).hexdigest()
+
+
+def foreign(engine_id: str, commands: Sequence[AnyCommand]) -> p.Error | None:
+    """An engine speaks only for itself: a command naming another engine is refused whole, and so
+    is an operator's command (a namespace decision may touch other engines' keys), and a
+    declaration the log could not hold (`declaration_problem`)."""
+    for index, command in enumerate(commands):
+        if isinstance(command, OPERATOR_COMMANDS):
+            return p.Error(code=p.ErrorCode.WRONG_ROLE,
+                           message=f"command {index} ({type(command).__name__}) is an operator's: send it on an operator connection")
+        named = getattr(command, "engine_id", engine_id)
+        if named != engine_id:
+            return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
+                           message=f"command {index} names engine {named!r}; this connection is engine {engine_id!r}")
+        problem = declaration_problem(command) if isinstance(command, DeclareEngine) else None
+        if problem is not None:
+            return p.Error(code=p.ErrorCode.INVALID_MESSAGE, message=f"command {index}: {problem}")
+    return None
+
+
+def foreign_report(state: State, engine_id: str, report: ReportRank) -> p.Error | None:
+    """A ReportRank names no engine, so `foreign` cannot see whose job it is: another engine's
+    worker completed this engine's store job, publishing its keys with checksums of bytes it never
+    wrote (I9, I13). A job the state does not know is left to the decider (it drops the notice)."""
+    fenced = state.fenced.get(report.job_id)
+    job = state.jobs.get(report.job_id) or (fenced.job if fenced is not None else None)
+    if job is None or job.decision.engine_id == engine_id:
+        return None
+    return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
+                   message=f"job {report.job_id} belongs to engine {job.decision.engine_id!r}, not to this "
+                           f"connection's engine {engine_id!r}")
+
+
+def declaration_problem(declare: DeclareEngine) -> str | None:
+    """What of a declaration the log's audit index could not hold. Its pool column is a 32-bit
+    INTEGER (kvl_audit_slots.pool), and the audit API asks for pools 0..MAX_POOL_ID: an engine
+    declared with pool 2**31 (PostgreSQL) or 2**63 (SQLite) made every catch-up of the index fail
+    from its first allocation on, so every audit query answered 503. The decider does not bound
+    pool ids; the sidecar, every engine's door, does."""
+    for pool in declare.pools:
+        if not 0 <= pool.pool_id <= MAX_POOL_ID:
+            return f"pool id {pool.pool_id} is outside 0..{MAX_POOL_ID}"
+    return None
+
+
+def tier_conflict(tiers: Sequence[TierSpec]) -> str | None:
+    """A Hello naming one tier twice with two specs (no state could take both)."""
+    specs: dict[str, TierSpec] = {}
+    for spec in tiers:
+        if specs.setdefault(spec.name, spec) != spec:
+            return f"the Hello declares tier {spec.name!r} twice, differently"
+    return None
+
+
+def refused_declaration(state: State, declarations: Sequence[AnyCommand]) -> AnyCommand | None:
+    """The first of a Hello's declarations the decider refuses, each decided (pure: nothing is
+    folded) against `state` plus the Hello's tiers, which agree with each other (`tier_conflict`):
+    committed alone, it is refused again, for the record (I1). A Hello is taken whole or not at
+    all: a refused declaration used to leave the tiers before it declared."""
+    tiers = dict(state.tiers)
+    for command in declarations:
+        view = msgspec.structs.replace(state, tiers=tiers)  # shallow: the decider only reads
+        if any(isinstance(event, Refused) for event in decide(view, command)):
+            return command
+        if isinstance(command, DeclareTier) and command.spec.name not in tiers:
+            # What the decider reads of a tier to come is its spec: its slots are not made.
+            tiers[command.spec.name] = TierState(spec=command.spec, generations=[], free={}, lru={}, entries={})
+    return None
+
+
+def retried_as_another_step(result: StepCommit, message: p.Step) -> p.Error | None:
+    """A command id committed for step M, sent again with step N: answering with step M's events
+    as StepResult(step=N, duplicate=True) told the engine its step N was in the log."""
+    committed = next((event.step for event in result.began if isinstance(event, StepBegan)), message.step)
+    if not result.commit.duplicate or committed == message.step:
+        return None
+    return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
+                   message=f"command id {message.command_id!r} was committed for step {committed}, not step "
+                           f"{message.step}: a retry sends the same step; a new step needs a new command id")
