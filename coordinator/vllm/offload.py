@@ -1,0 +1,323 @@
+# mypy: ignore-errors
+# Why: this module subclasses vLLM's classes, and vLLM lives only in the separate .venv-vllm
+# (ops/vllm/setup.sh), never in the project's .venv where mypy runs; everything here that is not
+# glue to vLLM is in coordinator/vllm/offload_client.py, which mypy checks strictly.
+"""kvledger as vLLM's offloading spec (vLLM 0.32, the OffloadingConnector's out-of-tree spec API).
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "KvledgerOffloadingSpec",
+        "spec_module_path": "coordinator.vllm.offload",
+        "kvledger_socket": "/run/kvledger.sock",
+        "kvledger_namespace": {"weights_revision": "sha256:...", "tokenizer_digest": "sha256:...",
+                               "tenant": "team-a", "block_sizes": [32], "hash_algorithm": "vllm:sha256"}}}'
+
+The manager (scheduler process) asks the sidecar for every decision: lookup, store admission and
+tier slots (kvledger's LRU eviction, never of a leased key), loads and their leases, job ids
+(coordinator/vllm/offload_client.py, LedgerSession). The worker (each worker process) moves the
+bytes between vLLM's KV-cache tensors and the tier with gpu/ (gpu.tiers, gpu.checksum), checksums
+what it stores, verifies what it loads against the published checksum before a byte reaches vLLM's
+cache, and reports per job and rank to the sidecar itself (Reporter).
+
+A load that fails verification is reported (the key is quarantined, I13) and then the worker
+raises: vLLM 0.32's OffloadingConnector cannot take a failed transfer (it asserts success, see
+ops/vllm/API_NOTES.md section 6), and serving the blocks unverified would be a wrong-KV read.
+Recomputing instead needs a connector that reports the blocks in get_block_ids_with_load_errors.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Collection, Iterable
+
+import msgspec
+import numpy as np
+import structlog
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+    get_offload_group_idx,
+)
+
+from coordinator.commands import ExternalKey, ReportRank
+from coordinator.vllm.offload_client import (
+    EngineFacts,
+    LedgerSession,
+    OffloadSettings,
+    Reporter,
+    SidecarUnavailable,
+    engine_id,
+    tier_spec,
+)
+from events import ExternalLoadStarted, ExternalStoreStarted, JobFailed, KeyQuarantined
+from gpu.checksum import checksum
+from gpu.tiers import DiskTier, SlotTier, Tier
+
+log = structlog.get_logger("kvledger.vllm.offload")
+
+HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+
+def engine_hash_algorithm() -> str | None:
+    """vLLM's prefix_caching_hash_algo in this process, or None while it cannot be known.
+
+    The worker process has the current vLLM config; the scheduler process does not (API_NOTES
+    section 2), but once the engine core ran init_none_hash(hash_fn), NONE_HASH is hash_fn(seed):
+    the algorithm is the one that gives it back. The scheduler's connector (and so the manager)
+    is built before that: the manager says Hello at its first call."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is not None and config.cache_config is not None:
+        return config.cache_config.prefix_caching_hash_algo
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
+    if none_hash is None:
+        return None
+    seed = kv_cache_utils.get_none_hash_seed()
+    for name in HASH_ALGORITHMS:
+        if get_hash_fn_by_name(name)(seed) == none_hash:
+            return name
+    return None
+
+
+class KvledgerSpec(LoadStoreSpec):
+    """A committed kvledger decision as the worker needs it (pickled to the worker by vLLM):
+    the job id, the tier, and per block (group, tier key, tier slot, published checksums)."""
+
+    def __init__(self, job: ExternalStoreStarted | ExternalLoadStarted) -> None:
+        self.job_id = job.job_id
+        self.tier = job.tier
+        self.items = [(item.pool_id, item.key, item.tier_slot, list(item.checksums)) for item in job.items]
+
+    def __repr__(self) -> str:
+        return f"KvledgerSpec(job={self.job_id}, tier={self.tier!r}, slots={[item[2] for item in self.items]})"
+
+
+class KvledgerOffloadingManager(OffloadingManager):
+    """Scheduler side: every decision is the sidecar's (LedgerSession), none is made here."""
+
+    def __init__(self, settings: OffloadSettings, facts: EngineFacts, events_enabled: bool) -> None:
+        self.settings = settings
+        self.facts = facts
+        self.events_enabled = events_enabled
+        self._session: LedgerSession | None = None
+        self._events: list[OffloadingEvent] = []
+        self._engine_keys: dict[bytes, OffloadKey] = {}
+        """Tier key -> vLLM's key, for the keys this engine stored (to name evictions to vLLM)."""
+
+    def session(self) -> LedgerSession:
+        if self._session is None:
+            facts = self.facts
+            if facts.hash_algorithm is None:
+                facts = msgspec.structs.replace(facts, hash_algorithm=engine_hash_algorithm())
+            self._session = LedgerSession(self.settings, facts)
+            log.info("kvledger_engine_declared", engine=self._session.engine_id, tier=self._session.tier.name,
+                     hash_algorithm=facts.hash_algorithm)
+        return self._session
+
+    @staticmethod
+    def _refs(keys: Iterable[OffloadKey]) -> list[ExternalKey]:
+        return [ExternalKey(get_offload_group_idx(key), bytes(key)) for key in keys]
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        try:
+            (loadable,) = self.session().lookup(self._refs([key]))
+        except SidecarUnavailable as error:  # no decision, no load: recompute
+            log.warning("kvledger_unavailable", call="lookup", error=str(error))
+            return LookupResult.MISS
+        return LookupResult.HIT if loadable else LookupResult.MISS
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        # Refused (a key left the tier since its lookup): vLLM has no way to decline a load here.
+        job = self.session().load(self._refs(keys))
+        return KvledgerSpec(job)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Recency is kvledger's: a successful load touches its keys (coordinator/projector.py)."""
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """The workers reported the job to the sidecar, which ended it and its leases."""
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        try:
+            decided = self.session().store(self._refs(keys))
+        except SidecarUnavailable as error:  # no decision, no store
+            log.warning("kvledger_unavailable", call="prepare_store", error=str(error))
+            return None
+        if decided is None:
+            return None  # the tier is full of leased or in-flight keys (I12): vLLM counts a failure
+        job, evicted = decided
+        for item in job.items:
+            self._engine_keys[item.key] = OffloadKey(item.engine_key)
+        evicted_keys = [self._engine_keys.pop(e.key) for e in evicted if e.key in self._engine_keys]
+        if evicted_keys and self.events_enabled:
+            self._events.append(OffloadingEvent(keys=evicted_keys, medium=Medium.CPU, removed=True))
+        return PrepareStoreOutput(keys_to_store=[OffloadKey(item.engine_key) for item in job.items],
+                                  store_spec=KvledgerSpec(job), evicted_keys=evicted_keys)
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        # Publication is the sidecar's, once every rank reported (I5); this only feeds vLLM's events.
+        if success and keys and self.events_enabled:
+            self._events.append(OffloadingEvent(keys=list(keys), medium=Medium.CPU, removed=False))
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def reset_cache(self) -> None:
+        """Nothing to drop: a tier key is the block's content in its namespace, valid after vLLM
+        resets its own prefix cache (the tier survives an engine reset in kvledger too)."""
+
+    def shutdown(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+
+class KvledgerOffloadingWorker(OffloadingWorker):
+    """Worker side: copies between vLLM's KV-cache rows and the tier, synchronously, verified."""
+
+    def __init__(self, settings: OffloadSettings, facts: EngineFacts, rank: int, kv_caches: CanonicalKVCaches,
+                 blocks_per_chunk: int) -> None:
+        if blocks_per_chunk != 1:
+            raise ValueError(f"kvledger's spec stores one vLLM block per tier slot; blocks_per_chunk is {blocks_per_chunk}")
+        self.rank = rank
+        self.tensors = [t.tensor for t in kv_caches.tensors]
+        self.group_tensors = {group: [ref.tensor_idx for ref in refs]
+                              for group, refs in enumerate(kv_caches.group_data_refs)}
+        spec = tier_spec(settings, facts)
+        device = torch.device("cpu")
+        self.tier: Tier = (DiskTier(spec.name, _rank_dir(settings.tier_dir, rank), device) if settings.tier_dir
+                           else SlotTier(spec.name, device, spec.num_slots, spec.bytes_per_slot))
+        self.reporter = Reporter(settings.socket, engine_id(settings, facts), rank)
+        self.finished: list[TransferResult] = []
+
+    def _rows(self, group: int, block_id: int) -> list[torch.Tensor]:
+        return [self.tensors[index][block_id] for index in self.group_tensors[group]]
+
+    def _blocks(self, spec: KvledgerSpec, engine_spec: GPULoadStoreSpec) -> list[int]:
+        block_ids = [int(b) for b in np.asarray(engine_spec.block_ids)]
+        if len(block_ids) != len(spec.items):
+            raise RuntimeError(f"kvledger job {spec.job_id}: {len(spec.items)} keys for {len(block_ids)} vLLM blocks")
+        return block_ids
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        assert isinstance(dst_spec, KvledgerSpec), dst_spec
+        started = time.perf_counter()
+        checksums = []
+        size = 0
+        for block_id, (group, key, slot, _) in zip(self._blocks(dst_spec, src_spec), dst_spec.items, strict=True):
+            data = torch.cat([row.reshape(-1) for row in self._rows(group, block_id)]).view(torch.uint8)
+            checksums.append(self.tier.write(key, data, slot=slot))
+            size += data.numel()
+        events = self.reporter.report(ReportRank(job_id=dst_spec.job_id, rank=self.rank, ok=True, checksums=checksums))
+        failed = [e for e in events if isinstance(e, JobFailed)]
+        if failed:  # nothing published: later lookups miss, vLLM recomputes
+            log.warning("kvledger_store_failed", job_id=dst_spec.job_id, reason=failed[0].reason, detail=failed[0].detail)
+        self.finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
+        return True
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        assert isinstance(src_spec, KvledgerSpec), src_spec
+        started = time.perf_counter()
+        block_ids = self._blocks(src_spec, dst_spec)
+        read: list[torch.Tensor] = []
+        sums: list[bytes] = []
+        for block_id, (group, key, slot, published) in zip(block_ids, src_spec.items, strict=True):
+            nbytes = sum(row.numel() * row.element_size() for row in self._rows(group, block_id))
+            data = self.tier.read(key, nbytes, slot=slot)
+            read.append(data)
+            sums.append(checksum(data))
+        mismatched = [key.hex() for (_, key, _, published), found in zip(src_spec.items, sums, strict=True)
+                      if len(published) <= self.rank or found != published[self.rank]]
+        if mismatched:
+            # I13: not one byte of it reaches vLLM's cache. Reported, so the key is quarantined.
+            events = self.reporter.report(ReportRank(job_id=src_spec.job_id, rank=self.rank, ok=False, checksums=sums,
+                                                     error=f"checksum_mismatch: {mismatched}"))
+            quarantined = [e.key.hex() for e in events if isinstance(e, KeyQuarantined)]
+            raise RuntimeError(f"kvledger load job {src_spec.job_id}: tier keys {mismatched} read with other bytes than "
+                               f"published (quarantined: {quarantined}); refusing to hand vLLM unverified KV")
+        landed = []
+        size = 0
+        for block_id, (group, _, _, _), data in zip(block_ids, src_spec.items, read, strict=True):
+            offset = 0
+            rows = self._rows(group, block_id)
+            for row in rows:
+                length = row.numel() * row.element_size()
+                row.view(-1).view(torch.uint8).copy_(data[offset:offset + length])
+                offset += length
+            landed.append(checksum(torch.cat([row.reshape(-1) for row in rows]).view(torch.uint8)))
+            size += offset
+        events = self.reporter.report(ReportRank(job_id=src_spec.job_id, rank=self.rank, ok=landed == sums,
+                                                 checksums=landed, error="" if landed == sums else "verify_failed"))
+        failed = [e for e in events if isinstance(e, JobFailed)]
+        if landed != sums or failed:
+            # A load that does not count (lease expired, key evicted or quarantined meanwhile, I12):
+            # vLLM cannot be told, so it must not go on as if it had the blocks.
+            raise RuntimeError(f"kvledger load job {src_spec.job_id} does not count: "
+                               f"{failed[0].reason if failed else 'verify_failed'}: {failed[0].detail if failed else ''}")
+        self.finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        finished, self.finished = self.finished, []
+        return finished
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Every transfer is done before submit_* returns."""
+
+    def shutdown(self) -> None:
+        self.reporter.close()
+
+
+def _rank_dir(root: str, rank: int) -> os.PathLike[str]:
+    from pathlib import Path
+
+    return Path(root) / f"rank-{rank}"
+
+
+class KvledgerOffloadingSpec(OffloadingSpec):
+    """Instantiated once in the scheduler process (get_manager) and once per worker (get_worker)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.settings = OffloadSettings.parse(self.extra_config)
+        parallel = config.parallel
+        self.facts = EngineFacts(
+            vllm_engine_id=str(config.engine_id), model=str(config.model.name), dtype=str(config.model.dtype),
+            groups=[(int(g.group_id), int(g.tokens_per_block)) for g in config.groups],
+            bytes_per_block=int(config.worker_kv_bytes_per_block),
+            tensor_parallel_size=int(parallel.tp_size), pipeline_parallel_size=int(parallel.pp_size),
+        )
+        self.rank = int(parallel.rank)
+        self._manager: KvledgerOffloadingManager | None = None
+        self._worker: KvledgerOffloadingWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            self._manager = KvledgerOffloadingManager(self.settings, self.facts, self.kv_events_config.enable_kv_cache_events)
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = KvledgerOffloadingWorker(self.settings, self.facts, self.rank, kv_caches, self.blocks_per_chunk)
+        return self._worker

@@ -1,0 +1,256 @@
+"""The sidecar side of kvledger's vLLM offloading spec, without vLLM: settings, the engine's Hello,
+the manager's session and the worker's reporter. coordinator/vllm/offload.py wraps these in
+vLLM's classes; tests use them directly, against a real sidecar, where vLLM is not installed.
+
+How the two vLLM processes talk to `kvledger serve` (both over its Unix socket):
+
+* the **manager** (vLLM's scheduler process, synchronous) is the engine: one `SyncEngineClient`
+  whose Hello declares the engine, its namespace (from kv_connector_extra_config), its reported
+  pools (vLLM's KV-cache groups: vLLM allocates those blocks, kvledger never names one) and the
+  tier. Every manager call that needs a decision is one kvledger step with one command
+  (LookupExternal, StoreExternal, LoadExternal, coordinator/_external.py), committed to the log
+  before the answer comes back: kvledger picks the tier slots, evicts, leases, names the job;
+* the **worker** (each of vLLM's worker processes) learns its jobs from the LoadStoreSpec vLLM
+  ships it (the committed decision: job id, tier keys, slots, published checksums), moves the
+  bytes, and reports its (job, rank) result itself on a worker connection (`Reporter`): a key
+  is published only once every rank's report with its checksum is committed (I5).
+
+The tier keys are made by kvledger from vLLM's offload keys in the engine's namespace
+(coordinator._external.external_key): vLLM's block hash ignores the weights revision, the tier
+key does not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from coordinator.client import Address, SidecarError, SidecarUnavailable, SyncEngineClient, WorkerClient
+from coordinator.commands import (
+    AnyCommand,
+    DeclareEngine,
+    ExternalKey,
+    LoadExternal,
+    LookupExternal,
+    ReportRank,
+    StoreExternal,
+)
+from events import (
+    Event,
+    ExternalKeysLookedUp,
+    ExternalLoadStarted,
+    ExternalStoreStarted,
+    KeyEvicted,
+    NamespaceSpec,
+    PoolSpec,
+    Reason,
+    Refused,
+    TierSpec,
+)
+
+HASH_PREFIX = "vllm:"
+"""A vLLM engine's key hash algorithm as kvledger names it: "vllm:" + prefix_caching_hash_algo (as `kvledger ingest vllm` names it)."""
+NOMINAL_BLOCKS = 2
+"""vLLM's GPU blocks are its own (a reported pool that kvledger never names a block of); the pool
+is declared with the fewest blocks a pool may have (block 0 is the null block)."""
+
+
+class SettingsError(ValueError):
+    """kv_connector_extra_config cannot be used; the message names the key to fix."""
+
+
+class OffloadSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What the operator writes in kv_connector_extra_config (besides spec_name and spec_module_path)."""
+
+    socket: str
+    """kvledger_socket: the sidecar's Unix socket path."""
+    namespace: dict[str, Any]
+    """kvledger_namespace: the NamespaceSpec fields the engine is declared to run. weights_revision,
+    tokenizer_digest, tenant, block_sizes and hash_algorithm ("vllm:sha256") are required: kvledger
+    checks the last two against the engine at Hello. model_id, kv_dtype, kv_layout_version (1) and
+    the parallel sizes default to the engine's."""
+    engine_id: str = ""
+    """kvledger_engine_id: a stable id makes a restart a new incarnation of the same engine (I16);
+    default "vllm-<vLLM's engine_id>", new at every start."""
+    tier_slots: int = 256
+    """kvledger_tier_slots: blocks the tier holds (per rank)."""
+    tier_dir: str = ""
+    """kvledger_tier_dir: keep blocks in files there (gpu.tiers.DiskTier), reachable by later engine
+    processes; default: in the worker process's memory (gpu.tiers.SlotTier), for this engine only."""
+    lease_seconds: float = 60.0
+    """kvledger_lease_seconds: how long a load holds its keys against eviction (I12)."""
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any]) -> OffloadSettings:
+        if not extra.get("kvledger_socket"):
+            raise SettingsError("kv_connector_extra_config needs kvledger_socket: the path of `kvledger serve --socket`")
+        namespace = extra.get("kvledger_namespace")
+        if not isinstance(namespace, Mapping):
+            raise SettingsError("kv_connector_extra_config needs kvledger_namespace: an object of NamespaceSpec fields")
+        missing = [name for name in ("weights_revision", "tokenizer_digest", "tenant", "block_sizes", "hash_algorithm")
+                   if not namespace.get(name)]
+        if missing:
+            raise SettingsError(f"kvledger_namespace lacks {missing}: declare what the engine must run")
+        try:
+            return cls(socket=str(extra["kvledger_socket"]), namespace=dict(namespace),
+                       engine_id=str(extra.get("kvledger_engine_id", "")),
+                       tier_slots=int(extra.get("kvledger_tier_slots", 256)),
+                       tier_dir=str(extra.get("kvledger_tier_dir", "")),
+                       lease_seconds=float(extra.get("kvledger_lease_seconds", 60.0)))
+        except (TypeError, ValueError) as error:
+            raise SettingsError(f"kv_connector_extra_config: {error}") from error
+
+
+class EngineFacts(msgspec.Struct, frozen=True, kw_only=True):
+    """What the engine actually runs, as vLLM's OffloadingConfig (and its hash) tell."""
+
+    vllm_engine_id: str
+    model: str
+    dtype: str
+    groups: list[tuple[int, int]]
+    """(group id, tokens per block) of each KV-cache group."""
+    bytes_per_block: int
+    """worker_kv_bytes_per_block: one block's bytes on one rank (every layer of its group)."""
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    hash_algorithm: str | None = None
+    """vLLM's prefix_caching_hash_algo ("sha256"...), None while unknown."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def engine_id(settings: OffloadSettings, facts: EngineFacts) -> str:
+    return settings.engine_id or f"vllm-{facts.vllm_engine_id}"
+
+
+def tier_spec(settings: OffloadSettings, facts: EngineFacts) -> TierSpec:
+    # A memory tier dies with its worker process: it is this engine start's alone, so a later
+    # start never finds keys published whose bytes are gone. A directory outlives processes.
+    name = f"vllm-disk:{settings.tier_dir}" if settings.tier_dir else f"vllm-host/{facts.vllm_engine_id}"
+    return TierSpec(name=name, num_slots=settings.tier_slots, bytes_per_slot=facts.bytes_per_block)
+
+
+def declaration(settings: OffloadSettings, facts: EngineFacts) -> tuple[DeclareEngine, TierSpec]:
+    """The engine's Hello: the declared namespace, the engine's real pools and key hash algorithm
+    (the decider refuses a block size or an algorithm that differs, naming both)."""
+    fields: dict[str, Any] = {
+        "model_id": facts.model, "kv_dtype": facts.dtype, "kv_layout_version": 1,
+        "tensor_parallel_size": facts.tensor_parallel_size, "pipeline_parallel_size": facts.pipeline_parallel_size,
+        **settings.namespace,
+    }
+    fields["block_sizes"] = tuple(fields["block_sizes"])
+    try:
+        namespace = msgspec.convert(fields, NamespaceSpec)
+    except msgspec.ValidationError as error:
+        raise SettingsError(f"kvledger_namespace: {error}") from error
+    tier = tier_spec(settings, facts)
+    pools = [PoolSpec(pool_id=group_id, kind="attention", num_blocks=NOMINAL_BLOCKS, block_size=block_size,
+                      bytes_per_block=facts.bytes_per_block, managed=False) for group_id, block_size in facts.groups]
+    declare = DeclareEngine(
+        engine_id=engine_id(settings, facts), namespace=namespace, pools=pools, world_size=facts.world_size,
+        tiers=[tier.name], key_hash_algorithm=HASH_PREFIX + facts.hash_algorithm if facts.hash_algorithm else "",
+    )
+    return declare, tier
+
+
+class Refusal(Exception):
+    """The sidecar refused a decision; `event` says why."""
+
+    def __init__(self, event: Refused) -> None:
+        super().__init__(f"{event.command} refused: {event.reason}: {event.detail}")
+        self.event = event
+
+
+class LedgerSession:
+    """The manager's connection: each decision is one committed kvledger step of one command."""
+
+    def __init__(self, settings: OffloadSettings, facts: EngineFacts, *, retry_for: float = 30.0) -> None:
+        self.settings = settings
+        self.declare, self.tier = declaration(settings, facts)
+        self.engine_id = self.declare.engine_id
+        # Raises SidecarError (code REFUSED, "namespace_mismatch: ... both values") on a bad Hello.
+        self.client = SyncEngineClient(Address(socket_path=settings.socket), self.declare, tiers=[self.tier],
+                                       retry_for=retry_for)
+        self._step = 0
+        self._clock = 0.0
+
+    def _decide(self, command: AnyCommand) -> list[Event]:
+        # Steps must advance and the clock must not go back, across restarts of a stable engine
+        # id too: wall-clock microseconds as the step, wall-clock seconds as the clock (leases).
+        now = time.time()
+        self._step = max(self._step + 1, int(now * 1_000_000))
+        self._clock = max(self._clock, now)
+        result = self.client.step(self._step, self._clock, [command])
+        events: list[Event] = list(result.results[0])
+        refused = [e for e in events if isinstance(e, Refused)]
+        if refused:
+            raise Refusal(refused[0])
+        return events
+
+    def lookup(self, keys: Sequence[ExternalKey]) -> list[bool]:
+        (answer,) = self._decide(LookupExternal(engine_id=self.engine_id, tier=self.tier.name, keys=list(keys)))
+        assert isinstance(answer, ExternalKeysLookedUp)
+        return answer.loadable
+
+    def store(self, keys: Sequence[ExternalKey]) -> tuple[ExternalStoreStarted, list[KeyEvicted]] | None:
+        """The store job kvledger admitted (new keys only) and the keys it evicted for it; None
+        when the tier has no slot to give (every key leased or being written, I12)."""
+        try:
+            events = self._decide(StoreExternal(engine_id=self.engine_id, tier=self.tier.name, keys=list(keys)))
+        except Refusal as refusal:
+            if refusal.event.reason is Reason.TIER_FULL:
+                return None
+            raise
+        (job,) = [e for e in events if isinstance(e, ExternalStoreStarted)]
+        return job, [e for e in events if isinstance(e, KeyEvicted)]
+
+    def load(self, keys: Sequence[ExternalKey]) -> ExternalLoadStarted:
+        events = self._decide(LoadExternal(engine_id=self.engine_id, tier=self.tier.name, keys=list(keys),
+                                           lease_seconds=self.settings.lease_seconds))
+        (job,) = [e for e in events if isinstance(e, ExternalLoadStarted)]
+        return job
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class Reporter:
+    """A worker rank's reports, synchronous (vLLM's worker calls are), each on a short connection
+    of its own, retried through a lost connection with the same command id (I4)."""
+
+    def __init__(self, socket_path: str, engine: str, rank: int, *, retry_for: float = 30.0) -> None:
+        self._portal_cm = start_blocking_portal()
+        self._portal: BlockingPortal = self._portal_cm.__enter__()
+        self._client = WorkerClient(Address(socket_path=socket_path), engine, rank, retry_for=retry_for)
+        self.rank = rank
+
+    def report(self, report: ReportRank) -> list[Event]:
+        """What the report committed (RankReported; with the last rank, the job's end)."""
+        command_id = f"report/{self._client.engine_id}/{report.job_id}/{report.rank}"
+        committed = self._portal.call(lambda: self._client.report(report, command_id=command_id))
+        events: list[Event] = list(committed.events)
+        return events
+
+    def close(self) -> None:
+        self._portal_cm.__exit__(None, None, None)
+
+
+__all__ = [
+    "EngineFacts",
+    "LedgerSession",
+    "OffloadSettings",
+    "Refusal",
+    "Reporter",
+    "SettingsError",
+    "SidecarError",
+    "SidecarUnavailable",
+    "declaration",
+    "engine_id",
+    "tier_spec",
+]
