@@ -254,15 +254,15 @@ def test_a_managed_pool_is_not_external() -> None:
 
 def test_hello_with_another_hash_algorithm_or_block_size_is_refused_naming_both() -> None:
     core = new_core([attention_pool(managed=False)], world_size=WORLD)
-    declared = namespace(tp=WORLD, hash_algorithm="vllm/sha256")
+    declared = namespace(tp=WORLD, hash_algorithm="vllm:sha256")
     events = core.execute(DeclareEngine(engine_id="vllm-1", namespace=declared, pools=[attention_pool(managed=False)],
-                                        world_size=WORLD, tiers=[TIER], key_hash_algorithm="vllm/xxhash"))
+                                        world_size=WORLD, tiers=[TIER], key_hash_algorithm="vllm:xxhash"))
     assert [type(e) for e in events] == [Refused]
     assert isinstance(events[0], Refused) and events[0].reason is Reason.NAMESPACE_MISMATCH
-    assert "'vllm/xxhash'" in events[0].detail and "'vllm/sha256'" in events[0].detail
+    assert "'vllm:xxhash'" in events[0].detail and "'vllm:sha256'" in events[0].detail
     events = core.execute(DeclareEngine(engine_id="vllm-1", namespace=namespace(tp=WORLD, block_sizes=(32,)),
                                         pools=[attention_pool(managed=False)], world_size=WORLD, tiers=[TIER]))
     assert isinstance(events[0], Refused) and events[0].reason is Reason.NAMESPACE_MISMATCH
     assert "(4,)" in events[0].detail and "(32,)" in events[0].detail
     ok(core.execute(DeclareEngine(engine_id="vllm-1", namespace=declared, pools=[attention_pool(managed=False)],
-                                  world_size=WORLD, tiers=[TIER], key_hash_algorithm="vllm/sha256")))
+                                  world_size=WORLD, tiers=[TIER], key_hash_algorithm="vllm:sha256")))

@@ -1,0 +1,233 @@
+"""Prove on a live vLLM that kvledger as its offloading spec changes nothing in what it generates.
+
+Run with the vLLM environment (ops/vllm/setup.sh), never the project's .venv:
+
+    .venv-vllm/bin/python ops/vllm/prove.py --out /tmp/prove.json
+
+It builds the tiny local model (tiny_model.py) in a temporary directory, then runs the same
+prompts twice, each engine in a child process of its own:
+
+* COLD: no connector and prefix caching off: every prompt computed from scratch;
+* KVLEDGER: the OffloadingConnector with coordinator.vllm.offload.KvledgerOffloadingSpec, against
+  a `kvledger serve` started here from the project's venv (KVLEDGER, default .venv/bin/kvledger)
+  on a temporary SQLite log. The engine's own cache is small (num_gpu_blocks_override) and its
+  prefix cache is reset between rounds, so later rounds get their prefix blocks back from
+  kvledger's tier (stores in round 1, loads after).
+
+The JSON result holds, per run and prompt, the prompt's token ids, the generated token ids, the
+per-token logprobs and vLLM's num_cached_tokens, plus the log's path and the times: the test
+(tests/test_vllm_live.py) compares the runs and reads the log.
+
+VLLM_CPU_NUM_OF_RESERVED_CPU=1 is set for both runs: with a connector vLLM reserves one more CPU
+core, which on a small machine changes the worker's thread count and so the float reductions
+(logprobs differ by ~3e-6 with no KV loaded at all; ops/vllm/API_NOTES.md section 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+DEFAULT_KVLEDGER = REPO / ".venv" / "bin" / "kvledger"
+
+# Prompts share a prefix of several 32-token blocks (the words come from tiny_model.WORDS, so they
+# tokenize compactly); the tails differ.
+PREFIX = (
+    "The system keeps every block of the cache in a ledger. The engine stores a key and a value "
+    "for each token of the prompt, and the worker moves each page from the device to the host "
+    "tier when the memory is low. The ledger records the hash of the parent block, the "
+    "namespace and the generation of each block, so that an audit can replay the sequence of "
+    "events. One request can pin a block with a lease, and the projector takes a snapshot of "
+    "the chain after each commit. "
+)
+TAILS = [
+    "Question: which block was evicted first?",
+    "Question: which worker stored the red block?",
+    "The quick red fox and the lazy dog asked the model one question about the river.",
+    "Seven blue mountains stand by the city at night.",
+]
+
+
+def digest(path: Path) -> str:
+    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def namespace_of(model: Path, block_size: int) -> dict[str, Any]:
+    """What the engine is declared to run: digests of the exact weights and tokenizer files."""
+    return {
+        "model_id": "kvledger-tiny-llama",
+        "weights_revision": digest(model / "model.safetensors"),
+        "tokenizer_digest": digest(model / "tokenizer.json"),
+        "kv_dtype": "float32",
+        "block_sizes": [block_size],
+        "tenant": "prove",
+        "hash_algorithm": "vllm:sha256",
+    }
+
+
+def run_engine(args: argparse.Namespace) -> None:
+    """One engine (the child process): generate every round, write the outputs as JSON."""
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    engine_args: dict[str, Any] = dict(
+        model=str(args.model), tokenizer=str(args.model), dtype="float32", block_size=args.block_size,
+        max_model_len=(args.num_blocks - 1) * args.block_size,  # one block is vLLM's null block
+        max_num_seqs=4, num_gpu_blocks_override=args.num_blocks, kv_cache_memory_bytes=64 * 1024 * 1024,
+        enforce_eager=True, seed=0,
+    )
+    if args.phase == "cold":
+        engine_args["enable_prefix_caching"] = False
+    else:
+        extra = {
+            "spec_name": "KvledgerOffloadingSpec",
+            "spec_module_path": "coordinator.vllm.offload",
+            "kvledger_socket": args.socket,
+            "kvledger_namespace": namespace_of(args.model, args.block_size),
+            "kvledger_tier_slots": args.tier_slots,
+        }
+        engine_args["enable_prefix_caching"] = True
+        engine_args["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+    started = time.monotonic()
+    llm = LLM(**engine_args)
+    up = time.monotonic() - started
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=0, seed=0)
+    results = []
+    for round_index in range(args.rounds):
+        if round_index and args.phase == "kvledger":
+            # Drops the engine's own prefix cache only (reset_connector=False): the blocks must
+            # come back from kvledger's tier.
+            llm.reset_prefix_cache()
+        for prompt_index, tail in enumerate(TAILS):
+            (output,) = llm.generate([PREFIX + tail], params, use_tqdm=False)
+            completion = output.outputs[0]
+            results.append({
+                "round": round_index, "prompt": prompt_index,
+                "prompt_token_ids": list(output.prompt_token_ids or []),
+                "num_cached_tokens": output.num_cached_tokens,
+                "token_ids": list(completion.token_ids),
+                "logprobs": [step[token].logprob for step, token in zip(completion.logprobs or [], completion.token_ids)],
+            })
+    llm.llm_engine.engine_core.shutdown()
+    Path(args.out).write_text(json.dumps({"engine_up_s": up, "total_s": time.monotonic() - started,
+                                          "results": results}) + "\n")
+
+
+def wait_for_socket(path: Path, sidecar: subprocess.Popen[bytes], limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            return
+        if sidecar.poll() is not None:
+            raise SystemExit(f"prove: kvledger serve exited with {sidecar.returncode} before listening")
+        time.sleep(0.1)
+    raise SystemExit(f"prove: kvledger serve did not create {path} in {limit_s} s")
+
+
+def child(args: argparse.Namespace, phase: str, out: Path, socket: Path | None, timeout_s: float) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--phase", phase, "--model", str(args.model), "--out", str(out),
+               "--num-blocks", str(args.num_blocks), "--block-size", str(args.block_size),
+               "--max-tokens", str(args.max_tokens), "--rounds", str(args.rounds), "--tier-slots", str(args.tier_slots)]
+    if socket is not None:
+        command += ["--socket", str(socket)]
+    started = time.monotonic()
+    done = subprocess.run(command, timeout=timeout_s, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"prove: the {phase} engine exited with {done.returncode}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["wall_s"] = time.monotonic() - started
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="where the JSON result goes")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the model, log and outputs here")
+    parser.add_argument("--kvledger", type=Path, default=DEFAULT_KVLEDGER,
+                        help="the project's kvledger command (its own venv, not this one)")
+    parser.add_argument("--model", type=Path, default=None, help="tiny model directory (built when missing)")
+    parser.add_argument("--num-blocks", type=int, default=8, help="num_gpu_blocks_override: small, so vLLM evicts")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tier-slots", type=int, default=64)
+    parser.add_argument("--engine-timeout", type=float, default=300.0, help="seconds per engine child")
+    parser.add_argument("--phase", choices=["cold", "kvledger"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--socket", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.phase is not None:
+        run_engine(args)
+        return
+
+    started = time.monotonic()
+    keep = args.workdir is not None
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvl-prove-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    if args.model is None:
+        args.model = workdir / "model"
+    if not (args.model / "config.json").exists():
+        sys.path.insert(0, str(HERE))
+        import tiny_model
+
+        tiny_model.build(args.model)
+    log_path = workdir / "log.sqlite"
+    log_path.unlink(missing_ok=True)
+    # A Unix socket path is at most 108 bytes: a short directory of its own.
+    socket_dir = Path(tempfile.mkdtemp(prefix="kvl-"))
+    socket = socket_dir / "s.sock"
+
+    cold = child(args, "cold", workdir / "cold.json", None, args.engine_timeout)
+    print(f"prove: cold run done in {cold['wall_s']:.1f} s", flush=True)
+
+    sidecar_log = open(workdir / "sidecar.log", "wb")  # noqa: SIM115 - closed below
+    sidecar = subprocess.Popen([str(args.kvledger), "serve", "--log", str(log_path), "--socket", str(socket),
+                                "--http", "off"], stdout=sidecar_log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_socket(socket, sidecar)
+        cached = child(args, "kvledger", workdir / "kvledger.json", socket, args.engine_timeout)
+        print(f"prove: kvledger run done in {cached['wall_s']:.1f} s", flush=True)
+    finally:
+        sidecar.send_signal(signal.SIGTERM)
+        try:
+            sidecar.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            sidecar.kill()
+            sidecar.wait()
+        sidecar_log.close()
+        socket.unlink(missing_ok=True)
+        socket_dir.rmdir()
+
+    result = {
+        "cold": cold["results"],
+        "kvledger": cached["results"],
+        "log": str(log_path),
+        "sidecar_log": str(workdir / "sidecar.log"),
+        "sidecar_exit": sidecar.returncode,
+        "workdir": str(workdir),
+        "kept": keep,
+        "namespace": namespace_of(args.model, args.block_size),
+        "seconds": {"cold": cold["wall_s"], "kvledger": cached["wall_s"], "total": time.monotonic() - started,
+                    "engine_up_cold": cold["engine_up_s"], "engine_up_kvledger": cached["engine_up_s"]},
+    }
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    same = [a["token_ids"] == b["token_ids"] and a["logprobs"] == b["logprobs"]
+            for a, b in zip(result["cold"], result["kvledger"], strict=True)]
+    print(f"prove: {sum(same)}/{len(same)} generations equal to the cold run; cached tokens per request "
+          f"{[r['num_cached_tokens'] for r in result['kvledger']]}; log {log_path}; wrote {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
