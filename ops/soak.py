@@ -613,6 +613,8 @@ async def _prepare_log(options: SoakOptions, directory: Path) -> str:
         if await anyio.Path(path).exists():
             raise ValueError(f"{path} exists: the soak needs a fresh log (its checks read back the whole log)")
         return str(path)
+    if not options.log.startswith(("postgresql://", "postgresql+asyncpg://")):
+        raise ValueError(f"--log {mask(options.log)}: the soak runs on SQLite (the default) or PostgreSQL only")
     await anyio.run_process([sys.executable, "-m", "coordinator.cli", "db", "upgrade", "--log", options.log],
                             cwd=ROOT, check=True)
     event_log = await open_log(options.log)
