@@ -125,6 +125,7 @@ GIVE_UP = 300.0
 WORKER_RETRY_FOR = 600.0
 JOB_TIMEOUT = 180.0
 """Seconds an engine waits for a job's reports before the run counts as stuck."""
+POSTGRESQL = ("postgresql://", "postgresql+asyncpg://")
 LOAD_TIMEOUT = 180.0
 """Seconds a serve kill waits for every engine to commit steps after the last restart."""
 
@@ -613,7 +614,7 @@ async def _prepare_log(options: SoakOptions, directory: Path) -> str:
         if await anyio.Path(path).exists():
             raise ValueError(f"{path} exists: the soak needs a fresh log (its checks read back the whole log)")
         return str(path)
-    if not options.log.startswith(("postgresql://", "postgresql+asyncpg://")):
+    if not options.log.startswith(POSTGRESQL):
         raise ValueError(f"--log {mask(options.log)}: the soak runs on SQLite (the default) or PostgreSQL only")
     await anyio.run_process([sys.executable, "-m", "coordinator.cli", "db", "upgrade", "--log", options.log],
                             cwd=ROOT, check=True)
@@ -818,6 +819,8 @@ def parse(argv: Sequence[str] | None) -> SoakOptions:
     args = parser.parse_args(argv)
     if args.engines < 1 or args.seconds <= 0 or not 0 <= args.quiet_tail < 1:
         parser.error("--engines and --seconds must be positive, --quiet-tail in [0, 1)")
+    if args.log is not None and not args.log.startswith(POSTGRESQL):
+        parser.error(f"--log {mask(args.log)}: the soak runs on SQLite (the default) or PostgreSQL only")
     return SoakOptions(
         seconds=args.seconds, engines=args.engines, seed=args.seed if args.seed is not None else random.randrange(1 << 31),
         log=args.log, directory=args.keep, serve_kill_every=args.serve_kill_every,
