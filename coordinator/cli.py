@@ -189,6 +189,7 @@ def serve(
     snapshot_every: int = typer.Option(1000, "--snapshot-every", envvar="KVLEDGER_SNAPSHOT_EVERY", help="Steps between snapshots (one is also written at shutdown)."),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow --tcp/--http on a non-loopback address."),
     audit_tokens: str | None = typer.Option(None, "--audit-tokens", envvar="KVLEDGER_AUDIT_TOKENS", help="Tokens file (JSON or TOML: token -> {tenant = NAME or \"*\"}) of the HTTP audit API under /audit/; without it the API answers 401."),
+    ingest_vllm: str | None = typer.Option(None, "--ingest-vllm", envvar="KVLEDGER_INGEST_VLLM", help="TOML file of vLLM engines ([[engine]]: engine_id, endpoint, replay, topic, [engine.namespace]) whose KV events this sidecar records, as `kvledger ingest vllm` does."),
 ) -> None:
     """Run the sidecar: the coordinator on its log, on a Unix socket (and TCP if asked)."""
     from coordinator.sidecar.server import ConfigError, ServeConfig, Sidecar, run_sidecar
@@ -204,7 +205,7 @@ def serve(
     config = ServeConfig(
         log_url=log_url, socket_path=socket_path or str(data_dir() / "kvledger.sock"), tcp=_address(tcp, "--tcp"),
         token=token, http=_address(http, "--http"), max_frame=max_frame, subscriber_buffer=subscriber_buffer,
-        snapshot_every=snapshot_every, allow_remote=allow_remote, audit_tokens=audit_tokens,
+        snapshot_every=snapshot_every, allow_remote=allow_remote, audit_tokens=audit_tokens, ingest_vllm=ingest_vllm,
     )
 
     def started(sidecar: Sidecar) -> None:
@@ -213,6 +214,7 @@ def serve(
             f"kvledger serving: log {where['log']}, socket {where['socket']}"
             + (f", tcp {where['tcp']}" if where["tcp"] else "")
             + (f", http {where['http']}/metrics /healthz /readyz" if where["http"] else ", http off")
+            + "".join(f", ingesting vLLM {i.config.engine_id} on {i.endpoint}" for i in sidecar.ingestors)
             + f", at global sequence {where['global_seq']}"
         )
 
@@ -221,6 +223,17 @@ def serve(
     except (ConfigError, LogError, OSError) as error:
         typer.echo(f"kvledger serve: {error}", err=True)
         raise typer.Exit(code=2 if isinstance(error, ConfigError) else 1) from None
+    except BaseExceptionGroup as group:  # a task of the sidecar failed at start: e.g. an ingest endpoint taken
+        from coordinator.vllm.sidecar_ingest import IngestFileError
+
+        found, _ = group.split((IngestFileError, LogError, OSError))
+        if found is None:
+            raise
+        first = found.exceptions[0]
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        typer.echo(f"kvledger serve: {first}", err=True)
+        raise typer.Exit(code=2 if isinstance(first, IngestFileError) else 1) from None
 
 
 @app.command()

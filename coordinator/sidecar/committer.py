@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 
 import anyio
 import structlog
@@ -64,6 +65,23 @@ class Committer:
             raise waiter.error
         assert waiter.result is not None
         return waiter.result
+
+    async def submit_all(self, txs: Sequence[Transaction]) -> list[StepCommit | Commit]:
+        """Commit several transactions in their order (queued together: one group, or consecutive
+        groups), and return their results; raises the first error any of them got, after all are
+        answered (a retry with the same command ids then gets what was committed)."""
+        if self._closing:
+            raise ShuttingDown("the sidecar is shutting down; retry against the restarted one")
+        waiters = [_Waiter(tx) for tx in txs]
+        self._queue.extend(waiters)
+        self._wake.set()
+        with anyio.CancelScope(shield=True):
+            for waiter in waiters:
+                await waiter.done.wait()
+        for waiter in waiters:
+            if waiter.error is not None:
+                raise waiter.error
+        return [waiter.result for waiter in waiters if waiter.result is not None]
 
     def close(self) -> None:
         """Take no new transactions; `run` returns once the queue is empty."""

@@ -62,6 +62,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     """Let --tcp/--http bind a non-loopback address (the operator asked for it explicitly)."""
     audit_tokens: str | None = None
     """The tokens file of the HTTP audit API (coordinator/audit/api.py); None: it answers 401."""
+    ingest_vllm: str | None = None
+    """A TOML file of vLLM engines whose KV events the sidecar records (coordinator/vllm/sidecar_ingest.py)."""
 
 
 class ConfigError(ValueError):
@@ -80,6 +82,13 @@ def check_config(config: ServeConfig) -> None:
         try:
             load_tokens(Path(config.audit_tokens))
         except TokenFileError as error:
+            raise ConfigError(str(error)) from None
+    if config.ingest_vllm:
+        from coordinator.vllm.sidecar_ingest import IngestFileError, load_ingest_file
+
+        try:
+            load_ingest_file(config.ingest_vllm)
+        except IngestFileError as error:
             raise ConfigError(str(error)) from None
 
 
@@ -126,6 +135,8 @@ class Sidecar:
         """Requests read and not yet answered: a drain waits for them."""
         self.http_address: tuple[str, int] | None = None
         self.tcp_address: tuple[str, int] | None = None
+        self.ingestors: list[Any] = []
+        """The vLLM KV-event ingestors running inside this sidecar (--ingest-vllm)."""
         self.probe_failure: str | None = None
         """Why the last look at the log (`_probe_log`) failed, if it did: readiness reports it."""
         self._declaring = anyio.Lock()
@@ -180,9 +191,18 @@ class Sidecar:
                 if self.config.http is not None:
                     await doors.start(self._serve_http)
                 self.accepting = True
+                ingest_stop, ingest_done = anyio.Event(), anyio.Event()
+                if self.config.ingest_vllm:
+                    await service.start(self._ingest, ingest_stop, ingest_done)
+                else:
+                    ingest_done.set()
                 log.info("sidecar_started", **self.where())
                 task_status.started()
                 await self._stop.wait()
+                # Ingestion first: what it holds is committed while the committer still takes it.
+                ingest_stop.set()
+                with anyio.move_on_after(DRAIN_SECONDS):
+                    await ingest_done.wait()
                 # Stop accepting: close the doors; connections already open live in `service`.
                 self.draining = True
                 self.accepting = False
@@ -207,6 +227,20 @@ class Sidecar:
 
     def stop(self) -> None:
         self._stop.set()
+
+    async def _ingest(self, stop: anyio.Event, done: anyio.Event, *,
+                      task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Record the KV events of the vLLM engines in --ingest-vllm, through this sidecar's group
+        commit, until `stop`; started once every engine's endpoint is bound."""
+        from coordinator.vllm.sidecar_ingest import load_ingest_file, run_ingestors
+
+        assert self.config.ingest_vllm is not None
+        try:
+            async with anyio.create_task_group() as inner:
+                self.ingestors = await inner.start(run_ingestors, self, load_ingest_file(self.config.ingest_vllm), stop)
+                task_status.started()
+        finally:
+            done.set()
 
     async def _probe_log(self) -> None:
         """Every PROBE_SECONDS, ask the log for its head: an idle sidecar then notices a log it

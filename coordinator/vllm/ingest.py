@@ -21,7 +21,8 @@ own command id, so a retry after a log outage is exactly once.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 from uuid import uuid4
 
 import anyio
@@ -32,7 +33,8 @@ import zmq.asyncio
 
 from coordinator.commands import AnyCommand, ObserveEngine, ObserveGap
 from coordinator.keys import namespace_id
-from coordinator.ledger import Commit, Ledger, Single
+from coordinator.ledger import Commit, Single, StepCommit, Transaction
+from coordinator.state import State
 from coordinator.vllm.kv_events import DecodedBatch, Unreadable, decode_frames, is_replay_end, replay_request, sequence
 from events import NamespaceSpec, Refused
 from events.log import LogUnavailable
@@ -87,11 +89,24 @@ class IngestStats(msgspec.Struct, kw_only=True):
     """The engine's sequence number expected next."""
 
 
+class IngestLedger(Protocol):
+    """Where ingestion commits: a Ledger of its own (`kvledger ingest vllm`), or the sidecar's
+    group commit (`kvledger serve --ingest-vllm`, coordinator/vllm/sidecar_ingest.py)."""
+
+    @property
+    def state(self) -> State: ...
+
+    @property
+    def last_seq(self) -> int: ...
+
+    async def commit_group(self, transactions: Sequence[Transaction]) -> list[StepCommit | Commit]: ...
+
+
 class Ingestor:
     """Records one vLLM engine's KV events (one data-parallel rank: each publishes on its own
     port, with its own sequence numbers) in a ledger."""
 
-    def __init__(self, ledger: Ledger, config: IngestConfig) -> None:
+    def __init__(self, ledger: IngestLedger, config: IngestConfig) -> None:
         self.ledger = ledger
         self.config = config
         self.stats = IngestStats()

@@ -1,0 +1,144 @@
+"""`kvledger serve --ingest-vllm FILE`: record vLLM engines' KV events inside the sidecar.
+
+A separate `kvledger ingest vllm` must be its log's only writer. Inside `serve`, ingestion commits
+through the sidecar's own group commit (Committer.submit_all), beside the engines' steps, so one
+log has one writer and the sidecar's state holds what was observed.
+
+FILE is TOML, one `[[engine]]` table per vLLM engine (per data-parallel rank), with the fields of
+`kvledger ingest vllm`'s options:
+
+    [[engine]]
+    engine_id = "vllm-0"
+    endpoint = "tcp://127.0.0.1:5557"        # bound here; vLLM's kv_events_config endpoint
+    replay = "tcp://127.0.0.1:5558"          # optional: vLLM's replay_endpoint
+    topic = "kv"                             # optional
+    [engine.namespace]
+    model_id = "org/model"
+    weights_revision = "sha256:..."
+    tokenizer_digest = "sha256:..."
+    kv_dtype = "auto"
+    kv_layout_version = 1
+    block_sizes = [16]
+    tensor_parallel_size = 1
+    tenant = "default"
+    hash_algorithm = "vllm:sha256"
+
+A file that cannot be used (unknown keys, a missing field, an unusable namespace, two engines on
+one id or one endpoint) stops `serve` before it starts, naming the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.abc
+import msgspec
+import zmq
+
+from coordinator.keys import namespace_problems
+from coordinator.ledger import Commit, StepCommit, Transaction
+from coordinator.state import State
+from coordinator.vllm.ingest import IngestConfig, Ingestor
+from events import NamespaceSpec
+
+if TYPE_CHECKING:
+    from coordinator.sidecar.server import Sidecar
+
+
+class IngestFileError(ValueError):
+    """The --ingest-vllm file cannot be used; the message names the file and the problem."""
+
+
+class _Entry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    engine_id: str
+    endpoint: str
+    namespace: NamespaceSpec
+    topic: str = ""
+    replay: str | None = None
+    replay_timeout: float = 2.0
+
+
+class _File(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    engine: list[_Entry]
+
+
+def load_ingest_file(path: str | Path) -> list[IngestConfig]:
+    """The ingestion configs of a TOML file, or IngestFileError."""
+    try:
+        text = Path(path).read_bytes()
+    except OSError as error:
+        raise IngestFileError(f"--ingest-vllm {path}: {error.strerror or error}") from None
+    try:
+        parsed = msgspec.toml.decode(text, type=_File)
+    except msgspec.DecodeError as error:  # ValidationError too: it names the field, e.g. `$.engine[0].namespace`
+        raise IngestFileError(f"--ingest-vllm {path}: {error}") from None
+    if not parsed.engine:
+        raise IngestFileError(f"--ingest-vllm {path}: no [[engine]] table")
+    configs, seen_ids, seen_endpoints = [], set(), set()
+    for index, entry in enumerate(parsed.engine):
+        where = f"--ingest-vllm {path}: engine {index} ({entry.engine_id!r})"
+        if not entry.engine_id.strip():
+            raise IngestFileError(f"{where}: engine_id is empty")
+        problems = namespace_problems(entry.namespace)
+        if problems:
+            raise IngestFileError(f"{where}: the namespace is not usable: {'; '.join(problems)}")
+        if entry.engine_id in seen_ids:
+            raise IngestFileError(f"{where}: engine_id {entry.engine_id!r} is listed twice")
+        if entry.endpoint in seen_endpoints and not entry.endpoint.endswith(":*"):  # ":*": any free port, each its own
+            raise IngestFileError(f"{where}: endpoint {entry.endpoint!r} is listed twice")
+        seen_ids.add(entry.engine_id)
+        seen_endpoints.add(entry.endpoint)
+        configs.append(IngestConfig(endpoint=entry.endpoint, engine_id=entry.engine_id, namespace=entry.namespace,
+                                    topic=entry.topic, replay=entry.replay, replay_timeout=entry.replay_timeout))
+    return configs
+
+
+class SidecarLedger:
+    """The sidecar's ledger, committed to through its group commit (an `IngestLedger`)."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+
+    @property
+    def state(self) -> State:
+        return self.sidecar.ledger.state
+
+    @property
+    def last_seq(self) -> int:
+        return self.sidecar.ledger.last_seq
+
+    async def commit_group(self, transactions: Sequence[Transaction]) -> list[StepCommit | Commit]:
+        return await self.sidecar.committer.submit_all(transactions)
+
+
+async def run_ingestors(sidecar: Sidecar, configs: Sequence[IngestConfig], stop: anyio.Event,
+                        *, task_status: anyio.abc.TaskStatus[list[Ingestor]] = anyio.TASK_STATUS_IGNORED) -> None:
+    """Run one Ingestor per config on the sidecar until `stop` is set; each commits what it holds
+    before returning. Started (task_status) once every one has bound its endpoint."""
+    ingestors = [Ingestor(SidecarLedger(sidecar), config) for config in configs]
+    bound = anyio.Event()
+    ready: list[Ingestor] = []
+
+    def on_ready(ingestor: Ingestor) -> None:
+        ready.append(ingestor)
+        if len(ready) == len(ingestors):
+            bound.set()
+
+    async def run(ingestor: Ingestor) -> None:
+        try:
+            await ingestor.run(on_ready=on_ready)
+        except zmq.ZMQError as error:  # e.g. the endpoint is taken: say which engine and where
+            raise IngestFileError(f"--ingest-vllm: engine {ingestor.config.engine_id!r} cannot bind "
+                                  f"{ingestor.config.endpoint}: {error}") from None
+
+    async with anyio.create_task_group() as tasks:
+        for ingestor in ingestors:
+            tasks.start_soon(run, ingestor)
+        await bound.wait()
+        task_status.started(ingestors)
+        await stop.wait()
+        for ingestor in ingestors:
+            ingestor.stop()

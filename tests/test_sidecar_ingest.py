@@ -1,0 +1,142 @@
+"""`kvledger serve --ingest-vllm FILE`: the sidecar records vLLM's KV events itself, through its
+own group commit, beside the engines' steps (one log, one writer). A fake vLLM publisher
+(tests/test_vllm_ingest.py's FakeVllm: frames exactly as vLLM 0.32 sends them) connects to the
+endpoint the sidecar binds; an engine steps at the same time. Bad files stop `serve` before it
+starts, naming the file and what is wrong."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+import zmq
+import zmq.asyncio
+
+from coordinator.audit.queries import Audit
+from coordinator.audit.store import sync_index
+from coordinator.commands import StartOwner
+from coordinator.recovery import replay
+from coordinator.state import state_digest
+from coordinator.vllm.sidecar_ingest import IngestFileError, load_ingest_file
+from events import EventCodec, ObservedBlocksRemoved, ObservedBlocksStored, Refused
+from events.log import EventLog, SqlEventLog
+from tests.sidecar_kit import ROOT, sidecar_on
+from tests.test_sidecar import engine_client
+from tests.test_vllm_ingest import BLOCK, TOPIC, FakeVllm, h, removed, stored
+
+pytestmark = pytest.mark.anyio
+
+NAMESPACE = f"""
+[engine.namespace]
+model_id = "tiny/llama"
+weights_revision = "sha256:weights"
+tokenizer_digest = "sha256:tokenizer"
+kv_dtype = "auto"
+kv_layout_version = 1
+block_sizes = [{BLOCK}]
+tensor_parallel_size = 1
+tenant = "tenant-a"
+hash_algorithm = "vllm:sha256"
+"""
+
+
+def ingest_file(tmp_path: Path, *engines: tuple[str, str], extra: str = "") -> Path:
+    path = tmp_path / "ingest.toml"
+    path.write_text("".join(f'[[engine]]\nengine_id = "{engine}"\nendpoint = "{endpoint}"\ntopic = "{TOPIC}"\n{extra}{NAMESPACE}'
+                            for engine, endpoint in engines))
+    return path
+
+
+async def test_the_sidecar_records_vllm_events_beside_engine_steps_in_one_log(event_log: EventLog, tmp_path: Path) -> None:
+    path = ingest_file(tmp_path, ("vllm-0", "tcp://127.0.0.1:*"), ("vllm-1", "tcp://127.0.0.1:*"))
+    sock = tmp_path / "s.sock"
+    context = zmq.asyncio.Context()
+    publishers = [FakeVllm(context), FakeVllm(context)]
+    try:
+        async with sidecar_on(event_log, sock, ingest_vllm=str(path)) as sidecar:
+            assert [i.config.engine_id for i in sidecar.ingestors] == ["vllm-0", "vllm-1"]
+            for vllm, ingestor in zip(publishers, sidecar.ingestors, strict=True):
+                await vllm.connect(ingestor.endpoint)
+            client = engine_client(sock, "pod-a")
+            await client.connect()
+            try:
+                for step in range(1, 4):  # an engine steps while both vLLMs publish
+                    await client.step(step, float(step), [StartOwner(engine_id="pod-a", req_id=f"r{step}")])
+                    await publishers[0].publish([stored(h(step), parent=h(step - 1) if step > 1 else None)])
+                    await publishers[1].publish([stored(h(100 + step))])
+                await publishers[0].publish([removed(h(3))])
+            finally:
+                await client.aclose()
+            with anyio.fail_after(10):
+                while any(i.stats.batches < n for i, n in zip(sidecar.ingestors, (4, 3), strict=True)):
+                    await anyio.sleep(0.02)
+        # The sidecar stopped (drained): everything it took is in the log, in one history.
+        state, _ = await replay(event_log, EventCodec())
+        assert state_digest(state) == state_digest(sidecar.ledger.state)
+        assert list(state.observed["vllm-0"].stored["GPU/0"]) == [h(1), h(2)]
+        assert list(state.observed["vllm-1"].stored["GPU/0"]) == [h(101), h(102), h(103)]
+        assert len([o for o in state.owners.values() if o.engine_id == "pod-a"]) == 3
+        codec = EventCodec()
+        events = [codec.decode(s.event_type, s.schema_version, s.payload) for s in await event_log.read(0, 100_000)]
+        assert not [e for e in events if isinstance(e, Refused)]
+        assert sum(isinstance(e, ObservedBlocksStored) for e in events) == 6
+        assert sum(isinstance(e, ObservedBlocksRemoved) for e in events) == 1
+        assert isinstance(event_log, SqlEventLog)
+        await sync_index(event_log)  # the audit index answers for the observed hash
+        [stay] = (await Audit(event_log).observed(h(3).hex())).residencies
+        assert stay.engine == "vllm-0" and stay.ended_by == "removed", stay
+    finally:
+        for vllm in publishers:
+            vllm.close()
+        context.destroy(linger=0)
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ('[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:1"\nport = 3\n' + NAMESPACE, "port"),
+    ('[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:1"\n', "namespace"),
+    ("engine = []\n", "no [[engine]] table"),
+    ('[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:1"\n' + NAMESPACE.replace(f"[{BLOCK}]", "[]")
+     + '[[engine]]\nengine_id = "b"\nendpoint = "tcp://127.0.0.1:2"\n' + NAMESPACE, "the namespace is not usable"),
+    ('[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:1"\n' + NAMESPACE
+     + '[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:2"\n' + NAMESPACE, "listed twice"),
+    ("[[engine]\n", "--ingest-vllm"),
+])
+def test_a_bad_ingest_file_is_refused_naming_the_file_and_the_problem(tmp_path: Path, body: str, says: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(body)
+    with pytest.raises(IngestFileError) as raised:
+        load_ingest_file(path)
+    assert str(path) in str(raised.value) and says in str(raised.value), raised.value
+
+
+def test_serve_with_a_bad_ingest_file_exits_2_with_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('[[engine]]\nengine_id = "a"\n')
+    done = subprocess.run([sys.executable, "-m", "coordinator.cli", "serve", "--log", str(tmp_path / "log.sqlite"),
+                           "--socket", str(tmp_path / "s.sock"), "--http", "off", "--ingest-vllm", str(path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("kvledger serve:")]
+    assert str(path) in line and "endpoint" in line, line
+
+
+def test_serve_whose_ingest_endpoint_is_taken_exits_2_naming_the_engine_and_endpoint(tmp_path: Path) -> None:
+    context = zmq.Context()
+    taken = context.socket(zmq.PUB)
+    try:
+        taken.bind("tcp://127.0.0.1:*")
+        endpoint = taken.getsockopt_string(zmq.LAST_ENDPOINT)
+        path = ingest_file(tmp_path, ("vllm-0", endpoint))
+        done = subprocess.run([sys.executable, "-m", "coordinator.cli", "serve", "--log", str(tmp_path / "log.sqlite"),
+                               "--socket", str(tmp_path / "s.sock"), "--http", "off", "--ingest-vllm", str(path)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+    finally:
+        taken.close(linger=0)
+        context.term()
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("kvledger serve:")]
+    assert "'vllm-0' cannot bind" in line and endpoint in line, line
