@@ -28,7 +28,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from coordinator.commands import AnyCommand, DeclareEngine, ReportRank
 from coordinator.sidecar import protocol as p
-from events import TierSpec
+from events import EngineReset, TierSpec
 
 log = structlog.get_logger("kvledger.client")
 
@@ -186,6 +186,7 @@ class EngineClient:
                     problem: str = f"{type(lost).__name__}: {lost}"
                 else:
                     if isinstance(reply, expected):
+                        self._follow_resets(reply)
                         return reply
                     if isinstance(reply, p.Error):
                         if reply.code not in RETRY_CODES:
@@ -201,6 +202,21 @@ class EngineClient:
                 log.warning("retrying", engine=self.engine_id, request=type(message).__name__, error=problem, delay=delay)
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    def _follow_resets(self, reply: p.Message) -> None:
+        """A committed cache reset (ResetCache) begins a new incarnation of this engine: a later
+        reconnect must name it, or the sidecar takes the Hello for a stale engine (found by the
+        soak: after a reset and a serve restart the engine could not reconnect)."""
+        if isinstance(reply, p.StepResult):
+            events: list[Any] = [*reply.began, *(e for result in reply.results for e in result), *reply.ended]
+        elif isinstance(reply, p.Committed):
+            events = list(reply.events)
+        else:
+            return
+        for event in events:
+            if isinstance(event, EngineReset) and event.engine_id == self.engine_id and event.incarnation > self.incarnation:
+                log.info("incarnation_advanced", engine=self.engine_id, incarnation=event.incarnation, reason=event.reason)
+                self.incarnation = event.incarnation
 
     async def _drop(self) -> None:
         if self._channel is not None:

@@ -185,6 +185,25 @@ async def test_a_reconnecting_engine_keeps_its_incarnation_and_its_jobs(event_lo
         await client.aclose()
 
 
+async def test_after_a_cache_reset_the_engine_reconnects_as_its_new_incarnation(event_log: EventLog, tmp_path: Path) -> None:
+    """ResetCache begins a new incarnation: the client follows it, so a later reconnect names it
+    (it named the old one and was refused: found by the soak, after a reset and a serve restart)."""
+    from coordinator.commands import ResetCache
+
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock) as sidecar:
+        client = engine_client(sock, "pod-a")
+        await client.connect()
+        await client.step(1, 1.0, [])
+        await client.execute(ResetCache(engine_id="pod-a"))
+        assert client.incarnation == sidecar.ledger.state.engines["pod-a"].incarnation == 2
+        await client.aclose()
+        result = await client.step(2, 2.0, [StartOwner(engine_id="pod-a", req_id="after-reset")])  # reconnects
+        assert not result.duplicate and client.incarnation == 2
+        assert sidecar.ledger.state.engines["pod-a"].incarnation == 2  # not a third: a reconnect, not a restart
+        await client.aclose()
+
+
 # --- bad input ----------------------------------------------------------------------------------
 
 
