@@ -4,6 +4,10 @@ I12, I13, I17 and I18. On the real pure core, no fakes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from coordinator.commands import (
     DeclareEngine,
     ExternalKey,
@@ -266,3 +270,45 @@ def test_hello_with_another_hash_algorithm_or_block_size_is_refused_naming_both(
     assert "(4,)" in events[0].detail and "(32,)" in events[0].detail
     ok(core.execute(DeclareEngine(engine_id="vllm-1", namespace=declared, pools=[attention_pool(managed=False)],
                                   world_size=WORLD, tiers=[TIER], key_hash_algorithm="vllm:sha256")))
+
+
+@pytest.mark.anyio
+async def test_audit_key_shows_an_external_keys_store_and_load(tmp_path: Path, anyio_backend: str) -> None:
+    """`kvledger audit key` on a tier key of an engine that owns its blocks (vLLM): the store job it
+    came from (with the engine's own key, as there is no kvledger slot to name) and each load."""
+    from coordinator.audit.queries import Audit
+    from coordinator.audit.store import sync_index
+    from coordinator.commands import DeclareTier
+    from coordinator.ledger import Ledger
+    from events import TierSpec
+    from events.log import SqlEventLog, open_log
+
+    event_log = await open_log(str(tmp_path / "external.sqlite"))
+    try:
+        ledger = await Ledger.open(event_log)
+        await ledger.execute(DeclareTier(spec=TierSpec(name=TIER, num_slots=8, bytes_per_slot=64)))
+        await ledger.execute(DeclareEngine(engine_id=ENGINE, namespace=namespace(block_sizes=(4,), tp=WORLD),
+                                           pools=[attention_pool(managed=False)], world_size=WORLD, tiers=[TIER]))
+        commit = await ledger.run_step(ENGINE, 1, 1.0, [StoreExternal(engine_id=ENGINE, tier=TIER, keys=refs(7))])
+        (stored,) = [e for e in commit.events if isinstance(e, ExternalStoreStarted)]
+        for rank in range(WORLD):
+            await ledger.execute(ReportRank(job_id=stored.job_id, rank=rank, ok=True, checksums=sums(stored, rank)))
+        commit = await ledger.run_step(ENGINE, 2, 2.0, [LoadExternal(engine_id=ENGINE, tier=TIER, keys=refs(7), lease_seconds=30.0)])
+        (loaded,) = [e for e in commit.events if isinstance(e, ExternalLoadStarted)]
+        for rank in range(WORLD):
+            await ledger.execute(ReportRank(job_id=loaded.job_id, rank=rank, ok=True, checksums=sums(loaded, rank)))
+        assert isinstance(event_log, SqlEventLog)
+        await sync_index(event_log)
+        answer = await Audit(event_log).key(stored.items[0].key.hex())
+        [publication] = answer.publications
+        assert publication.source_job == stored.job_id
+        assert publication.source == f"{ENGINE} pool 0 (engine key {vllm_key(7).hex()})", publication.source
+        [load_] = answer.loads
+        assert (load_.job_id, load_.engine, load_.outcome) == (loaded.job_id, ENGINE, "succeeded"), load_
+    finally:
+        await event_log.close()
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"

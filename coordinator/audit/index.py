@@ -27,6 +27,8 @@ from events import (
     EngineObserved,
     EngineReset,
     Event,
+    ExternalLoadStarted,
+    ExternalStoreStarted,
     FencedRankDone,
     JobFailed,
     JobFenced,
@@ -156,6 +158,21 @@ class Indexer:
                     rows.slots.append((engine, d.pool_id, d.block_id, d.generation, seq, "loaded_into", None, job, load.key))
                     rows.keys.append((load.key, seq, "loaded", engine, tier, d.pool_id, namespace, job, d.block_id,
                                       d.generation, load.tier_slot, None, checksums_text(load.checksums), ""))
+            case ExternalStoreStarted(job_id=job, tier=tier, items=ext_items, already_published=skipped):
+                # An engine that owns its device blocks (vLLM's offloading): no slot of kvledger's.
+                namespace = self.namespaces.get(engine)
+                rows.jobs.append((job, engine, seq, "store", None,
+                                  f"tier {tier}: {len(ext_items)} external keys, {len(skipped)} already published"))
+                for ext in ext_items:
+                    rows.keys.append((ext.key, seq, "stored", engine, tier, ext.pool_id, namespace, job, None, None,
+                                      ext.tier_slot, None, "", f"engine key {ext.engine_key.hex()}"))
+            case ExternalLoadStarted(job_id=job, tier=tier, items=ext_items, lease_expires_at=expiry):
+                namespace = self.namespaces.get(engine)
+                rows.jobs.append((job, engine, seq, "load", None,
+                                  f"tier {tier}: {len(ext_items)} external keys, lease to t={expiry:g}"))
+                for ext in ext_items:
+                    rows.keys.append((ext.key, seq, "loaded", engine, tier, ext.pool_id, namespace, job, None, None,
+                                      ext.tier_slot, None, checksums_text(ext.checksums), f"engine key {ext.engine_key.hex()}"))
             case StateCopyPlanned(job_id=job, pool_id=pool, blocks=blocks, batches=batches):
                 rows.jobs.append((job, engine, seq, "copy", None, f"pool {pool}: {sum(map(len, batches))} moves in {len(batches)} batches"))
                 rows.slots += [(engine, b.pool_id, b.block_id, b.generation, seq, "copied", None, job, None) for b in blocks]

@@ -614,13 +614,13 @@ class Audit:
         for row in conn.execute(sa.select(j.job_id, j.seq, j.kind, j.rank, j.detail).where(j.job_id.in_(job_ids))
                                 .order_by(j.seq)):
             outcomes.setdefault(row.job_id, []).append(row)
-        stored_from = {r.job_id: f"{r.engine} {r.pool}/{r.block}@g{r.generation}" for r in rows if r.kind == "stored"}
+        stored_from = {r.job_id: _where(r) for r in rows if r.kind == "stored"}
         return KeyAnswer(
             key=key_hex, namespace_id=namespace.hex(), tenant=tenant, model_id=model,
             computed=[f"{r.engine} {r.pool}/{r.block}@g{r.generation} at seq {r.seq}" for r in rows if r.kind == "computed"],
             publications=[Publication(r.seq, r.tier, r.tier_slot, r.size_bytes, r.job_id, stored_from.get(r.job_id, "?"),
                                       r.checksums.split(",") if r.checksums else []) for r in published],
-            loads=[KeyLoad(r.seq, r.engine, r.job_id, f"{r.pool}/{r.block}@g{r.generation}",
+            loads=[KeyLoad(r.seq, r.engine, r.job_id, _where(r, engine=False),
                            _job_touch(r.job_id, outcomes.get(r.job_id, []), r.seq, r.seq).outcome) for r in loads],
             evictions=[r.seq for r in rows if r.kind == "evicted"],
             quarantines=[f"seq {r.seq}: {r.detail}" for r in rows if r.kind == "quarantined"],
@@ -820,6 +820,15 @@ def _residencies(timeline: Sequence[ObservedEvent]) -> list[ObservedResidency]:
     for key in list(open_):
         close(key, None, "stored")
     return sorted(done, key=lambda r: r.stored_seq)
+
+
+def _where(row: Any, *, engine: bool = True) -> str:
+    """A key row's device end: `engine pool/block@generation`, or for an engine that owns its
+    blocks (vLLM's offloading: external keys) `engine pool <group> (engine key <hex>)`."""
+    who = f"{row.engine} " if engine else ""
+    if row.block is None:
+        return f"{who}pool {row.pool} ({row.detail})" if row.detail else f"{who}pool {row.pool}"
+    return f"{who}{row.pool}/{row.block}@g{row.generation}"
 
 
 def _job_touch(job_id: int, rows: Sequence[Any], touched_seq: int, at_seq: int) -> JobTouch:
