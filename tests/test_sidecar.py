@@ -204,6 +204,50 @@ async def test_after_a_cache_reset_the_engine_reconnects_as_its_new_incarnation(
         await client.aclose()
 
 
+async def test_a_workers_welcome_never_shows_a_declaration_the_log_has_not_taken(
+    event_log: EventLog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker says Hello while its engine's declaration is being appended, and that append
+    fails: the Welcome comes from the committed state, so it names no engine (incarnation 0),
+    never one the log does not hold."""
+    from events.log import LogUnavailable
+
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock):
+        appending, release = anyio.Event(), anyio.Event()
+        append = event_log.append
+
+        async def failing_append(batches: Sequence[AppendBatch]) -> list[AppendResult]:
+            if any(b.stream_id == "engine/pod-a" for b in batches):
+                appending.set()
+                await release.wait()
+                raise LogUnavailable("the log went away during this append")
+            return await append(batches)
+
+        monkeypatch.setattr(event_log, "append", failing_append)
+        welcome: list[p.Welcome] = []
+
+        async def declare() -> None:
+            with pytest.raises((SidecarError, SidecarUnavailable)):
+                async with engine_client(sock, "pod-a") as client:
+                    client.retry_for = 0.2
+                    await client.step(1, 1.0, [])
+
+        async def worker_hello() -> None:
+            await appending.wait()  # the declaration is folded in memory, not yet in the log
+            welcome.append(await WorkerClient(Address(socket_path=str(sock)), "pod-a", 0).welcome())
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(declare)
+                tasks.start_soon(worker_hello)
+                await appending.wait()
+                await anyio.sleep(0.2)  # the worker's Hello is in; with the old code it was already answered
+                release.set()
+        [answer] = welcome
+        assert answer.incarnation == 0 and answer.pools == [], answer
+
+
 # --- bad input ----------------------------------------------------------------------------------
 
 

@@ -407,15 +407,19 @@ class Sidecar:
             await self._error(conn, p.ErrorCode.INVALID_MESSAGE, f"a {hello.role}'s Hello names its engine_id")
             return None, False
         if hello.role == "worker":
-            known = self.ledger.state.engines.get(hello.engine_id)
             log.info("worker_connected", engine=hello.engine_id, rank=hello.rank, peer=conn.peer)
-            await conn.send(p.Welcome(
-                protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, engine_id=hello.engine_id,
-                incarnation=known.incarnation if known else 0, head_seq=self.ledger.last_seq,
-                pools=[pool.spec for pool in known.pools.values()] if known else [],
-                world_size=known.world_size if known else 0, tiers=list(known.tiers) if known else [],
-                kv_dtype=self.ledger.state.namespaces[known.namespace_id].kv_dtype if known else "",
-            ))
+            # From the committed state: a declaration still being appended must not be shown (it
+            # may yet fail), and head_seq must be a sequence the log holds.
+            async with self.ledger.committed() as state:
+                known = state.engines.get(hello.engine_id)
+                welcome = p.Welcome(
+                    protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, engine_id=hello.engine_id,
+                    incarnation=known.incarnation if known else 0, head_seq=self.ledger.last_seq,
+                    pools=[pool.spec for pool in known.pools.values()] if known else [],
+                    world_size=known.world_size if known else 0, tiers=list(known.tiers) if known else [],
+                    kv_dtype=state.namespaces[known.namespace_id].kv_dtype if known else "",
+                )
+            await conn.send(welcome)
             return Session("worker", hello.engine_id, hello.rank), False
         return await self._engine_hello(conn, hello)
 
