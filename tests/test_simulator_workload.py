@@ -82,3 +82,12 @@ async def test_I16_a_load_in_flight_across_a_reset_does_not_land_in_a_recycled_b
     report = await run(tmp_path / "late", late_loads_at_reset=True)
     assert report.refusals.get("FencedRankDone:late_report", 0) >= 2, "no job was in flight across the reset"
     assert report.wrong_reads == 0, report
+
+
+def test_percentiles_are_nearest_rank_as_the_benchmarks_take_them() -> None:
+    from coordinator.simulator.workload import percentile
+
+    hundred = [float(v) for v in range(1, 101)]
+    assert (percentile(hundred, 0.50), percentile(hundred, 0.99), percentile(hundred, 1.0)) == (50.0, 99.0, 100.0)
+    assert percentile([7.0], 0.99) == 7.0 and percentile([], 0.5) == 0.0
+    assert percentile([1.0, 2.0, 3.0], 0.5) == 2.0  # rank ceil(1.5) = 2, no interpolation

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import math
 import random
-import statistics
 import time
 from collections.abc import Sequence
 
@@ -225,8 +224,8 @@ async def run_workload(
         wall_seconds=round(wall, 3),
         coordinator_seconds=round(sum(latencies), 3),
         events_per_second=round(events / wall, 1) if wall > 0 else 0.0,
-        step_latency_p50_ms=round(_percentile(latencies, 0.50) * 1000, 3),
-        step_latency_p99_ms=round(_percentile(latencies, 0.99) * 1000, 3),
+        step_latency_p50_ms=round(percentile(latencies, 0.50) * 1000, 3),
+        step_latency_p99_ms=round(percentile(latencies, 0.99) * 1000, 3),
         engine_steps=engine_steps,
         stores=stats.stores,
         loads=stats.loads,
@@ -237,9 +236,11 @@ async def run_workload(
     )
 
 
-def _percentile(sorted_values: Sequence[float], fraction: float) -> float:
+def percentile(sorted_values: Sequence[float], fraction: float) -> float:
+    """Nearest-rank percentile of an ascending sequence (0.0 when empty): the value at rank
+    ceil(fraction x n). The benchmarks (ops/bench/figures.py) use this same one, so a simulator
+    p99 and a benchmark p99 mean the same thing."""
     if not sorted_values:
         return 0.0
-    if len(sorted_values) == 1:
-        return sorted_values[0]
-    return statistics.quantiles(sorted_values, n=100, method="inclusive")[max(0, min(98, math.ceil(fraction * 100) - 1))]
+    index = max(0, min(len(sorted_values) - 1, math.ceil(fraction * len(sorted_values)) - 1))
+    return sorted_values[index]

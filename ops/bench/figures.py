@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from coordinator.simulator.workload import percentile as workload_percentile
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -29,7 +30,6 @@ def load() -> str:
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} cores)"
 
 
-def percentile(sorted_values: list[float], fraction: float) -> float:
-    """Nearest-rank percentile of an ascending list."""
-    index = max(0, min(len(sorted_values) - 1, round(fraction * len(sorted_values) + 0.5) - 1))
-    return sorted_values[index]
+# Nearest-rank, the one the simulator's report uses too (it was round(fraction x n + 0.5) here,
+# which banker's rounding took one rank too far at exact ranks: p99 of 100 values gave the 100th).
+percentile = workload_percentile
