@@ -20,10 +20,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Mount, Route
+from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from coordinator.audit.api import MOUNT, Tokens, audit_app
+from coordinator.audit.api import AuditMount, Tokens, audit_app
 from events.log import SqlEventLog
 
 
@@ -109,5 +109,5 @@ def fleet_app(health: FleetHealth, tokens: Tokens | None) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
-        Mount(MOUNT, app=_CurrentLogAudit(health, tokens)),
+        AuditMount(_CurrentLogAudit(health, tokens)),
     ])

@@ -44,7 +44,8 @@ import tomllib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from types import NoneType, UnionType
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
 import anyio
 import msgspec
@@ -55,7 +56,8 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
+from starlette.types import ASGIApp
 
 from coordinator.audit.queries import (
     Audit,
@@ -71,7 +73,7 @@ from coordinator.audit.queries import (
     parse_time,
 )
 from coordinator.audit.store import sync_index
-from coordinator.audit.times import RANGE, time_problem
+from coordinator.audit.times import EARLIEST, LATEST, RANGE, time_problem
 from events.log import LogError, SqlEventLog
 
 log = structlog.get_logger("kvledger.audit.api")
@@ -213,10 +215,13 @@ def _json(value: object, status: int = 200, headers: Mapping[str, str] | None = 
 # Each route's path and query parameters are one Struct: it validates them (`parse`) and is what
 # the OpenAPI schema describes (`openapi`), so the two cannot disagree.
 
-Moment = float | Annotated[str, Meta(min_length=1, max_length=64, extra_json_schema={"format": "date-time"})]
-"""Seconds since the epoch, or an ISO 8601 time (UTC when it names no zone)."""
+Moment = Annotated[float, Meta(ge=EARLIEST, le=LATEST)] \
+    | Annotated[str, Meta(min_length=1, max_length=64, extra_json_schema={"format": "date-time"})]
+"""Seconds since the epoch, or an ISO 8601 time (UTC when it names no zone), years 1..9999 (times.py).
+The schema says the range of seconds too: schemathesis found it promised any number."""
 EngineName = Annotated[str, Meta(min_length=1, max_length=256, pattern=_PRINTABLE,
-                                  description="The engine (default: the log's only engine).")]
+                                  description="The engine (default: the only one the token may read; a 422 when it "
+                                              "may read several).")]
 
 
 class Params(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -230,12 +235,16 @@ class SlotParams(Params, kw_only=True):
     engine: EngineName | None = None
 
 
+_ONE_POINT = " At most one of at_seq, at_step and at_time (a 422 otherwise: no schema relates two parameters)."
+
+
 class BlockParams(SlotParams, kw_only=True):
-    at_seq: Annotated[int, Meta(ge=0, le=_MAX_INT, description="The point: a global sequence (default: the head).")] \
+    at_seq: Annotated[int, Meta(ge=0, le=_MAX_INT, description="The point: a global sequence (default: the head)." + _ONE_POINT)] \
         | None = None
-    at_step: Annotated[int, Meta(ge=0, le=_MAX_INT, description="The point: the end of that step of the engine.")] | None = None
-    at_time: Annotated[Moment, Meta(description="The point: the last step recorded by then (epoch seconds or ISO 8601).")] \
+    at_step: Annotated[int, Meta(ge=0, le=_MAX_INT, description="The point: the end of that step of the engine." + _ONE_POINT)] \
         | None = None
+    at_time: Annotated[Moment, Meta(description="The point: the last step recorded by then (epoch seconds or ISO 8601)."
+                                                + _ONE_POINT)] | None = None
 
     def check(self) -> None:
         given = [name for name in ("at_seq", "at_step", "at_time") if getattr(self, name) is not None]
@@ -311,12 +320,23 @@ def parse(model: type[P], request: Request) -> P:
     values = {}
     for name, value in raw.items():
         try:
-            values[name] = msgspec.convert(value, fields[name].type, strict=False)
+            values[name] = msgspec.convert(value, _given(fields[name].type), strict=False)
         except msgspec.ValidationError as error:
             raise invalid(name, str(error)) from None
     params = model(**values)
     params.check()
     return params
+
+
+def _given(annotation: Any) -> Any:
+    """The type of a parameter that was given: an optional one is absent or a value, never null.
+    Converted to `int | None`, `?at_seq=null` became None and was answered at the head, as if
+    absent (found by schemathesis); an engine named "null" is a name."""
+    if get_origin(annotation) in (Union, UnionType):
+        present = [arg for arg in get_args(annotation) if arg is not NoneType]
+        if len(present) == 1:
+            return present[0]
+    return annotation
 
 
 # --- the queries --------------------------------------------------------------------------------
@@ -487,8 +507,18 @@ async def _http_error(_: Request, error: Exception) -> Response:
 
 
 def audit_app(event_log: SqlEventLog, tokens: Tokens | None, *, batch: int = CATCH_UP_BATCH) -> Starlette:
-    """The API as an ASGI app, to mount at MOUNT. `tokens` None: every query answers 401."""
+    """The API as an ASGI app, to mount at MOUNT (`AuditMount`). `tokens` None: every query answers 401."""
     return AuditApi(event_log, tokens, batch=batch).app()
+
+
+class AuditMount(Mount):
+    """An app (the API) at MOUNT, for every path under it. Starlette's Mount matches `.*` after its
+    prefix, and `.` stops at a newline: /audit/block/a%0Ab/1 fell through to the enclosing app's
+    plain-text 404, never reaching `parse` and its JSON 422 (found by schemathesis)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        super().__init__(MOUNT, app=app)
+        self.path_regex = re.compile(self.path_regex.pattern, re.DOTALL)
 
 
 # --- the OpenAPI schema -------------------------------------------------------------------------

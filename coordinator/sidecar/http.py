@@ -15,9 +15,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Mount, Route
+from starlette.routing import BaseRoute, Route
 
-from coordinator.audit.api import MOUNT, audit_app, load_tokens
+from coordinator.audit.api import AuditMount, audit_app, load_tokens
 from events.log import SqlEventLog
 
 if TYPE_CHECKING:
@@ -43,5 +43,5 @@ def make_app(sidecar: Sidecar) -> Starlette:
     if isinstance(sidecar.ledger.log, SqlEventLog):  # the audit index lives in a SQL log's database
         # Read once, at start (check_config has validated it): rotating tokens is a restart.
         path = sidecar.config.audit_tokens
-        routes.append(Mount(MOUNT, app=audit_app(sidecar.ledger.log, load_tokens(Path(path)) if path else None)))
+        routes.append(AuditMount(audit_app(sidecar.ledger.log, load_tokens(Path(path)) if path else None)))
     return Starlette(routes=routes)
