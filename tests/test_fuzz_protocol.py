@@ -16,16 +16,19 @@ deadline. It checks:
 * a frame answered only by Errors changed nothing: the log's head and the state digest
   (coordinator.state.state_digest) are as before. REFUSED is the exception the protocol names: a
   refused declaration is recorded (I1), so only `Refused` events may have been appended;
+* fuzz-a's connections (its engine's, its workers') never change fuzz-b's engine or jobs (I9);
+* a retried step is answered as the step it committed, never as another;
 * the server handled whatever it raised (no `connection_failed` log line), no input made an
-  append fail (COMMIT_FAILED), it is still ready, and the bystander steps fine after every example.
+  append fail (COMMIT_FAILED) or the ledger rebuild, it is still ready, and the bystander steps
+  fine after every example.
 
 Inputs: raw bytes; frames holding random bytes, random msgpack, or messages built from the real
 protocol's msgspec types (protocol.ClientMessage and coordinator.commands, walked with
 msgspec.inspect) with values at the edges (negative, 2**31, 2**63, 2**64-1, NaN, long strings),
 as they are or with one thing wrong (a field of another type, a field missing, an unknown field,
-an unknown tag); truncated frames; a length over --max-frame; huge lists. Ids come from small
-pools, so steps arrive out of order, commands name other engines and command ids come back with
-other content.
+an unknown tag); truncated frames; a length over --max-frame; huge lists; reports naming the
+prepared jobs (fuzz-a's and fuzz-b's). Ids come from small pools, so steps arrive out of order,
+commands name other engines and command ids come back with other content.
 
 KVLEDGER_FUZZ_EXAMPLES=N runs N examples per fuzz test (the default keeps the file under a
 minute on two shared cores). The findings are the regression tests at the end, each with its
