@@ -9,12 +9,13 @@ from typing import Any
 from coordinator import _checks as check
 from coordinator import _external
 from coordinator._checks import Refusal
-from coordinator.commands import Command, LookupPrefix, PlanStateCopy, ReportRank, StartLoad, StartStore
+from coordinator.commands import Command, LookupPrefix, PlanStateCopy, ReleaseFencedRank, ReportRank, StartLoad, StartStore
 from coordinator.copy_plan import PlannedMove, overlapping_destinations, plan_copies
 from coordinator.keys import chain_keys, reuse_unit
 from coordinator.protections import Protection, is_off
 from coordinator.state import EngineState, JobState, KeyEntry, PoolState, SlotStatus, State, TierState
 from events import (
+    FencedRankReleased,
     ExternalLoadStarted,
     ExternalStoreStarted,
     FencedRankDone,
@@ -499,7 +500,26 @@ def _load_mismatches(state: State, decision: LoadJobStarted, reports: dict[int, 
     return events
 
 
+def _release_fenced_rank(state: State, command: ReleaseFencedRank) -> list[Event]:
+    """An operator's word that a rank's worker is gone (I16): every fenced job of the engine still
+    waiting on that rank's late report is done with it, as if it had reported, so its slots,
+    reserved tier slots and leases go when its last rank is done. Refused when nothing waits on
+    the rank, so a mistyped engine or rank is seen rather than recorded as a release."""
+    eng = check.engine(state, command.engine_id)
+    if not 0 <= command.rank < eng.world_size:
+        raise Refusal(Reason.RANK_OUT_OF_RANGE, f"rank {command.rank} of world size {eng.world_size}")
+    if not command.reason.strip():
+        raise Refusal(Reason.INVALID_ARGUMENT, "a release names its reason (the audit record of why the worker is gone)")
+    waiting = [job_id for job_id, fenced in state.fenced.items()
+               if fenced.job.decision.engine_id == command.engine_id and command.rank in fenced.pending]
+    if not waiting:
+        raise Refusal(Reason.STALE_JOB, f"no fenced job of engine {command.engine_id!r} waits on rank {command.rank}")
+    return [FencedRankReleased(engine_id=command.engine_id, rank=command.rank, job_ids=waiting, reason=command.reason),
+            *(FencedRankDone(job_id=job_id, rank=command.rank) for job_id in waiting)]
+
+
 HANDLERS: dict[type[Command], Handler] = {
+    ReleaseFencedRank: _release_fenced_rank,
     LookupPrefix: _lookup_prefix,
     StartStore: _start_store,
     StartLoad: _start_load,

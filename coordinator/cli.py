@@ -12,6 +12,7 @@ from rich.table import Table
 
 from coordinator.audit.cli import audit_app, export_command, replay_command, verify_command
 from coordinator.fleet import fleet_command
+from coordinator.jobs_cli import jobs_app
 from coordinator.namespace_cli import namespace_app
 from coordinator.vllm.cli import ingest_app
 
@@ -30,6 +31,7 @@ app.command("verify")(verify_command)
 app.command("fleet")(fleet_command)
 app.add_typer(namespace_app, name="namespace")
 app.add_typer(ingest_app, name="ingest")
+app.add_typer(jobs_app, name="jobs")
 LOG_OPTION = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="SQLite path or URL, or PostgreSQL URL (default: the data directory's SQLite file).")
 
 

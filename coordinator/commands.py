@@ -203,6 +203,16 @@ class ReleaseNamespace(Command, frozen=True, tag="release_namespace"):
     reason: str
 
 
+class ReleaseFencedRank(Command, frozen=True, tag="release_fenced_rank"):
+    """An operator says one rank's worker of an engine is gone (its process dead: nothing it
+    started can still land), so the fenced jobs that wait on that rank's late report (I16) will
+    never hear from it: release what they hold (`kvledger jobs release`)."""
+
+    engine_id: str
+    rank: int
+    reason: str
+
+
 # --- observed engines: an engine kvledger does not coordinate, read from its own KV events --------
 # (coordinator/vllm/ decodes vLLM's; coordinator/_observe.py decides these)
 
@@ -332,10 +342,11 @@ AnyCommand = (
     | LookupExternal
     | StoreExternal
     | LoadExternal
+    | ReleaseFencedRank
 )
 
 NOTICES: tuple[type[Command], ...] = (FreeBlocks, FreeEncoderEntry, ReportRank)
-OPERATOR_COMMANDS: tuple[type[Command], ...] = (DecideNamespace, ReleaseNamespace)
+OPERATOR_COMMANDS: tuple[type[Command], ...] = (DecideNamespace, ReleaseNamespace, ReleaseFencedRank)
 """Commands an operator gives (`kvledger namespace ...`), never an engine: they name no engine
 and go to the log's "namespaces" stream."""
 

@@ -65,6 +65,8 @@ class Recorded(msgspec.Struct, frozen=True, kw_only=True):
     duplicate: bool = False
     affected_keys: int = 0
     """Keys quarantined (clear) or evicted (release)."""
+    released_jobs: int = 0
+    """Fenced jobs let go (`kvledger jobs release`)."""
 
 
 class Candidate(msgspec.Struct, frozen=True, kw_only=True):
@@ -176,14 +178,20 @@ class RecordError(Exception):
     """The command could not be recorded (no sidecar, no log, a sidecar behind the log)."""
 
 
-async def _record(target: _Target, commands: Sequence[AnyCommand], command_ids: Sequence[str]) -> list[Recorded]:
-    """Record each command in order and say what it came to."""
+Summary = Callable[[AnyCommand, Sequence[Event], int, int, bool], "Recorded"]
+
+
+async def _record(target: _Target, commands: Sequence[AnyCommand], command_ids: Sequence[str],
+                  summary: Summary | None = None) -> list[Recorded]:
+    """Record each command in order and say what it came to (`summary`: what a decision looks
+    like; by default a namespace decision's)."""
     if target.via_sidecar:
-        return await _through_sidecar(target, commands, command_ids)
-    return await _on_the_log(target.log_url, commands, command_ids)
+        return await _through_sidecar(target, commands, command_ids, summary or _summary)
+    return await _on_the_log(target.log_url, commands, command_ids, summary or _summary)
 
 
-async def _through_sidecar(target: _Target, commands: Sequence[AnyCommand], command_ids: Sequence[str]) -> list[Recorded]:
+async def _through_sidecar(target: _Target, commands: Sequence[AnyCommand], command_ids: Sequence[str],
+                           summary: Summary) -> list[Recorded]:
     from coordinator.client import Address, OperatorClient, SidecarError, SidecarUnavailable
 
     address = Address(socket_path=target.socket_path) if target.socket_path else Address(tcp=target.tcp, token=target.token)
@@ -194,11 +202,12 @@ async def _through_sidecar(target: _Target, commands: Sequence[AnyCommand], comm
             committed = await client.execute(command, command_id=command_id)
         except (SidecarError, SidecarUnavailable, OSError) as error:
             raise RecordError(f"the sidecar at {address} did not record it: {error}") from error
-        recorded.append(_summary(command, list(committed.events), committed.first_seq, committed.last_seq, committed.duplicate))
+        recorded.append(summary(command, list(committed.events), committed.first_seq, committed.last_seq, committed.duplicate))
     return recorded
 
 
-async def _on_the_log(log_url: str | None, commands: Sequence[AnyCommand], command_ids: Sequence[str]) -> list[Recorded]:
+async def _on_the_log(log_url: str | None, commands: Sequence[AnyCommand], command_ids: Sequence[str],
+                      summary: Summary) -> list[Recorded]:
     from coordinator.audit.cli import open_existing
     from coordinator.ledger import Ledger
     from events.log import data_dir
@@ -219,7 +228,7 @@ async def _on_the_log(log_url: str | None, commands: Sequence[AnyCommand], comma
             # Scoped as the sidecar scopes an operator's ids ("/<id>"): a retry through either
             # path finds the first one's result.
             commit = await ledger.execute(command, command_id=f"/{command_id}")
-            recorded.append(_summary(command, commit.events, commit.first_seq, commit.last_seq, commit.duplicate))
+            recorded.append(summary(command, commit.events, commit.first_seq, commit.last_seq, commit.duplicate))
         return recorded
     finally:
         await event_log.close()
@@ -242,7 +251,7 @@ def _summary(command: AnyCommand, events: Sequence[Event], first_seq: int, last_
 T = TypeVar("T")
 
 
-def _run(command: str, main: Callable[[], Awaitable[T]]) -> T:
+def _run(command: str, main: Callable[[], Awaitable[T]], group: str = "namespace") -> T:
     """Run `main`; a log or recording error ends with one line and exit code 1. Logs below
     warning are dropped and the rest go to stderr, so stdout holds the answer (--json) alone;
     the logging configuration is restored after (the CLI may run inside another program)."""
@@ -254,7 +263,7 @@ def _run(command: str, main: Callable[[], Awaitable[T]]) -> T:
     try:
         return anyio.run(main)
     except (RecordError, LogError) as error:
-        typer.echo(f"kvledger namespace {command}: {error}", err=True)
+        typer.echo(f"kvledger {group} {command}: {error}", err=True)
         raise typer.Exit(code=1) from None
     finally:
         structlog.configure(**saved)

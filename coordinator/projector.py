@@ -25,6 +25,7 @@ from coordinator.state import (
     removed,
 )
 from events import (
+    FencedRankReleased,
     ExternalKeysLookedUp,
     ExternalLoadStarted,
     ExternalStoreStarted,
@@ -579,4 +580,5 @@ _FOLDS: dict[type[Event], Callable[[State, Any], None]] = {
     ExternalKeysLookedUp: _nothing,
     ExternalStoreStarted: _external_store_started,
     ExternalLoadStarted: _external_load_started,
+    FencedRankReleased: _nothing,  # a record: the FencedRankDone events after it release
 }

@@ -247,6 +247,17 @@ class JobFenced(Event, frozen=True, tag="job_fenced"):
     field existed): the job lets go of everything at once."""
 
 
+class FencedRankReleased(Event, frozen=True, tag="fenced_rank_released"):
+    """An operator released one rank of an engine's fenced jobs (its worker is gone: nothing it
+    started can land any more). A record: the FencedRankDone events that follow, one per job,
+    release what those jobs hold."""
+
+    engine_id: str
+    rank: int
+    job_ids: list[int]
+    reason: str
+
+
 class FencedRankDone(Event, frozen=True, tag="fenced_rank_done"):
     """A late report from one rank of a fenced job: its result is dropped (nothing of the job
     counts), but its transfer is over. When the last rank is done, the job's slots, reserved tier slots and leases go (I3,
@@ -543,6 +554,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     ExternalKeysLookedUp,
     ExternalStoreStarted,
     ExternalLoadStarted,
+    FencedRankReleased,
 )
 
 
@@ -592,5 +604,6 @@ AnyEvent = (
     | ExternalKeysLookedUp
     | ExternalStoreStarted
     | ExternalLoadStarted
+    | FencedRankReleased
 )
 """Every event type, as one tagged union: what a message field holding any event is typed as."""

@@ -100,3 +100,13 @@ def test_fields_added_with_defaults_read_old_payloads() -> None:
     old = msgspec.msgpack.encode({"type": "job_failed", "job_id": 3, "reason": "rank_failed"})
     decoded = EventCodec().decode("job_failed", 1, old)
     assert decoded == events.JobFailed(job_id=3, reason=events.Reason.RANK_FAILED, detail="")
+
+
+def test_every_event_type_is_in_the_union_that_messages_carry() -> None:
+    """A message field typed AnyEvent must decode every event the log can hold (a new event type
+    missing from the union made the sidecar's replies undecodable to its clients)."""
+    import typing
+
+    from events import EVENT_TYPES, AnyEvent
+
+    assert set(typing.get_args(AnyEvent)) == set(EVENT_TYPES)

@@ -30,6 +30,7 @@ from events import (
     ExternalLoadStarted,
     ExternalStoreStarted,
     FencedRankDone,
+    FencedRankReleased,
     JobFailed,
     JobFenced,
     JobSucceeded,
@@ -185,6 +186,9 @@ class Indexer:
                 rows.refusals.append((seq, engine, "job_failed", f"job {job}", str(reason), detail))
             case JobFenced(job_id=job, pending=pending):
                 rows.jobs.append((job, engine, seq, "fenced", None, f"ranks pending: {pending}" if pending else ""))
+            case FencedRankReleased(rank=rank, job_ids=released, reason=reason):
+                rows.jobs += [(job, engine, seq, "released", rank, f"the rank's worker is gone (an operator): {reason}")
+                              for job in released]
             case FencedRankDone(job_id=job, rank=rank):
                 rows.jobs.append((job, engine, seq, "fenced_rank_done", rank, "late report dropped"))
             case KeyPublished(tier=tier, namespace_id=namespace, pool_id=pool, key=key, tier_slot=slot,
