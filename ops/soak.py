@@ -92,7 +92,8 @@ from coordinator.client import Address, EngineClient, SidecarError, SidecarUnava
 from coordinator.commands import AnyCommand, DeclareEngine, ReportRank  # noqa: E402
 from coordinator.recovery import decode_step, stored_steps  # noqa: E402
 from coordinator.sidecar import protocol as p  # noqa: E402
-from coordinator.simulator._scheduler import ENCODER_TOKENS, WorkloadEngine, namespace, pools  # noqa: E402
+from coordinator.simulator._requests import ENCODER_TOKENS, namespace, pools  # noqa: E402
+from coordinator.simulator._scheduler import WorkloadEngine  # noqa: E402
 from coordinator.simulator.harness import SimEngine, Simulation  # noqa: E402
 from coordinator.simulator.workload import TIER_SLOTS, Workload  # noqa: E402
 from events import EngineReset, Event, EventCodec, NamespaceSpec, PoolSpec  # noqa: E402

@@ -48,25 +48,25 @@ from collections.abc import Sequence
 
 import msgspec
 
-from coordinator.simulator._scheduler import (
+from coordinator.simulator._requests import (
     ARRIVAL,
     ATTENTION_BLOCK,
     ENCODER_TOKENS,
     FOLLOW_UP,
-    IMAGES,
     IMAGE_SHARE,
     IMAGE_TOKENS,
+    IMAGES,
     MAX_CONTEXT,
     MAX_WAITING,
-    Request,
     SYSTEM_PROMPTS,
-    Stats,
     TIER_SLOTS,
     VOCABULARY,
-    WorkloadEngine,
+    Request,
+    Stats,
     namespace,
     pools,
 )
+from coordinator.simulator._scheduler import WorkloadEngine
 from coordinator.simulator.harness import Simulation
 
 __all__ = ["TIER_SLOTS", "WorkloadReport", "run_workload"]
