@@ -248,6 +248,56 @@ async def test_a_workers_welcome_never_shows_a_declaration_the_log_has_not_taken
         assert answer.incarnation == 0 and answer.pools == [], answer
 
 
+async def test_metrics_never_show_a_group_whose_append_is_in_flight(
+    event_log: EventLog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scrape while a step that starts a store job is being appended, and that append fails:
+    the gauges come from the committed state, so the job never shows as in flight."""
+    from coordinator.commands import MarkComputed, StartStore
+    from events.log import LogUnavailable
+
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock, http=("127.0.0.1", 0)) as sidecar:
+        async with engine_client(sock, "pod-a") as client:
+            result = await client.step(1, 1.0, [StartOwner(engine_id="pod-a", req_id="r")])
+            own = next(e for e in result.results[0] if isinstance(e, OwnerStarted)).owner_id
+            result = await client.step(2, 2.0, [AllocateBlocks(engine_id="pod-a", owner_id=own, pool_id=0, count=2)])
+            blocks = next(e for e in result.results[0] if isinstance(e, BlocksAllocated)).blocks
+            await client.step(3, 3.0, [MarkComputed(engine_id="pod-a", owner_id=own, blocks=blocks, token_ids=list(range(8)))])
+            appending, release = anyio.Event(), anyio.Event()
+            append = event_log.append
+
+            async def held_then_failed(batches: Sequence[AppendBatch]) -> list[AppendResult]:
+                appending.set()
+                await release.wait()
+                raise LogUnavailable("the log went away during this append")
+
+            monkeypatch.setattr(event_log, "append", held_then_failed)
+            assert sidecar.http_address is not None
+            url = f"http://{sidecar.http_address[0]}:{sidecar.http_address[1]}/metrics"
+            scraped: list[str] = []
+
+            def scrape() -> None:
+                with urllib.request.urlopen(url, timeout=20) as response:
+                    scraped.append(response.read().decode())
+
+            async def store() -> None:
+                client.retry_for = 0.1
+                with pytest.raises((SidecarError, SidecarUnavailable)):
+                    await client.step(4, 4.0, [StartStore(engine_id="pod-a", tier=b.TIER, blocks=blocks)])
+
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(store)
+                    await appending.wait()  # the store job is folded in memory, not in the log
+                    tasks.start_soon(anyio.to_thread.run_sync, scrape)
+                    await anyio.sleep(0.3)
+                    release.set()
+                    monkeypatch.setattr(event_log, "append", append)
+            [text] = scraped
+            assert "kvledger_jobs_in_flight 0.0" in text, [line for line in text.splitlines() if "jobs_in_flight" in line]
+
+
 # --- bad input ----------------------------------------------------------------------------------
 
 

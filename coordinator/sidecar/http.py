@@ -26,7 +26,11 @@ if TYPE_CHECKING:
 
 def make_app(sidecar: Sidecar) -> Starlette:
     async def metrics(_: Request) -> Response:
-        return Response(generate_latest(sidecar.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # The gauges are read from the state at scrape time: from the committed state, so a group
+        # still being appended (which may yet fail) never shows in them.
+        async with sidecar.ledger.committed():
+            body = generate_latest(sidecar.metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def healthz(_: Request) -> Response:
         return JSONResponse({"alive": True, "global_seq": sidecar.ledger.last_seq})
