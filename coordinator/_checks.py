@@ -8,6 +8,8 @@ from coordinator.state import EngineState, OwnerState, PoolState, State, TierSta
 from events import NULL_BLOCK_ID, BlockRef, Reason
 
 MAX_BLOCKS_PER_POOL = 1 << 24
+MAX_POOL_ID = (1 << 31) - 1
+"""Pool ids are 32-bit signed in the log's and the audit index's tables (kvl_audit_slots.pool)."""
 MAX_ITEMS_PER_COMMAND = 1 << 16
 MAX_LEASE_SECONDS = 86_400.0
 

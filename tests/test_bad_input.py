@@ -512,3 +512,24 @@ def test_redeclare_with_another_pool_layout(world: World, change: str) -> None:
     assert_rejected(world.core, declare(ENGINE, LAYOUT_CHANGES[change]()), Reason.POOL_LAYOUT_CHANGED, repr(ENGINE))
     [declared] = [e for e in keeps_serving(world.core, declare(ENGINE)) if isinstance(e, EngineDeclared)]
     assert declared.incarnation == 2  # the same layout restarts as a new incarnation
+
+
+def test_a_pool_id_the_log_cannot_hold_is_refused_by_the_core_itself() -> None:
+    """Not only at the sidecar's door (coordinator/sidecar/admission.py): an in-process Ledger or
+    the simulator goes straight to the decider, and the audit index holds 32-bit pool ids."""
+    from coordinator._checks import MAX_POOL_ID
+    from coordinator.commands import DeclareEngine
+    from coordinator.core import CoordinatorCore
+    from events import Reason, Refused
+    from tests import builders as b
+
+    for pool_id in (MAX_POOL_ID + 1, -1):
+        core = CoordinatorCore()
+        pool = b.attention_pool(pool_id=pool_id)
+        [refused] = core.execute(DeclareEngine(engine_id="e", namespace=b.namespace(), pools=[pool], world_size=2))
+        assert isinstance(refused, Refused) and refused.reason == Reason.INVALID_ARGUMENT and str(pool_id) in refused.detail
+        assert "e" not in core.state.engines
+    core = CoordinatorCore()
+    [declared, *_] = core.execute(DeclareEngine(engine_id="e", namespace=b.namespace(), pools=[b.attention_pool(pool_id=MAX_POOL_ID)],
+                                                world_size=2))
+    assert not isinstance(declared, Refused)

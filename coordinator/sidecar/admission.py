@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from coordinator import _checks as check_limits
 from coordinator.commands import OPERATOR_COMMANDS, AnyCommand, DeclareEngine, DeclareTier, ReportRank
 from coordinator.decider import decide
 from coordinator.ledger import StepCommit
@@ -30,7 +31,7 @@ from events import Refused, StepBegan, TierSpec
 
 MAX_LOGGED_COMMAND_ID = 128
 """Characters of the log's command id column (kvl_commands.command_id; see `scoped`)."""
-MAX_POOL_ID = 2**31 - 1
+MAX_POOL_ID = check_limits.MAX_POOL_ID
 """The largest pool id the audit index holds (see `declaration_problem`)."""
 
 
