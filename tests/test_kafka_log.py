@@ -3,9 +3,11 @@
 * the fold's rules, record by record, without a broker: claims and epochs, fencing, copies,
   foreign and garbled records, a format this code does not read;
 * on a real broker (Tansu, tests/kafka_kit.py): a second writer fences the first, a zombie's late
-  record is dropped by every reader, a record stored twice is applied once, a topic that went
-  backwards fails the log closed with the reason (at run time and at the next open), a topic with
-  several partitions is refused, and the Ledger recovers from a snapshot plus the topic's tail.
+  record is dropped by every reader, a record stored twice is applied once, records written at
+  once by several producers reach every tailing reader (a fetch that skipped one is made again),
+  a topic that went backwards fails the log closed with the reason (at run time and at the next
+  open), a topic with several partitions is refused, and the Ledger recovers from a snapshot plus
+  the topic's tail.
 
 Records a broken or stale writer would leave are written with a plain producer, as that writer
 would have written them: no mocks.
@@ -317,6 +319,54 @@ async def test_a_record_stored_twice_is_applied_once(kafka_log: KafkaEventLog, k
     [after] = await kafka_log.append([step("s", 2, ["c"])])
     assert (after.first_seq, after.stream_version) == (3, 3)
     assert [e.global_seq for e in await everything(kafka_log)] == [1, 2, 3]
+
+
+async def test_records_written_at_once_by_several_producers_reach_every_tailing_reader(
+    kafka_log: KafkaEventLog, kafka_url: str
+) -> None:
+    """Tansu can answer a fetch at offset N with the record at N + 1 while the record at N,
+    acknowledged to another producer, is not yet readable (about 1 record in 500 for one of
+    three tailing consumers, with 5 producers at once): a reader that folded past the hole lost
+    that record for good (this failed 2 runs of 6); the fetcher now fetches a hole again until
+    it fills. Its end offset can also lag, by a few ms, a record it acknowledged (which the
+    writer folds at once): an end behind what was read is asked again rather than taken for
+    lost records; the log appending and asking for the head here exercises that, though the
+    lag itself is rarely hit in this test."""
+    producers, steps = 5, 120
+    readers = [kafka_log]
+    for number in range(2):
+        other = await open_log(kafka_url.replace("state.sqlite", f"state-{number}.sqlite"))
+        assert isinstance(other, KafkaEventLog)
+        readers.append(other)
+    written = anyio.Event()
+    own = 0
+
+    async def append_and_ask_heads() -> None:
+        """The log appends too: an append is read back at its acknowledged offset, before the
+        broker's end offset may count it."""
+        nonlocal own
+        while not written.is_set():
+            await kafka_log.append([step("own", own, [f"own-{own}"])])
+            own += 1
+            for reader in readers:
+                await reader.head()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(append_and_ask_heads)
+            async with anyio.create_task_group() as writers:
+                for n in range(producers):
+                    writers.start_soon(produce, kafka_url, [
+                        claim_record(f"w{n}", **{f"s{n}": 1}),
+                        *(append_record(f"w{n}", part(f"s{n}", 1, index, [f"s{n}-{index}"])) for index in range(steps)),
+                    ])
+            written.set()
+        for reader in readers:
+            assert await reader.stream_versions() == {"own": own, **{f"s{n}": steps for n in range(producers)}}
+            assert len(await everything(reader)) == own + producers * steps
+    finally:
+        for reader in readers[1:]:
+            await reader.close()
 
 
 async def test_a_topic_that_went_backwards_fails_the_log_closed(kafka_log: KafkaEventLog, kafka_url: str) -> None:
