@@ -759,3 +759,46 @@ async def test_a_transaction_the_core_fails_on_fails_alone_and_the_rest_of_its_g
     assert began == {"engine/pod-a", "engine/pod-c"}
     full, _ = await replay(event_log, EventCodec())
     assert state_digest(full) == state_digest(ledger.state)  # what the failed transactions folded is gone
+
+
+async def test_a_frame_begun_and_never_finished_is_cut_off_and_others_are_served(event_log: EventLog, tmp_path: Path) -> None:
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock, frame_timeout=0.5), engine_client(sock, "pod-a") as bystander:
+        raw = await RawConnection.open(sock)
+        await raw.send_bytes((100).to_bytes(p.HEADER_BYTES, "big") + b"\x00" * 10)  # 10 of 100 bytes, then nothing
+        reply = await raw.receive()
+        assert isinstance(reply, p.Error) and reply.fatal and "not complete after 0.5 s" in reply.message, reply
+        assert await raw.closed()
+        await bystander.step(1, 1.0, [])  # everyone else is served
+
+
+async def test_a_step_of_too_many_commands_is_refused_and_nothing_is_committed(event_log: EventLog, tmp_path: Path) -> None:
+    from coordinator.sidecar.admission import MAX_COMMANDS_PER_STEP
+
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock) as sidecar, engine_client(sock, "pod-a") as client:
+        head = sidecar.ledger.last_seq
+        commands = [StartOwner(engine_id="pod-a", req_id=f"r{i}") for i in range(MAX_COMMANDS_PER_STEP + 1)]
+        with pytest.raises(SidecarError) as refused:
+            await client.step(1, 1.0, commands)
+        assert refused.value.code == p.ErrorCode.INVALID_MESSAGE and "split it" in str(refused.value)
+        assert sidecar.ledger.last_seq == head
+        await client.step(1, 1.0, commands[:MAX_COMMANDS_PER_STEP])  # at the limit: taken
+
+
+async def test_a_failed_commit_tells_the_client_no_sql(event_log: EventLog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sqlalchemy as sa
+
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock), engine_client(sock, "pod-a") as client:
+        client.retry_for = 0.1
+
+        async def failing(batches: Sequence[AppendBatch]) -> list[AppendResult]:
+            raise sa.exc.IntegrityError("INSERT INTO kvl_steps (secret_column) VALUES (?)", ("tenant-a's-payload",), Exception("boom"))
+
+        monkeypatch.setattr(event_log, "append", failing)
+        with pytest.raises((SidecarError, SidecarUnavailable)) as failed:
+            await client.step(1, 1.0, [StartOwner(engine_id="pod-a", req_id="r")])
+        text = str(failed.value)
+        assert "IntegrityError" in text and "boom" in text, text
+        assert "INSERT" not in text and "secret_column" not in text and "tenant-a's-payload" not in text, text

@@ -32,6 +32,21 @@ from events import Refused, StepBegan, TierSpec
 MAX_LOGGED_COMMAND_ID = 128
 """Characters of the log's command id column (kvl_commands.command_id; see `scoped`)."""
 MAX_POOL_ID = check_limits.MAX_POOL_ID
+MAX_COMMANDS_PER_STEP = 16_384
+"""Commands in one Step (the benchmarks' steps hold 256)."""
+TOLD_CHARS = 300
+
+
+def told(error: BaseException) -> str:
+    """What a client is told of a failed commit: the error's type and first line, without the
+    SQL statement and parameters a driver error carries (those stay in the sidecar's own log)."""
+    text = str(error)
+    for cut in ("\n[SQL:", "\n(Background on this error", "[SQL:"):
+        text = text.split(cut, 1)[0]
+    text = " ".join(text.split())
+    if len(text) > TOLD_CHARS:
+        text = text[: TOLD_CHARS - 3] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 """The largest pool id the audit index holds (see `declaration_problem`)."""
 
 

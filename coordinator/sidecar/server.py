@@ -62,6 +62,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     """Let --tcp/--http bind a non-loopback address (the operator asked for it explicitly)."""
     audit_tokens: str | None = None
     """The tokens file of the HTTP audit API (coordinator/audit/api.py); None: it answers 401."""
+    frame_timeout: float = 30.0
+    """Seconds a frame that has begun may take to arrive whole; then the connection is closed."""
     ingest_vllm: str | None = None
     """A TOML file of vLLM engines whose KV events the sidecar records (coordinator/vllm/sidecar_ingest.py)."""
 
@@ -352,7 +354,15 @@ class Sidecar:
             except p.FrameError as error:
                 await self._error(conn, error.code, str(error), fatal=True)
                 return
-            body = await reader.receive_exactly(length)
+            try:
+                # A frame that has begun must end: a peer that sends part of one and stalls would
+                # otherwise hold its connection and buffer forever (found by fuzzing).
+                with anyio.fail_after(self.config.frame_timeout):
+                    body = await reader.receive_exactly(length)
+            except TimeoutError:
+                await self._error(conn, p.ErrorCode.INVALID_MESSAGE,
+                                  f"a frame of {length} bytes was not complete after {self.config.frame_timeout:g} s", fatal=True)
+                return
             try:
                 message = p.decode_client(body)
             except p.FrameError as error:
@@ -462,7 +472,7 @@ class Sidecar:
                         await self._error(conn, p.ErrorCode.REFUSED, f"{refused[0].reason}: {refused[0].detail}")
                         return None, False
         except Exception as error:  # noqa: BLE001 - the log failed: this Hello was not committed
-            await self._error(conn, p.ErrorCode.COMMIT_FAILED, f"{type(error).__name__}: {error}", fatal=True)
+            await self._error(conn, p.ErrorCode.COMMIT_FAILED, admission.told(error), fatal=True)
             return None, True
         if reconnect:
             assert known is not None
@@ -511,6 +521,11 @@ class Sidecar:
             return problem
         if not message.command_id:
             return p.Error(code=p.ErrorCode.INVALID_MESSAGE, message="a Step needs a command_id (unique per step)")
+        if len(message.commands) > admission.MAX_COMMANDS_PER_STEP:
+            # A huge step stalls every engine's steps while it is decided, and its reply could
+            # outgrow the client's frame limit after it was committed (found by fuzzing).
+            return p.Error(code=p.ErrorCode.INVALID_MESSAGE, message=f"a step holds at most {admission.MAX_COMMANDS_PER_STEP:,} "
+                           f"commands, not {len(message.commands):,}: split it")
         started = time.perf_counter()
         bound = log.bind(engine=session.engine_id, step=message.step)
         tx = LedgerStep(engine_id=session.engine_id, step=message.step, clock=message.clock,
@@ -521,7 +536,7 @@ class Sidecar:
             return p.Error(code=p.ErrorCode.SHUTTING_DOWN, message=str(error), fatal=True)
         except Exception as error:  # noqa: BLE001 - the log failed: nothing of the step was committed
             bound.error("step_failed", error=str(error))
-            return p.Error(code=p.ErrorCode.COMMIT_FAILED, message=f"step {message.step} was not committed: {error}")
+            return p.Error(code=p.ErrorCode.COMMIT_FAILED, message=f"step {message.step} was not committed: {admission.told(error)}")
         assert isinstance(result, StepCommit)
         commit = result.commit
         reused = admission.retried_as_another_step(result, message)
@@ -543,7 +558,7 @@ class Sidecar:
         except ShuttingDown as error:
             return p.Error(code=p.ErrorCode.SHUTTING_DOWN, message=str(error), fatal=True)
         except Exception as error:  # noqa: BLE001
-            return p.Error(code=p.ErrorCode.COMMIT_FAILED, message=f"not committed: {error}")
+            return p.Error(code=p.ErrorCode.COMMIT_FAILED, message=f"not committed: {admission.told(error)}")
         commit = _commit_of(result)
         return p.Committed(command_id=command_id, first_seq=commit.first_seq, last_seq=commit.last_seq,
                            duplicate=commit.duplicate, events=p.any_events(commit.events))
