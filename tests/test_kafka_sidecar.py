@@ -89,6 +89,23 @@ async def step(client: EngineClient, number: int) -> tuple[int, int] | str:
     return result.first_seq, result.last_seq
 
 
+async def wait_stopped(pid: int) -> None:
+    """Until every thread of `pid` is stopped: SIGSTOP takes effect when each thread is next
+    scheduled, and on a loaded machine a broker thread still answered a produce 4 ms after the
+    signal was sent (the step was then rightly committed, and the test took it for a bug)."""
+    with anyio.fail_after(10):
+        while True:
+            states = []
+            for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+                try:
+                    states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+                except (OSError, IndexError):
+                    continue  # a thread that just ended
+            if states and all(state in ("T", "t") for state in states):
+                return
+            await anyio.sleep(0.005)
+
+
 async def until_unready(served: Served, client: EngineClient, number: int, seconds: float) -> tuple[list[str], str]:
     """Step `number` again and again until /readyz answers 503: the refusals, and its reason."""
     refusals: list[str] = []
@@ -172,6 +189,7 @@ def test_a_briefly_unreachable_broker_makes_the_sidecar_unready_then_it_recovers
 
                 assert broker.process is not None
                 broker.process.send_signal(signal.SIGSTOP)
+                await wait_stopped(broker.process.pid)
                 try:
                     refusals, reason = await until_unready(served, client, 6, 30)
                 finally:
@@ -238,6 +256,7 @@ def test_an_idle_sidecar_reports_a_paused_broker_unready_and_recovers_without_a_
             assert served.readyz() == (200, "ready")
             assert broker.process is not None
             broker.process.send_signal(signal.SIGSTOP)
+            await wait_stopped(broker.process.pid)
             try:
                 with anyio.fail_after(30):
                     while (found := await anyio.to_thread.run_sync(served.readyz))[0] != 503:

@@ -34,7 +34,9 @@ MAX_LOGGED_COMMAND_ID = 128
 MAX_POOL_ID = check_limits.MAX_POOL_ID
 MAX_COMMANDS_PER_STEP = 16_384
 """Commands in one Step (the benchmarks' steps hold 256)."""
-TOLD_CHARS = 300
+TOLD_CHARS = 2000
+"""A bound on what one error tells the client; the log's own errors (LogDiverged names the topic, its URL and
+the offsets) fit whole."""
 
 
 def told(error: BaseException) -> str:
