@@ -63,6 +63,9 @@ MAX_HASH_BYTES = 128
 """vLLM's hashes are 32 bytes (sha256) or 8 (an int); anything much longer is not a block hash."""
 MAX_EVENTS_PER_BATCH = 1 << 16
 
+MAX_DP_RANK = (1 << 31) - 1
+"""Data-parallel ranks are 32-bit in the audit index (kvl_audit_observed.dp_rank)."""
+
 
 def observed(state: State, engine_id: str) -> ObservedEngine:
     found = state.observed.get(engine_id)
@@ -124,8 +127,9 @@ def _observe_kv_events(state: State, command: ObserveKvEvents) -> list[Event]:
                       f"{eng.incarnation} are recorded")
     if not math.isfinite(command.ts):
         raise Refusal(Reason.INVALID_ARGUMENT, f"batch {command.seq}: timestamp {command.ts} is not finite")
-    if command.dp_rank is not None and command.dp_rank < 0:
-        raise Refusal(Reason.INVALID_ARGUMENT, f"batch {command.seq}: data-parallel rank {command.dp_rank} < 0")
+    if command.dp_rank is not None and not 0 <= command.dp_rank <= MAX_DP_RANK:
+        # The audit index holds it as a 32-bit integer: a larger one stopped every catch-up of it.
+        raise Refusal(Reason.INVALID_ARGUMENT, f"batch {command.seq}: data-parallel rank {command.dp_rank} is outside 0..{MAX_DP_RANK}")
     if len(command.events) > MAX_EVENTS_PER_BATCH:
         raise Refusal(Reason.INVALID_COUNT, f"batch {command.seq} has {len(command.events)} events, at most {MAX_EVENTS_PER_BATCH}")
     events: list[Event] = []

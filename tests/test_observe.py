@@ -265,3 +265,17 @@ def test_a_snapshot_without_observed_engines_still_decodes() -> None:
     old = msgspec.msgpack.encode(OldState(next_owner_id=7, last_event=12))
     state = decode_state(old)
     assert state.observed == {} and state.next_owner_id == 7 and state.last_event == 12
+
+
+def test_a_data_parallel_rank_the_audit_index_cannot_hold_is_refused(core: CoordinatorCore) -> None:
+    """kvl_audit_observed.dp_rank is 32-bit: a frame naming rank 2**31 stopped every catch-up of
+    the audit index on PostgreSQL (found in review). Refused, the state unchanged."""
+    from coordinator._observe import MAX_DP_RANK
+
+    before = b.quiet_bytes(core.state)
+    events = core.execute(ObserveKvEvents(engine_id=ENGINE, seq=0, ts=1.0, dp_rank=MAX_DP_RANK + 1, events=[stored(b"\x01" * 8)]))
+    [refused] = refusals(events)
+    assert refused.reason == Reason.INVALID_ARGUMENT and str(MAX_DP_RANK) in refused.detail
+    assert b.quiet_bytes(core.state) == before
+    assert not refusals(core.execute(ObserveKvEvents(engine_id=ENGINE, seq=0, ts=1.0, dp_rank=MAX_DP_RANK,
+                                                     events=[stored(b"\x01" * 8)])))

@@ -54,7 +54,7 @@ def test_I16_a_fenced_jobs_rank_released_by_an_operator_lets_go_of_its_slots() -
 
 @pytest.mark.parametrize(("command", "reason"), [
     (ReleaseFencedRank(engine_id="no-such-engine", rank=1, reason="gone"), Reason.UNKNOWN_ENGINE),
-    (ReleaseFencedRank(engine_id=ENGINE, rank=2, reason="gone"), Reason.RANK_OUT_OF_RANGE),
+    (ReleaseFencedRank(engine_id=ENGINE, rank=2, reason="gone"), Reason.STALE_JOB),  # beyond the jobs' world: nothing waits
     (ReleaseFencedRank(engine_id=ENGINE, rank=-1, reason="gone"), Reason.RANK_OUT_OF_RANGE),
     (ReleaseFencedRank(engine_id=ENGINE, rank=1, reason="  "), Reason.INVALID_ARGUMENT),
     (ReleaseFencedRank(engine_id=ENGINE, rank=0, reason="gone"), Reason.STALE_JOB),  # rank 0 reported: nothing waits on it
@@ -109,3 +109,19 @@ async def _invoke(runner: CliRunner, args: list[str]) -> Result:
     import anyio
 
     return await anyio.to_thread.run_sync(lambda: runner.invoke(app, args))
+
+
+def test_I16_a_rank_beyond_a_shrunk_world_size_is_still_released() -> None:
+    """The engine restarted with fewer ranks: its old fenced jobs still wait on their own ranks,
+    and those are exactly the workers that are gone (found in review)."""
+    from coordinator.commands import DeclareEngine
+    from tests.builders import attention_pool, namespace
+
+    core = new_core(world_size=4)
+    job, blocks, _ = fenced_store(core)
+    ok(core.execute(DeclareEngine(engine_id=ENGINE, namespace=namespace(tp=2), pools=[attention_pool()], world_size=2, tiers=[TIER])))
+    assert core.state.engines[ENGINE].world_size == 2 and core.state.fenced[job.job_id].pending == [1, 2, 3]
+    for rank in (3, 2, 1):
+        ok(core.execute(ReleaseFencedRank(engine_id=ENGINE, rank=rank, reason="old pod deleted")))
+    assert job.job_id not in core.state.fenced
+    assert replay_matches(core)
