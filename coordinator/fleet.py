@@ -54,7 +54,7 @@ from coordinator.audit.queries import AuditError
 from coordinator.audit.api import TokenFileError, Tokens, load_tokens
 from coordinator.audit.store import IndexProgress, indexed_seq, sync_index
 from coordinator.fleet_http import FleetHealth, fleet_app
-from events.log import LogError, LogUnavailable, SqlEventLog, mask, normalize, open_log
+from events.log import LogError, LogUnavailable, SqlEventLog, is_outage, mask, normalize, open_log
 from events.log._kafka_target import CALL_TIMEOUT_S, REQUEST_TIMEOUT_MS, KafkaTarget, one_line, parse_kafka_url
 from events.log._urls import is_kafka
 
@@ -176,9 +176,7 @@ class FleetProgress(IndexProgress, frozen=True):
 def database_outage(error: BaseException) -> bool:
     """Whether `error` says the audit database is unreachable or dropped the connection (retry),
     rather than refused what was asked of it (a bug or a schema problem: stop)."""
-    if isinstance(error, (sa.exc.OperationalError, sa.exc.InterfaceError, OSError, TimeoutError)):
-        return True
-    return isinstance(error, sa.exc.DBAPIError) and bool(error.connection_invalidated)
+    return is_outage(error)
 
 
 async def run_fleet(

@@ -24,7 +24,7 @@ from coordinator.protections import Protection
 from coordinator.recovery import decode, make_snapshot, recover
 from coordinator.state import State
 from events import Event, EventCodec, StepBegan, StepEnded
-from events.log import AppendBatch, AppendRejected, AppendResult, EventLog, PendingEvent, Snapshot
+from events.log import AppendBatch, AppendRejected, AppendResult, EventLog, LogError, LogUnavailable, PendingEvent, Snapshot, is_outage
 
 log = structlog.get_logger("kvledger.ledger")
 
@@ -158,8 +158,16 @@ class Ledger:
         order. A command id that is already committed is not decided again: its original events
         come back with `duplicate=True`. If the append fails, nothing of the group is committed,
         the state is rebuilt from the log, and the error propagates."""
-        async with self._lock:
-            results, snapshot = await self._commit_group(transactions)
+        try:
+            async with self._lock:
+                results, snapshot = await self._commit_group(transactions)
+        except LogError:
+            raise
+        except Exception as error:
+            if is_outage(error):  # the database went away mid-commit (a lookup, the append, a rebuild): retry
+                raise LogUnavailable(f"{self.log.url} is unreachable: {type(error).__name__}: {error}".splitlines()[0]
+                                     + ": it may or may not be committed; retry it with the same command ids") from error
+            raise
         if snapshot is not None:
             # Written outside the lock: the next group need not wait for it (a snapshot is a
             # cache; the rows are insert-only, so an older one landing later changes nothing).
@@ -177,7 +185,13 @@ class Ledger:
         """After a rebuild that failed (the log was down), rebuild before anything else: the
         state in memory may still hold what the log did not take. Raises while the log is down."""
         if self.stale:
-            await self._rebuild("stale_after_failed_rebuild")
+            try:
+                await self._rebuild("stale_after_failed_rebuild")
+            except Exception as error:
+                if is_outage(error):
+                    raise LogUnavailable(f"{self.log.url} is unreachable while the state is rebuilt from it: "
+                                         f"{type(error).__name__}: {error}".splitlines()[0]) from error
+                raise
 
     async def _commit_group(self, transactions: Sequence[Transaction]) -> tuple[list[StepCommit | Commit], Snapshot | None]:
         """Decide and append; with the state encoded for a snapshot when one is due."""
@@ -198,7 +212,11 @@ class Ledger:
             except BaseException:
                 # The state ran ahead of a log that did not take the group: rebuild it from the log.
                 with anyio.CancelScope(shield=True):
-                    await self._rebuild("append_failed")
+                    try:
+                        await self._rebuild("append_failed")
+                    except Exception as rebuild_error:  # noqa: BLE001 - the log is down: the append's error is the one to raise
+                        # Still stale: the next commit rebuilds first (_fresh).
+                        log.warning("ledger_rebuild_failed", reason="append_failed", error=f"{type(rebuild_error).__name__}: {rebuild_error}")
                 raise
             if any(r.duplicate for r in appended):
                 # Another writer committed one of these ids between our check and our append.

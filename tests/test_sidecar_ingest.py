@@ -103,6 +103,7 @@ async def test_the_sidecar_records_vllm_events_beside_engine_steps_in_one_log(ev
     ('[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:1"\n' + NAMESPACE
      + '[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:2"\n' + NAMESPACE, "listed twice"),
     ("[[engine]\n", "--ingest-vllm"),
+    ('[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:1"\nreplay = "127.0.0.1:5558"\n' + NAMESPACE, "is not a ZMQ endpoint"),
 ])
 def test_a_bad_ingest_file_is_refused_naming_the_file_and_the_problem(tmp_path: Path, body: str, says: str) -> None:
     path = tmp_path / "bad.toml"
@@ -140,3 +141,97 @@ def test_serve_whose_ingest_endpoint_is_taken_exits_2_naming_the_engine_and_endp
     assert "Traceback" not in done.stderr, done.stderr
     [line] = [line for line in done.stderr.splitlines() if line.startswith("kvledger serve:")]
     assert "'vllm-0' cannot bind" in line and endpoint in line, line
+
+
+async def test_a_database_outage_during_ingestion_is_retried_and_the_sidecar_keeps_serving(tmp_path: Path) -> None:
+    """PostgreSQL behind a proxy the test cuts while vLLM publishes: the ingestor inside the
+    sidecar retries (it crashed the whole sidecar before: the outage came up as a driver error,
+    not LogUnavailable), and once the database is back the batch is recorded, once."""
+    from coordinator.ledger import Ledger
+    from coordinator.sidecar.server import ServeConfig, Sidecar
+    from events.log import open_log, upgrade_log
+    from tests.conftest import PG_URL, _drop_pg_database, _new_pg_database, require_postgres
+    from tests.tcp_proxy import TcpProxy
+
+    await anyio.to_thread.run_sync(require_postgres)
+    name = await anyio.to_thread.run_sync(_new_pg_database)
+    base = PG_URL.rsplit("/", 1)[0]
+    await upgrade_log(f"{base}/{name}")
+    context = zmq.asyncio.Context()
+    vllm = FakeVllm(context)
+    try:
+        with TcpProxy(("127.0.0.1", 5432)) as proxy:
+            event_log = await open_log(f"{base.rsplit('@', 1)[0]}@127.0.0.1:{proxy.port}/{name}")
+            try:
+                ledger = await Ledger.open(event_log)
+                path = ingest_file(tmp_path, ("vllm-0", "tcp://127.0.0.1:*"))
+                sidecar = Sidecar(ledger, ServeConfig(socket_path=str(tmp_path / "s.sock"), ingest_vllm=str(path)))
+                with anyio.fail_after(60):
+                    async with anyio.create_task_group() as tasks:
+                        await tasks.start(sidecar.serve)
+                        await vllm.connect(sidecar.ingestors[0].endpoint)
+                        await vllm.publish([stored(h(1))])
+                        while sidecar.ingestors[0].stats.batches < 1:
+                            await anyio.sleep(0.02)
+                        proxy.cut()
+                        await vllm.publish([stored(h(2), parent=h(1))])
+                        await anyio.sleep(1.5)  # the commit fails, is retried, fails again...
+                        assert not sidecar.draining  # still serving
+                        proxy.restore()
+                        while ledger.state.observed["vllm-0"].next_seq < 2:
+                            await anyio.sleep(0.05)
+                        sidecar.stop()
+                state, _ = await replay(event_log, EventCodec())
+                assert list(state.observed["vllm-0"].stored["GPU/0"]) == [h(1), h(2)] and state.observed["vllm-0"].complete
+            finally:
+                await event_log.close()
+    finally:
+        vllm.close()
+        context.destroy(linger=0)
+        await anyio.to_thread.run_sync(_drop_pg_database, name)
+
+
+async def test_a_batch_is_committed_whole_in_order_even_when_larger_than_a_group(tmp_path: Path) -> None:
+    """Committer.submit_all with more transactions than a group holds, the first append failing:
+    the retry with the same command ids records every batch in order (before, the second group
+    committed, leaving a false gap, and the retried first group was refused as duplicates)."""
+    from coordinator.commands import ObserveEngine, ObservedKvEvent, ObserveKvEvents
+    from coordinator.ledger import Commit, Ledger, Single
+    from coordinator.sidecar.committer import MAX_GROUP, Committer
+    from coordinator.sidecar.hub import DecisionHub
+    from coordinator.sidecar.metrics import SidecarMetrics
+    from events.log import LogUnavailable, open_log
+    from tests.test_vllm_ingest import namespace
+
+    event_log = await open_log(str(tmp_path / "log.sqlite"))
+    try:
+        ledger = await Ledger.open(event_log)
+        await ledger.execute(ObserveEngine(engine_id="v", namespace=namespace(), source="test", reason="first_seen"))
+        committer = Committer(ledger, DecisionHub(event_log, EventCodec(), ledger.last_seq), SidecarMetrics(lambda: ledger.state))
+        append, calls = event_log.append, [0]
+
+        async def fails_once(batches: object) -> object:
+            calls[0] += 1
+            if calls[0] == 1:
+                raise LogUnavailable("a blip (test)")
+            return await append(batches)  # type: ignore[arg-type]
+
+        event_log.append = fails_once  # type: ignore[method-assign,assignment]
+        count = MAX_GROUP + 6
+        txs = [Single(command=ObserveKvEvents(engine_id="v", seq=n, ts=1.0, dp_rank=None, events=[ObservedKvEvent(
+            kind="stored", medium="GPU", group=0, block_hashes=[n.to_bytes(8, "big")], token_ids=[1] * BLOCK, block_size=BLOCK)]),
+            command_id=f"ingest/run/{n}") for n in range(count)]
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(committer.run)
+                with pytest.raises(LogUnavailable):
+                    await committer.submit_all(txs)
+                results = await committer.submit_all(txs)  # the ingestor's retry
+                committer.close()
+        assert all(isinstance(r, Commit) for r in results)
+        assert not [e for r in results if isinstance(r, Commit) for e in r.events if isinstance(e, Refused)]
+        observed = ledger.state.observed["v"]
+        assert observed.next_seq == count and observed.complete
+        assert len(observed.stored["GPU/0"]) == count
+    finally:
+        await event_log.close()

@@ -29,11 +29,17 @@ class ShuttingDown(Exception):
     """The sidecar is draining: it takes no new transactions."""
 
 
-class _Waiter:
-    __slots__ = ("tx", "done", "result", "error")
+class NotCommitted(Exception):
+    """A transaction of a batch left uncommitted because one before it failed."""
 
-    def __init__(self, tx: Transaction) -> None:
+
+class _Waiter:
+    __slots__ = ("tx", "batch", "done", "result", "error")
+
+    def __init__(self, tx: Transaction, batch: object | None = None) -> None:
         self.tx = tx
+        self.batch = batch
+        """The submit_all call it came with: a batch is committed in one group, in its order."""
         self.done = anyio.Event()
         self.result: StepCommit | Commit | None = None
         self.error: BaseException | None = None
@@ -72,7 +78,8 @@ class Committer:
         answered (a retry with the same command ids then gets what was committed)."""
         if self._closing:
             raise ShuttingDown("the sidecar is shutting down; retry against the restarted one")
-        waiters = [_Waiter(tx) for tx in txs]
+        batch = object()
+        waiters = [_Waiter(tx, batch) for tx in txs]
         self._queue.extend(waiters)
         self._wake.set()
         with anyio.CancelScope(shield=True):
@@ -107,6 +114,10 @@ class Committer:
                 await self._wake.wait()
                 self._wake = anyio.Event()
             group = [self._queue.popleft() for _ in range(min(self.max_group, len(self._queue)))]
+            # A batch (submit_all) is never split across groups: were one group of it to fail and
+            # the next to commit, its order would break (an ingested batch after a missing one).
+            while self._queue and group[-1].batch is not None and self._queue[0].batch is group[-1].batch:
+                group.append(self._queue.popleft())
             await self._commit(group)
 
     async def _commit(self, group: list[_Waiter]) -> None:
@@ -131,7 +142,14 @@ class Committer:
             culprit.error = failed.cause
             log.error("transaction_failed", transactions=len(group), error=f"{type(failed.cause).__name__}: {failed.cause}",
                       command_id=culprit.tx.command_id)
-            rest = [waiter for waiter in group if waiter is not culprit]
+            # What came after the culprit in its own batch is not committed either: a batch keeps
+            # its order (its submitter retries it with the same command ids).
+            after = group[failed.index + 1:]
+            for waiter in after:
+                if culprit.batch is not None and waiter.batch is culprit.batch:
+                    waiter.error = NotCommitted(f"not committed: an earlier transaction of its batch failed "
+                                                f"({type(failed.cause).__name__}: {failed.cause})")
+            rest = [waiter for waiter in group if waiter is not culprit and waiter.error is None]
             if rest:
                 await self._commit_and_publish(rest)
             return

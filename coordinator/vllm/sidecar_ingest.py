@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.abc
 import msgspec
+import structlog
 import zmq
 
 from coordinator.keys import namespace_problems
@@ -46,6 +47,8 @@ from events import NamespaceSpec
 
 if TYPE_CHECKING:
     from coordinator.sidecar.server import Sidecar
+
+log = structlog.get_logger("kvledger.ingest")
 
 
 class IngestFileError(ValueError):
@@ -89,11 +92,29 @@ def load_ingest_file(path: str | Path) -> list[IngestConfig]:
             raise IngestFileError(f"{where}: engine_id {entry.engine_id!r} is listed twice")
         if entry.endpoint in seen_endpoints and not entry.endpoint.endswith(":*"):  # ":*": any free port, each its own
             raise IngestFileError(f"{where}: endpoint {entry.endpoint!r} is listed twice")
+        problem = _endpoint_problem(entry.replay) if entry.replay is not None else None
+        if problem is not None:  # (the bound endpoint is checked by binding it, before serve starts)
+            raise IngestFileError(f"{where}: replay {entry.replay!r} is not a ZMQ endpoint: {problem}")
         seen_ids.add(entry.engine_id)
         seen_endpoints.add(entry.endpoint)
         configs.append(IngestConfig(endpoint=entry.endpoint, engine_id=entry.engine_id, namespace=entry.namespace,
                                     topic=entry.topic, replay=entry.replay, replay_timeout=entry.replay_timeout))
     return configs
+
+
+def _endpoint_problem(endpoint: str) -> str | None:
+    """Why ZMQ would refuse `endpoint` (checked by connecting a throwaway socket: connecting needs
+    no peer), or None. A bad replay endpoint otherwise surfaced only at the first gap, hours later."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    probe = context.socket(zmq.DEALER)
+    try:
+        probe.setsockopt(zmq.LINGER, 0)
+        probe.connect(endpoint)
+    except zmq.ZMQError as error:
+        return str(error)
+    finally:
+        probe.close(linger=0)
+    return None
 
 
 class SidecarLedger:
@@ -130,9 +151,15 @@ async def run_ingestors(sidecar: Sidecar, configs: Sequence[IngestConfig], stop:
     async def run(ingestor: Ingestor) -> None:
         try:
             await ingestor.run(on_ready=on_ready)
-        except zmq.ZMQError as error:  # e.g. the endpoint is taken: say which engine and where
-            raise IngestFileError(f"--ingest-vllm: engine {ingestor.config.engine_id!r} cannot bind "
-                                  f"{ingestor.config.endpoint}: {error}") from None
+        except zmq.ZMQError as error:
+            if ingestor not in ready:  # e.g. the endpoint is taken: say which engine and where
+                raise IngestFileError(f"--ingest-vllm: engine {ingestor.config.engine_id!r} cannot bind "
+                                      f"{ingestor.config.endpoint}: {error}") from None
+            log.error("ingest_failed", engine=ingestor.config.engine_id, error=f"{type(error).__name__}: {error}")
+        except Exception as error:  # noqa: BLE001 - one engine's ingestion must not stop the sidecar serving the rest
+            if ingestor not in ready:
+                raise
+            log.error("ingest_failed", engine=ingestor.config.engine_id, error=f"{type(error).__name__}: {error}")
 
     async with anyio.create_task_group() as tasks:
         for ingestor in ingestors:

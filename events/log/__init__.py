@@ -21,7 +21,7 @@ from events.log._contract import (
 )
 from events.log._kafka import KafkaEventLog
 from events.log._open import open_log, schema_revision, upgrade_log
-from events.log._sql import SqlEventLog
+from events.log._sql import SqlEventLog, is_outage
 from events.log._urls import data_dir, mask, normalize
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "SchemaMismatch",
     "Snapshot",
     "SqlEventLog",
+    "is_outage",
     "StoredEvent",
     "StoredStep",
     "WriterFenced",

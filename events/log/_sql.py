@@ -32,6 +32,7 @@ from events.log._contract import (
     AppendBatch,
     AppendRejected,
     AppendResult,
+    LogUnavailable,
     Snapshot,
     StoredEvent,
     StoredStep,
@@ -47,6 +48,15 @@ NOTIFY_CHANNEL = "kvl_events"
 WRITE_OPTION = "kvledger_write"
 """Execution option marking a transaction that writes (SQLite: BEGIN IMMEDIATE)."""
 POLL_SECONDS = 0.2
+
+
+def is_outage(error: BaseException) -> bool:
+    """Whether `error` says the database is unreachable or dropped the connection (worth a retry),
+    rather than refused what was asked of it (a bug or a schema problem)."""
+    if isinstance(error, (sa.exc.OperationalError, sa.exc.InterfaceError, OSError, TimeoutError)):
+        return True
+    return isinstance(error, sa.exc.DBAPIError) and bool(error.connection_invalidated)
+
 KEEP_SNAPSHOTS = 5
 """Snapshots kept in the log's database: the newest, and four older in case it fails its digest."""
 
@@ -151,6 +161,13 @@ class SqlEventLog:
                     await conn.execute(sa.text(f"NOTIFY {NOTIFY_CHANNEL}"))
         except sa.exc.IntegrityError as error:
             raise AppendRejected(f"append refused by {self.url}: {error.orig}") from error
+        except Exception as error:
+            if is_outage(error):
+                # As the Kafka log says it: callers retry an outage, and only an outage.
+                first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                raise LogUnavailable(f"append to {self.url} failed ({type(error).__name__}: {first}): it may or may not "
+                                     "be committed; retry it with the same command id") from error
+            raise
         self._wake()
         return results
 
