@@ -83,8 +83,10 @@ class _CurrentLogAudit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         event_log = self.health.log
         if event_log is None:
+            # No reason here: this answers before any token is checked (the reason, which may name
+            # the backend, is on /readyz for whoever operates the service).
             response = JSONResponse({"error": "unavailable", "parameter": None,
-                                     "detail": f"the fleet service has no open log: {self.health.problem}"},
+                                     "detail": "the fleet service has no open log now (see /readyz); retry"},
                                     status_code=503, headers={"Retry-After": "1"})
             await response(scope, receive, send)
             return
