@@ -109,6 +109,8 @@ class Ledger:
         self._snapshot_seq: int | None = None
         """The sequence of the last snapshot this ledger wrote (None: none yet)."""
         self._lock = anyio.Lock()
+        self.snapshot_due: Snapshot | None = None
+        """An encoded snapshot waiting to be written (commit_group with save_snapshot=False)."""
         self.clock = clock
         """Wall-clock seconds, stamped on each appended step as `recorded_at` (what the audit's
         --at-time and namespace inventory read). Tests pass their own to place steps in time."""
@@ -152,7 +154,7 @@ class Ledger:
         )
         return result.commit if isinstance(result, StepCommit) else result
 
-    async def commit_group(self, transactions: Sequence[Transaction]) -> list[StepCommit | Commit]:
+    async def commit_group(self, transactions: Sequence[Transaction], *, save_snapshot: bool = True) -> list[StepCommit | Commit]:
         """Decide every transaction in order, then commit them all in one atomic append (group
         commit): each keeps its own stream and command id, and a stream's transactions keep their
         order. A command id that is already committed is not decided again: its original events
@@ -169,10 +171,21 @@ class Ledger:
                                      + ": it may or may not be committed; retry it with the same command ids") from error
             raise
         if snapshot is not None:
-            # Written outside the lock: the next group need not wait for it (a snapshot is a
-            # cache; the rows are insert-only, so an older one landing later changes nothing).
-            await self._save_snapshot(snapshot)
+            # Written outside the lock (a snapshot is a cache; the rows are insert-only, so an
+            # older one landing later changes nothing). With save_snapshot=False the caller saves
+            # it when it likes (`save_due_snapshot`): the sidecar's committer, in a task of its
+            # own, so no step waits for the write.
+            if save_snapshot:
+                await self._save_snapshot(snapshot)
+            else:
+                self.snapshot_due = snapshot
         return results
+
+    async def save_due_snapshot(self) -> None:
+        """Write the newest snapshot a commit_group(save_snapshot=False) left due, if any."""
+        snapshot, self.snapshot_due = self.snapshot_due, None
+        if snapshot is not None:
+            await self._save_snapshot(snapshot)
 
     async def close(self) -> None:
         """Clean shutdown: leave a snapshot so the next start replays only what follows."""

@@ -53,6 +53,7 @@ class Committer:
         self.max_group = max_group
         self._queue: deque[_Waiter] = deque()
         self._wake = anyio.Event()
+        self._snapshot_wake = anyio.Event()
         self._closing = False
         self.failure: str | None = None
         """Why the log stopped taking appends, if it did: readiness reports it."""
@@ -97,7 +98,12 @@ class Committer:
 
     async def run(self) -> None:
         try:
-            await self._run()
+            async with anyio.create_task_group() as saving:
+                saving.start_soon(self._save_snapshots)
+                try:
+                    await self._run()
+                finally:
+                    saving.cancel_scope.cancel()  # a snapshot is a cache: the ledger writes one at close
         finally:
             # Cancelled at a drain timeout, or failed: whoever is still queued gets an answer.
             self._closing = True
@@ -105,6 +111,13 @@ class Committer:
                 waiter = self._queue.popleft()
                 waiter.error = ShuttingDown("the sidecar stopped before this commit; retry it with its command id")
                 waiter.done.set()
+
+    async def _save_snapshots(self) -> None:
+        """Write each snapshot a commit left due, beside the commits: no step waits for it."""
+        while True:
+            await self._snapshot_wake.wait()
+            self._snapshot_wake = anyio.Event()
+            await self.ledger.save_due_snapshot()
 
     async def _run(self) -> None:
         while True:
@@ -133,7 +146,9 @@ class Committer:
     async def _commit_and_publish(self, group: list[_Waiter]) -> None:
         started = time.perf_counter()
         try:
-            results = await self.ledger.commit_group([w.tx for w in group])
+            results = await self.ledger.commit_group([w.tx for w in group], save_snapshot=False)
+            if self.ledger.snapshot_due is not None:
+                self._snapshot_wake.set()
         except DecideFailed as failed:
             # A bug in the core on one transaction: nothing of the group was committed and the
             # state is the log's again. That transaction gets the error; the others are committed
