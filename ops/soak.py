@@ -577,6 +577,7 @@ async def _faults(run: _Run, plan: Sequence[Fault]) -> None:
                                      f"{LOAD_TIMEOUT:g} s after restart {run.book.segment}")
             return
         with anyio.CancelScope(shield=True):
+            await _sample_once(run)  # every segment has its samples, however short it was
             await run.serve.kill()
             run.book.serve_kills += 1
             console.log(f"serve SIGKILLed at {run.elapsed():.1f} s (segment {run.book.segment}); restarting in {fault.down:.2f} s")
@@ -584,18 +585,27 @@ async def _faults(run: _Run, plan: Sequence[Fault]) -> None:
             await run.serve.start()
             run.book.segment = run.serve.starts - 1
             run.book.serve_restarts += 1
+            await _sample_once(run)
             console.log(f"serve restarted (pid {run.serve.pid}, segment {run.book.segment}) at {run.elapsed():.1f} s")
 
 
 async def _sample_memory(run: _Run) -> None:
     while True:
-        pid, starts = run.serve.pid, run.serve.starts
-        if pid is not None:
-            segment, since = starts - 1, anyio.current_time() - run.serve.started_at
-            mb = await anyio.to_thread.run_sync(resident_mb, pid)
-            if mb is not None and (pid, starts) == (run.serve.pid, run.serve.starts):
-                run.samples.append(RssSample(segment, round(since, 2), round(mb, 2)))
+        await _sample_once(run)
         await anyio.sleep(run.options.rss_every)
+
+
+async def _sample_once(run: _Run) -> None:
+    """One reading of the serve process's resident memory, in its restart segment. Also taken at
+    each restart and before each kill: a segment shorter than --rss-every (the CI soak kills
+    again after 3 steps) had none, and went missing from the report."""
+    pid, starts = run.serve.pid, run.serve.starts
+    if pid is None:
+        return
+    segment, since = starts - 1, anyio.current_time() - run.serve.started_at
+    mb = await anyio.to_thread.run_sync(resident_mb, pid)
+    if mb is not None and (pid, starts) == (run.serve.pid, run.serve.starts):
+        run.samples.append(RssSample(segment, round(since, 2), round(mb, 2)))
 
 
 async def _progress(run: _Run) -> None:
