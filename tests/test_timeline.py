@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import threading
+from time import monotonic as _monotonic
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -216,29 +218,43 @@ def test_steps_and_suffix_are_checked() -> None:
 
 
 @pytest.mark.anyio
-async def test_png_is_a_real_picture_drawn_off_the_event_loop(sim_log: SimLog, tmp_path: Path) -> None:
-    """STYLE.md 10: the loop keeps ticking while matplotlib draws (seconds of CPU). Measured on a
-    second picture: importing matplotlib's C extensions holds the GIL, wherever it happens."""
+async def test_png_is_a_real_picture_drawn_off_the_event_loop(sim_log: SimLog, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """STYLE.md 10: matplotlib draws (seconds of CPU) in a worker thread, and the loop keeps ticking
+    meanwhile. Not a timing bound: a C call inside matplotlib may hold the GIL for a while on a
+    loaded machine (0.62 s was seen in CI), so the test asserts where the drawing ran and that the
+    loop went on serving while it did. Drawn on the loop, no tick could land inside the drawing."""
+    from coordinator.audit import _timeline_draw
+
+    real_render = _timeline_draw.render
+    drawn: list[tuple[int, float, float]] = []
+
+    def spy(*args: object) -> None:  # the real drawing, with where and when it ran
+        started = _monotonic()
+        real_render(*args)
+        drawn.append((threading.get_ident(), started, _monotonic()))
+
+    monkeypatch.setattr(_timeline_draw, "render", spy)
     ticks: list[float] = []
 
     async def tick() -> None:
         while True:
-            ticks.append(anyio.current_time())
-            await anyio.sleep(0.02)
+            ticks.append(_monotonic())
+            await anyio.sleep(0.01)
 
     out = tmp_path / "timeline.png"
     event_log = await open_log(str(sim_log.indexed))
     try:
-        await draw_timeline(event_log, pool=1, first_step=1, last_step=3, out=tmp_path / "warm-up.png")
         async with anyio.create_task_group() as tg:
             tg.start_soon(tick)
             await draw_timeline(event_log, pool=0, first_step=1, last_step=STEPS, out=out)
             tg.cancel_scope.cancel()
-        ticks.append(anyio.current_time())
     finally:
         await event_log.close()
-    gaps = [after - before for before, after in zip(ticks, ticks[1:], strict=False)]
-    assert len(ticks) >= 5 and max(gaps) < 0.5, f"the event loop stalled for {max(gaps):.2f} s while drawing"
+    [(thread, started, ended)] = drawn
+    assert thread != threading.get_ident(), "the picture was drawn on the event loop's thread"
+    during = [t for t in ticks if started < t < ended]
+    assert during, f"the event loop did not tick once in the {ended - started:.2f} s of drawing"
     data = out.read_bytes()
     assert data[:8] == PNG_MAGIC and len(data) > 20_000
     assert not list(tmp_path.glob(".*partial")), "no half-written file is left behind"
