@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from coordinator.audit.store import indexed_seq, sync_index
 from coordinator.audit.timeline import (
+    Format,
     IndexRows,
     StepSpan,
     Timeline,
@@ -229,9 +230,9 @@ async def test_png_is_a_real_picture_drawn_off_the_event_loop(sim_log: SimLog, t
     real_render = _timeline_draw.render
     drawn: list[tuple[int, float, float]] = []
 
-    def spy(*args: object) -> None:  # the real drawing, with where and when it ran
+    def spy(timeline: Timeline, out: Path, kind: Format) -> None:  # the real drawing, with where and when it ran
         started = _monotonic()
-        real_render(*args)
+        real_render(timeline, out, kind)
         drawn.append((threading.get_ident(), started, _monotonic()))
 
     monkeypatch.setattr(_timeline_draw, "render", spy)
