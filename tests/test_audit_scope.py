@@ -6,6 +6,8 @@ state or with what the log recorded."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 
 from coordinator.audit import queries
@@ -18,6 +20,10 @@ from coordinator.commands import (
     FinishOwner,
     FreeBlocks,
     MarkComputed,
+    ObservedKvEvent,
+    ObserveEngine,
+    ObserveGap,
+    ObserveKvEvents,
     ReportRank,
     ReuseBlocks,
     StartOwner,
@@ -209,5 +215,55 @@ async def test_history_of_a_busy_slot_keeps_the_newest_generations_with_a_total(
         assert [g.generation for g in history.generations] == [5, 6, 7]
         assert [g.req_id for g in history.generations] == ["r4", "r5", "r6"]
         assert all(g.ended_by == "freed" for g in history.generations)
+    finally:
+        await k.log.close()
+
+
+@pytest.mark.parametrize("list_limit", [queries.LIST_LIMIT, 2])
+async def test_I9_an_observed_hash_answers_each_tenant_with_its_own_rows_only(log_url: str, list_limit: int,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """An observed engine restarted under another tenant's namespace: the hash's rows, clears,
+    gaps and total each belong to the tenant whose incarnation recorded them. The restart is
+    both tenants': it ends the first one's residencies and begins the second's incarnation.
+    With list_limit 2 the total is counted in SQL, past the rows listed."""
+    k = await kit(log_url, tiers=())
+    block_hash = bytes([0xAB]) * 32
+    engine = "vllm-x"
+
+    def seen(tenant: str, reason: str) -> ObserveEngine:
+        return ObserveEngine(engine_id=engine, namespace=b.namespace(tenant=tenant, tp=1), source="test", reason=reason)
+
+    async def batch(seq: int, *events: ObservedKvEvent) -> None:
+        await k.ledger.execute(ObserveKvEvents(engine_id=engine, seq=seq, ts=float(seq), dp_rank=0, events=list(events)))
+
+    def kv(kind: Literal["stored", "removed", "cleared"]) -> ObservedKvEvent:
+        if kind == "cleared":
+            return ObservedKvEvent(kind="cleared", type_name="AllBlocksCleared")
+        return ObservedKvEvent(kind=kind, type_name=f"Block{kind.title()}", block_hashes=[block_hash],
+                               token_ids=list(range(b.BLOCK)) if kind == "stored" else [],
+                               block_size=b.BLOCK if kind == "stored" else 0)
+
+    try:
+        await k.ledger.execute(seen("tenant-a", "first_seen"))
+        await batch(0, kv("stored"))
+        await batch(1, kv("removed"))
+        await batch(2, kv("stored"))
+        await k.ledger.execute(seen("tenant-b", "restart"))
+        await batch(0, kv("stored"))
+        await batch(1, kv("cleared"))
+        await k.ledger.execute(ObserveGap(engine_id=engine, first_seq=2, last_seq=3, reason="lost on the way"))
+        await sync_index(k.log)
+        monkeypatch.setattr(queries, "LIST_LIMIT", list_limit)
+        everyone = await Audit(k.log).observed(block_hash.hex())
+        tenant_a = await Audit(k.log, tenant="tenant-a").observed(block_hash.hex())
+        tenant_b = await Audit(k.log, tenant="tenant-b").observed(block_hash.hex())
+        assert (everyone.total, tenant_a.total, tenant_b.total) == (4, 3, 1)
+        assert [(r.incarnation, r.ended_by) for r in tenant_b.residencies] == [(2, "cleared")]
+        assert len(tenant_b.gaps) == 1 and "incarnation 2" in tenant_b.gaps[0]
+        assert (tenant_a.tenant, tenant_b.tenant) == ("tenant-a", "tenant-b")
+        assert tenant_a.gaps == [] and "cleared" not in [e.kind for e in tenant_a.events]
+        assert {e.incarnation for e in tenant_a.events if e.kind != "restarted"} == {1}
+        if list_limit > 3:
+            assert [(r.incarnation, r.ended_by) for r in tenant_a.residencies] == [(1, "removed"), (1, "restarted")]
     finally:
         await k.log.close()

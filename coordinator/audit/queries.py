@@ -651,15 +651,25 @@ class Audit:
         visible = [r for r in rows if self._visible_at(declarations, r.engine, int(r.seq))]
         if not visible:
             raise OutOfScope(f"block hash {text} is outside tenant {self.tenant!r}")
-        total = len(rows) if len(rows) < LIST_LIMIT else int(conn.execute(
-            sa.select(sa.func.count()).where(o.hash == block_hash)).scalar() or 0)
+        total = len(visible)  # the caller's rows only
+        if len(rows) == LIST_LIMIT:
+            scope = self._span_filter(conn, o.engine, o.seq)
+            total = int(conn.execute(sa.select(sa.func.count()).where(
+                o.hash == block_hash, *(() if scope is None else (scope,)))).scalar() or 0)
         engines = sorted({r.engine for r in visible})
         since = int(visible[0].seq)
-        clears = conn.execute(sa.select(t.audit_observed).where(o.hash == b"", o.seq > since, o.engine.in_(engines))
-                              .order_by(o.seq)).all()
-        lives = conn.execute(sa.select(e.engine, e.incarnation, e.seq, e.kind, e.detail)
-                             .where(e.engine.in_(engines), e.kind.in_(("observed", "events_missed")), e.seq > since)
-                             .order_by(e.seq)).all()
+        # The same engine may have been observed again under another tenant: its clears and gaps
+        # then are that tenant's. A restart is also the caller's when it ends the caller's incarnation.
+        clears = [r for r in conn.execute(sa.select(t.audit_observed)
+                                          .where(o.hash == b"", o.seq > since, o.engine.in_(engines))
+                                          .order_by(o.seq)).all()
+                  if self._visible_at(declarations, r.engine, int(r.seq))]
+        lives = [r for r in conn.execute(sa.select(e.engine, e.incarnation, e.seq, e.kind, e.detail)
+                                         .where(e.engine.in_(engines), e.kind.in_(("observed", "events_missed")),
+                                                e.seq > since)
+                                         .order_by(e.seq)).all()
+                 if self._visible_at(declarations, r.engine, int(r.seq))
+                 or (r.kind == "observed" and self._visible_at(declarations, r.engine, int(r.seq) - 1))]
         timeline = sorted(
             [ObservedEvent(int(r.seq), r.kind, r.engine, int(r.incarnation), r.medium, int(r.grp), r.dp_rank,
                            int(r.source_seq)) for r in visible]
