@@ -18,10 +18,11 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
-from aiokafka import AIOKafkaProducer  # type: ignore[import-untyped]
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # type: ignore[import-untyped]
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic  # type: ignore[import-untyped]
 from structlog.testing import capture_logs
 
@@ -45,6 +46,7 @@ from events.log import (
     WrongExpectedVersion,
     open_log,
 )
+from events.log import _kafka
 from events.log._contract import pack_step
 from events.log._kafka_target import parse_kafka_url
 from events.log._kafka_fold import (
@@ -505,3 +507,52 @@ async def test_close_with_the_broker_gone_returns_and_stops_both_clients(tmp_pat
     with anyio.fail_after(30):
         await event_log.close()  # returns: the consumer's fetch task's CancelledError is not ours
     assert event_log._producer._closed  # noqa: SLF001 - the producer was stopped after the consumer
+
+
+@pytest.mark.parametrize("fills_after", [3, None])
+async def test_a_hole_in_a_fetch_is_fetched_again_and_one_that_never_fills_fails_the_log_closed(
+    kafka_log: KafkaEventLog, kafka_url: str, monkeypatch: pytest.MonkeyPatch, fills_after: int | None
+) -> None:
+    """The broker's fetch skips the record at one offset (what Tansu does for a few ms under
+    concurrent producers), injected at the reader's consumer: the fetches that hold the records
+    leave it out, `fills_after` times or for ever. A hole that fills is read in order
+    and nothing is lost; one that stays HOLE_TIMEOUT_S fails the reader closed, naming the
+    offset, rather than folding past a record only this reader would never see."""
+    monkeypatch.setattr(_kafka, "HOLE_TIMEOUT_S", 0.5)
+    real_getmany = AIOKafkaConsumer.getmany
+    hole: int | None = None
+    skipped = 0
+
+    async def getmany(consumer: AIOKafkaConsumer, *args: Any, **kwargs: Any) -> dict[Any, list[Any]]:
+        """The reader's fetches (from its first, so none is in flight unaltered), not the writer's."""
+        nonlocal skipped
+        fetched: dict[Any, list[Any]] = await real_getmany(consumer, *args, **kwargs)
+        if consumer is kafka_log._consumer or hole is None:
+            return fetched
+        for partition, records in fetched.items():
+            if any(r.offset == hole for r in records) and (fills_after is None or skipped < fills_after):
+                skipped += 1
+                fetched[partition] = [r for r in records if r.offset != hole]
+        return fetched
+
+    monkeypatch.setattr(AIOKafkaConsumer, "getmany", getmany)
+    await kafka_log.append([step("s", 0, ["a"])])
+    reader = await open_log(kafka_url.replace("state.sqlite", "reader.sqlite"))
+    assert isinstance(reader, KafkaEventLog)
+    try:
+        assert await reader.head() == 1
+        hole = reader._fold.next_offset
+        await kafka_log.append([step("s", 1, ["b"])])
+        await kafka_log.append([step("s", 2, ["c"])])
+        if fills_after is None:
+            with capture_logs() as logs, pytest.raises(LogDiverged, match=rf"no readable record at offsets {hole}\.\.{hole} "):
+                await reader.head()
+            assert reader.failure is not None and skipped >= 2
+            assert [entry["error"] for entry in logs if entry["event"] == "kafka_log_failed_closed"] == ["LogDiverged"]
+            with pytest.raises(LogDiverged):
+                await reader.read()
+        else:
+            assert await reader.head() == 3 and skipped == fills_after
+            assert [e.event_id for e in await everything(reader)] == [e.event_id for e in await everything(kafka_log)]
+    finally:
+        await reader.close()

@@ -100,8 +100,8 @@ FETCH_RECORDS = 256
 events, so a batch holds the loop for at most ~50 ms before the fetcher awaits the broker again."""
 HOLE_RETRY_S = 0.01
 """How soon the fetcher asks again for a record missing before the ones it was given."""
-HOLE_SETTLE_S = 2.0
-"""How long a record may stay missing before the fetcher folds past it (_fold_fetched)."""
+HOLE_TIMEOUT_S = 10.0
+"""How long a record may stay missing before the log fails closed (_fold_fetched)."""
 END_SETTLE_S = 2.0
 """How long the topic's end may stay below what was read before the log fails closed (_end)."""
 CLAIM_ATTEMPTS = 3
@@ -437,9 +437,10 @@ class KafkaEventLog(SqlEventLog):
         skipped by one consumer and read by the others). Folding past it loses that record for
         this reader for good: a tail never sees its events, or its writer's read-back finds
         another record at its offset (LogDiverged). So a hole is fetched again until it fills.
-        Kafka leaves no hole below its high watermark in a topic kvledger writes; one that stays
-        HOLE_SETTLE_S (another producer's transaction markers, say) holds no record, and is
-        folded past, as every reader will."""
+        Kafka leaves no hole below its high watermark in a topic only kvledger writes (no
+        transactions, no compaction). One that stays HOLE_TIMEOUT_S fails the log closed, naming
+        the offsets: folding past it could lose a committed record for this reader alone, and its
+        state would then differ from every other reader's without a word."""
         folded = False
         try:
             for record in records:
@@ -447,8 +448,8 @@ class KafkaEventLog(SqlEventLog):
                 expected = self._fold.next_offset
                 if offset < expected:
                     continue  # folded already by its writer
-                if offset > expected and not self._hole_settled(expected, offset):
-                    return expected
+                if offset > expected:
+                    return -1 if self._hole_timed_out(expected, offset) else expected
                 if not self._fold_record(offset, record.headers, record.value):
                     return -1
                 folded = True
@@ -457,17 +458,21 @@ class KafkaEventLog(SqlEventLog):
             if folded:
                 self._wake()
 
-    def _hole_settled(self, expected: int, offset: int) -> bool:
-        """Whether the records expected..offset-1, missing from a fetch, stayed missing HOLE_SETTLE_S."""
+    def _hole_timed_out(self, expected: int, offset: int) -> bool:
+        """Whether the records expected..offset-1, missing from a fetch, stayed missing
+        HOLE_TIMEOUT_S: the log has then failed closed."""
         now = time.monotonic()
         if self._hole is None or self._hole[0] != expected:
             self._hole = (expected, now)
             log.debug("kafka_fetch_hole", url=self.url, missing=expected, fetched=offset)
             return False
-        if now - self._hole[1] < HOLE_SETTLE_S:
+        waited = now - self._hole[1]
+        if waited < HOLE_TIMEOUT_S:
             return False
-        log.warning("kafka_offsets_hold_no_record", url=self.url, first=expected, last=offset - 1,
-                    waited_s=round(now - self._hole[1], 3))
+        self._fail(LogDiverged(
+            f"topic {self.target.topic!r} on {self.url} holds no readable record at offsets {expected}..{offset - 1} "
+            f"after {waited:.1f} s, below the record at {offset}: a topic kvledger reads must hold every offset "
+            "(no transactional writer, no compaction); refusing to fold past records this reader may never see"))
         return True
 
     def _fold_record(self, offset: int, headers: Sequence[tuple[str, bytes]], value: bytes | None) -> bool:
