@@ -2,11 +2,19 @@
 
 The live test runs ops/vllm/prove.py with the vLLM environment (.venv-vllm, built by
 ops/vllm/setup.sh, about 3.4 GB): a cold run without any connector and a run with
-coordinator.vllm.offload.KvledgerOffloadingSpec against a real `kvledger serve` (this venv's) on a
-temporary SQLite log, the engine's own cache small and reset between rounds. It asserts that the
-generated token ids AND per-token logprobs equal the cold run's exactly, and that the log shows
-why that is not vacuous: stores published by every rank, then loads of those very keys, leased
-and verified, that succeeded (an external hit rate above zero). About 3 minutes on 2 cores.
+coordinator.vllm.connector.KvledgerOffloadingConnector (kvledger's spec, kv_load_failure_policy
+"recompute") against a real `kvledger serve` (this venv's) on a temporary SQLite log, the
+engine's own cache small and reset between rounds, 4 rounds. It asserts that the generated token
+ids AND per-token logprobs equal the cold run's exactly, and that the log shows why that is not
+vacuous: stores published by every rank, then loads of those very keys, leased and verified, that
+succeeded (an external hit rate above zero).
+
+Before round 2 one published key's tier file is corrupted on disk (same size, other bytes).
+Rounds 2 and 3 must still equal the cold run: the worker refused the load (no byte of it in
+vLLM's cache, no crash), vLLM recomputed it; the log shows the key quarantined (I13) and that
+load job failed, round 3's lookups of the key miss while the keys before it still load, and the
+worker logged kvledger_load_refused naming the job and the key. One prove.py run for all of it:
+about 1.5 minutes on 2 idle cores, 3 or more when they are shared.
 
 Without .venv-vllm the live test is skipped with the reason printed, unless KVLEDGER_REQUIRE_VLLM=1
 (CI), which makes that a failure. The Hello tests need no vLLM: they run the spec's own Hello code
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,7 +38,7 @@ from typing import Any
 import pytest
 
 from coordinator.client import SidecarError
-from coordinator.recovery import decode_step, stored_steps
+from coordinator.recovery import decode, stored_steps
 from coordinator.sidecar import protocol as p
 from coordinator.vllm.offload_client import EngineFacts, LedgerSession, OffloadSettings, declaration
 from events import (
@@ -43,6 +52,7 @@ from events import (
     KeyPublished,
     KeyQuarantined,
     NamespaceRegistered,
+    Reason,
     Refused,
 )
 from events.log import open_log
@@ -83,42 +93,57 @@ def proof() -> Iterator[dict[str, Any]]:
         assert done.returncode == 0, f"prove.py failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
         result: dict[str, Any] = json.loads(out.read_text())
         result["test_wall_s"] = time.monotonic() - started
+        result["output"] = done.stdout + done.stderr
         print(f"live vLLM proof: {result['seconds']} (test wall {result['test_wall_s']:.1f} s)")
         yield result
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-async def _events(log_url: str) -> list[Event]:
+async def _events(log_url: str) -> list[tuple[int, Event]]:
+    """(global sequence, event), in log order."""
     codec = EventCodec()
     event_log = await open_log(log_url)
     try:
-        events: list[Event] = []
+        events: list[tuple[int, Event]] = []
         async for batch in stored_steps(event_log):
             for step in batch:
-                events += decode_step(codec, step)
+                events += [(stored.global_seq, decode(codec, stored)) for stored in step.events()]
         return events
     finally:
         await event_log.close()
 
 
 @pytest.fixture(scope="module")
-def logged(proof: dict[str, Any]) -> list[Event]:
+def sequenced(proof: dict[str, Any]) -> list[tuple[int, Event]]:
     import anyio
 
     return anyio.run(_events, proof["log"])
 
 
+@pytest.fixture(scope="module")
+def logged(proof: dict[str, Any], sequenced: list[tuple[int, Event]]) -> list[Event]:
+    """The log up to the corruption: the clean rounds."""
+    return [event for seq, event in sequenced if seq <= proof["corrupted"]["last_seq"]]
+
+
+@pytest.fixture(scope="module")
+def after_corruption(proof: dict[str, Any], sequenced: list[tuple[int, Event]]) -> list[Event]:
+    return [event for seq, event in sequenced if seq > proof["corrupted"]["last_seq"]]
+
+
 def test_tokens_and_logprobs_equal_the_cold_run(proof: dict[str, Any]) -> None:
     cold, cached = proof["cold"], proof["kvledger"]
-    assert len(cold) == len(cached) == 8
+    assert len(cold) == len(cached) == 16  # 4 rounds of 4 prompts; the corrupted tier file before round 2
     for a, b in zip(cold, cached, strict=True):
         assert a["prompt_token_ids"] == b["prompt_token_ids"]
         assert a["token_ids"] == b["token_ids"], (a["round"], a["prompt"])
         assert a["logprobs"] == b["logprobs"], (a["round"], a["prompt"])  # exactly, not approximately
         assert len(a["token_ids"]) == len(a["logprobs"]) > 0
-    # The engine's own cache was reset before round 2: what it did not compute came from kvledger.
+    # The engine's own cache was reset before each round: what it did not compute came from kvledger.
     assert all(r["num_cached_tokens"] > 0 for r in cached if r["round"] == 1)
+    # Round 3 loads the keys before the quarantined one (its first prompt has no other source).
+    assert [r["num_cached_tokens"] > 0 for r in cached if r["round"] == 3][0]
     assert all(r["num_cached_tokens"] == 0 for r in cold)
 
 
@@ -151,6 +176,49 @@ def test_the_log_shows_the_stores_and_the_loads_that_made_the_difference(logged:
     assert hit_rate > 0 and loaded_keys > 0
     (namespace,) = [e.spec for e in logged if isinstance(e, NamespaceRegistered)]
     assert namespace.hash_algorithm == "vllm:sha256" and namespace.weights_revision.startswith("sha256:")
+
+
+def test_a_corrupted_tier_file_is_refused_quarantined_and_recomputed(
+    proof: dict[str, Any], after_corruption: list[Event]
+) -> None:
+    """I13 on a live vLLM: the bytes that fail verification never reach vLLM's cache (the last
+    round's tokens and logprobs equal the cold run's, test above) and vLLM keeps serving."""
+    corrupted = proof["corrupted"]
+    assert corrupted is not None, "prove.py corrupted nothing"
+    key = bytes.fromhex(corrupted["key"])
+    reading = [e for e in after_corruption if isinstance(e, ExternalLoadStarted) and any(i.key == key for i in e.items)]
+    assert len(reading) == 1, f"{len(reading)} loads read the corrupted key after the corruption"
+    (bad,) = reading
+    index = [item.key for item in bad.items].index(key)
+    engine_key = bad.items[index].engine_key
+    quarantined = [e for e in after_corruption if isinstance(e, KeyQuarantined)]
+    assert [(e.key, e.job_id, e.reason) for e in quarantined] == [(key, bad.job_id, Reason.CHECKSUM_MISMATCH)]
+    failed = [e for e in after_corruption if isinstance(e, JobFailed)]
+    assert [(e.job_id, e.reason) for e in failed] == [(bad.job_id, Reason.CHECKSUM_MISMATCH)]
+    assert not [e for e in after_corruption if isinstance(e, Refused)]
+
+    # Round 3 (the engine's cache reset again): the lookup of the quarantined key missed (I13, a
+    # lookup answers from unquarantined keys only), and the keys before it loaded, verified, counted.
+    later = after_corruption[after_corruption.index(quarantined[0]) + 1:]
+    answers = [loadable for e in later if isinstance(e, ExternalKeysLookedUp)
+               for looked_up, loadable in zip(e.engine_keys, e.loadable, strict=True) if looked_up == engine_key]
+    assert answers and not any(answers), answers
+    succeeded = {e.job_id for e in later if isinstance(e, JobSucceeded)}
+    reloads = [e for e in later if isinstance(e, ExternalLoadStarted)]
+    assert index > 0 and [i.key for i in bad.items[:index]] in [[i.key for i in job.items] for job in reloads]
+    assert all(job.job_id in succeeded for job in reloads)
+
+    # The worker logged the refusal (structlog, in vLLM's worker process), naming the job and the key.
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in proof["output"].splitlines()]
+    refused = [line for line in lines if "kvledger_load_refused" in line]
+    assert any(f"job_id={bad.job_id}" in line and corrupted["key"] in line for line in refused), refused or lines[-40:]
+
+    # And `kvledger audit key` tells the key's story: published, loaded, then the failed load and the quarantine.
+    audit = json.loads(subprocess.run([str(KVLEDGER), "audit", "key", corrupted["key"], "--json", "--log", proof["log"]],
+                                      capture_output=True, text=True, timeout=120, check=True).stdout)
+    assert audit["counts"]["quarantined"] == 1 and audit["quarantines"], audit
+    outcomes = {load["job_id"]: load["outcome"] for load in audit["loads"]}
+    assert outcomes[corrupted["load_job"]] == "succeeded" and outcomes[bad.job_id].startswith("failed: checksum_mismatch")
 
 
 # --- the Hello, without vLLM ---------------------------------------------------------------------
@@ -210,6 +278,31 @@ def test_a_matching_hello_is_declared_and_decides(sidecar_socket: str) -> None:
         assert decided is not None and [item.engine_key for item in decided[0].items] == [key.engine_key]
     finally:
         session.close()
+
+
+def test_the_connector_refuses_at_start_up_what_would_crash_vllm_later() -> None:
+    from coordinator.vllm.offload_client import SPEC_NAME, SettingsError, check_connector_config
+
+    ours = {"spec_name": SPEC_NAME}
+    with pytest.raises(SettingsError, match="kv_load_failure_policy \"recompute\""):
+        check_connector_config("fail", ours, 1)  # vLLM's default: the request would fail
+    with pytest.raises(SettingsError, match="spec_name 'KvledgerOffloadingSpec'"):
+        check_connector_config("recompute", {"spec_name": "CPUOffloadingSpec"}, 1)
+    with pytest.raises(SettingsError, match="2 KV-cache groups"):
+        check_connector_config("recompute", ours, 2)  # vLLM raises on load-error block ids then
+    check_connector_config("recompute", ours, 1)
+
+
+def test_a_load_is_verified_per_rank_and_refused_blocks_are_reported_once() -> None:
+    from coordinator.vllm.offload_client import LoadErrors, unverified
+
+    published = [[b"a0", b"a1"], [b"b0", b"b1"], [b"c0"]]
+    assert unverified(published, [b"a0", b"b0", b"c0"], rank=0) == []
+    assert unverified(published, [b"a1", b"XX", b""], rank=1) == [1, 2]  # other bytes, unread, no checksum for rank 1
+    errors = LoadErrors()
+    errors.refuse([3, 4])
+    errors.refuse([4, 5])
+    assert errors.take() == {3, 4, 5} and errors.take() == set()
 
 
 def test_settings_name_what_is_missing() -> None:

@@ -4,7 +4,9 @@
 # glue to vLLM is in coordinator/vllm/offload_client.py, which mypy checks strictly.
 """kvledger as vLLM's offloading spec (vLLM 0.32, the OffloadingConnector's out-of-tree spec API).
 
-    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    --kv-transfer-config '{"kv_connector": "KvledgerOffloadingConnector",
+      "kv_connector_module_path": "coordinator.vllm.connector", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute",
       "kv_connector_extra_config": {"spec_name": "KvledgerOffloadingSpec",
         "spec_module_path": "coordinator.vllm.offload",
         "kvledger_socket": "/run/kvledger.sock",
@@ -18,10 +20,15 @@ bytes between vLLM's KV-cache tensors and the tier with gpu/ (gpu.tiers, gpu.che
 what it stores, verifies what it loads against the published checksum before a byte reaches vLLM's
 cache, and reports per job and rank to the sidecar itself (Reporter).
 
-A load that fails verification is reported (the key is quarantined, I13) and then the worker
-raises: vLLM 0.32's OffloadingConnector cannot take a failed transfer (it asserts success, see
-ops/vllm/API_NOTES.md section 6), and serving the blocks unverified would be a wrong-KV read.
-Recomputing instead needs a connector that reports the blocks in get_block_ids_with_load_errors.
+A load that does not count is refused, never served and never a crash: bytes read with another
+checksum than published (reported: the key is quarantined, I13), an unreadable tier file, a job
+the sidecar failed (lease expired, key evicted or quarantined meanwhile, I12) or a load it refused
+to start. The worker copies none of a refused load's bytes into vLLM's cache (or, when the job
+failed after the copy, has them recomputed over), tells vLLM the transfer is done (vLLM 0.32's
+connector asserts success, ops/vllm/API_NOTES.md section 6) and names its engine blocks in
+LoadErrors, which KvledgerOffloadingConnector (coordinator/vllm/connector.py) reports as load
+errors: under kv_load_failure_policy "recompute" vLLM recomputes them. The spec works only under
+that connector (get_worker refuses otherwise).
 """
 
 from __future__ import annotations
@@ -54,17 +61,24 @@ from vllm.v1.kv_offload.base import (
 
 from coordinator.commands import ExternalKey, ReportRank
 from coordinator.vllm.offload_client import (
+    CONNECTOR_MODULE,
+    CONNECTOR_NAME,
     EngineFacts,
     LedgerSession,
+    LoadErrors,
     OffloadSettings,
+    Refusal,
     Reporter,
+    SettingsError,
+    SidecarError,
     SidecarUnavailable,
     engine_id,
     tier_spec,
+    unverified,
 )
 from events import ExternalLoadStarted, ExternalStoreStarted, JobFailed, KeyQuarantined
 from gpu.checksum import checksum
-from gpu.tiers import DiskTier, SlotTier, Tier
+from gpu.tiers import DiskTier, SlotTier, Tier, TierError
 
 log = structlog.get_logger("kvledger.vllm.offload")
 
@@ -109,6 +123,18 @@ class KvledgerSpec(LoadStoreSpec):
         return f"KvledgerSpec(job={self.job_id}, tier={self.tier!r}, slots={[item[2] for item in self.items]})"
 
 
+class RefusedLoadSpec(LoadStoreSpec):
+    """A load the sidecar would not start (a key left the tier or was quarantined since its
+    lookup, or no sidecar): vLLM cannot decline a load at prepare_load, so the worker refuses it."""
+
+    def __init__(self, reason: str, engine_keys: list[bytes]) -> None:
+        self.reason = reason
+        self.engine_keys = engine_keys
+
+    def __repr__(self) -> str:
+        return f"RefusedLoadSpec({self.reason!r}, {len(self.engine_keys)} keys)"
+
+
 class KvledgerOffloadingManager(OffloadingManager):
     """Scheduler side: every decision is the sidecar's (LedgerSession), none is made here."""
 
@@ -144,8 +170,13 @@ class KvledgerOffloadingManager(OffloadingManager):
         return LookupResult.HIT if loadable else LookupResult.MISS
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        # Refused (a key left the tier since its lookup): vLLM has no way to decline a load here.
-        job = self.session().load(self._refs(keys))
+        refs = self._refs(keys)
+        try:
+            job = self.session().load(refs)
+        except (Refusal, SidecarUnavailable) as error:  # the worker refuses it: vLLM recomputes the blocks
+            log.warning("kvledger_load_not_started", request=req_context.req_id, error=str(error),
+                        keys=[ref.engine_key.hex() for ref in refs])
+            return RefusedLoadSpec(str(error), [ref.engine_key for ref in refs])
         return KvledgerSpec(job)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -197,7 +228,7 @@ class KvledgerOffloadingWorker(OffloadingWorker):
     """Worker side: copies between vLLM's KV-cache rows and the tier, synchronously, verified."""
 
     def __init__(self, settings: OffloadSettings, facts: EngineFacts, rank: int, kv_caches: CanonicalKVCaches,
-                 blocks_per_chunk: int) -> None:
+                 blocks_per_chunk: int, load_errors: LoadErrors) -> None:
         if blocks_per_chunk != 1:
             raise ValueError(f"kvledger's spec stores one vLLM block per tier slot; blocks_per_chunk is {blocks_per_chunk}")
         self.rank = rank
@@ -209,6 +240,7 @@ class KvledgerOffloadingWorker(OffloadingWorker):
         self.tier: Tier = (DiskTier(spec.name, _rank_dir(settings.tier_dir, rank), device) if settings.tier_dir
                            else SlotTier(spec.name, device, spec.num_slots, spec.bytes_per_slot))
         self.reporter = Reporter(settings.socket, engine_id(settings, facts), rank)
+        self.load_errors = load_errors
         self.finished: list[TransferResult] = []
 
     def _rows(self, group: int, block_id: int) -> list[torch.Tensor]:
@@ -236,26 +268,55 @@ class KvledgerOffloadingWorker(OffloadingWorker):
         self.finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
         return True
 
+    def _refuse(self, job_id: int, block_ids: list[int], reason: str, *, kvledger_job: int | None, keys: list[str],
+                events: list | None = None) -> bool:
+        """vLLM recomputes the blocks (the connector names them as load errors); the transfer is
+        "done" without a size, so vLLM neither crashes (it asserts success) nor counts it as loaded bytes."""
+        self.load_errors.refuse(block_ids)
+        self.finished.append(TransferResult(job_id, True))
+        events = events or []
+        log.warning("kvledger_load_refused", job_id=kvledger_job, vllm_job_id=job_id, rank=self.rank, reason=reason,
+                    keys=keys, blocks=block_ids,
+                    quarantined=[e.key.hex() for e in events if isinstance(e, KeyQuarantined)],
+                    job_failed=[f"{e.reason}: {e.detail}" for e in events if isinstance(e, JobFailed)])
+        return True
+
+    def _report_load(self, report: ReportRank) -> list | None:
+        """What the report committed; None when the sidecar could not be told (then the load
+        cannot count: kvledger would not know its key was read)."""
+        try:
+            return self.reporter.report(report)
+        except SidecarError as error:
+            log.warning("kvledger_unavailable", call="report_load", job_id=report.job_id, error=str(error))
+            return None
+
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        if isinstance(src_spec, RefusedLoadSpec):
+            return self._refuse(job_id, [int(b) for b in np.asarray(dst_spec.block_ids)], src_spec.reason,
+                                kvledger_job=None, keys=[key.hex() for key in src_spec.engine_keys])
         assert isinstance(src_spec, KvledgerSpec), src_spec
         started = time.perf_counter()
         block_ids = self._blocks(src_spec, dst_spec)
+        keys = [key.hex() for _, key, _, _ in src_spec.items]
         read: list[torch.Tensor] = []
         sums: list[bytes] = []
-        for block_id, (group, key, slot, published) in zip(block_ids, src_spec.items, strict=True):
+        unreadable: list[str] = []
+        for block_id, (group, key, slot, _) in zip(block_ids, src_spec.items, strict=True):
             nbytes = sum(row.numel() * row.element_size() for row in self._rows(group, block_id))
-            data = self.tier.read(key, nbytes, slot=slot)
+            try:
+                data = self.tier.read(key, nbytes, slot=slot)
+            except TierError as error:  # no checksum: the key is not quarantined, the job fails RANK_FAILED
+                unreadable.append(str(error))
+                data = torch.empty(0, dtype=torch.uint8)
             read.append(data)
-            sums.append(checksum(data))
-        mismatched = [key.hex() for (_, key, _, published), found in zip(src_spec.items, sums, strict=True)
-                      if len(published) <= self.rank or found != published[self.rank]]
+            sums.append(checksum(data) if data.numel() else b"")
+        mismatched = [keys[index] for index in unverified([item[3] for item in src_spec.items], sums, self.rank)]
         if mismatched:
             # I13: not one byte of it reaches vLLM's cache. Reported, so the key is quarantined.
-            events = self.reporter.report(ReportRank(job_id=src_spec.job_id, rank=self.rank, ok=False, checksums=sums,
-                                                     error=f"checksum_mismatch: {mismatched}"))
-            quarantined = [e.key.hex() for e in events if isinstance(e, KeyQuarantined)]
-            raise RuntimeError(f"kvledger load job {src_spec.job_id}: tier keys {mismatched} read with other bytes than "
-                               f"published (quarantined: {quarantined}); refusing to hand vLLM unverified KV")
+            error = f"checksum_mismatch: {mismatched}" + (f"; unreadable: {unreadable}" if unreadable else "")
+            events = self._report_load(ReportRank(job_id=src_spec.job_id, rank=self.rank, ok=False, checksums=sums,
+                                                  error=error))
+            return self._refuse(job_id, block_ids, error, kvledger_job=src_spec.job_id, keys=mismatched, events=events)
         landed = []
         size = 0
         for block_id, (group, _, _, _), data in zip(block_ids, src_spec.items, read, strict=True):
@@ -267,14 +328,16 @@ class KvledgerOffloadingWorker(OffloadingWorker):
                 offset += length
             landed.append(checksum(torch.cat([row.reshape(-1) for row in rows]).view(torch.uint8)))
             size += offset
-        events = self.reporter.report(ReportRank(job_id=src_spec.job_id, rank=self.rank, ok=landed == sums,
-                                                 checksums=landed, error="" if landed == sums else "verify_failed"))
-        failed = [e for e in events if isinstance(e, JobFailed)]
-        if landed != sums or failed:
-            # A load that does not count (lease expired, key evicted or quarantined meanwhile, I12):
-            # vLLM cannot be told, so it must not go on as if it had the blocks.
-            raise RuntimeError(f"kvledger load job {src_spec.job_id} does not count: "
-                               f"{failed[0].reason if failed else 'verify_failed'}: {failed[0].detail if failed else ''}")
+        events = self._report_load(ReportRank(job_id=src_spec.job_id, rank=self.rank, ok=landed == sums,
+                                              checksums=landed, error="" if landed == sums else "verify_failed"))
+        failed = [e for e in events or [] if isinstance(e, JobFailed)]
+        if landed != sums or failed or events is None:
+            # A load that does not count (lease expired, key evicted or quarantined meanwhile, I12;
+            # bytes that changed on their way in; a report the sidecar never got): the blocks it
+            # wrote are recomputed over.
+            reason = ("verify_failed" if landed != sums else f"job_failed: {failed[0].reason}" if failed
+                      else "not_reported")
+            return self._refuse(job_id, block_ids, reason, kvledger_job=src_spec.job_id, keys=keys, events=events)
         self.finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
         return True
 
@@ -309,6 +372,8 @@ class KvledgerOffloadingSpec(OffloadingSpec):
             tensor_parallel_size=int(parallel.tp_size), pipeline_parallel_size=int(parallel.pp_size),
         )
         self.rank = int(parallel.rank)
+        self.load_errors: LoadErrors | None = None
+        """Set by KvledgerOffloadingConnector (coordinator/vllm/connector.py), which reports them to vLLM."""
         self._manager: KvledgerOffloadingManager | None = None
         self._worker: KvledgerOffloadingWorker | None = None
 
@@ -318,6 +383,12 @@ class KvledgerOffloadingSpec(OffloadingSpec):
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self.load_errors is None:
+            # Under vLLM's own OffloadingConnector a refused load could only crash the worker.
+            raise SettingsError(f"{type(self).__name__} needs kv_connector {CONNECTOR_NAME!r} with "
+                                f"kv_connector_module_path {CONNECTOR_MODULE!r} (and kv_load_failure_policy "
+                                f"\"recompute\"), not vLLM's OffloadingConnector")
         if self._worker is None:
-            self._worker = KvledgerOffloadingWorker(self.settings, self.facts, self.rank, kv_caches, self.blocks_per_chunk)
+            self._worker = KvledgerOffloadingWorker(self.settings, self.facts, self.rank, kv_caches, self.blocks_per_chunk,
+                                                    self.load_errors)
         return self._worker

@@ -18,12 +18,18 @@ How the two vLLM processes talk to `kvledger serve` (both over its Unix socket):
 The tier keys are made by kvledger from vLLM's offload keys in the engine's namespace
 (coordinator._external.external_key): vLLM's block hash ignores the weights revision, the tier
 key does not.
+
+A load the worker refuses (bytes that differ from the published checksum, a job the sidecar
+failed) reaches vLLM as engine block ids in `LoadErrors`, which the connector
+(coordinator/vllm/connector.py) hands to vLLM's get_block_ids_with_load_errors; vLLM then
+recomputes those blocks, which it does only under kv_load_failure_policy "recompute" and for a
+model with one KV-cache group (`check_connector_config`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -103,6 +109,56 @@ class OffloadSettings(msgspec.Struct, frozen=True, kw_only=True):
                        lease_seconds=float(extra.get("kvledger_lease_seconds", 60.0)))
         except (TypeError, ValueError) as error:
             raise SettingsError(f"kv_connector_extra_config: {error}") from error
+
+
+SPEC_NAME = "KvledgerOffloadingSpec"
+"""The spec's class in coordinator.vllm.offload, as kv_connector_extra_config names it."""
+CONNECTOR_NAME = "KvledgerOffloadingConnector"
+CONNECTOR_MODULE = "coordinator.vllm.connector"
+
+
+def check_connector_config(load_failure_policy: str, extra: Mapping[str, Any], num_kv_cache_groups: int) -> None:
+    """Refuse at start-up what would crash vLLM at the first refused load.
+
+    A refused load is reported to vLLM as block ids (get_block_ids_with_load_errors). vLLM 0.32's
+    scheduler fails the request under kv_load_failure_policy "fail" (its default), and raises
+    (the engine dies) on block ids of a model with several KV-cache groups
+    (vllm/v1/core/sched/scheduler.py, _handle_invalid_blocks)."""
+    if load_failure_policy != "recompute":
+        raise SettingsError(f"{CONNECTOR_NAME} needs kv_transfer_config kv_load_failure_policy \"recompute\" "
+                            f"(it is {load_failure_policy!r}): a load kvledger refuses is recomputed by vLLM, "
+                            f"never served")
+    if extra.get("spec_name") != SPEC_NAME:
+        raise SettingsError(f"{CONNECTOR_NAME} needs kv_connector_extra_config spec_name {SPEC_NAME!r} "
+                            f"(spec_module_path \"coordinator.vllm.offload\"), not {extra.get('spec_name')!r}")
+    if num_kv_cache_groups != 1:
+        raise SettingsError(f"{CONNECTOR_NAME}: this model has {num_kv_cache_groups} KV-cache groups; vLLM 0.32 "
+                            f"recomputes refused blocks only for a model with one")
+
+
+class LoadErrors:
+    """Engine block ids of the loads a worker refused, until vLLM's connector takes them.
+
+    vLLM asks once per forward pass, after the pass's transfers were submitted and their
+    results taken (kv_connector_model_runner_mixin._get_kv_connector_output): a refused load
+    must be in the answer of the pass that reports it finished, which a synchronous worker's is."""
+
+    def __init__(self) -> None:
+        self._block_ids: set[int] = set()
+
+    def refuse(self, block_ids: Iterable[int]) -> None:
+        self._block_ids.update(block_ids)
+
+    def take(self) -> set[int]:
+        """The refused block ids since the last call (each reported once)."""
+        taken, self._block_ids = self._block_ids, set()
+        return taken
+
+
+def unverified(published: Sequence[Sequence[bytes]], read: Sequence[bytes], rank: int) -> list[int]:
+    """Indexes of the items whose bytes this rank read differ from (or lack) the published checksum (I13)."""
+    return [index for index, (checksums, found) in enumerate(zip(published, read, strict=True))
+            if rank >= len(checksums) or not found or found != checksums[rank]]
 
 
 class EngineFacts(msgspec.Struct, frozen=True, kw_only=True):
@@ -242,15 +298,21 @@ class Reporter:
 
 
 __all__ = [
+    "CONNECTOR_MODULE",
+    "CONNECTOR_NAME",
+    "SPEC_NAME",
     "EngineFacts",
     "LedgerSession",
+    "LoadErrors",
     "OffloadSettings",
     "Refusal",
     "Reporter",
     "SettingsError",
     "SidecarError",
     "SidecarUnavailable",
+    "check_connector_config",
     "declaration",
     "engine_id",
     "tier_spec",
+    "unverified",
 ]

@@ -273,8 +273,13 @@ def main() -> None:
         if args.connector_module:
             extra["spec_module_path"] = args.connector_module
         extra.update(json.loads(args.connector_extra))
+        connector: dict[str, Any] = {"kv_connector": "OffloadingConnector"}
+        if args.connector_spec == "KvledgerOffloadingSpec":  # runs only under kvledger's connector
+            connector = {"kv_connector": "KvledgerOffloadingConnector",
+                         "kv_connector_module_path": "coordinator.vllm.connector",
+                         "kv_load_failure_policy": "recompute"}
         engine_args["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
+            **connector, kv_role="kv_both", kv_connector_extra_config=extra
         )
 
     started = time.monotonic()

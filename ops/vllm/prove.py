@@ -8,14 +8,23 @@ It builds the tiny local model (tiny_model.py) in a temporary directory, then ru
 prompts twice, each engine in a child process of its own:
 
 * COLD: no connector and prefix caching off: every prompt computed from scratch;
-* KVLEDGER: the OffloadingConnector with coordinator.vllm.offload.KvledgerOffloadingSpec, against
-  a `kvledger serve` started here from the project's venv (KVLEDGER, default .venv/bin/kvledger)
-  on a temporary SQLite log. The engine's own cache is small (num_gpu_blocks_override) and its
-  prefix cache is reset between rounds, so later rounds get their prefix blocks back from
-  kvledger's tier (stores in round 1, loads after).
+* KVLEDGER: coordinator.vllm.connector.KvledgerOffloadingConnector (vLLM's OffloadingConnector
+  with coordinator.vllm.offload.KvledgerOffloadingSpec, kv_load_failure_policy "recompute")
+  against a `kvledger serve` started here from the project's venv (KVLEDGER, default
+  .venv/bin/kvledger) on a temporary SQLite log, the tier in files (kvledger_tier_dir). The
+  engine's own cache is small (num_gpu_blocks_override) and its prefix cache is reset between
+  rounds, so later rounds get their prefix blocks back from kvledger's tier (stores in round 0,
+  loads after).
+
+Before round --corrupt-round (default 2 of 4; 0: never) the engine's process flips the bytes of
+one tier file: the middle key of the first load job (read from the log with `kvledger export`), a
+key that round's first prompt loads again. The worker must refuse that load, vLLM recompute it,
+and that round and the next (whose lookups must miss the quarantined key and still load the keys
+before it) generate exactly what the cold run generates.
 
 The JSON result holds, per run and prompt, the prompt's token ids, the generated token ids, the
-per-token logprobs and vLLM's num_cached_tokens, plus the log's path and the times: the test
+per-token logprobs and vLLM's num_cached_tokens, plus the log's path, what was corrupted (the tier
+key, the file, the log's last global sequence before) and the times: the test
 (tests/test_vllm_live.py) compares the runs and reads the log.
 
 VLLM_CPU_NUM_OF_RESERVED_CPU=1 is set for both runs: with a connector vLLM reserves one more CPU
@@ -29,6 +38,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,6 +86,22 @@ def namespace_of(model: Path, block_size: int) -> dict[str, Any]:
     }
 
 
+def corrupt_a_loaded_key(args: argparse.Namespace) -> dict[str, Any]:
+    """Flip every byte of one published key's tier file (same size: a checksum mismatch, not a
+    missing file): the middle key of the first load job, which the next round loads again."""
+    export = subprocess.run([str(args.kvledger), "export", "--log", str(args.log)], capture_output=True, check=True)
+    lines = [json.loads(line) for line in export.stdout.splitlines() if line.strip()]
+    load = next(line for line in lines if line["type"] == "external_load_started")
+    items = load["event"]["items"]  # ExternalItem, array-like: [pool_id, engine_key, key, slot, generation, checksums]
+    key = items[len(items) // 2][2]
+    path = Path(args.tier_dir) / "rank-0" / f"{key}.kv"
+    data = path.read_bytes()
+    path.write_bytes(bytes(byte ^ 0xFF for byte in data))
+    print(f"prove: corrupted tier key {key} ({path}, {len(data)} bytes) of load job {load['event']['job_id']}", flush=True)
+    return {"key": key, "path": str(path), "load_job": load["event"]["job_id"],
+            "last_seq": max(line["seq"] for line in lines)}
+
+
 def run_engine(args: argparse.Namespace) -> None:
     """One engine (the child process): generate every round, write the outputs as JSON."""
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
@@ -97,20 +123,25 @@ def run_engine(args: argparse.Namespace) -> None:
             "kvledger_socket": args.socket,
             "kvledger_namespace": namespace_of(args.model, args.block_size),
             "kvledger_tier_slots": args.tier_slots,
+            "kvledger_tier_dir": str(args.tier_dir),
         }
         engine_args["enable_prefix_caching"] = True
         engine_args["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+            kv_connector="KvledgerOffloadingConnector", kv_connector_module_path="coordinator.vllm.connector",
+            kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     started = time.monotonic()
     llm = LLM(**engine_args)
     up = time.monotonic() - started
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=0, seed=0)
     results = []
+    corrupted = None
     for round_index in range(args.rounds):
         if round_index and args.phase == "kvledger":
             # Drops the engine's own prefix cache only (reset_connector=False): the blocks must
             # come back from kvledger's tier.
             llm.reset_prefix_cache()
+            if round_index == args.corrupt_round:
+                corrupted = corrupt_a_loaded_key(args)
         for prompt_index, tail in enumerate(TAILS):
             (output,) = llm.generate([PREFIX + tail], params, use_tqdm=False)
             completion = output.outputs[0]
@@ -123,7 +154,7 @@ def run_engine(args: argparse.Namespace) -> None:
             })
     llm.llm_engine.engine_core.shutdown()
     Path(args.out).write_text(json.dumps({"engine_up_s": up, "total_s": time.monotonic() - started,
-                                          "results": results}) + "\n")
+                                          "results": results, "corrupted": corrupted}) + "\n")
 
 
 def wait_for_socket(path: Path, sidecar: subprocess.Popen[bytes], limit_s: float = 60.0) -> None:
@@ -140,9 +171,10 @@ def wait_for_socket(path: Path, sidecar: subprocess.Popen[bytes], limit_s: float
 def child(args: argparse.Namespace, phase: str, out: Path, socket: Path | None, timeout_s: float) -> dict[str, Any]:
     command = [sys.executable, __file__, "--phase", phase, "--model", str(args.model), "--out", str(out),
                "--num-blocks", str(args.num_blocks), "--block-size", str(args.block_size),
-               "--max-tokens", str(args.max_tokens), "--rounds", str(args.rounds), "--tier-slots", str(args.tier_slots)]
+               "--max-tokens", str(args.max_tokens), "--rounds", str(args.rounds), "--tier-slots", str(args.tier_slots),
+               "--corrupt-round", str(args.corrupt_round), "--kvledger", str(args.kvledger)]
     if socket is not None:
-        command += ["--socket", str(socket)]
+        command += ["--socket", str(socket), "--log", str(args.log), "--tier-dir", str(args.tier_dir)]
     started = time.monotonic()
     done = subprocess.run(command, timeout=timeout_s, check=False)
     if done.returncode != 0:
@@ -162,11 +194,15 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=8, help="num_gpu_blocks_override: small, so vLLM evicts")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--corrupt-round", type=int, default=2,
+                        help="corrupt one loaded key's tier file before this round (0: never)")
     parser.add_argument("--tier-slots", type=int, default=64)
     parser.add_argument("--engine-timeout", type=float, default=300.0, help="seconds per engine child")
     parser.add_argument("--phase", choices=["cold", "kvledger"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--socket", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--log", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--tier-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase is not None:
         run_engine(args)
@@ -183,8 +219,10 @@ def main() -> None:
         import tiny_model
 
         tiny_model.build(args.model)
-    log_path = workdir / "log.sqlite"
+    log_path = args.log = workdir / "log.sqlite"
     log_path.unlink(missing_ok=True)
+    args.tier_dir = workdir / "tier"
+    shutil.rmtree(args.tier_dir, ignore_errors=True)
     # A Unix socket path is at most 108 bytes: a short directory of its own.
     socket_dir = Path(tempfile.mkdtemp(prefix="kvl-"))
     socket = socket_dir / "s.sock"
@@ -214,6 +252,8 @@ def main() -> None:
         "cold": cold["results"],
         "kvledger": cached["results"],
         "log": str(log_path),
+        "corrupted": cached["corrupted"],
+        "tier_dir": str(args.tier_dir),
         "sidecar_log": str(workdir / "sidecar.log"),
         "sidecar_exit": sidecar.returncode,
         "workdir": str(workdir),

@@ -1,0 +1,80 @@
+# mypy: ignore-errors
+# Why: this module subclasses vLLM's connector, and vLLM lives only in the separate .venv-vllm
+# (ops/vllm/setup.sh), never in the project's .venv where mypy runs; its checks are
+# coordinator.vllm.offload_client.check_connector_config and LoadErrors, which mypy checks.
+"""KvledgerOffloadingConnector: vLLM 0.32's OffloadingConnector, with the loads kvledger refused
+reported to vLLM as load errors, so that vLLM recomputes those blocks instead of crashing.
+
+    kv_connector="KvledgerOffloadingConnector", kv_connector_module_path="coordinator.vllm.connector",
+    kv_load_failure_policy="recompute", kv_connector_extra_config={"spec_name": "KvledgerOffloadingSpec",
+    "spec_module_path": "coordinator.vllm.offload", "kvledger_socket": ..., "kvledger_namespace": {...}}
+
+vLLM's OffloadingConnector asserts that every transfer succeeded and never overrides
+get_block_ids_with_load_errors (ops/vllm/API_NOTES.md section 6). Here the worker of
+coordinator.vllm.offload answers a refused load as a finished transfer and puts its engine block
+ids in LoadErrors; this connector hands them to vLLM's model runner, whose scheduler, under
+kv_load_failure_policy "recompute", truncates the request's computed tokens at the first refused
+block, caches nothing of it and schedules those tokens again (vllm/v1/core/sched/scheduler.py,
+_handle_invalid_blocks and _update_waiting_for_remote_kv). The whole job's blocks are refused:
+kvledger fails a load job as a whole, and vLLM recomputes from the first refused block anyway.
+
+A request whose load was refused loads nothing from the tier again: it recomputes. That bounds
+the retries (a key that keeps failing, a lease that keeps expiring), and it avoids a stall in
+vLLM 0.32: a request whose refused load left it no computed token is freed but stays in the
+scheduler's _inflight_prefills, so a second async load of it reserves its own blocks twice and,
+in a small cache, is never admitted (seen live: the same lookups, step after step, for ever).
+"""
+
+from __future__ import annotations
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+from coordinator.vllm.offload_client import LoadErrors, check_connector_config
+
+
+class KvledgerOffloadingConnector(OffloadingConnector):
+    """OffloadingConnector + KvledgerOffloadingSpec, whose refused loads vLLM recomputes."""
+
+    def __init__(self, vllm_config, role, kv_cache_config) -> None:
+        transfer = vllm_config.kv_transfer_config
+        # Both roles check: the engine refuses to start (seen: the worker's connector, built
+        # first, raises this) rather than fail a request or die at the first refused load.
+        check_connector_config(transfer.kv_load_failure_policy, transfer.kv_connector_extra_config,
+                               len(kv_cache_config.kv_cache_groups))
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._load_errors = LoadErrors()
+        if self.connector_worker is not None:
+            # The spec hands them to its worker at register_kv_caches (get_worker).
+            self.connector_worker.spec.load_errors = self._load_errors
+        self._refused_requests: set[str] = set()
+        """Scheduler side: requests a load of which was refused; they recompute from now on."""
+
+    # --- worker side --------------------------------------------------------------------------
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The engine blocks of the loads refused since the last forward pass."""
+        return self._load_errors.take()
+
+    # --- scheduler side -----------------------------------------------------------------------
+
+    def update_connector_output(self, connector_output) -> None:
+        # The workers load synchronously: a refused load's request finishes receiving in the
+        # very output that names its blocks. A load that succeeded in the same step is marked
+        # too; it only loses tier hits if it is ever scheduled from scratch again.
+        if connector_output.invalid_block_ids:
+            self._refused_requests.update(connector_output.finished_recving or ())
+        super().update_connector_output(connector_output)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if request.request_id in self._refused_requests:
+            # Nothing to load (no lookup either), with the connector's per-request state kept as usual.
+            return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens, max_num_new_tokens=0)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def request_finished(self, request, block_ids):
+        self._refused_requests.discard(request.request_id)
+        return super().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request, block_ids):
+        self._refused_requests.discard(request.request_id)
+        return super().request_finished_all_groups(request, block_ids)
