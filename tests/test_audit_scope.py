@@ -225,7 +225,8 @@ async def test_I9_an_observed_hash_answers_each_tenant_with_its_own_rows_only(lo
     """An observed engine restarted under another tenant's namespace: the hash's rows, clears,
     gaps and total each belong to the tenant whose incarnation recorded them. The restart is
     both tenants': it ends the first one's residencies and begins the second's incarnation.
-    With list_limit 2 the total is counted in SQL, past the rows listed."""
+    With list_limit 2 the total is counted in SQL, past the rows listed, and the other tenant's
+    newer rows must not crowd the caller's out of the list."""
     k = await kit(log_url, tiers=())
     block_hash = bytes([0xAB]) * 32
     engine = "vllm-x"
@@ -250,15 +251,20 @@ async def test_I9_an_observed_hash_answers_each_tenant_with_its_own_rows_only(lo
         await batch(2, kv("stored"))
         await k.ledger.execute(seen("tenant-b", "restart"))
         await batch(0, kv("stored"))
-        await batch(1, kv("cleared"))
-        await k.ledger.execute(ObserveGap(engine_id=engine, first_seq=2, last_seq=3, reason="lost on the way"))
+        await batch(1, kv("removed"))
+        await batch(2, kv("stored"))
+        await batch(3, kv("cleared"))
+        await k.ledger.execute(ObserveGap(engine_id=engine, first_seq=4, last_seq=5, reason="lost on the way"))
         await sync_index(k.log)
         monkeypatch.setattr(queries, "LIST_LIMIT", list_limit)
         everyone = await Audit(k.log).observed(block_hash.hex())
         tenant_a = await Audit(k.log, tenant="tenant-a").observed(block_hash.hex())
         tenant_b = await Audit(k.log, tenant="tenant-b").observed(block_hash.hex())
-        assert (everyone.total, tenant_a.total, tenant_b.total) == (4, 3, 1)
-        assert [(r.incarnation, r.ended_by) for r in tenant_b.residencies] == [(2, "cleared")]
+        assert (everyone.total, tenant_a.total, tenant_b.total) == (6, 3, 3)
+        # tenant-b's rows are the newest: with list_limit 2 they fill the list unless it is scoped in SQL.
+        assert {r.incarnation for r in tenant_a.residencies} == {1} and tenant_a.residencies
+        if list_limit > 3:
+            assert [(r.incarnation, r.ended_by) for r in tenant_b.residencies] == [(2, "removed"), (2, "cleared")]
         assert len(tenant_b.gaps) == 1 and "incarnation 2" in tenant_b.gaps[0]
         assert (tenant_a.tenant, tenant_b.tenant) == ("tenant-a", "tenant-b")
         assert tenant_a.gaps == [] and "cleared" not in [e.kind for e in tenant_a.events]

@@ -643,19 +643,18 @@ class Audit:
         if not block_hash:
             raise AuditError("the block hash is empty")
         o, e = t.audit_observed.c, t.audit_engines.c
-        rows = conn.execute(sa.select(t.audit_observed).where(o.hash == block_hash)
-                            .order_by(o.seq.desc()).limit(LIST_LIMIT)).all()[::-1]
-        if not rows:
-            raise NotFound(f"block hash {text} is not in the log")
-        declarations = self._declarations(conn)
-        visible = [r for r in rows if self._visible_at(declarations, r.engine, int(r.seq))]
+        # The caller's rows only, in SQL: another tenant's newer rows must not crowd them out of the list.
+        scope = self._span_filter(conn, o.engine, o.seq)
+        mine = (o.hash == block_hash, *(() if scope is None else (scope,)))
+        visible = conn.execute(sa.select(t.audit_observed).where(*mine)
+                               .order_by(o.seq.desc()).limit(LIST_LIMIT)).all()[::-1]
         if not visible:
+            if conn.execute(sa.select(o.seq).where(o.hash == block_hash).limit(1)).first() is None:
+                raise NotFound(f"block hash {text} is not in the log")
             raise OutOfScope(f"block hash {text} is outside tenant {self.tenant!r}")
-        total = len(visible)  # the caller's rows only
-        if len(rows) == LIST_LIMIT:
-            scope = self._span_filter(conn, o.engine, o.seq)
-            total = int(conn.execute(sa.select(sa.func.count()).where(
-                o.hash == block_hash, *(() if scope is None else (scope,)))).scalar() or 0)
+        declarations = self._declarations(conn)
+        total = len(visible) if len(visible) < LIST_LIMIT else int(
+            conn.execute(sa.select(sa.func.count()).where(*mine)).scalar() or 0)
         engines = sorted({r.engine for r in visible})
         since = int(visible[0].seq)
         # The same engine may have been observed again under another tenant: its clears and gaps
