@@ -62,7 +62,11 @@ class KvledgerOffloadingConnector(OffloadingConnector):
         # very output that names its blocks. A load that succeeded in the same step is marked
         # too; it only loses tier hits if it is ever scheduled from scratch again.
         if connector_output.invalid_block_ids:
-            self._refused_requests.update(connector_output.finished_recving or ())
+            # Only requests still alive: one aborted meanwhile had request_finished already, and
+            # marking it now would keep its id for ever.
+            live = self.scheduler._req_status
+            self._refused_requests.update(req_id for req_id in connector_output.finished_recving or ()
+                                          if req_id in live and not live[req_id].req.is_finished())
         super().update_connector_output(connector_output)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -173,7 +173,7 @@ class KvledgerOffloadingManager(OffloadingManager):
         refs = self._refs(keys)
         try:
             job = self.session().load(refs)
-        except (Refusal, SidecarUnavailable) as error:  # the worker refuses it: vLLM recomputes the blocks
+        except (Refusal, SidecarError, SidecarUnavailable) as error:  # the worker refuses it: vLLM recomputes the blocks
             log.warning("kvledger_load_not_started", request=req_context.req_id, error=str(error),
                         keys=[ref.engine_key.hex() for ref in refs])
             return RefusedLoadSpec(str(error), [ref.engine_key for ref in refs])
@@ -257,11 +257,27 @@ class KvledgerOffloadingWorker(OffloadingWorker):
         started = time.perf_counter()
         checksums = []
         size = 0
-        for block_id, (group, key, slot, _) in zip(self._blocks(dst_spec, src_spec), dst_spec.items, strict=True):
-            data = torch.cat([row.reshape(-1) for row in self._rows(group, block_id)]).view(torch.uint8)
-            checksums.append(self.tier.write(key, data, slot=slot))
-            size += data.numel()
-        events = self.reporter.report(ReportRank(job_id=dst_spec.job_id, rank=self.rank, ok=True, checksums=checksums))
+        # A store is best effort: one that fails publishes nothing, so later lookups miss (the
+        # sidecar decides every lookup). vLLM asserts success: the transfer is "done" either way.
+        report = None
+        try:
+            for block_id, (group, key, slot, _) in zip(self._blocks(dst_spec, src_spec), dst_spec.items, strict=True):
+                data = torch.cat([row.reshape(-1) for row in self._rows(group, block_id)]).view(torch.uint8)
+                checksums.append(self.tier.write(key, data, slot=slot))
+                size += data.numel()
+        except (TierError, OSError) as error:
+            log.warning("kvledger_store_write_failed", job_id=dst_spec.job_id, rank=self.rank, error=str(error))
+            report = ReportRank(job_id=dst_spec.job_id, rank=self.rank, ok=False, checksums=[],
+                                error=f"tier_write_failed: {error}"[:500])
+        try:
+            events = self.reporter.report(report or ReportRank(job_id=dst_spec.job_id, rank=self.rank, ok=True,
+                                                               checksums=checksums))
+        except (SidecarError, SidecarUnavailable) as error:
+            log.warning("kvledger_unavailable", call="report_store", job_id=dst_spec.job_id, rank=self.rank, error=str(error))
+            events = []
+        if report is not None:
+            self.finished.append(TransferResult(job_id, True))
+            return True
         failed = [e for e in events if isinstance(e, JobFailed)]
         if failed:  # nothing published: later lookups miss, vLLM recomputes
             log.warning("kvledger_store_failed", job_id=dst_spec.job_id, reason=failed[0].reason, detail=failed[0].detail)
@@ -286,7 +302,7 @@ class KvledgerOffloadingWorker(OffloadingWorker):
         cannot count: kvledger would not know its key was read)."""
         try:
             return self.reporter.report(report)
-        except SidecarError as error:
+        except (SidecarError, SidecarUnavailable) as error:
             log.warning("kvledger_unavailable", call="report_load", job_id=report.job_id, error=str(error))
             return None
 
