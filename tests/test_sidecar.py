@@ -839,3 +839,25 @@ async def test_a_slow_snapshot_write_holds_up_no_step_through_the_committer(even
                 await anyio.sleep(0.05)
             committer.close()
     assert answered_before_any_write, "a step waited for a snapshot write"
+
+
+async def test_a_worker_report_to_a_sidecar_that_never_answers_is_sidecar_unavailable(tmp_path: Path) -> None:
+    """A sidecar that accepts connections but never answers the Hello (stopped, wedged): the
+    report is retried until `retry_for` and then raises SidecarUnavailable, what callers handle
+    (the vLLM worker refuses the load), not the Hello's own TimeoutError."""
+    path = tmp_path / "silent.sock"
+    accepted: list[anyio.abc.SocketStream] = []
+    listener = await anyio.create_unix_listener(path)
+
+    async def keep(stream: anyio.abc.SocketStream) -> None:
+        accepted.append(stream)  # held open, never read from nor written to
+        await anyio.sleep_forever()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(listener.serve, keep)
+        client = WorkerClient(Address(socket_path=str(path)), "pod-a", 0, retry_for=0.3)
+        with anyio.fail_after(20), pytest.raises(SidecarUnavailable, match="unavailable"):
+            await client.report(ReportRank(job_id=1, rank=0, ok=True, checksums=[b"x"]))
+        tasks.cancel_scope.cancel()
+    await listener.aclose()
+    assert accepted, "the client did connect"
