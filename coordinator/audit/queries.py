@@ -326,12 +326,12 @@ class Audit:
                     spans.append((engine, seq, seqs[index + 1] if index + 1 < len(seqs) else None))
         return spans
 
-    def _span_filter(self, conn: sa.Connection, engine: sa.ColumnElement[Any],
-                     seq: sa.ColumnElement[Any]) -> sa.ColumnElement[bool] | None:
+    def _span_filter(self, conn: sa.Connection, engine: sa.ColumnElement[Any], seq: sa.ColumnElement[Any],
+                     declarations: dict[str, tuple[list[int], list[str]]] | None = None) -> sa.ColumnElement[bool] | None:
         """A WHERE clause keeping the rows recorded under the caller's tenant (None: keep all)."""
         if self.tenant is None:
             return None
-        spans = self._spans(self._declarations(conn))
+        spans = self._spans(self._declarations(conn) if declarations is None else declarations)
         if not spans:
             return sa.false()
         return sa.or_(*(sa.and_(engine == name, seq >= start, *(() if end is None else (seq < end,)))
@@ -644,7 +644,8 @@ class Audit:
             raise AuditError("the block hash is empty")
         o, e = t.audit_observed.c, t.audit_engines.c
         # The caller's rows only, in SQL: another tenant's newer rows must not crowd them out of the list.
-        scope = self._span_filter(conn, o.engine, o.seq)
+        declarations = self._declarations(conn)
+        scope = self._span_filter(conn, o.engine, o.seq, declarations)
         mine = (o.hash == block_hash, *(() if scope is None else (scope,)))
         visible = conn.execute(sa.select(t.audit_observed).where(*mine)
                                .order_by(o.seq.desc()).limit(LIST_LIMIT)).all()[::-1]
@@ -652,7 +653,6 @@ class Audit:
             if conn.execute(sa.select(o.seq).where(o.hash == block_hash).limit(1)).first() is None:
                 raise NotFound(f"block hash {text} is not in the log")
             raise OutOfScope(f"block hash {text} is outside tenant {self.tenant!r}")
-        declarations = self._declarations(conn)
         total = len(visible) if len(visible) < LIST_LIMIT else int(
             conn.execute(sa.select(sa.func.count()).where(*mine)).scalar() or 0)
         engines = sorted({r.engine for r in visible})
