@@ -237,6 +237,11 @@ def _begin_step(state: State, command: BeginStep) -> list[Event]:
     return [StepBegan(engine_id=eng.engine_id, step=command.step, clock=command.clock)]
 
 
+END_OF_STEP_NOTICES = frozenset({"block_freed", "encoder_entry_freed", "key_removed"})
+"""The notices end-of-step reconciliation drops (NoticeDropped before StepEnded, _end_step):
+never a command's tag, so a step's events can be split again by them (coordinator.ledger.split_step)."""
+
+
 def _end_step(state: State, command: EndStep) -> list[Event]:
     """End-of-step reconciliation (I14): a notice survives only if the end state agrees."""
     eng = check.engine_in_step(state, command.engine_id)

@@ -20,10 +20,11 @@ import uuid_utils
 
 from coordinator.commands import AnyCommand, BeginStep, DecideNamespace, DeclareTier, EndStep, ReleaseNamespace, ReportRank
 from coordinator.core import CoordinatorCore
+from coordinator.decider import END_OF_STEP_NOTICES
 from coordinator.protections import Protection
 from coordinator.recovery import decode, make_snapshot, recover
 from coordinator.state import State
-from events import Event, EventCodec, StepBegan, StepEnded
+from events import Event, EventCodec, NoticeDropped, StepBegan, StepEnded
 from events.log import AppendBatch, AppendRejected, AppendResult, EventLog, LogError, LogUnavailable, PendingEvent, Snapshot, is_outage
 
 log = structlog.get_logger("kvledger.ledger")
@@ -372,6 +373,13 @@ def split_step(commit: Commit) -> StepCommit:
     end = len(events)
     while end > len(began) and not isinstance(events[end - 1], StepEnded):
         end -= 1
-    ended = events[end - 1 : end] if end > len(began) else []
-    middle = events[len(began) : end - 1] if ended else events[len(began) :]
-    return StepCommit(commit=commit, began=began, results=[middle], ended=ended)
+    if end == len(began):  # no StepEnded
+        return StepCommit(commit=commit, began=began, results=[events[len(began):]], ended=[])
+    start = end - 1  # StepEnded, and the notices its reconciliation dropped just before it
+    while start > len(began) and _dropped_at_end_of_step(events[start - 1]):
+        start -= 1
+    return StepCommit(commit=commit, began=began, results=[events[len(began):start]], ended=events[start:end])
+
+
+def _dropped_at_end_of_step(event: Event) -> bool:
+    return isinstance(event, NoticeDropped) and event.notice in END_OF_STEP_NOTICES

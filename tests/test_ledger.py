@@ -13,12 +13,13 @@ from coordinator.commands import (
     DeclareEngine,
     DeclareTier,
     FinishOwner,
+    FreeBlocks,
     MarkComputed,
     ReportRank,
     StartOwner,
     StartStore,
 )
-from coordinator.ledger import Ledger
+from coordinator.ledger import Ledger, Step, StepCommit
 from coordinator.recovery import make_snapshot, recover, replay
 from coordinator.state import encode_state
 from events import BlocksAllocated, EventCodec, OwnerStarted, Reason, Refused, StoreJobStarted, TierSpec
@@ -203,3 +204,28 @@ async def test_only_the_newest_snapshots_are_kept(event_log: EventLog) -> None:
     await ledger.close()
     reopened = await Ledger.open(event_log)
     assert encode_state(reopened.state) == encode_state(ledger.state)
+
+
+async def test_a_retried_step_gives_back_its_end_of_step_notices_with_its_end(event_log: EventLog) -> None:
+    """A step whose end-of-step reconciliation dropped a notice (I14: a block freed and taken
+    again in the same step), retried with its command id: the reply keeps the dropped notice with
+    StepEnded, as the original did, not after the commands' events (the soak's regrouping of a
+    retried step found it there: "1 events left after the last command")."""
+    ledger = await Ledger.open(event_log)
+    await ledger.execute(DeclareTier(spec=TierSpec(name=b.TIER, num_slots=8, bytes_per_slot=64)))
+    await ledger.execute(DeclareEngine(engine_id=ENGINE, namespace=b.namespace(block_sizes=(b.BLOCK,)),
+                                       pools=[b.attention_pool(num_blocks=2)], world_size=2, tiers=[b.TIER]))
+    commit = await ledger.run_step(ENGINE, 1, 1.0, [StartOwner(engine_id=ENGINE, req_id="a"), StartOwner(engine_id=ENGINE, req_id="b")])
+    first, second = [e.owner_id for e in commit.events if isinstance(e, OwnerStarted)]
+    commit = await ledger.run_step(ENGINE, 2, 2.0, [AllocateBlocks(engine_id=ENGINE, owner_id=first, pool_id=0, count=1)])
+    [old] = next(e for e in commit.events if isinstance(e, BlocksAllocated)).blocks
+    step = Step(engine_id=ENGINE, step=3, clock=3.0, command_id="step-3", commands=[
+        FreeBlocks(engine_id=ENGINE, owner_id=first, blocks=[old]),
+        AllocateBlocks(engine_id=ENGINE, owner_id=second, pool_id=0, count=1)])
+    [original] = await ledger.commit_group([step])
+    [retried] = await ledger.commit_group([step])
+    assert isinstance(original, StepCommit) and isinstance(retried, StepCommit) and retried.commit.duplicate
+    assert [(type(e).__name__, getattr(e, "notice", "")) for e in original.ended] == [
+        ("NoticeDropped", "block_freed"), ("StepEnded", "")]
+    assert retried.began == original.began and retried.ended == original.ended
+    assert retried.results == [[e for group in original.results for e in group]]
