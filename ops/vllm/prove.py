@@ -51,22 +51,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 DEFAULT_KVLEDGER = REPO / ".venv" / "bin" / "kvledger"
 
-# Prompts share a prefix of several 32-token blocks (the words come from tiny_model.WORDS, so they
-# tokenize compactly); the tails differ.
-PREFIX = (
-    "The system keeps every block of the cache in a ledger. The engine stores a key and a value "
-    "for each token of the prompt, and the worker moves each page from the device to the host "
-    "tier when the memory is low. The ledger records the hash of the parent block, the "
-    "namespace and the generation of each block, so that an audit can replay the sequence of "
-    "events. One request can pin a block with a lease, and the projector takes a snapshot of "
-    "the chain after each commit. "
-)
-TAILS = [
-    "Question: which block was evicted first?",
-    "Question: which worker stored the red block?",
-    "The quick red fox and the lazy dog asked the model one question about the river.",
-    "Seven blue mountains stand by the city at night.",
-]
+sys.path.insert(0, str(HERE))
+from tiny_model import PROMPT_PREFIX as PREFIX, PROMPT_TAILS as TAILS  # noqa: E402 - the prompts both scripts send
 
 
 def digest(path: Path) -> str:

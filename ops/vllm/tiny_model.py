@@ -35,6 +35,23 @@ WORDS = (
     "one two three four five six seven eight nine ten red green blue quick lazy fox dog"
 ).split()
 
+# The prompts probe.py and prove.py send: a shared prefix of ~140 tokens (several 32-token
+# blocks) written with WORDS, so it tokenizes compactly and deterministically, then distinct tails.
+PROMPT_PREFIX = (
+    "The system keeps every block of the cache in a ledger. The engine stores a key and a value "
+    "for each token of the prompt, and the worker moves each page from the device to the host "
+    "tier when the memory is low. The ledger records the hash of the parent block, the "
+    "namespace and the generation of each block, so that an audit can replay the sequence of "
+    "events. One request can pin a block with a lease, and the projector takes a snapshot of "
+    "the chain after each commit. "
+)
+PROMPT_TAILS = [
+    "Question: which block was evicted first?",
+    "Question: which worker stored the red block?",
+    "The quick red fox and the lazy dog asked the model one question about the river.",
+    "Seven blue mountains stand by the city at night.",
+]
+
 
 def corpus(rng: random.Random, lines: int = 4000) -> list[str]:
     """Sentences of random words with punctuation and digits, enough for 508 merges."""
