@@ -22,6 +22,7 @@ from coordinator.state import (
     State,
     TierState,
     observed_place,
+    pack_checksums,
     removed,
 )
 from events import (
@@ -453,7 +454,7 @@ def _key_published(state: State, event: KeyPublished) -> None:
         namespace_id=event.namespace_id,
         tier_slot=event.tier_slot,
         tier_generation=event.tier_generation,
-        checksums=event.checksums,
+        packed_checksums=pack_checksums(event.checksums),
         size_bytes=event.size_bytes,
         source_job=event.source_job,
     )
