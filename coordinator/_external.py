@@ -22,7 +22,7 @@ hands external jobs to `complete` here. Pure, like the rest of the decider.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 import blake3
@@ -89,15 +89,24 @@ def _loadable(entry: KeyEntry | None, eng: EngineState) -> bool:
 
 
 def _lookup_external(state: State, command: LookupExternal) -> list[Event]:
-    eng = check.engine_in_step(state, command.engine_id)
+    check.engine_in_step(state, command.engine_id)
+    return [answer_lookup(state, command)]
+
+
+def answer_lookup(state: State, command: LookupExternal, uncommitted: Container[bytes] = frozenset()) -> ExternalKeysLookedUp:
+    """Which of the engine's keys are loadable: the answer of a LookupExternal, inside a step or
+    outside one (the sidecar's read path, `lookup_keys`). Raises Refusal. A tier key in
+    `uncommitted` (changed by a group not yet in the log) is answered as a miss: never a hit the
+    log may not keep, and a miss is always safe (the engine computes)."""
+    eng = check.engine(state, command.engine_id)
     tier = check.tier(state, eng, command.tier)
     _pools(eng, command.keys)
-    loadable = [
-        _loadable(tier.entry(ref.pool_id, external_key(eng.namespace_id, ref.pool_id, ref.engine_key)), eng)
-        for ref in command.keys
-    ]
-    return [ExternalKeysLookedUp(engine_id=eng.engine_id, tier=tier.spec.name, pool_ids=[k.pool_id for k in command.keys],
-                                 engine_keys=[k.engine_key for k in command.keys], loadable=loadable)]
+    loadable = []
+    for ref in command.keys:
+        key = external_key(eng.namespace_id, ref.pool_id, ref.engine_key)
+        loadable.append(key not in uncommitted and _loadable(tier.entry(ref.pool_id, key), eng))
+    return ExternalKeysLookedUp(engine_id=eng.engine_id, tier=tier.spec.name, pool_ids=[k.pool_id for k in command.keys],
+                                engine_keys=[k.engine_key for k in command.keys], loadable=loadable)
 
 
 # --- store -------------------------------------------------------------------------------------

@@ -4,10 +4,13 @@
 command id; if the connection drops or the sidecar restarts while a step is in flight, the
 client reconnects (as the same incarnation, so nothing is fenced) and sends the step again with
 the same id: the sidecar either commits it now or returns the committed result, never twice.
-`SyncEngineClient` wraps it for engines that are not async (a vLLM scheduler).
+`SyncEngineClient` is the same for engines that are not async (a vLLM scheduler): a plain
+blocking socket, no event loop and no thread hop per call.
 
 `WorkerClient` subscribes to the committed decisions for one (engine, rank) and resumes after
-the last decision it handed out, on a reconnect or after being cut off as a slow subscriber.
+the last decision it handed out, on a reconnect or after being cut off as a slow subscriber; its
+reports go on one connection that stays open. `SyncWorkerClient` reports the same way from code
+that is not async (a vLLM worker), on a blocking socket.
 
 `OperatorClient` sends an operator's commands (namespace decisions, `kvledger namespace`).
 """
@@ -15,7 +18,9 @@ the last decision it handed out, on a reconnect or after being cut off as a slow
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Sequence
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -23,12 +28,11 @@ import anyio
 import structlog
 import uuid_utils
 from anyio.abc import ByteStream
-from anyio.from_thread import BlockingPortal, start_blocking_portal
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from coordinator.commands import AnyCommand, DeclareEngine, ReportRank
+from coordinator.commands import AnyCommand, DeclareEngine, ExternalKey, ReportRank
 from coordinator.sidecar import protocol as p
-from events import EngineReset, TierSpec
+from events import EngineReset, Event, TierSpec
 
 log = structlog.get_logger("kvledger.client")
 
@@ -94,6 +98,57 @@ class _Channel:
 _LOST = (OSError, anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError)
 
 
+def _hello(role: p.Role, engine_id: str, token: str, *, rank: int = 0, declare: DeclareEngine | None = None,
+           incarnation: int = 0, tiers: Sequence[TierSpec] = ()) -> p.Hello:
+    return p.Hello(protocol=p.PROTOCOL_VERSION, role=role, engine_id=engine_id, rank=rank, token=token, declare=declare,
+                   incarnation=incarnation, tiers=list(tiers))
+
+
+def _engine_hello(client: EngineClient | SyncEngineClient) -> p.Hello:
+    """The first Hello declares the engine (and its tiers); a reconnect names its incarnation."""
+    first = client.incarnation == 0
+    return _hello("engine", client.engine_id, client.address.token, declare=client.declare if first else None,
+                  incarnation=client.incarnation, tiers=client.tiers if first else ())
+
+
+def _welcomed(reply: p.ServerMessage) -> p.Welcome:
+    """The Hello's answer: a Welcome, or SidecarError."""
+    if isinstance(reply, p.Error):
+        raise SidecarError(reply)
+    if not isinstance(reply, p.Welcome):
+        raise SidecarError(p.Error(code=p.ErrorCode.INVALID_MESSAGE, message=f"expected Welcome, got {reply!r}"))
+    return reply
+
+
+def _verdict(reply: p.ServerMessage, expected: type[R]) -> R | str:
+    """The reply, if it is the one expected; else why the same request (same command id) may be
+    sent again on a new connection; raises SidecarError for an answer that retrying cannot change."""
+    if isinstance(reply, expected):
+        return reply
+    if isinstance(reply, p.Error):
+        if reply.code not in RETRY_CODES:
+            raise SidecarError(reply)
+        return f"{reply.code}: {reply.message}"
+    raise SidecarError(p.Error(code=p.ErrorCode.INVALID_MESSAGE, message=f"unexpected reply {reply!r}"))
+
+
+def _incarnation_after(reply: p.Message, engine_id: str, incarnation: int) -> int:
+    """A committed cache reset (ResetCache) begins a new incarnation of this engine: a later
+    reconnect must name it, or the sidecar takes the Hello for a stale engine (found by the
+    soak: after a reset and a serve restart the engine could not reconnect)."""
+    if isinstance(reply, p.StepResult):
+        events: list[Any] = [*reply.began, *(e for result in reply.results for e in result), *reply.ended]
+    elif isinstance(reply, p.Committed):
+        events = list(reply.events)
+    else:
+        return incarnation
+    for event in events:
+        if isinstance(event, EngineReset) and event.engine_id == engine_id and event.incarnation > incarnation:
+            log.info("incarnation_advanced", engine=engine_id, incarnation=event.incarnation, reason=event.reason)
+            incarnation = event.incarnation
+    return incarnation
+
+
 class EngineClient:
     def __init__(
         self, address: Address, declare: DeclareEngine, *, tiers: Sequence[TierSpec] = (),
@@ -132,19 +187,13 @@ class EngineClient:
         stream = await self.address.connect()
         channel = _Channel(stream, self.max_frame)
         first = self.incarnation == 0
-        hello = p.Hello(protocol=p.PROTOCOL_VERSION, role="engine", engine_id=self.engine_id, token=self.address.token,
-                        declare=self.declare if first else None, incarnation=self.incarnation, tiers=self.tiers if first else [])
         try:
             with anyio.fail_after(self.reply_timeout):
-                await channel.send(hello)
-                reply = await channel.receive()
+                await channel.send(_engine_hello(self))
+                reply = _welcomed(await channel.receive())
         except BaseException:
             await channel.aclose()
             raise
-        if isinstance(reply, p.Error):
-            await channel.aclose()
-            raise SidecarError(reply)
-        assert isinstance(reply, p.Welcome), reply
         self.incarnation = reply.incarnation
         self.welcome = reply
         self.reconnects += not first
@@ -166,6 +215,10 @@ class EngineClient:
     async def lookup(self, tier: str, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> p.LookupResult:
         return await self._request(p.Lookup(tier=tier, token_ids=list(token_ids), extra_keys=list(extra_keys)), p.LookupResult)
 
+    async def lookup_keys(self, tier: str, keys: Sequence[ExternalKey]) -> p.KeysLookedUp:
+        """Which of these keys are loadable, answered at once (never waits for a commit)."""
+        return await self._request(p.LookupKeys(tier=tier, keys=list(keys)), p.KeysLookedUp)
+
     async def health(self) -> p.HealthResult:
         return await self._request(p.Health(), p.HealthResult)
 
@@ -185,38 +238,22 @@ class EngineClient:
                     await self._drop()
                     problem: str = f"{type(lost).__name__}: {lost}"
                 else:
-                    if isinstance(reply, expected):
-                        self._follow_resets(reply)
-                        return reply
-                    if isinstance(reply, p.Error):
-                        if reply.code not in RETRY_CODES:
-                            if reply.fatal:
-                                await self._drop()
-                            raise SidecarError(reply)
-                        await self._drop()
-                        problem = f"{reply.code}: {reply.message}"
-                    else:
-                        raise SidecarError(p.Error(code=p.ErrorCode.INVALID_MESSAGE, message=f"unexpected reply {reply!r}"))
+                    try:
+                        verdict = _verdict(reply, expected)
+                    except SidecarError as error:
+                        if error.fatal:
+                            await self._drop()
+                        raise
+                    if not isinstance(verdict, str):
+                        self.incarnation = _incarnation_after(verdict, self.engine_id, self.incarnation)
+                        return verdict
+                    await self._drop()
+                    problem = verdict
                 if anyio.current_time() >= deadline:
                     raise SidecarUnavailable(f"sidecar at {self.address} unavailable for {self.retry_for} s: {problem}")
                 log.warning("retrying", engine=self.engine_id, request=type(message).__name__, error=problem, delay=delay)
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 1.0)
-
-    def _follow_resets(self, reply: p.Message) -> None:
-        """A committed cache reset (ResetCache) begins a new incarnation of this engine: a later
-        reconnect must name it, or the sidecar takes the Hello for a stale engine (found by the
-        soak: after a reset and a serve restart the engine could not reconnect)."""
-        if isinstance(reply, p.StepResult):
-            events: list[Any] = [*reply.began, *(e for result in reply.results for e in result), *reply.ended]
-        elif isinstance(reply, p.Committed):
-            events = list(reply.events)
-        else:
-            return
-        for event in events:
-            if isinstance(event, EngineReset) and event.engine_id == self.engine_id and event.incarnation > self.incarnation:
-                log.info("incarnation_advanced", engine=self.engine_id, incarnation=event.incarnation, reason=event.reason)
-                self.incarnation = event.incarnation
 
     async def _drop(self) -> None:
         if self._channel is not None:
@@ -247,6 +284,9 @@ class WorkerClient:
         self.resumes = 0
         """How many times the stream was resumed (a reconnect or a slow-subscriber cut)."""
         self.last_welcome: p.Welcome | None = None
+        self._reports: _Channel | None = None
+        """The connection reports go on: opened at the first, kept open, opened again after a loss."""
+        self._reporting = anyio.Lock()
 
     async def welcome(self) -> p.Welcome:
         """Hello as this worker; the Welcome names the engine's pools once it is declared."""
@@ -259,17 +299,11 @@ class WorkerClient:
         channel = _Channel(await self.address.connect(), self.max_frame)
         try:
             with anyio.fail_after(self.retry_for):
-                await channel.send(p.Hello(protocol=p.PROTOCOL_VERSION, role="worker", engine_id=self.engine_id,
-                                           rank=self.rank, token=self.address.token))
-                reply = await channel.receive()
+                await channel.send(_hello("worker", self.engine_id, self.address.token, rank=self.rank))
+                self.last_welcome = _welcomed(await channel.receive())
         except BaseException:
             await channel.aclose()
             raise
-        if isinstance(reply, p.Error):
-            await channel.aclose()
-            raise SidecarError(reply)
-        assert isinstance(reply, p.Welcome), reply
-        self.last_welcome = reply
         return channel
 
     async def decisions(self, from_seq: int | None = None) -> AsyncIterator[p.Decision]:
@@ -313,28 +347,45 @@ class WorkerClient:
             self.resumes += 1
 
     async def report(self, report: ReportRank, *, command_id: str | None = None) -> p.Committed:
-        """Send one (job, rank) report on a short connection of its own; retried on loss."""
+        """Send one (job, rank) report on this worker's report connection (opened once, kept
+        open); through a lost connection it is sent again, with the same command id, on a new
+        one: the sidecar counts it once (I4)."""
         message = p.Report(report=report, command_id=command_id or uuid_utils.uuid7().hex)
         deadline = anyio.current_time() + self.retry_for
-        while True:
-            try:
-                channel = await self._open()
+        async with self._reporting:
+            while True:
                 try:
-                    await channel.send(message)
-                    reply = await channel.receive()
-                finally:
-                    await channel.aclose()
-            except _LOST as lost:
+                    if self._reports is None:
+                        self._reports = await self._open()
+                    with anyio.fail_after(self.retry_for):
+                        await self._reports.send(message)
+                        reply = await self._reports.receive()
+                except (*_LOST, TimeoutError) as lost:
+                    await self._drop_reports()
+                    problem = f"{type(lost).__name__}: {lost}"
+                else:
+                    verdict = _verdict(reply, p.Committed)
+                    if not isinstance(verdict, str):
+                        return verdict
+                    await self._drop_reports()
+                    problem = verdict
                 if anyio.current_time() >= deadline:
-                    raise SidecarUnavailable(f"sidecar at {self.address} unavailable: {lost}") from lost
+                    raise SidecarUnavailable(f"sidecar at {self.address} unavailable for {self.retry_for} s: {problem}")
                 await anyio.sleep(0.05)
-                continue
-            if isinstance(reply, p.Committed):
-                return reply
-            assert isinstance(reply, p.Error), reply
-            if reply.code not in RETRY_CODES or anyio.current_time() >= deadline:
-                raise SidecarError(reply)
-            await anyio.sleep(0.05)
+
+    async def _drop_reports(self) -> None:
+        if self._reports is not None:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self._reports.aclose()
+                except _LOST:
+                    pass
+            self._reports = None
+
+    async def aclose(self) -> None:
+        """Close the report connection (a subscription ends with its iterator)."""
+        async with self._reporting:
+            await self._drop_reports()
 
 
 class OperatorClient:
@@ -372,7 +423,7 @@ class OperatorClient:
         channel = _Channel(await self.address.connect(), self.max_frame)
         try:
             with anyio.fail_after(self.reply_timeout):
-                await channel.send(p.Hello(protocol=p.PROTOCOL_VERSION, role="operator", token=self.address.token))
+                await channel.send(_hello("operator", "", self.address.token))
                 welcome = await channel.receive()
                 if not isinstance(welcome, p.Welcome):
                     return welcome
@@ -386,46 +437,195 @@ class OperatorClient:
                     pass
 
 
-class SyncEngineClient:
-    """EngineClient for code that is not async: its event loop runs in a background thread."""
+class _BlockingChannel:
+    """One connection on a plain blocking socket: frames out, frames in (the synchronous clients)."""
 
-    def __init__(self, address: Address, declare: DeclareEngine, **options: Any) -> None:
-        self._portal_cm = start_blocking_portal()
-        self._portal: BlockingPortal = self._portal_cm.__enter__()
-        self._client = EngineClient(address, declare, **options)
-        try:
-            self.welcome = self._portal.call(self._client.connect)
-        except BaseException:
-            self._portal_cm.__exit__(None, None, None)
-            raise
+    def __init__(self, address: Address, timeout: float, max_frame: int) -> None:
+        if address.socket_path is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
+            try:
+                sock.connect(address.socket_path)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            assert address.tcp is not None
+            sock = socket.create_connection(address.tcp, timeout=timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.max_frame = max_frame
 
-    @property
-    def incarnation(self) -> int:
-        return self._client.incarnation
+    def exchange(self, message: p.Message) -> p.ServerMessage:
+        self.sock.sendall(p.frame(message))
+        length = p.frame_length(self._exactly(p.HEADER_BYTES), self.max_frame)
+        return p.decode_server(self._exactly(length))
 
-    def step(self, step: int, clock: float, commands: Sequence[AnyCommand], *, command_id: str | None = None) -> p.StepResult:
-        return self._portal.call(lambda: self._client.step(step, clock, commands, command_id=command_id))
-
-    def execute(self, command: AnyCommand, *, command_id: str | None = None) -> p.Committed:
-        return self._portal.call(lambda: self._client.execute(command, command_id=command_id))
-
-    def report(self, report: ReportRank, *, command_id: str | None = None) -> p.Committed:
-        return self._portal.call(lambda: self._client.report(report, command_id=command_id))
-
-    def lookup(self, tier: str, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> p.LookupResult:
-        return self._portal.call(lambda: self._client.lookup(tier, token_ids, extra_keys))
-
-    def health(self) -> p.HealthResult:
-        return self._portal.call(self._client.health)
+    def _exactly(self, count: int) -> bytes:
+        buffer = bytearray(count)
+        view = memoryview(buffer)
+        got = 0
+        while got < count:
+            received = self.sock.recv_into(view[got:])
+            if not received:
+                raise ConnectionResetError("the sidecar closed the connection")
+            got += received
+        return bytes(buffer)
 
     def close(self) -> None:
+        self.sock.close()
+
+
+class _BlockingRequester:
+    """A request sent again, with the same command id, through lost connections until an answer
+    comes or `retry_for` runs out (SidecarUnavailable); what the synchronous clients share."""
+
+    def __init__(self, address: Address, *, retry_for: float, reply_timeout: float, max_frame: int) -> None:
+        self.address = address
+        self.retry_for = retry_for
+        self.reply_timeout = reply_timeout
+        """Seconds to wait for one reply; past it the connection counts as lost."""
+        self.max_frame = max_frame
+        self._channel: _BlockingChannel | None = None
+        self.connections = 0
+        """Connections opened so far (the first, then one after each loss)."""
+
+    def open(self, hello: p.Hello) -> p.Welcome:
+        channel = _BlockingChannel(self.address, self.reply_timeout, self.max_frame)
         try:
-            self._portal.call(self._client.aclose)
-        finally:
-            self._portal_cm.__exit__(None, None, None)
+            welcome = _welcomed(channel.exchange(hello))
+        except BaseException:
+            channel.close()
+            raise
+        self._channel = channel
+        self.connections += 1
+        return welcome
+
+    def request(self, message: p.Message, expected: type[R], hello: Callable[[], p.Hello],
+                welcomed: Callable[[p.Welcome], None] = lambda _: None) -> R:
+        deadline = time.monotonic() + self.retry_for
+        delay = 0.05
+        while True:
+            try:
+                if self._channel is None:
+                    welcomed(self.open(hello()))
+                assert self._channel is not None
+                reply = self._channel.exchange(message)
+            except (OSError, p.FrameError) as lost:  # a socket timeout is an OSError too
+                self.drop()
+                problem = f"{type(lost).__name__}: {lost}"
+            else:
+                try:
+                    verdict = _verdict(reply, expected)
+                except SidecarError as error:
+                    if error.fatal:
+                        self.drop()
+                    raise
+                if not isinstance(verdict, str):
+                    return verdict
+                self.drop()
+                problem = verdict
+            if time.monotonic() >= deadline:
+                raise SidecarUnavailable(f"sidecar at {self.address} unavailable for {self.retry_for} s: {problem}")
+            log.warning("retrying", request=type(message).__name__, error=problem, delay=delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def drop(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+
+class SyncEngineClient:
+    """EngineClient for code that is not async (a vLLM scheduler): the same requests and retries,
+    on a plain blocking socket. Not thread-safe: one caller at a time, as a scheduler is."""
+
+    def __init__(
+        self, address: Address, declare: DeclareEngine, *, tiers: Sequence[TierSpec] = (),
+        retry_for: float = 30.0, reply_timeout: float = 30.0, max_frame: int = p.DEFAULT_MAX_FRAME,
+    ) -> None:
+        self.address = address
+        self.declare = declare
+        self.engine_id = declare.engine_id
+        self.tiers = list(tiers)
+        self.incarnation = 0
+        self._requester = _BlockingRequester(address, retry_for=retry_for, reply_timeout=reply_timeout, max_frame=max_frame)
+        self.welcome = self._connect()
+
+    def _connect(self) -> p.Welcome:
+        welcome = self._requester.open(_engine_hello(self))
+        self._welcomed(welcome)
+        return welcome
+
+    def _welcomed(self, welcome: p.Welcome) -> None:
+        first = self.incarnation == 0
+        self.incarnation = welcome.incarnation
+        self.welcome = welcome
+        log.info("connected", engine=self.engine_id, incarnation=welcome.incarnation, address=str(self.address), reconnect=not first)
+
+    @property
+    def reconnects(self) -> int:
+        return self._requester.connections - 1
+
+    def _request(self, message: p.Message, expected: type[R]) -> R:
+        reply = self._requester.request(message, expected, lambda: _engine_hello(self), self._welcomed)
+        self.incarnation = _incarnation_after(reply, self.engine_id, self.incarnation)
+        return reply
+
+    def step(self, step: int, clock: float, commands: Sequence[AnyCommand], *, command_id: str | None = None) -> p.StepResult:
+        message = p.Step(step=step, clock=clock, commands=list(commands), command_id=command_id or uuid_utils.uuid7().hex)
+        return self._request(message, p.StepResult)
+
+    def execute(self, command: AnyCommand, *, command_id: str | None = None) -> p.Committed:
+        return self._request(p.Execute(command=command, command_id=command_id or uuid_utils.uuid7().hex), p.Committed)
+
+    def report(self, report: ReportRank, *, command_id: str | None = None) -> p.Committed:
+        return self._request(p.Report(report=report, command_id=command_id or uuid_utils.uuid7().hex), p.Committed)
+
+    def lookup(self, tier: str, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> p.LookupResult:
+        return self._request(p.Lookup(tier=tier, token_ids=list(token_ids), extra_keys=list(extra_keys)), p.LookupResult)
+
+    def lookup_keys(self, tier: str, keys: Sequence[ExternalKey]) -> p.KeysLookedUp:
+        """Which of these keys are loadable, answered at once (never waits for a commit)."""
+        return self._request(p.LookupKeys(tier=tier, keys=list(keys)), p.KeysLookedUp)
+
+    def health(self) -> p.HealthResult:
+        return self._request(p.Health(), p.HealthResult)
+
+    def close(self) -> None:
+        self._requester.drop()
 
     def __enter__(self) -> SyncEngineClient:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+class SyncWorkerClient:
+    """A worker rank's reports from code that is not async (a vLLM worker): one connection,
+    opened at the first report and kept open, on a blocking socket; through a lost connection a
+    report is sent again with the same command id (the sidecar counts it once, I4)."""
+
+    def __init__(self, address: Address, engine_id: str, rank: int, *, retry_for: float = 30.0,
+                 reply_timeout: float = 30.0, max_frame: int = p.DEFAULT_MAX_FRAME) -> None:
+        self.address = address
+        self.engine_id = engine_id
+        self.rank = rank
+        self._requester = _BlockingRequester(address, retry_for=retry_for, reply_timeout=reply_timeout, max_frame=max_frame)
+
+    @property
+    def connections(self) -> int:
+        """Connections opened so far: 1 for a worker whose connection was never lost."""
+        return self._requester.connections
+
+    def report(self, report: ReportRank, *, command_id: str | None = None) -> list[Event]:
+        """What the report committed (RankReported; with the last rank, the job's end)."""
+        message = p.Report(report=report, command_id=command_id or uuid_utils.uuid7().hex)
+        committed = self._requester.request(
+            message, p.Committed, lambda: _hello("worker", self.engine_id, self.address.token, rank=self.rank))
+        return list(committed.events)
+
+    def close(self) -> None:
+        self._requester.drop()

@@ -43,6 +43,13 @@ class CoordinatorCore:
             self.events.extend(events)
         return events
 
+    def record(self, events: Sequence[Event]) -> None:
+        """Fold events decided elsewhere (records of reads answered outside a step: no state changes)."""
+        for event in events:
+            apply(self.state, event)
+        if self._keep_events:
+            self.events.extend(events)
+
     def run_step(
         self, engine_id: str, step: int, clock: float, commands: Sequence[AnyCommand]
     ) -> list[Event]:

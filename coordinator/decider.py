@@ -7,7 +7,7 @@ projector then folds the returned events; the state the next command sees is tha
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 import msgspec
@@ -16,6 +16,7 @@ from coordinator import _checks as check
 from coordinator import _external, _jobs, _namespaces, _observe
 from coordinator._checks import Refusal
 from coordinator.commands import (
+    LookupExternal,
     NOTICES,
     AllocateBlocks,
     AllocateEncoderEntry,
@@ -40,6 +41,7 @@ from coordinator.keys import content_key, namespace_id, namespace_problems
 from coordinator.protections import Protection, is_off
 from coordinator.state import EngineState, SlotStatus, State
 from events import (
+    ExternalKeysLookedUp,
     NULL_BLOCK_ID,
     BlockRef,
     BlocksAllocated,
@@ -83,6 +85,18 @@ def lookup(state: State, command: LookupPrefix) -> PrefixLookedUp | Refused:
     nowhere (the sidecar's Lookup). A refusal comes back as the Refused event it would be."""
     try:
         return _jobs.prefix_hit(state, command, check.engine(state, command.engine_id))
+    except Refusal as refusal:
+        event = _refusal_event(state, command, refusal)
+        assert isinstance(event, Refused)
+        return event
+
+
+def lookup_keys(state: State, command: LookupExternal, uncommitted: Container[bytes] = frozenset()) -> ExternalKeysLookedUp | Refused:
+    """The read-only fast path of LookupExternal: the same answer, outside any step (the
+    sidecar's LookupKeys, recorded in the log afterwards). A refusal comes back as the Refused
+    event it would be."""
+    try:
+        return _external.answer_lookup(state, command, uncommitted)
     except Refusal as refusal:
         event = _refusal_event(state, command, refusal)
         assert isinstance(event, Refused)

@@ -1,10 +1,17 @@
-"""The pure core on the durable log: decide, commit, and only then is it true.
+"""The I/O shell around the pure core: decide, commit, and only then is it true.
 
-`Ledger` is the thin I/O shell around `CoordinatorCore`. A step is decided and folded in memory,
+`Ledger` wraps `CoordinatorCore` with the durable log. A step is decided and folded in memory,
 then appended as one atomic batch with the stream's expected version and the caller's command
 id. If the append fails, the in-memory state has run ahead of the log, so it is rebuilt from
 the log (the state is always what the log projects to, I18). A retried command id returns the
 originally committed events and appends nothing.
+
+Deciding and appending are two calls (`decide_group`, `append_decided`), so that the sidecar's
+committer can decide the next group while the previous one's append is in flight (pipelined
+group commit). A group decided on top of one whose append then fails is *superseded*: the
+rebuild drops both, and `append_decided` refuses the second (`Superseded`) so that it is
+decided again. Nothing of a group is shown before its append returned: readers either wait for
+the groups in flight (`committed`) or read around what they touched (`uncommitted_keys`).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import uuid_utils
 from coordinator.commands import AnyCommand, BeginStep, DecideNamespace, DeclareTier, EndStep, ReleaseNamespace, ReportRank
 from coordinator.core import CoordinatorCore
 from coordinator.decider import END_OF_STEP_NOTICES
+from coordinator.projector import read_effects
 from coordinator.protections import Protection
 from coordinator.recovery import decode, make_snapshot, recover
 from coordinator.state import State
@@ -77,7 +85,18 @@ class Single(msgspec.Struct, frozen=True, kw_only=True):
     command_id: str | None = None
 
 
-Transaction = Step | Single
+class Recorded(msgspec.Struct, frozen=True, kw_only=True):
+    """Events already decided outside any step, appended for the audit: the answers of reads
+    (a lookup on the sidecar's read path). They are records, not state: folding them changes
+    nothing (coordinator/projector.py), so they may land in any later group."""
+
+    stream_id: str
+    events: list[Event]
+
+
+Submission = Step | Single
+"""What a caller submits to be decided: a step or one command."""
+Transaction = Submission | Recorded
 
 
 class StepCommit(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,6 +107,31 @@ class StepCommit(msgspec.Struct, frozen=True, kw_only=True):
     results: list[list[Event]]
     """The events each command produced, in command order; a refusal is a `Refused` event."""
     ended: list[Event]
+
+
+class Superseded(Exception):
+    """A group decided on top of one whose append failed: the rebuild dropped it unappended.
+    Its transactions are decided again (the sidecar's committer puts them back in its queue)."""
+
+
+class DecidedGroup:
+    """A group decided and folded in memory, not yet appended (`Ledger.decide_group`)."""
+
+    __slots__ = ("transactions", "batches", "decided", "first_of", "done", "epoch", "keys", "engines")
+
+    def __init__(self, transactions: Sequence[Transaction], batches: list[AppendBatch],
+                 decided: list[tuple[int, str, list[Event], StepCommit | None]], first_of: dict[str, int],
+                 done: dict[str, AppendResult], epoch: int) -> None:
+        self.transactions = transactions
+        self.batches = batches
+        self.decided = decided
+        self.first_of = first_of
+        self.done = done
+        self.epoch = epoch
+        """The ledger's epoch when it was decided: a rebuild begins a new one and supersedes it."""
+        self.keys, self.engines = read_effects(e for _, _, events, _ in decided for e in events)
+        """What a read must not see of it before it is appended: the tier keys whose entries it
+        changed, the engines it declared or reset."""
 
 
 class Ledger:
@@ -102,14 +146,29 @@ class Ledger:
         """Empty except in the simulator's fault scenarios (coordinator.protections)."""
         self.core = CoordinatorCore(state, keep_events=False, protections_off=protections_off)
         self.last_seq = last_seq
+        """The last global sequence the log took (committed): what readers may be shown."""
         self._versions = versions
+        """Each stream's version in the log."""
+        self._next_versions = dict(versions)
+        """Each stream's version with the groups decided and not yet appended."""
         self._snapshot_every = snapshot_every
         self._steps_since_snapshot = 0
         self.stale = False
         """True from a failed append until a rebuild succeeds: the state may be ahead of the log."""
+        self._epoch = 0
+        self._pending: list[DecidedGroup] = []
+        """Groups decided and folded in memory whose append has not returned, oldest first."""
+        self._settled = anyio.Event()
+        self._settled.set()
+        self._unsure_keys: set[bytes] = set()
+        self._unsure_engines: set[str] = set()
+        """What the groups a failed append dropped had changed, until the rebuild succeeds."""
         self._snapshot_seq: int | None = None
         """The sequence of the last snapshot this ledger wrote (None: none yet)."""
         self._lock = anyio.Lock()
+        """Held while the state is changed (decide, rebuild) or read whole (`committed`)."""
+        self._serial = anyio.Lock()
+        """`commit_group`'s: a caller that pipelines (the sidecar's committer) orders its groups itself."""
         self.snapshot_due: Snapshot | None = None
         """An encoded snapshot waiting to be written (commit_group with save_snapshot=False)."""
         self.clock = clock
@@ -134,11 +193,28 @@ class Ledger:
 
     @asynccontextmanager
     async def committed(self) -> AsyncIterator[State]:
-        """The state with nothing uncommitted in it: waits out a commit in flight. For read-only
-        answers (the sidecar's Lookup) that must never show what the log has not taken."""
+        """The state with nothing uncommitted in it: waits out the groups in flight. For read-only
+        answers that must never show what the log has not taken (a worker's Welcome, /metrics)."""
         async with self._lock:
+            await self._settle()
             await self._fresh()
             yield self.core.state
+
+    def uncommitted_keys(self) -> tuple[set[bytes], set[str]]:
+        """What the state in memory may hold that the log does not, for a reader that answers
+        from it at once (the sidecar's lookups): the tier keys and the engines that the groups in
+        flight changed, and those of a failed append until the rebuild from the log succeeded.
+        A key in it must be answered as a miss, never as the state has it."""
+        keys, engines = set(self._unsure_keys), set(self._unsure_engines)
+        for group in self._pending:
+            keys |= group.keys
+            engines |= group.engines
+        return keys, engines
+
+    @property
+    def in_flight(self) -> int:
+        """Groups decided whose append has not returned."""
+        return len(self._pending)
 
     async def execute(self, command: AnyCommand, *, command_id: str | None = None) -> Commit:
         """Decide one command and commit its events."""
@@ -161,16 +237,60 @@ class Ledger:
         order. A command id that is already committed is not decided again: its original events
         come back with `duplicate=True`. If the append fails, nothing of the group is committed,
         the state is rebuilt from the log, and the error propagates."""
+        async with self._serial:  # concurrent callers: one group decided and appended at a time
+            group = await self.decide_group(transactions)
+            results, snapshot = await self._append_mapped(group)
+        await self._snapshot_due(snapshot, save_snapshot)
+        return results
+
+    async def decide_group(self, transactions: Sequence[Transaction]) -> DecidedGroup:
+        """Decide and fold the group in memory, on top of the groups still in flight; nothing is
+        appended (`append_decided` does). Raises DecideFailed when the core fails on one."""
         try:
             async with self._lock:
-                results, snapshot = await self._commit_group(transactions)
-        except LogError:
+                await self._fresh()
+                ids = [tx.command_id for tx in transactions if not isinstance(tx, Recorded) and tx.command_id is not None]
+                done = await self.log.find_commands(ids) if ids else {}
+                epoch = self._epoch
+                try:
+                    batches, decided, first_of = self._decide_group(transactions, done)
+                except BaseException:
+                    # A bug in the core: what it folded of this group is in memory only. Rebuild,
+                    # once the groups in flight landed (their folds are in memory too).
+                    with anyio.CancelScope(shield=True):
+                        await self._settle()
+                        await self._rebuild("decide_failed")
+                    raise
+                group = DecidedGroup(transactions, batches, decided, first_of, done, epoch)
+                if batches:
+                    self._pending.append(group)
+                    self._settled = anyio.Event()
+                return group
+        except (LogError, DecideFailed):
             raise
         except Exception as error:
-            if is_outage(error):  # the database went away mid-commit (a lookup, the append, a rebuild): retry
-                raise LogUnavailable(f"{self.log.url} is unreachable: {type(error).__name__}: {error}".splitlines()[0]
-                                     + ": it may or may not be committed; retry it with the same command ids") from error
+            if is_outage(error):  # the database went away mid-commit (a lookup, a rebuild): retry
+                raise _unavailable(self.log.url, error) from error
             raise
+
+    async def append_decided(self, group: DecidedGroup, *, save_snapshot: bool = True) -> list[StepCommit | Commit]:
+        """Append a decided group and return its results. Raises Superseded (nothing appended)
+        when a group before it failed; on its own failure the state is rebuilt from the log."""
+        results, snapshot = await self._append_mapped(group)
+        await self._snapshot_due(snapshot, save_snapshot)
+        return results
+
+    async def _append_mapped(self, group: DecidedGroup) -> tuple[list[StepCommit | Commit], Snapshot | None]:
+        try:
+            return await self._append(group)
+        except (LogError, Superseded):
+            raise
+        except Exception as error:
+            if is_outage(error):  # the database went away mid-commit (the append, a rebuild): retry
+                raise _unavailable(self.log.url, error) from error
+            raise
+
+    async def _snapshot_due(self, snapshot: Snapshot | None, save_snapshot: bool) -> None:
         if snapshot is not None:
             # Written outside the lock (a snapshot is a cache; the rows are insert-only, so an
             # older one landing later changes nothing). With save_snapshot=False the caller saves
@@ -180,7 +300,6 @@ class Ledger:
                 await self._save_snapshot(snapshot)
             else:
                 self.snapshot_due = snapshot
-        return results
 
     async def save_due_snapshot(self) -> None:
         """Write the newest snapshot a commit_group(save_snapshot=False) left due, if any."""
@@ -191,14 +310,28 @@ class Ledger:
     async def close(self) -> None:
         """Clean shutdown: leave a snapshot so the next start replays only what follows."""
         async with self._lock:
+            await self._settle()
             # A stale state (a failed append whose rebuild failed too) may hold what the log never took.
             if self.last_seq and self.last_seq != self._snapshot_seq and not self.stale:
                 await self._snapshot()
+
+    async def _settle(self) -> None:
+        """Wait until no decided group is in flight (their appends never take the lock first)."""
+        while self._pending:
+            await self._settled.wait()
+
+    def _landed(self, group: DecidedGroup) -> None:
+        """The group's append returned, one way or the other."""
+        if group in self._pending:
+            self._pending.remove(group)
+            if not self._pending:
+                self._settled.set()
 
     async def _fresh(self) -> None:
         """After a rebuild that failed (the log was down), rebuild before anything else: the
         state in memory may still hold what the log did not take. Raises while the log is down."""
         if self.stale:
+            await self._settle()
             try:
                 await self._rebuild("stale_after_failed_rebuild")
             except Exception as error:
@@ -207,57 +340,76 @@ class Ledger:
                                          f"{type(error).__name__}: {error}".splitlines()[0]) from error
                 raise
 
-    async def _commit_group(self, transactions: Sequence[Transaction]) -> tuple[list[StepCommit | Commit], Snapshot | None]:
-        """Decide and append; with the state encoded for a snapshot when one is due."""
-        await self._fresh()
-        ids = [tx.command_id for tx in transactions if tx.command_id is not None]
-        done = await self.log.find_commands(ids) if ids else {}
-        try:
-            batches, decided, first_of = self._decide_group(transactions, done)
-        except BaseException:
-            # A bug in the core: what it folded of this group is in memory only. Rebuild.
-            with anyio.CancelScope(shield=True):
-                await self._rebuild("decide_failed")
-            raise
+    async def _append(self, group: DecidedGroup) -> tuple[list[StepCommit | Commit], Snapshot | None]:
+        if group.epoch != self._epoch:
+            # Decided on top of a group whose append failed: the rebuild dropped its folds.
+            self._landed(group)
+            raise Superseded("decided on top of a group whose append failed; decide it again")
         results: dict[int, StepCommit | Commit] = {}
-        if batches:
+        if group.batches:
             try:
-                appended = await self.log.append(batches)
+                appended = await self.log.append(group.batches)
             except BaseException:
-                # The state ran ahead of a log that did not take the group: rebuild it from the log.
+                # The state ran ahead of a log that did not take the group (and of whatever was
+                # decided on top of it): rebuild it from the log.
+                self._fail_epoch()
+                self._landed(group)
                 with anyio.CancelScope(shield=True):
-                    try:
-                        await self._rebuild("append_failed")
-                    except Exception as rebuild_error:  # noqa: BLE001 - the log is down: the append's error is the one to raise
-                        # Still stale: the next commit rebuilds first (_fresh).
-                        log.warning("ledger_rebuild_failed", reason="append_failed", error=f"{type(rebuild_error).__name__}: {rebuild_error}")
+                    await self._rebuild_after("append_failed")
                 raise
+            self._landed(group)
             if any(r.duplicate for r in appended):
                 # Another writer committed one of these ids between our check and our append.
-                await self._rebuild("retried_command")
+                self._fail_epoch()
+                await self._rebuild_after("retried_command")
                 raise AppendRejected(
                     "another writer committed one of this group's command ids while it was being decided; "
                     "the rest were committed: retry each with its command id to get its result"
                 )
-            for (index, stream, events, detail), result in zip(decided, appended, strict=True):
+            for (index, stream, events, detail), result in zip(group.decided, appended, strict=True):
                 self._versions[stream] = result.stream_version
                 self.last_seq = max(self.last_seq, result.last_seq)
                 commit = Commit(events=events, stream_id=stream, first_seq=result.first_seq, last_seq=result.last_seq)
                 results[index] = commit if detail is None else msgspec.structs.replace(detail, commit=commit)
                 if detail is not None:
                     self._steps_since_snapshot += 1
-        for index, tx in enumerate(transactions):
+        for index, tx in enumerate(group.transactions):
             if index not in results:
-                assert tx.command_id is not None
-                original = done.get(tx.command_id)
-                earlier = results[first_of[tx.command_id]] if original is None else None
+                assert not isinstance(tx, Recorded) and tx.command_id is not None
+                original = group.done.get(tx.command_id)
+                earlier = results[group.first_of[tx.command_id]] if original is None else None
                 results[index] = await self._retried(tx, original, earlier)
         snapshot = None
         if self._steps_since_snapshot >= self._snapshot_every:
-            # Encoded under the lock (the state must not move meanwhile); saved after it.
-            self._steps_since_snapshot = 0  # the next one after another snapshot_every steps, saved or not
-            snapshot = await anyio.to_thread.run_sync(make_snapshot, self.state, self.last_seq)
-        return [results[index] for index in range(len(transactions))], snapshot
+            async with self._lock:
+                # Only a state with nothing in flight is the log's (a group decided meanwhile
+                # waits: the next append that finds none in flight encodes it).
+                if not self._pending and not self.stale:
+                    self._steps_since_snapshot = 0  # the next one after another snapshot_every steps, saved or not
+                    snapshot = await anyio.to_thread.run_sync(make_snapshot, self.state, self.last_seq)
+        return [results[index] for index in range(len(group.transactions))], snapshot
+
+    def _fail_epoch(self) -> None:
+        """What is in memory is no longer the log's: every group decided so far is superseded
+        (none of them is being appended: a group's append begins once the ones before it landed)."""
+        self.stale = True
+        self._epoch += 1
+        for group in self._pending:
+            self._unsure_keys |= group.keys
+            self._unsure_engines |= group.engines
+        self._pending.clear()
+        self._settled.set()
+
+    async def _rebuild_after(self, reason: str) -> None:
+        async with self._lock:
+            if not self.stale:
+                return  # a reader or a decision rebuilt it first
+            await self._settle()
+            try:
+                await self._rebuild(reason)
+            except Exception as rebuild_error:  # noqa: BLE001 - the log is down: the append's error is the one to raise
+                # Still stale: the next commit rebuilds first (_fresh).
+                log.warning("ledger_rebuild_failed", reason=reason, error=f"{type(rebuild_error).__name__}: {rebuild_error}")
 
     def _decide_group(
         self, transactions: Sequence[Transaction], done: dict[str, AppendResult]
@@ -268,35 +420,41 @@ class Ledger:
         batches: list[AppendBatch] = []
         decided: list[tuple[int, str, list[Event], StepCommit | None]] = []
         first_of: dict[str, int] = {}
-        expected = dict(self._versions)
+        expected = self._next_versions
         now = self.clock()
         for index, tx in enumerate(transactions):
-            if tx.command_id is not None:
-                if tx.command_id in done or tx.command_id in first_of:
-                    continue  # answered from the log, or from its first copy
-                first_of[tx.command_id] = index
+            command_id = None
             detail: StepCommit | None = None
             try:
-                if isinstance(tx, Step):
-                    stream, step = f"engine/{tx.engine_id}", tx.step
-                    began = self.core.execute(BeginStep(engine_id=tx.engine_id, step=tx.step, clock=tx.clock))
-                    per_command = [self.core.execute(command) for command in tx.commands]
-                    ended = self.core.execute(EndStep(engine_id=tx.engine_id))
-                    events = began + [e for produced in per_command for e in produced] + ended
-                    detail = StepCommit(commit=_PLACEHOLDER, began=began, results=per_command, ended=ended)
+                if isinstance(tx, Recorded):
+                    stream, step, events = tx.stream_id, -1, tx.events
+                    self.core.record(events)
                 else:
-                    stream, step = stream_for(self.state, tx.command), -1
-                    events = self.core.execute(tx.command)
+                    command_id = tx.command_id
+                    if command_id is not None:
+                        if command_id in done or command_id in first_of:
+                            continue  # answered from the log, or from its first copy
+                        first_of[command_id] = index
+                    if isinstance(tx, Step):
+                        stream, step = f"engine/{tx.engine_id}", tx.step
+                        began = self.core.execute(BeginStep(engine_id=tx.engine_id, step=tx.step, clock=tx.clock))
+                        per_command = [self.core.execute(command) for command in tx.commands]
+                        ended = self.core.execute(EndStep(engine_id=tx.engine_id))
+                        events = began + [e for produced in per_command for e in produced] + ended
+                        detail = StepCommit(commit=_PLACEHOLDER, began=began, results=per_command, ended=ended)
+                    else:
+                        stream, step = stream_for(self.state, tx.command), -1
+                        events = self.core.execute(tx.command)
             except Exception as error:
                 raise DecideFailed(index, error) from error
             version = expected.get(stream, 0)
             batches.append(AppendBatch(stream_id=stream, expected_version=version,
-                                       events=self._pending(events, step, now), command_id=tx.command_id))
+                                       events=self._pending_events(events, step, now), command_id=command_id))
             expected[stream] = version + len(events)
             decided.append((index, stream, events, detail))
         return batches, decided, first_of
 
-    def _pending(self, events: list[Event], step: int, now: float) -> list[PendingEvent]:
+    def _pending_events(self, events: list[Event], step: int, now: float) -> list[PendingEvent]:
         # Time-ordered ids (uuid7): random uuid4s scatter inserts across the unique index on
         # event_id (ops/bench/log.py measured several times the pages written per commit).
         encode = self.codec.encode
@@ -308,7 +466,7 @@ class Ledger:
         return pending
 
     async def _retried(
-        self, tx: Transaction, original: AppendResult | None, same_group: StepCommit | Commit | None
+        self, tx: Step | Single, original: AppendResult | None, same_group: StepCommit | Commit | None
     ) -> StepCommit | Commit:
         """The answer to a command id that was committed before (or earlier in this group)."""
         if same_group is not None:
@@ -324,11 +482,17 @@ class Ledger:
         return split_step(commit) if isinstance(tx, Step) else commit
 
     async def _rebuild(self, reason: str) -> None:
-        self.stale = True  # until the state is the log's again
-        state, self.last_seq = await recover(self.log, self.codec)
+        """Replace the state with the log's (nothing may be in flight: the caller settled)."""
+        self._fail_epoch()  # until the state is the log's again
+        state, last_seq = await recover(self.log, self.codec)
+        versions = await self.log.stream_versions()
         self.core = CoordinatorCore(state, keep_events=False, protections_off=self.protections_off)
-        self._versions = await self.log.stream_versions()
+        self.last_seq = last_seq
+        self._versions = versions
+        self._next_versions = dict(versions)
         self.stale = False
+        self._unsure_keys.clear()
+        self._unsure_engines.clear()
         log.warning("ledger_rebuilt_from_log", reason=reason, global_seq=self.last_seq)
 
     async def _snapshot(self) -> None:
@@ -348,6 +512,11 @@ class Ledger:
     def _saved(self, snapshot: Snapshot) -> None:
         self._snapshot_seq = max(self._snapshot_seq or 0, snapshot.global_seq)
         log.info("snapshot_saved", global_seq=snapshot.global_seq, bytes=len(snapshot.state))
+
+
+def _unavailable(url: str, error: Exception) -> LogUnavailable:
+    return LogUnavailable(f"{url} is unreachable: {type(error).__name__}: {error}".splitlines()[0]
+                          + ": it may or may not be committed; retry it with the same command ids")
 
 
 class DecideFailed(RuntimeError):

@@ -76,6 +76,24 @@ class ProjectionError(RuntimeError):
     """The authoritative projector met an event it cannot fold (never silently skipped)."""
 
 
+_KEY_CHANGES = (KeyPublished, KeyEvicted, KeyQuarantined)
+_ENGINE_CHANGES = (EngineDeclared, EngineReset)
+
+
+def read_effects(events: Iterable[Event]) -> tuple[set[bytes], set[str]]:
+    """What of these events a read-only answer (a lookup) could show: the tier keys whose
+    entries they change and the engines they declare or reset. A reader that answers before
+    these events are committed answers those keys and engines as the log has them."""
+    keys: set[bytes] = set()
+    engines: set[str] = set()
+    for event in events:
+        if isinstance(event, _KEY_CHANGES):
+            keys.add(event.key)
+        elif isinstance(event, _ENGINE_CHANGES):
+            engines.add(event.engine_id)
+    return keys, engines
+
+
 def apply(state: State, event: Event) -> State:
     """Fold one event into `state` and return it."""
     try:

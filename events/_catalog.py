@@ -463,6 +463,11 @@ class ExternalKeysLookedUp(Event, frozen=True, tag="external_keys_looked_up"):
     pool_ids: list[int]
     engine_keys: list[bytes]
     loadable: list[bool]
+    answered_at: float = 0.0
+    """Wall-clock seconds when the sidecar answered it on its read path (LookupKeys), which
+    records it with a later group; 0.0 for an answer inside a step (its step's time is its own)."""
+    head_seq: int = 0
+    """The last committed global sequence the answer read (read path only; 0 inside a step)."""
 
 
 class ExternalStoreStarted(Event, frozen=True, tag="external_store_started"):

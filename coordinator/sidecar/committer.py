@@ -1,14 +1,26 @@
-"""Group commit: transactions that arrive while a commit is in flight are committed together.
+"""Group commit, pipelined: transactions that arrive while a commit is in flight are committed
+together, and the next group is decided while the previous one is being appended.
 
 Connections submit transactions and wait; one task takes everything queued (up to a limit),
-commits it with `Ledger.commit_group` in one append, publishes the decisions, then wakes the
-waiters. There is no timer: under light load a group is one transaction and waits for nothing;
-under load the groups grow by themselves. A waiter that goes away does not cancel its commit,
-so a client that reconnects and retries its command id gets the committed result.
+decides it (`Ledger.decide_group`) on top of the group whose append is in flight, then waits for
+that append, publishes its decisions and wakes its waiters, and only then starts appending the
+new group. So the log is busy while the core decides, yet nothing reaches an engine or a worker
+before its group is durable. If an append fails, its waiters get the error, the ledger rebuilds
+from the log, and the group decided on top of it is superseded and decided again.
+
+There is no timer for transactions: under light load a group is one transaction and waits for
+nothing; under load the groups grow by themselves. A waiter that goes away does not cancel its
+commit, so a client that reconnects and retries its command id gets the committed result.
+
+Records of reads (`record`: the lookups the sidecar answered at once, from the committed state)
+ride along: each group carries those queued before it, and when no transaction comes within
+RECORD_DELAY they are committed alone. While the log is down they wait (at most MAX_RECORDS;
+past that the oldest are dropped and counted, never silently).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -16,13 +28,21 @@ from collections.abc import Sequence
 import anyio
 import structlog
 
-from coordinator.ledger import Commit, DecideFailed, Ledger, StepCommit, Transaction
+from coordinator.ledger import Commit, DecidedGroup, DecideFailed, Ledger, Recorded, StepCommit, Submission, Superseded, Transaction
 from coordinator.sidecar.hub import DecisionHub
 from coordinator.sidecar.metrics import SidecarMetrics
+from events import Event
 
 log = structlog.get_logger("kvledger.committer")
 
 MAX_GROUP = 64
+RECORD_DELAY = 0.05
+"""Seconds queued records wait for a group to ride with before they are committed alone."""
+MAX_RECORDS = 100_000
+"""Records held while the log does not take them; past this the oldest are dropped (and counted)."""
+MAX_RECORDS_PER_GROUP = 8_192
+RECORD_RETRY_MAX = 2.0
+"""The longest wait before records alone are tried again on a log that refused them."""
 
 
 class ShuttingDown(Exception):
@@ -36,13 +56,28 @@ class NotCommitted(Exception):
 class _Waiter:
     __slots__ = ("tx", "batch", "done", "result", "error")
 
-    def __init__(self, tx: Transaction, batch: object | None = None) -> None:
+    def __init__(self, tx: Submission, batch: object | None = None) -> None:
         self.tx = tx
         self.batch = batch
         """The submit_all call it came with: a batch is committed in one group, in its order."""
         self.done = anyio.Event()
         self.result: StepCommit | Commit | None = None
         self.error: BaseException | None = None
+
+
+class _InFlight:
+    """A decided group and its append, running in a task of its own."""
+
+    __slots__ = ("waiters", "records", "decided", "landed", "results", "error", "started")
+
+    def __init__(self, waiters: list[_Waiter], records: list[tuple[str, Event]], decided: DecidedGroup, started: float) -> None:
+        self.waiters = waiters
+        self.records = records
+        self.decided = decided
+        self.landed = anyio.Event()
+        self.results: list[StepCommit | Commit] | None = None
+        self.error: BaseException | None = None
+        self.started = started
 
 
 class Committer:
@@ -52,13 +87,20 @@ class Committer:
         self.metrics = metrics
         self.max_group = max_group
         self._queue: deque[_Waiter] = deque()
+        self._records: deque[tuple[str, Event]] = deque()
         self._wake = anyio.Event()
         self._snapshot_wake = anyio.Event()
         self._closing = False
+        self._record_delay = RECORD_DELAY
+        """How long records wait alone before they are committed: doubles while the log refuses them."""
+        self._records_due = False
+        self._records_offered = 0
+        """Records taken into a group whose append has not returned."""
+        self._dropping = False
         self.failure: str | None = None
         """Why the log stopped taking appends, if it did: readiness reports it."""
 
-    async def submit(self, tx: Transaction) -> StepCommit | Commit:
+    async def submit(self, tx: Submission) -> StepCommit | Commit:
         """Commit one transaction (with whatever else is queued) and return its result."""
         if self._closing:
             raise ShuttingDown("the sidecar is shutting down; retry against the restarted one")
@@ -73,7 +115,7 @@ class Committer:
         assert waiter.result is not None
         return waiter.result
 
-    async def submit_all(self, txs: Sequence[Transaction]) -> list[StepCommit | Commit]:
+    async def submit_all(self, txs: Sequence[Submission]) -> list[StepCommit | Commit]:
         """Commit several transactions in their order (queued together: one group, or consecutive
         groups), and return their results; raises the first error any of them got, after all are
         answered (a retry with the same command ids then gets what was committed)."""
@@ -91,8 +133,15 @@ class Committer:
                 raise waiter.error
         return [waiter.result for waiter in waiters if waiter.result is not None]
 
+    def record(self, stream_id: str, event: Event) -> None:
+        """Append a read's record with a later group; never waits (the log may be down)."""
+        self._records.append((stream_id, event))
+        self._bound_records()
+        if len(self._records) == 1:
+            self._wake.set()
+
     def close(self) -> None:
-        """Take no new transactions; `run` returns once the queue is empty."""
+        """Take no new transactions; `run` returns once the queue (and the records) are committed."""
         self._closing = True
         self._wake.set()
 
@@ -111,6 +160,10 @@ class Committer:
                 waiter = self._queue.popleft()
                 waiter.error = ShuttingDown("the sidecar stopped before this commit; retry it with its command id")
                 waiter.done.set()
+            if self._records:
+                self._lost(len(self._records), "the sidecar stopped before the log took them")
+                self._records.clear()
+                self._count_pending()
 
     async def _save_snapshots(self) -> None:
         """Write each snapshot a commit left due, beside the commits: no step waits for it."""
@@ -120,74 +173,213 @@ class Committer:
             await self.ledger.save_due_snapshot()
 
     async def _run(self) -> None:
-        while True:
-            while not self._queue:
-                if self._closing:
-                    return
-                await self._wake.wait()
-                self._wake = anyio.Event()
-            group = [self._queue.popleft() for _ in range(min(self.max_group, len(self._queue)))]
-            # A batch (submit_all) is never split across groups: were one group of it to fail and
-            # the next to commit, its order would break (an ingested batch after a missing one).
-            while self._queue and group[-1].batch is not None and self._queue[0].batch is group[-1].batch:
-                group.append(self._queue.popleft())
-            await self._commit(group)
+        previous: _InFlight | None = None
+        async with anyio.create_task_group() as appends:
+            while True:
+                if previous is not None and previous.landed.is_set():
+                    await self._finish(previous)
+                    previous = None
+                waiters = self._take(previous)
+                records = self._take_records(bool(waiters) or self._closing or self._records_due)
+                if not waiters and not records:
+                    if previous is None and self._closing and not self._queue and not self._records:
+                        return
+                    await self._wait()  # for a transaction, a record's delay, or the append in flight
+                    continue
+                decided = await self._decide(waiters, records)
+                if previous is not None:
+                    await self._finish(previous)  # its waiters are answered before the next append begins
+                    previous = None
+                if decided is not None:
+                    previous = decided
+                    appends.start_soon(self._append, decided)
 
-    async def _commit(self, group: list[_Waiter]) -> None:
-        try:
-            await self._commit_and_publish(group)
-        finally:
-            # Whatever happened (even cancellation), no waiter is left waiting forever.
-            for waiter in group:
-                if waiter.result is None and waiter.error is None:
-                    waiter.error = ShuttingDown("the sidecar stopped before this commit finished; retry it with its command id")
-                waiter.done.set()
+    def _take(self, previous: _InFlight | None) -> list[_Waiter]:
+        """The next group: up to max_group transactions, a batch never split, none whose command
+        id is in the group in flight (it is decided once that one landed: then it is a retry)."""
+        busy = {w.tx.command_id for w in previous.waiters} if previous is not None else set()
+        group: list[_Waiter] = []
+        skipped: list[_Waiter] = []
+        while self._queue and len(group) < self.max_group:
+            waiter = self._queue.popleft()
+            if waiter.tx.command_id is not None and waiter.tx.command_id in busy:
+                skipped.append(waiter)
+                continue
+            group.append(waiter)
+        # A batch (submit_all) is never split across groups: were one group of it to fail and
+        # the next to commit, its order would break (an ingested batch after a missing one).
+        while group and self._queue and group[-1].batch is not None and self._queue[0].batch is group[-1].batch:
+            group.append(self._queue.popleft())
+        self._queue.extendleft(reversed(skipped))
+        return group
 
-    async def _commit_and_publish(self, group: list[_Waiter]) -> None:
+    def _take_records(self, take: bool) -> list[tuple[str, Event]]:
+        if not take or not self._records:
+            return []
+        self._records_due = False
+        count = min(len(self._records), MAX_RECORDS_PER_GROUP)
+        records = [self._records.popleft() for _ in range(count)]
+        self._records_offered += count
+        return records
+
+    def _put_back(self, records: list[tuple[str, Event]]) -> None:
+        """Records of a group the log did not take: first in line again (within MAX_RECORDS),
+        unless the sidecar is stopping (then they are counted lost: the log is not coming back)."""
+        self._records_offered -= len(records)
+        if self._closing:
+            self._lost(len(records), "the sidecar stopped while the log refused them")
+            self._count_pending()
+            return
+        self._records.extendleft(reversed(records))
+        self._bound_records()
+
+    def _bound_records(self) -> None:
+        over = len(self._records) - MAX_RECORDS
+        if over > 0:
+            for _ in range(over):
+                self._records.popleft()
+            self._lost(over, f"the log has not taken records for too long (holding at most {MAX_RECORDS:,})")
+        self._count_pending()
+
+    def _count_pending(self) -> None:
+        self.metrics.records_pending.set(len(self._records) + self._records_offered)
+
+    def _lost(self, count: int, reason: str) -> None:
+        self.metrics.records_lost.inc(count)
+        if not self._dropping:  # the first of an outage is worth a line; the metric counts them all
+            self._dropping = True
+            log.error("lookup_records_dropped", records=count, reason=reason)
+
+    async def _wait(self) -> None:
+        """Until a transaction comes, or queued records have waited their delay."""
+        delay = self._record_delay if self._records else math.inf
+        with anyio.move_on_after(delay) as waited:
+            await self._wake.wait()
+        if waited.cancelled_caught:
+            self._records_due = True  # committed alone at the next turn
+        else:
+            self._wake = anyio.Event()
+
+    async def _decide(self, waiters: list[_Waiter], records: list[tuple[str, Event]]) -> _InFlight | None:
+        """Decide the group (on top of the one in flight); None when nothing is left to append."""
         started = time.perf_counter()
+        txs: list[Transaction] = [Recorded(stream_id=stream, events=events) for stream, events in _by_stream(records)]
         try:
-            results = await self.ledger.commit_group([w.tx for w in group], save_snapshot=False)
-            if self.ledger.snapshot_due is not None:
-                self._snapshot_wake.set()
+            decided = await self.ledger.decide_group(txs + [w.tx for w in waiters])
         except DecideFailed as failed:
-            # A bug in the core on one transaction: nothing of the group was committed and the
-            # state is the log's again. That transaction gets the error; the others are committed
-            # without it, as if they had come alone (each failing one is taken out in turn).
-            culprit = group[failed.index]
+            # A bug in the core on one transaction: nothing of the group was decided and the state
+            # is the log's again. That transaction gets the error; the others are decided without
+            # it, as if they had come alone (each failing one is taken out in turn).
+            index = failed.index - len(txs)
+            if index < 0:  # a record the core cannot fold: drop them, named (they change no state)
+                self._records_offered -= len(records)
+                self._lost(len(records), f"the core failed on a record: {type(failed.cause).__name__}: {failed.cause}")
+                self._count_pending()
+                return await self._decide(waiters, []) if waiters else None
+            culprit = waiters[index]
             culprit.error = failed.cause
-            log.error("transaction_failed", transactions=len(group), error=f"{type(failed.cause).__name__}: {failed.cause}",
+            log.error("transaction_failed", transactions=len(waiters), error=f"{type(failed.cause).__name__}: {failed.cause}",
                       command_id=culprit.tx.command_id)
+            culprit.done.set()
             # What came after the culprit in its own batch is not committed either: a batch keeps
             # its order (its submitter retries it with the same command ids).
-            after = group[failed.index + 1:]
-            for waiter in after:
+            rest = []
+            for waiter in waiters[index + 1:]:
                 if culprit.batch is not None and waiter.batch is culprit.batch:
                     waiter.error = NotCommitted(f"not committed: an earlier transaction of its batch failed "
                                                 f"({type(failed.cause).__name__}: {failed.cause})")
-            rest = [waiter for waiter in group if waiter is not culprit and waiter.error is None]
-            if rest:
-                await self._commit_and_publish(rest)
-            return
-        except Exception as error:  # noqa: BLE001 - every waiter gets the error; the loop goes on
-            self.metrics.append_errors.inc()
-            self.failure = f"{type(error).__name__}: {error}"
-            log.error("commit_failed", transactions=len(group), error=self.failure)
-            for waiter in group:
+                    waiter.done.set()
+                else:
+                    rest.append(waiter)
+            rest = waiters[:index] + rest
+            return await self._decide(rest, records) if rest or records else None
+        except BaseException as error:
+            # The log failed before anything was decided (a command id lookup, a rebuild): the
+            # group gets the error; its records wait for the log.
+            self._put_back(records)
+            self._failed(error, len(waiters))
+            for waiter in waiters:
                 waiter.error = error
-            try:  # whatever of it did land, workers must still hear of
-                await self.hub.publish_from_log(self.ledger.last_seq)
-            except Exception as late:  # noqa: BLE001 - the log is down; the next commit tries again
-                log.error("publish_from_log_failed", error=f"{type(late).__name__}: {late}")
-            return
+                waiter.done.set()
+            if isinstance(error, Exception):
+                return None
+            raise
+        return _InFlight(waiters, records, decided, started)
+
+    async def _append(self, flight: _InFlight) -> None:
+        try:
+            flight.results = await self.ledger.append_decided(flight.decided, save_snapshot=False)
+        except BaseException as error:
+            flight.error = error
+            if not isinstance(error, Exception):
+                raise
+        finally:
+            flight.landed.set()
+            self._wake.set()
+
+    async def _finish(self, flight: _InFlight) -> None:
+        """Wait for the group's append; publish and answer (or put it back, if superseded)."""
+        try:
+            with anyio.CancelScope(shield=True):
+                await flight.landed.wait()
+            if isinstance(flight.error, Superseded):
+                # Decided on top of a group whose append failed: decided again, first in line.
+                self._queue.extendleft(reversed(flight.waiters))
+                self._put_back(flight.records)
+                return
+            if flight.error is not None:
+                self._put_back(flight.records)
+                self._failed(flight.error, len(flight.waiters))
+                for waiter in flight.waiters:
+                    waiter.error = flight.error
+                try:  # whatever of it did land, workers must still hear of
+                    await self.hub.publish_from_log(self.ledger.last_seq)
+                except Exception as late:  # noqa: BLE001 - the log is down; the next commit tries again
+                    log.error("publish_from_log_failed", error=f"{type(late).__name__}: {late}")
+                return
+            await self._published(flight)
+        finally:
+            for waiter in flight.waiters:
+                if waiter.result is None and waiter.error is None and not isinstance(flight.error, Superseded):
+                    waiter.error = ShuttingDown("the sidecar stopped before this commit finished; retry it with its command id")
+                if waiter.result is not None or waiter.error is not None:
+                    waiter.done.set()
+
+    def _failed(self, error: BaseException, transactions: int) -> None:
+        self.metrics.append_errors.inc()
+        self.failure = f"{type(error).__name__}: {error}"
+        log.error("commit_failed", transactions=transactions, error=self.failure)
+        # Records alone are tried again later and later while the log refuses them.
+        self._record_delay = min(self._record_delay * 2, RECORD_RETRY_MAX)
+
+    async def _published(self, flight: _InFlight) -> None:
+        assert flight.results is not None
         self.failure = None
+        self._record_delay = RECORD_DELAY
+        self._dropping = False
+        self._records_offered -= len(flight.records)
+        self._count_pending()
+        if self.ledger.snapshot_due is not None:
+            self._snapshot_wake.set()
         published = []
-        for waiter, result in zip(group, results, strict=True):
-            waiter.result = result
+        records = len(flight.results) - len(flight.waiters)
+        for index, result in enumerate(flight.results):
             commit = result.commit if isinstance(result, StepCommit) else result
+            if index >= records:
+                flight.waiters[index - records].result = result
             if not commit.duplicate:
                 published.append((commit.events, commit.first_seq))
                 self.metrics.committed(commit.events)
         await self.hub.publish_from_log(min(c[1] for c in published) - 1 if published else self.ledger.last_seq)
         self.hub.publish(published, self.ledger.last_seq)
-        self.metrics.group_size.observe(len(group))
-        log.debug("group_committed", transactions=len(group), seconds=time.perf_counter() - started, global_seq=self.ledger.last_seq)
+        if flight.waiters:
+            self.metrics.group_size.observe(len(flight.waiters))
+        log.debug("group_committed", transactions=len(flight.waiters), records=len(flight.records),
+                  seconds=time.perf_counter() - flight.started, global_seq=self.ledger.last_seq)
+
+
+def _by_stream(records: list[tuple[str, Event]]) -> list[tuple[str, list[Event]]]:
+    streams: dict[str, list[Event]] = {}
+    for stream, event in records:
+        streams.setdefault(stream, []).append(event)
+    return list(streams.items())

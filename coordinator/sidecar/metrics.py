@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from coordinator.state import JobState, State
 from events import (
     Event,
+    ExternalKeysLookedUp,
     JobFailed,
     KeyQuarantined,
     LoadJobStarted,
@@ -75,6 +76,19 @@ class SidecarMetrics:
         self.connections = Gauge("kvledger_connections", "Open client connections.", registry=r)
         self.subscribers = Gauge("kvledger_subscribers", "Open decision subscriptions.", registry=r)
         self.slow_subscribers = Counter("kvledger_slow_subscribers_disconnected", "Subscriptions cut off for falling behind.", registry=r)
+        self.lookups = Counter(
+            "kvledger_lookup_keys", "Keys the sidecar's lookups answered, by answer (hit or miss), counted from their "
+            "records in the log: hit / (hit + miss) is the tier's hit rate.", ["answer"], registry=r,
+        )
+        for answer in ("hit", "miss"):
+            self.lookups.labels(answer)
+        self.records_pending = Gauge(
+            "kvledger_lookup_records_pending", "Records of answered lookups waiting for the log to take them.", registry=r
+        )
+        self.records_lost = Counter(
+            "kvledger_lookup_records_lost", "Records of answered lookups dropped before the log took them (a long log "
+            "outage, or the sidecar stopped during one): their answers are missing from the audit.", registry=r,
+        )
         self.ready = Gauge("kvledger_ready", "1 while the sidecar is ready (/readyz answers 200), else 0.", registry=r)
         self.job_started: dict[int, float] = {}
         """job_id -> when this process saw its decision commit (`clock`): what pin ages count from."""
@@ -101,6 +115,10 @@ class SidecarMetrics:
             elif isinstance(event, KeyQuarantined):
                 if event.reason == Reason.CHECKSUM_MISMATCH and event.job_id not in failed_loads:
                     self.integrity_violations.labels("store_conflict").inc()
+            elif isinstance(event, ExternalKeysLookedUp):
+                hits = sum(event.loadable)
+                self.lookups.labels("hit").inc(hits)
+                self.lookups.labels("miss").inc(len(event.loadable) - hits)
             elif isinstance(event, StoreJobStarted | LoadJobStarted | StateCopyPlanned):
                 self.job_started[event.job_id] = self._clock()
         if len(self.job_started) > 2 * _in_flight(self._state()) + 1024:

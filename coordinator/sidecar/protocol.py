@@ -2,7 +2,7 @@
 
 A frame is a 4-byte big-endian length, then that many bytes: one msgpack map tagged by its
 `msg` field. The first message on a connection is `Hello`, carrying PROTOCOL_VERSION; engines
-then send `Step`, `Execute` and `Lookup`, workers `Subscribe` and `Report`, anyone `Health`.
+then send `Step`, `Execute`, `Lookup` and `LookupKeys`, workers `Subscribe` and `Report`, anyone `Health`.
 Each request gets exactly one reply, in request order. After `Subscribe` the server also pushes
 `Decisions` frames on that connection; a client tells them apart by their tag.
 
@@ -19,8 +19,19 @@ from typing import Annotated, Literal, Union, cast
 import msgspec
 from msgspec import Meta
 
-from coordinator.commands import AnyCommand, DeclareEngine, ReportRank
-from events import AnyEvent, Event, LoadJobStarted, PoolSpec, PrefixLookedUp, Refused, StateCopyPlanned, StoreJobStarted, TierSpec
+from coordinator.commands import AnyCommand, DeclareEngine, ExternalKey, ReportRank
+from events import (
+    AnyEvent,
+    Event,
+    ExternalKeysLookedUp,
+    LoadJobStarted,
+    PoolSpec,
+    PrefixLookedUp,
+    Refused,
+    StateCopyPlanned,
+    StoreJobStarted,
+    TierSpec,
+)
 
 PROTOCOL_VERSION = 1
 HEADER_BYTES = 4
@@ -51,6 +62,10 @@ class ErrorCode(enum.StrEnum):
     COMMIT_FAILED = "commit_failed"  # nothing of the request was committed; retry with the same command id
 
 
+Role = Literal["engine", "worker", "observer", "operator"]
+"""Who a connection speaks for: an engine, one worker rank of an engine, an observer (health), an operator."""
+
+
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="msg"):
     pass
 
@@ -67,7 +82,7 @@ class Hello(Message, frozen=True, tag="hello"):
     jobs (I16)."""
 
     protocol: int
-    role: Literal["engine", "worker", "observer", "operator"]
+    role: Role
     """An operator (`kvledger namespace`) names no engine and may only Execute operator commands
     (coordinator.commands.OPERATOR_COMMANDS); engines may not send those."""
     engine_id: Annotated[str, Meta(max_length=MAX_ENGINE_ID)] = ""
@@ -120,12 +135,21 @@ class Lookup(Message, frozen=True, tag="lookup"):
     extra_keys: list[str] = []
 
 
+class LookupKeys(Message, frozen=True, tag="lookup_keys"):
+    """Read-only: which of the engine's own keys (vLLM's offload keys) are loadable in a tier,
+    answered at once from the committed state (never waiting for a commit). The answer is
+    recorded in the log with a later group (`ExternalKeysLookedUp`), for the audit."""
+
+    tier: str
+    keys: list[ExternalKey]
+
+
 class Health(Message, frozen=True, tag="health"):
     pass
 
 
-ClientMessage = Union[Hello, Step, Execute, Subscribe, Report, Lookup, Health]  # noqa: UP007
-CLIENT_TAGS = frozenset({"hello", "step", "execute", "subscribe", "report", "lookup", "health"})
+ClientMessage = Union[Hello, Step, Execute, Subscribe, Report, Lookup, LookupKeys, Health]  # noqa: UP007
+CLIENT_TAGS = frozenset({"hello", "step", "execute", "subscribe", "report", "lookup", "lookup_keys", "health"})
 
 
 # --- server -> client ----------------------------------------------------------------------
@@ -190,6 +214,12 @@ class LookupResult(Message, frozen=True, tag="lookup_result"):
     answer: PrefixLookedUp | Refused
 
 
+class KeysLookedUp(Message, frozen=True, tag="keys_looked_up"):
+    answer: ExternalKeysLookedUp | Refused
+    head_seq: int
+    """The last committed sequence the answer read."""
+
+
 class HealthResult(Message, frozen=True, tag="health_result"):
     ready: bool
     reason: str
@@ -207,7 +237,7 @@ class Error(Message, frozen=True, tag="error"):
     """SLOW_SUBSCRIBER: the last sequence delivered; subscribe again from it."""
 
 
-ServerMessage = Union[Welcome, StepResult, Committed, Decisions, LookupResult, HealthResult, Error]  # noqa: UP007
+ServerMessage = Union[Welcome, StepResult, Committed, Decisions, LookupResult, KeysLookedUp, HealthResult, Error]  # noqa: UP007
 
 
 # --- frames ----------------------------------------------------------------------------------

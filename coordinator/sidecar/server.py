@@ -17,7 +17,7 @@ import signal
 import socket
 import stat
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Container, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +30,8 @@ from anyio.abc import ByteStream, SocketStream, TaskGroup
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from coordinator.audit.api import TokenFileError, load_tokens
-from coordinator.commands import OPERATOR_COMMANDS, AnyCommand, DeclareTier, LookupPrefix
-from coordinator.decider import lookup
+from coordinator.commands import OPERATOR_COMMANDS, AnyCommand, DeclareTier, LookupExternal, LookupPrefix
+from coordinator.decider import lookup, lookup_keys
 from coordinator.ledger import Commit, Ledger, Single, Step as LedgerStep, StepCommit
 from coordinator.protections import switched_off
 from coordinator.sidecar import admission, protocol as p
@@ -39,7 +39,7 @@ from coordinator.sidecar.committer import Committer, ShuttingDown
 from coordinator.sidecar.http import make_app
 from coordinator.sidecar.hub import DEFAULT_BUFFER, DecisionHub, SlowSubscriber, Subscription
 from coordinator.sidecar.metrics import SidecarMetrics
-from events import EngineDeclared, Event, Refused
+from events import EngineDeclared, Event, ExternalKeysLookedUp, Refused
 from events.log import EventLog, LogError, open_log
 
 log = structlog.get_logger("kvledger.sidecar")
@@ -509,11 +509,29 @@ class Sidecar:
             async with self.ledger.committed() as state:
                 with switched_off(self.ledger.protections_off):  # empty outside the simulator
                     return p.LookupResult(answer=lookup(state, command))
+        if isinstance(message, p.LookupKeys):
+            return self._lookup_keys(session, message)
         if isinstance(message, p.Execute):
             problem = admission.foreign(session.engine_id, [message.command])
             return problem or await self._commit_single(session, message.command, message.command_id)
         assert isinstance(message, p.Step)
         return await self._step(session, message)
+
+    def _lookup_keys(self, session: Session, message: p.LookupKeys) -> p.ServerMessage:
+        """Answered at once from the state, never waiting for a commit: what the groups in
+        flight (or a failed append not yet rebuilt) changed is answered as a miss, so every hit
+        is one the log holds. The answer is recorded with a later group (the audit; the hit rate).
+        A hit that goes stale before its load is refused by the load decision (committed, leased)."""
+        command = LookupExternal(engine_id=session.engine_id, tier=message.tier, keys=message.keys)
+        keys, engines = self.ledger.uncommitted_keys()
+        uncommitted: Container[bytes] = _EVERY_KEY if session.engine_id in engines else keys
+        with switched_off(self.ledger.protections_off):  # empty outside the simulator
+            answer = lookup_keys(self.ledger.state, command, uncommitted)
+        head = self.ledger.last_seq
+        if isinstance(answer, ExternalKeysLookedUp):
+            answer = msgspec.structs.replace(answer, answered_at=time.time(), head_seq=head)
+        self.committer.record(f"engine/{session.engine_id}", answer)
+        return p.KeysLookedUp(answer=answer, head_seq=head)
 
     async def _step(self, session: Session, message: p.Step) -> p.ServerMessage:
         problem = admission.foreign(session.engine_id, message.commands)
@@ -612,6 +630,16 @@ class _HttpServer(uvicorn.Server):
 
 
 _GONE = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError)
+
+
+class _EveryKey:
+    """Every key: what a lookup answers as a miss while its engine's own declaration or reset is in flight."""
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+
+_EVERY_KEY = _EveryKey()
 
 
 def _commit_of(result: StepCommit | Commit) -> Commit:

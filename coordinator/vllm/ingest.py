@@ -33,7 +33,7 @@ import zmq.asyncio
 
 from coordinator.commands import AnyCommand, ObserveEngine, ObserveGap
 from coordinator.keys import namespace_id
-from coordinator.ledger import Commit, Single, StepCommit, Transaction
+from coordinator.ledger import Commit, Single, StepCommit, Submission
 from coordinator.state import State
 from coordinator.vllm.kv_events import DecodedBatch, Unreadable, decode_frames, is_replay_end, replay_request, sequence
 from events import NamespaceSpec, Refused
@@ -99,7 +99,7 @@ class IngestLedger(Protocol):
     @property
     def last_seq(self) -> int: ...
 
-    async def commit_group(self, transactions: Sequence[Transaction]) -> list[StepCommit | Commit]: ...
+    async def commit_group(self, transactions: Sequence[Submission]) -> list[StepCommit | Commit]: ...
 
 
 class Ingestor:

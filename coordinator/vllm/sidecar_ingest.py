@@ -40,7 +40,7 @@ import structlog
 import zmq
 
 from coordinator.keys import namespace_problems
-from coordinator.ledger import Commit, StepCommit, Transaction
+from coordinator.ledger import Commit, StepCommit, Submission
 from coordinator.state import State
 from coordinator.vllm.ingest import IngestConfig, Ingestor
 from events import NamespaceSpec
@@ -131,7 +131,7 @@ class SidecarLedger:
     def last_seq(self) -> int:
         return self.sidecar.ledger.last_seq
 
-    async def commit_group(self, transactions: Sequence[Transaction]) -> list[StepCommit | Commit]:
+    async def commit_group(self, transactions: Sequence[Submission]) -> list[StepCommit | Commit]:
         return await self.sidecar.committer.submit_all(transactions)
 
 
