@@ -275,7 +275,10 @@ def test_a_matching_hello_is_declared_and_decides(sidecar_socket: str) -> None:
         key = ExternalKey(0, b"\x01" * 32 + b"\x00" * 4)
         assert session.lookup([key]) == [False]
         decided = session.store([key])
-        assert decided is not None and [item.engine_key for item in decided[0].items] == [key.engine_key]
+        assert decided is not None and decided.job is None  # decided at the end of the pass
+        session.flush()
+        assert decided.job is not None and [item.engine_key for item in decided.job.items] == [key.engine_key]
+        assert session.steps == 1
     finally:
         session.close()
 

@@ -18,6 +18,11 @@ block, caches nothing of it and schedules those tokens again (vllm/v1/core/sched
 _handle_invalid_blocks and _update_waiting_for_remote_kv). The whole job's blocks are refused:
 kvledger fails a load job as a whole, and vLLM recomputes from the first refused block anyway.
 
+Cheaper than one committed step per manager call: a request's whole key chain is asked of kvledger
+in one lookup, answered at once from its committed state (`_ask_chain`), and the loads and stores
+of a scheduler pass are decided in one committed step at the end of the pass
+(`build_connector_meta`), before vLLM ships them to its workers.
+
 A request whose load was refused loads nothing from the tier again: it recomputes. That bounds
 the retries (a key that keeps failing, a lease that keeps expiring), and it avoids a stall in
 vLLM 0.32: a request whose refused load left it no computed token is freed but stays in the
@@ -73,7 +78,28 @@ class KvledgerOffloadingConnector(OffloadingConnector):
         if request.request_id in self._refused_requests:
             # Nothing to load (no lookup either), with the connector's per-request state kept as usual.
             return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens, max_num_new_tokens=0)
+        self._ask_chain(request, num_computed_tokens)
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def _ask_chain(self, request, num_computed_tokens: int) -> None:
+        """One question per request per pass: the request's keys beyond what the engine computed,
+        every group's, asked of kvledger at once; vLLM's scheduler then looks them up one by one
+        (in prefix order, until the first miss), and the manager answers from this answer."""
+        scheduler = self.scheduler
+        status = scheduler._req_status.get(request.request_id)
+        if status is None or status.transfer_jobs or request.skip_reading_prefix_cache:
+            return  # vLLM asks nothing now
+        status.update_offload_keys()  # idempotent: vLLM's own call finds nothing new to add
+        keys = [key for config, group in zip(scheduler.config.kv_group_configs, status.group_states, strict=True)
+                for key in group.offload_keys[num_computed_tokens // config.tokens_per_chunk:]]
+        scheduler.manager.ask(keys)
+
+    def build_connector_meta(self, scheduler_output):
+        # The pass's loads and stores (prepared during it) are decided in one committed kvledger
+        # step here, before vLLM ships the metadata, and so their specs, to the workers.
+        meta = super().build_connector_meta(scheduler_output)
+        self.scheduler.manager.flush()
+        return meta
 
     def request_finished(self, request, block_ids):
         self._refused_requests.discard(request.request_id)

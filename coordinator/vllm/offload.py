@@ -67,6 +67,8 @@ from coordinator.vllm.offload_client import (
     LedgerSession,
     LoadErrors,
     OffloadSettings,
+    PendingLoad,
+    PendingStore,
     Refusal,
     Reporter,
     SettingsError,
@@ -111,32 +113,43 @@ def engine_hash_algorithm() -> str | None:
 
 
 class KvledgerSpec(LoadStoreSpec):
-    """A committed kvledger decision as the worker needs it (pickled to the worker by vLLM):
-    the job id, the tier, and per block (group, tier key, tier slot, published checksums)."""
+    """A kvledger decision as the worker needs it (pickled to the worker by vLLM): the job id, the
+    tier, and per block (group, engine key, tier key, tier slot, published checksums); or, for a
+    load kvledger would not start, why (`refused`: the worker refuses it, vLLM recomputes).
 
-    def __init__(self, job: ExternalStoreStarted | ExternalLoadStarted) -> None:
+    Made empty by prepare_load / prepare_store and filled when the pass's decisions are committed
+    (`KvledgerOffloadingManager.flush`, at the end of build_connector_meta): vLLM pickles it to the
+    workers only after that. `offered` are the engine keys vLLM's blocks come in (a store's job may
+    admit fewer: kvledger skips what is already there or on its way, I10)."""
+
+    def __init__(self, offered: list[bytes]) -> None:
+        self.offered = offered
+        self.job_id: int | None = None
+        self.tier = ""
+        self.items: list[tuple[int, bytes, bytes, int, list[bytes]]] = []
+        self.refused = "not decided"
+
+    def fill(self, job: ExternalStoreStarted | ExternalLoadStarted | None, refused: str = "") -> None:
+        if job is None:
+            self.refused = refused or "nothing to do"
+            return
         self.job_id = job.job_id
         self.tier = job.tier
-        self.items = [(item.pool_id, item.key, item.tier_slot, list(item.checksums)) for item in job.items]
+        self.items = [(item.pool_id, item.engine_key, item.key, item.tier_slot, list(item.checksums)) for item in job.items]
+        self.refused = ""
 
     def __repr__(self) -> str:
-        return f"KvledgerSpec(job={self.job_id}, tier={self.tier!r}, slots={[item[2] for item in self.items]})"
-
-
-class RefusedLoadSpec(LoadStoreSpec):
-    """A load the sidecar would not start (a key left the tier or was quarantined since its
-    lookup, or no sidecar): vLLM cannot decline a load at prepare_load, so the worker refuses it."""
-
-    def __init__(self, reason: str, engine_keys: list[bytes]) -> None:
-        self.reason = reason
-        self.engine_keys = engine_keys
-
-    def __repr__(self) -> str:
-        return f"RefusedLoadSpec({self.reason!r}, {len(self.engine_keys)} keys)"
+        if self.job_id is None:
+            return f"KvledgerSpec(refused={self.refused!r}, {len(self.offered)} keys)"
+        return f"KvledgerSpec(job={self.job_id}, tier={self.tier!r}, slots={[item[3] for item in self.items]})"
 
 
 class KvledgerOffloadingManager(OffloadingManager):
-    """Scheduler side: every decision is the sidecar's (LedgerSession), none is made here."""
+    """Scheduler side: every decision is the sidecar's (LedgerSession), none is made here.
+
+    Lookups are answered at once (one LookupKeys per request per pass: `ask`, called by
+    KvledgerOffloadingConnector with the request's whole key chain); the loads and stores of a
+    pass are decided together in one committed step when the pass ends (`flush`)."""
 
     def __init__(self, settings: OffloadSettings, facts: EngineFacts, events_enabled: bool) -> None:
         self.settings = settings
@@ -146,6 +159,8 @@ class KvledgerOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] = []
         self._engine_keys: dict[bytes, OffloadKey] = {}
         """Tier key -> vLLM's key, for the keys this engine stored (to name evictions to vLLM)."""
+        self._loads: list[tuple[KvledgerSpec, PendingLoad, ReqContext]] = []
+        self._stores: list[tuple[KvledgerSpec, PendingStore]] = []
 
     def session(self) -> LedgerSession:
         if self._session is None:
@@ -161,23 +176,33 @@ class KvledgerOffloadingManager(OffloadingManager):
     def _refs(keys: Iterable[OffloadKey]) -> list[ExternalKey]:
         return [ExternalKey(get_offload_group_idx(key), bytes(key)) for key in keys]
 
+    def ask(self, keys: Collection[OffloadKey]) -> None:
+        """A request's whole key chain, asked in one question before vLLM looks its keys up one by one."""
+        if not keys:
+            return
+        try:
+            self.session().ask(self._refs(keys))
+        except (Refusal, SidecarError, SidecarUnavailable) as error:  # each lookup then asks alone (or misses)
+            log.warning("kvledger_unavailable", call="ask", error=str(error))
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         try:
-            (loadable,) = self.session().lookup(self._refs([key]))
-        except SidecarUnavailable as error:  # no decision, no load: recompute
+            loadable = self.session().answer(self._refs([key])[0])
+        except (Refusal, SidecarError, SidecarUnavailable) as error:  # no decision, no load: recompute
             log.warning("kvledger_unavailable", call="lookup", error=str(error))
             return LookupResult.MISS
         return LookupResult.HIT if loadable else LookupResult.MISS
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         refs = self._refs(keys)
+        spec = KvledgerSpec([ref.engine_key for ref in refs])
         try:
-            job = self.session().load(refs)
-        except (Refusal, SidecarError, SidecarUnavailable) as error:  # the worker refuses it: vLLM recomputes the blocks
-            log.warning("kvledger_load_not_started", request=req_context.req_id, error=str(error),
-                        keys=[ref.engine_key.hex() for ref in refs])
-            return RefusedLoadSpec(str(error), [ref.engine_key for ref in refs])
-        return KvledgerSpec(job)
+            pending = self.session().load(refs)
+        except (SidecarError, SidecarUnavailable) as error:  # the worker refuses it: vLLM recomputes the blocks
+            spec.fill(None, f"no sidecar: {error}")
+            return spec
+        self._loads.append((spec, pending, req_context))
+        return spec
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Recency is kvledger's: a successful load touches its keys (coordinator/projector.py)."""
@@ -186,21 +211,46 @@ class KvledgerOffloadingManager(OffloadingManager):
         """The workers reported the job to the sidecar, which ended it and its leases."""
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        refs = self._refs(keys)
         try:
-            decided = self.session().store(self._refs(keys))
-        except SidecarUnavailable as error:  # no decision, no store
+            pending = self.session().store(refs)
+        except (SidecarError, SidecarUnavailable) as error:  # no decision, no store
             log.warning("kvledger_unavailable", call="prepare_store", error=str(error))
             return None
-        if decided is None:
-            return None  # the tier is full of leased or in-flight keys (I12): vLLM counts a failure
-        job, evicted = decided
-        for item in job.items:
-            self._engine_keys[item.key] = OffloadKey(item.engine_key)
-        evicted_keys = [self._engine_keys.pop(e.key) for e in evicted if e.key in self._engine_keys]
+        if pending is None:  # every key is published already (this pass's lookups said so): nothing new
+            return PrepareStoreOutput(keys_to_store=[], store_spec=KvledgerSpec([]), evicted_keys=[])
+        spec = KvledgerSpec([ref.engine_key for ref in pending.keys])
+        self._stores.append((spec, pending))
+        # Evictions are kvledger's, decided at the flush: vLLM hears of them as removal events.
+        return PrepareStoreOutput(keys_to_store=[OffloadKey(ref.engine_key) for ref in pending.keys],
+                                  store_spec=spec, evicted_keys=[])
+
+    def flush(self) -> None:
+        """Commit this pass's loads and stores in one kvledger step and fill their specs, before
+        vLLM ships the pass's metadata to the workers (KvledgerOffloadingConnector calls it)."""
+        loads, stores, self._loads, self._stores = self._loads, self._stores, [], []
+        if not loads and not stores:
+            return
+        self.session().flush()
+        for spec, pending, req_context in loads:
+            spec.fill(pending.job, pending.refused)
+            if pending.job is None:
+                log.warning("kvledger_load_not_started", request=req_context.req_id, error=pending.refused,
+                            keys=[ref.engine_key.hex() for ref in pending.keys])
+        evicted_keys: list[OffloadKey] = []
+        for spec, pending in stores:
+            spec.fill(pending.job, pending.refused)
+            if pending.job is None:
+                continue
+            evicted_keys += [self._engine_keys.pop(e.key) for e in pending.evicted if e.key in self._engine_keys]
+            for item in pending.job.items:
+                self._engine_keys[item.key] = OffloadKey(item.engine_key)
         if evicted_keys and self.events_enabled:
             self._events.append(OffloadingEvent(keys=evicted_keys, medium=Medium.CPU, removed=True))
-        return PrepareStoreOutput(keys_to_store=[OffloadKey(item.engine_key) for item in job.items],
-                                  store_spec=KvledgerSpec(job), evicted_keys=evicted_keys)
+
+    def on_schedule_end(self, context) -> None:
+        if self._session is not None:
+            self._session.end_pass()
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         # Publication is the sidecar's, once every rank reported (I5); this only feeds vLLM's events.
@@ -247,13 +297,20 @@ class KvledgerOffloadingWorker(OffloadingWorker):
         return [self.tensors[index][block_id] for index in self.group_tensors[group]]
 
     def _blocks(self, spec: KvledgerSpec, engine_spec: GPULoadStoreSpec) -> list[int]:
+        """The engine block of each of the job's items (vLLM's blocks come in the offered keys' order)."""
         block_ids = [int(b) for b in np.asarray(engine_spec.block_ids)]
-        if len(block_ids) != len(spec.items):
-            raise RuntimeError(f"kvledger job {spec.job_id}: {len(spec.items)} keys for {len(block_ids)} vLLM blocks")
-        return block_ids
+        if len(block_ids) != len(spec.offered):
+            raise RuntimeError(f"kvledger job {spec.job_id}: {len(spec.offered)} keys for {len(block_ids)} vLLM blocks")
+        if [item[1] for item in spec.items] == spec.offered:  # a load, or a store that admitted every key
+            return block_ids
+        position = {engine_key: index for index, engine_key in enumerate(spec.offered)}
+        return [block_ids[position[item[1]]] for item in spec.items]
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, KvledgerSpec), dst_spec
+        if dst_spec.job_id is None:  # nothing admitted (already there, the tier full, no sidecar): nothing stored
+            self.finished.append(TransferResult(job_id, True))
+            return True
         started = time.perf_counter()
         checksums = []
         size = 0
@@ -261,7 +318,7 @@ class KvledgerOffloadingWorker(OffloadingWorker):
         # sidecar decides every lookup). vLLM asserts success: the transfer is "done" either way.
         report = None
         try:
-            for block_id, (group, key, slot, _) in zip(self._blocks(dst_spec, src_spec), dst_spec.items, strict=True):
+            for block_id, (group, _, key, slot, _) in zip(self._blocks(dst_spec, src_spec), dst_spec.items, strict=True):
                 data = torch.cat([row.reshape(-1) for row in self._rows(group, block_id)]).view(torch.uint8)
                 checksums.append(self.tier.write(key, data, slot=slot))
                 size += data.numel()
@@ -307,17 +364,17 @@ class KvledgerOffloadingWorker(OffloadingWorker):
             return None
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        if isinstance(src_spec, RefusedLoadSpec):
-            return self._refuse(job_id, [int(b) for b in np.asarray(dst_spec.block_ids)], src_spec.reason,
-                                kvledger_job=None, keys=[key.hex() for key in src_spec.engine_keys])
         assert isinstance(src_spec, KvledgerSpec), src_spec
+        if src_spec.job_id is None:  # a load kvledger would not start: refused, vLLM recomputes
+            return self._refuse(job_id, [int(b) for b in np.asarray(dst_spec.block_ids)], src_spec.refused,
+                                kvledger_job=None, keys=[key.hex() for key in src_spec.offered])
         started = time.perf_counter()
         block_ids = self._blocks(src_spec, dst_spec)
-        keys = [key.hex() for _, key, _, _ in src_spec.items]
+        keys = [item[2].hex() for item in src_spec.items]
         read: list[torch.Tensor] = []
         sums: list[bytes] = []
         unreadable: list[str] = []
-        for block_id, (group, key, slot, _) in zip(block_ids, src_spec.items, strict=True):
+        for block_id, (group, _, key, slot, _) in zip(block_ids, src_spec.items, strict=True):
             nbytes = sum(row.numel() * row.element_size() for row in self._rows(group, block_id))
             try:
                 data = self.tier.read(key, nbytes, slot=slot)
@@ -326,7 +383,7 @@ class KvledgerOffloadingWorker(OffloadingWorker):
                 data = torch.empty(0, dtype=torch.uint8)
             read.append(data)
             sums.append(checksum(data) if data.numel() else b"")
-        mismatched = [keys[index] for index in unverified([item[3] for item in src_spec.items], sums, self.rank)]
+        mismatched = [keys[index] for index in unverified([item[4] for item in src_spec.items], sums, self.rank)]
         if mismatched:
             # I13: not one byte of it reaches vLLM's cache. Reported, so the key is quarantined.
             error = f"checksum_mismatch: {mismatched}" + (f"; unreadable: {unreadable}" if unreadable else "")
@@ -335,7 +392,7 @@ class KvledgerOffloadingWorker(OffloadingWorker):
             return self._refuse(job_id, block_ids, error, kvledger_job=src_spec.job_id, keys=mismatched, events=events)
         landed = []
         size = 0
-        for block_id, (group, _, _, _), data in zip(block_ids, src_spec.items, read, strict=True):
+        for block_id, (group, _, _, _, _), data in zip(block_ids, src_spec.items, read, strict=True):
             offset = 0
             rows = self._rows(group, block_id)
             for row in rows:

@@ -7,9 +7,11 @@ How the two vLLM processes talk to `kvledger serve` (both over its Unix socket):
 * the **manager** (vLLM's scheduler process, synchronous) is the engine: one `SyncEngineClient`
   whose Hello declares the engine, its namespace (from kv_connector_extra_config), its reported
   pools (vLLM's KV-cache groups: vLLM allocates those blocks, kvledger never names one) and the
-  tier. Every manager call that needs a decision is one kvledger step with one command
-  (LookupExternal, StoreExternal, LoadExternal, coordinator/_external.py), committed to the log
-  before the answer comes back: kvledger picks the tier slots, evicts, leases, names the job;
+  tier. Lookups are answered at once from the committed state (LookupKeys, one per request per
+  scheduler pass) and recorded in the log afterwards; the loads and stores of one scheduler pass
+  are one kvledger step (LoadExternal, StoreExternal, coordinator/_external.py), committed to the
+  log before vLLM ships the pass to its workers: kvledger picks the tier slots, evicts, leases,
+  names the jobs;
 * the **worker** (each of vLLM's worker processes) learns its jobs from the LoadStoreSpec vLLM
   ships it (the committed decision: job id, tier keys, slots, published checksums), moves the
   bytes, and reports its (job, rank) result itself on a worker connection (`Reporter`): a key
@@ -33,21 +35,21 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
-from anyio.from_thread import BlockingPortal, start_blocking_portal
-
-from coordinator.client import Address, SidecarError, SidecarUnavailable, SyncEngineClient, WorkerClient
+from coordinator.client import Address, SidecarError, SidecarUnavailable, SyncEngineClient, SyncWorkerClient
 from coordinator.commands import (
     AnyCommand,
     DeclareEngine,
     ExternalKey,
     LoadExternal,
-    LookupExternal,
     ReportRank,
     StoreExternal,
 )
+from coordinator.sidecar import protocol as p
 from events import (
     Event,
-    ExternalKeysLookedUp,
+    JobSucceeded,
+    StepBegan,
+    StepEnded,
     ExternalLoadStarted,
     ExternalStoreStarted,
     KeyEvicted,
@@ -223,8 +225,40 @@ class Refusal(Exception):
         self.event = event
 
 
+class PendingLoad:
+    """A load vLLM asked for in this scheduler pass, decided when the pass is flushed
+    (`LedgerSession.flush`): then `job` is the committed ExternalLoadStarted, or `refused` says
+    why there is none (the worker refuses it and vLLM recomputes). vLLM pickles it to the
+    workers only after the pass's metadata is built, which is after the flush."""
+
+    def __init__(self, keys: Sequence[ExternalKey]) -> None:
+        self.keys = list(keys)
+        self.job: ExternalLoadStarted | None = None
+        self.refused = ""
+
+
+class PendingStore:
+    """A store vLLM asked for in this pass, decided at the flush: `job` names the keys kvledger
+    admitted (new ones only) with their slots, `evicted` what it evicted for them; no job when
+    the tier had no slot to give (I12) or the sidecar could not be reached (nothing is stored)."""
+
+    def __init__(self, keys: Sequence[ExternalKey]) -> None:
+        self.keys = list(keys)
+        self.job: ExternalStoreStarted | None = None
+        self.evicted: list[KeyEvicted] = []
+        self.refused = ""
+
+
 class LedgerSession:
-    """The manager's connection: each decision is one committed kvledger step of one command."""
+    """The manager's connection (vLLM's scheduler process, one thread).
+
+    * Lookups never wait for a commit: `ask` puts a request's whole key chain to the sidecar in
+      one LookupKeys, answered at once from the committed state; vLLM's following per-key
+      `lookup` calls of the same pass are answered from that answer (`answer`).
+    * The loads and stores of one scheduler pass are one committed kvledger step (`flush`, at
+      the end of the pass), not one step each: until then they are PendingLoad / PendingStore.
+    * A store of keys this pass's lookups found published is known to be an idempotent skip
+      (I10): it is not sent at all."""
 
     def __init__(self, settings: OffloadSettings, facts: EngineFacts, *, retry_for: float = 30.0) -> None:
         self.settings = settings
@@ -235,66 +269,150 @@ class LedgerSession:
                                        retry_for=retry_for)
         self._step = 0
         self._clock = 0.0
+        self._answers: dict[ExternalKey, bool] = {}
+        """This pass's lookup answers (cleared when the next pass asks its first question)."""
+        self._pass_ended = False
+        self._loads: list[PendingLoad] = []
+        self._stores: list[PendingStore] = []
+        self.steps = 0
+        """Committed steps this session sent."""
 
-    def _decide(self, command: AnyCommand) -> list[Event]:
+    # --- lookups: answered at once, one question per request per pass -----------------------------
+
+    def lookup(self, keys: Sequence[ExternalKey]) -> list[bool]:
+        """Which keys are loadable now (committed state; never waits for a commit)."""
+        self._new_pass()
+        reply = self.client.lookup_keys(self.tier.name, keys)
+        if isinstance(reply.answer, Refused):
+            raise Refusal(reply.answer)
+        self._answers.update(zip(keys, reply.answer.loadable, strict=True))
+        return list(reply.answer.loadable)
+
+    def ask(self, keys: Sequence[ExternalKey]) -> None:
+        """A request's key chain, asked once for this pass (the keys already answered are not asked again)."""
+        self._new_pass()
+        missing = list(dict.fromkeys(key for key in keys if key not in self._answers))
+        if missing:
+            self.lookup(missing)
+
+    def answer(self, key: ExternalKey) -> bool:
+        """The key's answer in this pass: from `ask`, or asked alone when it was not part of a chain."""
+        self._new_pass()
+        known = self._answers.get(key)
+        if known is None:
+            (known,) = self.lookup([key])
+        return known
+
+    def end_pass(self) -> None:
+        """vLLM ended a scheduler pass (on_schedule_end): the next question begins a new one."""
+        self._pass_ended = True
+
+    def _new_pass(self) -> None:
+        if self._pass_ended:
+            self._answers.clear()
+            self._pass_ended = False
+
+    # --- loads and stores: one committed step per pass ----------------------------------------
+
+    def load(self, keys: Sequence[ExternalKey]) -> PendingLoad:
+        pending = PendingLoad(keys)
+        self._loads.append(pending)
+        return pending
+
+    def store(self, keys: Sequence[ExternalKey]) -> PendingStore | None:
+        """None: nothing to store (every key was found published in this pass: an idempotent skip)."""
+        fresh = [key for key in keys if not self._answers.get(key)]
+        if not fresh:
+            return None
+        pending = PendingStore(fresh)
+        self._stores.append(pending)
+        return pending
+
+    def flush(self) -> None:
+        """Decide every load and store of this pass in one committed step. Never raises: a load
+        that could not be decided is refused (vLLM recomputes), a store not stored."""
+        loads, stores, self._loads, self._stores = self._loads, self._stores, [], []
+        if not loads and not stores:
+            return
+        commands: list[AnyCommand] = [
+            LoadExternal(engine_id=self.engine_id, tier=self.tier.name, keys=load.keys, lease_seconds=self.settings.lease_seconds)
+            for load in loads
+        ]
+        commands += [StoreExternal(engine_id=self.engine_id, tier=self.tier.name, keys=store.keys) for store in stores]
+        try:
+            results = self._decide(commands)
+        except (SidecarError, SidecarUnavailable) as error:
+            for load in loads:
+                load.refused = f"no decision: {error}"
+            for store in stores:
+                store.refused = f"no decision: {error}"
+            return
+        for load, events in zip(loads, results, strict=False):
+            refused = [e for e in events if isinstance(e, Refused)]
+            if refused:
+                load.refused = f"LoadExternal refused: {refused[0].reason}: {refused[0].detail}"
+            else:
+                (load.job,) = [e for e in events if isinstance(e, ExternalLoadStarted)]
+        for store, events in zip(stores, results[len(loads):], strict=True):
+            refused = [e for e in events if isinstance(e, Refused)]
+            if refused:  # TIER_FULL: every slot leased or being written (I12); nothing is stored
+                store.refused = f"StoreExternal refused: {refused[0].reason}: {refused[0].detail}"
+                continue
+            (store.job,) = [e for e in events if isinstance(e, ExternalStoreStarted)]
+            store.evicted = [e for e in events if isinstance(e, KeyEvicted)]
+
+    def _decide(self, commands: list[AnyCommand]) -> list[list[Event]]:
         # Steps must advance and the clock must not go back, across restarts of a stable engine
         # id too: wall-clock microseconds as the step, wall-clock seconds as the clock (leases).
         now = time.time()
         self._step = max(self._step + 1, int(now * 1_000_000))
         self._clock = max(self._clock, now)
-        result = self.client.step(self._step, self._clock, [command])
-        events: list[Event] = list(result.results[0])
-        refused = [e for e in events if isinstance(e, Refused)]
-        if refused:
-            raise Refusal(refused[0])
-        return events
-
-    def lookup(self, keys: Sequence[ExternalKey]) -> list[bool]:
-        (answer,) = self._decide(LookupExternal(engine_id=self.engine_id, tier=self.tier.name, keys=list(keys)))
-        assert isinstance(answer, ExternalKeysLookedUp)
-        return answer.loadable
-
-    def store(self, keys: Sequence[ExternalKey]) -> tuple[ExternalStoreStarted, list[KeyEvicted]] | None:
-        """The store job kvledger admitted (new keys only) and the keys it evicted for it; None
-        when the tier has no slot to give (every key leased or being written, I12)."""
-        try:
-            events = self._decide(StoreExternal(engine_id=self.engine_id, tier=self.tier.name, keys=list(keys)))
-        except Refusal as refusal:
-            if refusal.event.reason is Reason.TIER_FULL:
-                return None
-            raise
-        (job,) = [e for e in events if isinstance(e, ExternalStoreStarted)]
-        return job, [e for e in events if isinstance(e, KeyEvicted)]
-
-    def load(self, keys: Sequence[ExternalKey]) -> ExternalLoadStarted:
-        events = self._decide(LoadExternal(engine_id=self.engine_id, tier=self.tier.name, keys=list(keys),
-                                           lease_seconds=self.settings.lease_seconds))
-        (job,) = [e for e in events if isinstance(e, ExternalLoadStarted)]
-        return job
+        result = self.client.step(self._step, self._clock, commands)
+        self.steps += 1
+        if not result.duplicate:
+            return [list(events) for events in result.results]
+        return per_command([e for events in result.results for e in events], len(commands))
 
     def close(self) -> None:
         self.client.close()
 
 
+def per_command(events: Sequence[Event], commands: int) -> list[list[Event]]:
+    """A retried step's events (its reply holds them all as one group), regrouped per command of
+    a flush: each LoadExternal or StoreExternal ends with its job's start or its refusal (a
+    store's KeyEvicted come before its start, the JobSucceeded of a store with nothing new after)."""
+    groups: list[list[Event]] = [[]]
+    for event in events:
+        if isinstance(event, JobSucceeded) and len(groups) > 1 and not groups[-1]:
+            groups[-2].append(event)
+            continue
+        if isinstance(event, StepBegan | StepEnded):
+            continue
+        groups[-1].append(event)
+        if isinstance(event, Refused | ExternalLoadStarted | ExternalStoreStarted):
+            groups.append([])
+    groups = [group for group in groups if group]
+    if len(groups) != commands:
+        raise SidecarError(p.Error(code=p.ErrorCode.INVALID_MESSAGE,
+                                   message=f"a retried step answered {len(groups)} decisions for {commands} commands"))
+    return groups
+
+
 class Reporter:
-    """A worker rank's reports, synchronous (vLLM's worker calls are), each on a short connection
-    of its own, retried through a lost connection with the same command id (I4)."""
+    """A worker rank's reports, synchronous (vLLM's worker calls are), on one connection kept
+    open (SyncWorkerClient), retried through a lost connection with the same command id (I4)."""
 
     def __init__(self, socket_path: str, engine: str, rank: int, *, retry_for: float = 30.0) -> None:
-        self._portal_cm = start_blocking_portal()
-        self._portal: BlockingPortal = self._portal_cm.__enter__()
-        self._client = WorkerClient(Address(socket_path=socket_path), engine, rank, retry_for=retry_for)
+        self._client = SyncWorkerClient(Address(socket_path=socket_path), engine, rank, retry_for=retry_for)
         self.rank = rank
 
     def report(self, report: ReportRank) -> list[Event]:
         """What the report committed (RankReported; with the last rank, the job's end)."""
         command_id = f"report/{self._client.engine_id}/{report.job_id}/{report.rank}"
-        committed = self._portal.call(lambda: self._client.report(report, command_id=command_id))
-        events: list[Event] = list(committed.events)
-        return events
+        return self._client.report(report, command_id=command_id)
 
     def close(self) -> None:
-        self._portal_cm.__exit__(None, None, None)
+        self._client.close()
 
 
 __all__ = [
@@ -305,6 +423,8 @@ __all__ = [
     "LedgerSession",
     "LoadErrors",
     "OffloadSettings",
+    "PendingLoad",
+    "PendingStore",
     "Refusal",
     "Reporter",
     "SettingsError",
