@@ -31,7 +31,7 @@ import structlog
 from coordinator.ledger import Commit, DecidedGroup, DecideFailed, Ledger, Recorded, StepCommit, Submission, Superseded, Transaction
 from coordinator.sidecar.hub import DecisionHub
 from coordinator.sidecar.metrics import SidecarMetrics
-from events import Event
+from events import Event, ExternalKeysLookedUp
 
 log = structlog.get_logger("kvledger.committer")
 
@@ -40,6 +40,8 @@ RECORD_DELAY = 0.05
 """Seconds queued records wait for a group to ride with before they are committed alone."""
 MAX_RECORDS = 100_000
 """Records held while the log does not take them; past this the oldest are dropped (and counted)."""
+MAX_RECORD_KEYS = 1_000_000
+"""Keys those records may name in all (a lookup names up to 65,536): about 50 MB at most."""
 MAX_RECORDS_PER_GROUP = 8_192
 RECORD_RETRY_MAX = 2.0
 """The longest wait before records alone are tried again on a log that refused them."""
@@ -95,6 +97,8 @@ class Committer:
         """How long records wait alone before they are committed: doubles while the log refuses them."""
         self._records_due = False
         self._records_offered = 0
+        self._record_keys = 0
+        """Keys the queued records name (bounded by MAX_RECORD_KEYS)."""
         """Records taken into a group whose append has not returned."""
         self._dropping = False
         self.failure: str | None = None
@@ -136,6 +140,7 @@ class Committer:
     def record(self, stream_id: str, event: Event) -> None:
         """Append a read's record with a later group; never waits (the log may be down)."""
         self._records.append((stream_id, event))
+        self._record_keys += _keys_of(event)
         self._bound_records()
         if len(self._records) == 1:
             self._wake.set()
@@ -163,6 +168,7 @@ class Committer:
             if self._records:
                 self._lost(len(self._records), "the sidecar stopped before the log took them")
                 self._records.clear()
+                self._record_keys = 0
                 self._count_pending()
 
     async def _save_snapshots(self) -> None:
@@ -219,6 +225,7 @@ class Committer:
         self._records_due = False
         count = min(len(self._records), MAX_RECORDS_PER_GROUP)
         records = [self._records.popleft() for _ in range(count)]
+        self._record_keys -= sum(_keys_of(event) for _, event in records)
         self._records_offered += count
         return records
 
@@ -231,14 +238,18 @@ class Committer:
             self._count_pending()
             return
         self._records.extendleft(reversed(records))
+        self._record_keys += sum(_keys_of(event) for _, event in records)
         self._bound_records()
 
     def _bound_records(self) -> None:
-        over = len(self._records) - MAX_RECORDS
-        if over > 0:
-            for _ in range(over):
-                self._records.popleft()
-            self._lost(over, f"the log has not taken records for too long (holding at most {MAX_RECORDS:,})")
+        over = 0
+        while self._records and (len(self._records) > MAX_RECORDS or self._record_keys > MAX_RECORD_KEYS):
+            _, event = self._records.popleft()
+            self._record_keys -= _keys_of(event)
+            over += 1
+        if over:
+            self._lost(over, f"the log has not taken records for too long (holding at most {MAX_RECORDS:,} "
+                             f"records of {MAX_RECORD_KEYS:,} keys)")
         self._count_pending()
 
     def _count_pending(self) -> None:
@@ -376,6 +387,10 @@ class Committer:
             self.metrics.group_size.observe(len(flight.waiters))
         log.debug("group_committed", transactions=len(flight.waiters), records=len(flight.records),
                   seconds=time.perf_counter() - flight.started, global_seq=self.ledger.last_seq)
+
+
+def _keys_of(event: Event) -> int:
+    return len(event.engine_keys) if isinstance(event, ExternalKeysLookedUp) else 1
 
 
 def _by_stream(records: list[tuple[str, Event]]) -> list[tuple[str, list[Event]]]:
