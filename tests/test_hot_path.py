@@ -362,4 +362,20 @@ async def test_the_vllm_session_asks_a_chain_once_per_pass_and_commits_a_pass_as
         await _wait_for(recorded)
         lookups = [e for _, e in await _logged(event_log) if isinstance(e, ExternalKeysLookedUp)]
         assert len(lookups[0].engine_keys) == 6  # one question for the chain
+        worker = WorkerClient(Address(socket_path=str(sock)), session.engine_id, 0)
+        for pending in (stored, other):
+            await worker.report(ReportRank(job_id=pending.job.job_id, rank=0, ok=True,
+                                           checksums=[b.checksum(item.key, 0) for item in pending.job.items]))
+        await worker.aclose()
+
+        def second_pass() -> tuple[list[bool], Any]:
+            session.ask(chain)
+            answers = [session.answer(key) for key in chain]
+            session.end_pass()
+            skipped = session.store(chain)  # vLLM offers the published chunks again: nothing is sent
+            session.flush()
+            return answers, skipped
+
+        answers, skipped = await anyio.to_thread.run_sync(second_pass)
+        assert answers == [True] * 6 and skipped is None and session.steps == 1
         session.close()

@@ -270,8 +270,10 @@ class LedgerSession:
         self._step = 0
         self._clock = 0.0
         self._answers: dict[ExternalKey, bool] = {}
-        """This pass's lookup answers (cleared when the next pass asks its first question)."""
-        self._pass_ended = False
+        """This pass's lookup answers."""
+        self._ended_pass: dict[ExternalKey, bool] = {}
+        """The answers of the pass that ended last: vLLM prepares its stores after it ends the pass
+        (on_schedule_end, then the store jobs, in build_connector_meta)."""
         self._loads: list[PendingLoad] = []
         self._stores: list[PendingStore] = []
         self.steps = 0
@@ -281,7 +283,6 @@ class LedgerSession:
 
     def lookup(self, keys: Sequence[ExternalKey]) -> list[bool]:
         """Which keys are loadable now (committed state; never waits for a commit)."""
-        self._new_pass()
         reply = self.client.lookup_keys(self.tier.name, keys)
         if isinstance(reply.answer, Refused):
             raise Refusal(reply.answer)
@@ -290,14 +291,12 @@ class LedgerSession:
 
     def ask(self, keys: Sequence[ExternalKey]) -> None:
         """A request's key chain, asked once for this pass (the keys already answered are not asked again)."""
-        self._new_pass()
         missing = list(dict.fromkeys(key for key in keys if key not in self._answers))
         if missing:
             self.lookup(missing)
 
     def answer(self, key: ExternalKey) -> bool:
         """The key's answer in this pass: from `ask`, or asked alone when it was not part of a chain."""
-        self._new_pass()
         known = self._answers.get(key)
         if known is None:
             (known,) = self.lookup([key])
@@ -305,12 +304,7 @@ class LedgerSession:
 
     def end_pass(self) -> None:
         """vLLM ended a scheduler pass (on_schedule_end): the next question begins a new one."""
-        self._pass_ended = True
-
-    def _new_pass(self) -> None:
-        if self._pass_ended:
-            self._answers.clear()
-            self._pass_ended = False
+        self._ended_pass, self._answers = self._answers, {}
 
     # --- loads and stores: one committed step per pass ----------------------------------------
 
@@ -321,7 +315,7 @@ class LedgerSession:
 
     def store(self, keys: Sequence[ExternalKey]) -> PendingStore | None:
         """None: nothing to store (every key was found published in this pass: an idempotent skip)."""
-        fresh = [key for key in keys if not self._answers.get(key)]
+        fresh = [key for key in keys if not self._ended_pass.get(key) and not self._answers.get(key)]
         if not fresh:
             return None
         pending = PendingStore(fresh)
