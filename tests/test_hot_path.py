@@ -26,7 +26,7 @@ from typing import Any
 import anyio
 import pytest
 
-from coordinator.client import Address, EngineClient, SyncWorkerClient, WorkerClient
+from coordinator.client import Address, EngineClient, SidecarError, SyncWorkerClient, WorkerClient
 from coordinator.commands import ExternalKey, ReportRank, StoreExternal
 from coordinator.ledger import DecidedGroup, Transaction
 from coordinator.recovery import decode
@@ -379,3 +379,30 @@ async def test_the_vllm_session_asks_a_chain_once_per_pass_and_commits_a_pass_as
         answers, skipped = await anyio.to_thread.run_sync(second_pass)
         assert answers == [True] * 6 and skipped is None and session.steps == 1
         session.close()
+
+
+async def test_a_workers_reports_of_one_pass_go_in_one_round_trip_and_a_retried_batch_counts_each_once(
+    event_log: EventLog, tmp_path: Path
+) -> None:
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock) as sidecar, _client(sock, "vllm-a") as client, _client(sock, "vllm-b") as other:
+        jobs = [await _store(client, n + 1, [_key(n)]) for n in range(3)]
+        worker = SyncWorkerClient(Address(socket_path=str(sock)), "vllm-a", 0, retry_for=5)
+        batch = [(_report(job), f"r{job.job_id}") for job in jobs]
+        groups_before = sidecar.metrics.registry.get_sample_value("kvledger_commit_group_transactions_count") or 0
+        first = await anyio.to_thread.run_sync(worker.report_all, batch)
+        assert [len([e for e in events if isinstance(e, KeyPublished)]) for events in first] == [1, 1, 1]
+        assert sidecar.metrics.registry.get_sample_value("kvledger_commit_group_transactions_count") == groups_before + 1
+        again = await anyio.to_thread.run_sync(worker.report_all, batch)  # the batch sent again: the same answers
+        assert [[type(e) for e in events] for events in again] == [[type(e) for e in events] for events in first]
+        logged = [e for _, e in await _logged(event_log)]
+        assert len([e for e in logged if isinstance(e, RankReported)]) == 3
+        # Another engine's job in a batch: refused whole, nothing of it committed.
+        foreign = await _store(other, 1, [_key(9)])
+        job = await _store(client, 4, [_key(4)])
+        head = await event_log.head()
+        with pytest.raises(SidecarError) as refused:
+            await anyio.to_thread.run_sync(worker.report_all, [(_report(job), "ok"), (_report(foreign), "theirs")])
+        assert refused.value.code is p.ErrorCode.INVALID_MESSAGE and "vllm-b" in str(refused.value)
+        assert await event_log.head() == head
+        worker.close()

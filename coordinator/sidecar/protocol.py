@@ -127,6 +127,14 @@ class Report(Message, frozen=True, tag="report"):
     command_id: str = ""
 
 
+class Reports(Message, frozen=True, tag="reports"):
+    """Several (job, rank) reports of one worker, committed together in one group (a worker that
+    moves many jobs in one engine pass reports them in one round trip). Each keeps its command id:
+    a retried batch counts each report once (I4)."""
+
+    reports: list[Report]
+
+
 class Lookup(Message, frozen=True, tag="lookup"):
     """Read-only: the longest loadable prefix in a tier, from committed state; nothing is logged."""
 
@@ -148,8 +156,8 @@ class Health(Message, frozen=True, tag="health"):
     pass
 
 
-ClientMessage = Union[Hello, Step, Execute, Subscribe, Report, Lookup, LookupKeys, Health]  # noqa: UP007
-CLIENT_TAGS = frozenset({"hello", "step", "execute", "subscribe", "report", "lookup", "lookup_keys", "health"})
+ClientMessage = Union[Hello, Step, Execute, Subscribe, Report, Reports, Lookup, LookupKeys, Health]  # noqa: UP007
+CLIENT_TAGS = frozenset({"hello", "step", "execute", "subscribe", "report", "reports", "lookup", "lookup_keys", "health"})
 
 
 # --- server -> client ----------------------------------------------------------------------
@@ -206,6 +214,12 @@ class Committed(Message, frozen=True, tag="committed"):
     events: list[AnyEvent]
 
 
+class ReportsCommitted(Message, frozen=True, tag="reports_committed"):
+    """What each report of a `Reports` committed, in its order."""
+
+    results: list[Committed]
+
+
 class Decisions(Message, frozen=True, tag="decisions"):
     items: list[Decision]
 
@@ -237,7 +251,9 @@ class Error(Message, frozen=True, tag="error"):
     """SLOW_SUBSCRIBER: the last sequence delivered; subscribe again from it."""
 
 
-ServerMessage = Union[Welcome, StepResult, Committed, Decisions, LookupResult, KeysLookedUp, HealthResult, Error]  # noqa: UP007
+ServerMessage = Union[  # noqa: UP007
+    Welcome, StepResult, Committed, ReportsCommitted, Decisions, LookupResult, KeysLookedUp, HealthResult, Error
+]
 
 
 # --- frames ----------------------------------------------------------------------------------

@@ -498,6 +498,10 @@ class Sidecar:
                 return _wrong_role(session, message)
             problem = admission.foreign_report(self.ledger.state, session.engine_id, message.report)
             return problem or await self._commit_single(session, message.report, message.command_id or _report_id(message))
+        if isinstance(message, p.Reports):
+            if session.role not in ("worker", "engine"):
+                return _wrong_role(session, message)
+            return await self._commit_reports(session, message)
         if session.role == "operator" and isinstance(message, p.Execute) and isinstance(message.command, OPERATOR_COMMANDS):
             # Scoped by the operator session's empty engine id: "/<id>", which no engine's can be.
             return await self._commit_single(session, message.command, message.command_id)
@@ -580,6 +584,34 @@ class Sidecar:
         commit = _commit_of(result)
         return p.Committed(command_id=command_id, first_seq=commit.first_seq, last_seq=commit.last_seq,
                            duplicate=commit.duplicate, events=p.any_events(commit.events))
+
+    async def _commit_reports(self, session: Session, message: p.Reports) -> p.ServerMessage:
+        """A worker's reports of one pass, committed together (one group: submit_all)."""
+        if not message.reports:
+            return p.ReportsCommitted(results=[])
+        if len(message.reports) > admission.MAX_COMMANDS_PER_STEP:
+            return p.Error(code=p.ErrorCode.INVALID_MESSAGE, message=f"a Reports holds at most "
+                           f"{admission.MAX_COMMANDS_PER_STEP:,} reports, not {len(message.reports):,}: split it")
+        ids = []
+        for sent in message.reports:
+            problem = admission.foreign_report(self.ledger.state, session.engine_id, sent.report)
+            if problem is not None:
+                return problem
+            ids.append(sent.command_id or _report_id(sent))
+        txs = [Single(command=sent.report, command_id=admission.scoped(session.engine_id, command_id))
+               for sent, command_id in zip(message.reports, ids, strict=True)]
+        try:
+            results = await self.committer.submit_all(txs)
+        except ShuttingDown as error:
+            return p.Error(code=p.ErrorCode.SHUTTING_DOWN, message=str(error), fatal=True)
+        except Exception as error:  # noqa: BLE001 - nothing of it, or not all, committed: retry it with its command ids
+            return p.Error(code=p.ErrorCode.COMMIT_FAILED, message=f"not committed: {admission.told(error)}")
+        committed = []
+        for command_id, result in zip(ids, results, strict=True):
+            commit = _commit_of(result)
+            committed.append(p.Committed(command_id=command_id, first_seq=commit.first_seq, last_seq=commit.last_seq,
+                                         duplicate=commit.duplicate, events=p.any_events(commit.events)))
+        return p.ReportsCommitted(results=committed)
 
     async def _subscribe(self, conn: Connection, session: Session, message: p.Subscribe, tasks: TaskGroup) -> None:
         """Subscribe has no reply of its own: Decisions frames follow on this connection."""

@@ -292,6 +292,8 @@ class KvledgerOffloadingWorker(OffloadingWorker):
         self.reporter = Reporter(settings.socket, engine_id(settings, facts), rank)
         self.load_errors = load_errors
         self.finished: list[TransferResult] = []
+        self._unreported: list = []
+        """(report, what to do with what it committed) of the transfers submitted since the last get_finished."""
 
     def _rows(self, group: int, block_id: int) -> list[torch.Tensor]:
         return [self.tensors[index][block_id] for index in self.group_tensors[group]]
@@ -326,19 +328,20 @@ class KvledgerOffloadingWorker(OffloadingWorker):
             log.warning("kvledger_store_write_failed", job_id=dst_spec.job_id, rank=self.rank, error=str(error))
             report = ReportRank(job_id=dst_spec.job_id, rank=self.rank, ok=False, checksums=[],
                                 error=f"tier_write_failed: {error}"[:500])
-        try:
-            events = self.reporter.report(report or ReportRank(job_id=dst_spec.job_id, rank=self.rank, ok=True,
-                                                               checksums=checksums))
-        except (SidecarError, SidecarUnavailable) as error:
-            log.warning("kvledger_unavailable", call="report_store", job_id=dst_spec.job_id, rank=self.rank, error=str(error))
-            events = []
-        if report is not None:
-            self.finished.append(TransferResult(job_id, True))
-            return True
-        failed = [e for e in events if isinstance(e, JobFailed)]
-        if failed:  # nothing published: later lookups miss, vLLM recomputes
-            log.warning("kvledger_store_failed", job_id=dst_spec.job_id, reason=failed[0].reason, detail=failed[0].detail)
-        self.finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
+        kvledger_job = dst_spec.job_id
+
+        def reported(events: list | None) -> None:
+            if events is None:
+                log.warning("kvledger_unavailable", call="report_store", job_id=kvledger_job, rank=self.rank)
+            if report is not None:
+                self.finished.append(TransferResult(job_id, True))
+                return
+            failed = [e for e in events or [] if isinstance(e, JobFailed)]
+            if failed:  # nothing published: later lookups miss, vLLM recomputes
+                log.warning("kvledger_store_failed", job_id=kvledger_job, reason=failed[0].reason, detail=failed[0].detail)
+            self.finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
+
+        self._report(report or ReportRank(job_id=kvledger_job, rank=self.rank, ok=True, checksums=checksums), reported)
         return True
 
     def _refuse(self, job_id: int, block_ids: list[int], reason: str, *, kvledger_job: int | None, keys: list[str],
@@ -354,14 +357,24 @@ class KvledgerOffloadingWorker(OffloadingWorker):
                     job_failed=[f"{e.reason}: {e.detail}" for e in events if isinstance(e, JobFailed)])
         return True
 
-    def _report_load(self, report: ReportRank) -> list | None:
-        """What the report committed; None when the sidecar could not be told (then the load
+    def _report(self, report: ReportRank, reported) -> None:
+        """Queue a report: the pass's reports go to the sidecar together, in one round trip,
+        when vLLM asks for the pass's finished transfers (`get_finished`); `reported` then gets
+        what the report committed, or None when the sidecar could not be told (a load then
         cannot count: kvledger would not know its key was read)."""
+        self._unreported.append((report, reported))
+
+    def _send_reports(self) -> None:
+        unreported, self._unreported = self._unreported, []
+        if not unreported:
+            return
         try:
-            return self.reporter.report(report)
+            committed: list = self.reporter.report_all([report for report, _ in unreported])
         except (SidecarError, SidecarUnavailable) as error:
-            log.warning("kvledger_unavailable", call="report_load", job_id=report.job_id, error=str(error))
-            return None
+            log.warning("kvledger_unavailable", call="report", jobs=[report.job_id for report, _ in unreported], error=str(error))
+            committed = [None] * len(unreported)
+        for (_, reported), events in zip(unreported, committed, strict=True):
+            reported(events)
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         assert isinstance(src_spec, KvledgerSpec), src_spec
@@ -387,9 +400,10 @@ class KvledgerOffloadingWorker(OffloadingWorker):
         if mismatched:
             # I13: not one byte of it reaches vLLM's cache. Reported, so the key is quarantined.
             error = f"checksum_mismatch: {mismatched}" + (f"; unreadable: {unreadable}" if unreadable else "")
-            events = self._report_load(ReportRank(job_id=src_spec.job_id, rank=self.rank, ok=False, checksums=sums,
-                                                  error=error))
-            return self._refuse(job_id, block_ids, error, kvledger_job=src_spec.job_id, keys=mismatched, events=events)
+            self._report(ReportRank(job_id=src_spec.job_id, rank=self.rank, ok=False, checksums=sums, error=error),
+                         lambda events: self._refuse(job_id, block_ids, error, kvledger_job=src_spec.job_id,
+                                                     keys=mismatched, events=events))
+            return True
         landed = []
         size = 0
         for block_id, (group, _, _, _, _), data in zip(block_ids, src_spec.items, read, strict=True):
@@ -401,27 +415,35 @@ class KvledgerOffloadingWorker(OffloadingWorker):
                 offset += length
             landed.append(checksum(torch.cat([row.reshape(-1) for row in rows]).view(torch.uint8)))
             size += offset
-        events = self._report_load(ReportRank(job_id=src_spec.job_id, rank=self.rank, ok=landed == sums,
-                                              checksums=landed, error="" if landed == sums else "verify_failed"))
-        failed = [e for e in events or [] if isinstance(e, JobFailed)]
-        if landed != sums or failed or events is None:
-            # A load that does not count (lease expired, key evicted or quarantined meanwhile, I12;
-            # bytes that changed on their way in; a report the sidecar never got): the blocks it
-            # wrote are recomputed over.
-            reason = ("verify_failed" if landed != sums else f"job_failed: {failed[0].reason}" if failed
-                      else "not_reported")
-            return self._refuse(job_id, block_ids, reason, kvledger_job=src_spec.job_id, keys=keys, events=events)
-        self.finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
+        def reported(events: list | None) -> None:
+            failed = [e for e in events or [] if isinstance(e, JobFailed)]
+            if landed != sums or failed or events is None:
+                # A load that does not count (lease expired, key evicted or quarantined meanwhile,
+                # I12; bytes that changed on their way in; a report the sidecar never got): the
+                # blocks it wrote are recomputed over, before vLLM hears the pass's transfers ended.
+                reason = ("verify_failed" if landed != sums else f"job_failed: {failed[0].reason}" if failed
+                          else "not_reported")
+                self._refuse(job_id, block_ids, reason, kvledger_job=src_spec.job_id, keys=keys, events=events)
+                return
+            self.finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
+
+        self._report(ReportRank(job_id=src_spec.job_id, rank=self.rank, ok=landed == sums, checksums=landed,
+                                error="" if landed == sums else "verify_failed"), reported)
         return True
 
     def get_finished(self) -> list[TransferResult]:
+        """The pass's transfers: their reports sent first, together, so that a load the sidecar
+        failed is refused (LoadErrors) in the same pass that reports it finished."""
+        self._send_reports()
         finished, self.finished = self.finished, []
         return finished
 
     def wait(self, job_ids: set[int]) -> None:
-        """Every transfer is done before submit_* returns."""
+        """Every transfer's bytes are moved before submit_* returns; its report goes now."""
+        self._send_reports()
 
     def shutdown(self) -> None:
+        self._send_reports()
         self.reporter.close()
 
 

@@ -394,7 +394,8 @@ def per_command(events: Sequence[Event], commands: int) -> list[list[Event]]:
 
 class Reporter:
     """A worker rank's reports, synchronous (vLLM's worker calls are), on one connection kept
-    open (SyncWorkerClient), retried through a lost connection with the same command id (I4)."""
+    open (SyncWorkerClient), retried through a lost connection with the same command id (I4);
+    a pass's reports go in one round trip (`report_all`)."""
 
     def __init__(self, socket_path: str, engine: str, rank: int, *, retry_for: float = 30.0) -> None:
         self._client = SyncWorkerClient(Address(socket_path=socket_path), engine, rank, retry_for=retry_for)
@@ -402,8 +403,14 @@ class Reporter:
 
     def report(self, report: ReportRank) -> list[Event]:
         """What the report committed (RankReported; with the last rank, the job's end)."""
-        command_id = f"report/{self._client.engine_id}/{report.job_id}/{report.rank}"
-        return self._client.report(report, command_id=command_id)
+        return self._client.report(report, command_id=self._command_id(report))
+
+    def report_all(self, reports: Sequence[ReportRank]) -> list[list[Event]]:
+        """Several reports in one round trip (one group); what each committed."""
+        return self._client.report_all([(report, self._command_id(report)) for report in reports])
+
+    def _command_id(self, report: ReportRank) -> str:
+        return f"report/{self._client.engine_id}/{report.job_id}/{report.rank}"
 
     def close(self) -> None:
         self._client.close()
