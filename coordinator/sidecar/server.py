@@ -35,7 +35,7 @@ from coordinator.decider import lookup, lookup_keys
 from coordinator.ledger import Commit, Ledger, Single, Step as LedgerStep, StepCommit
 from coordinator.protections import switched_off
 from coordinator.sidecar import admission, protocol as p
-from coordinator.sidecar.committer import Committer, ShuttingDown
+from coordinator.sidecar.committer import Committer, ShuttingDown, freeze_long_lived
 from coordinator.sidecar.http import make_app
 from coordinator.sidecar.hub import DEFAULT_BUFFER, DecisionHub, SlowSubscriber, Subscription
 from coordinator.sidecar.metrics import SidecarMetrics
@@ -183,6 +183,7 @@ class Sidecar:
             finally:
                 committer_done.set()
 
+        freeze_long_lived()  # the recovered state: see its docstring
         async with anyio.create_task_group() as service:
             service.start_soon(commit_loop)
             service.start_soon(self._probe_log)
