@@ -652,15 +652,15 @@ async def test_a_pool_id_the_audit_index_cannot_hold_is_refused_and_the_index_ke
 async def test_a_command_id_sent_again_for_another_step_is_not_answered_as_that_step(event_log: EventLog, tmp_path: Path) -> None:
     """Found by test_fuzz_a_command_id_sent_again_with_other_content: step 2 sent with step 1's
     command id came back as StepResult(step=2, duplicate=True) holding step 1's events, telling
-    the engine its step 2 was in the log. Now it is an invalid message and nothing is committed;
-    the real retry of step 1 still gets step 1."""
+    the engine its step 2 was in the log. Now it is refused `command_id_reused` and nothing is
+    committed; the real retry of step 1 still gets step 1."""
     sock = tmp_path / "s.sock"
     async with sidecar_on(event_log, sock) as sidecar, _client(sock, "pod-a") as client:
         first = await client.step(1, 1.0, [], command_id="reused")
         before = await _mark(sidecar, event_log)
         with pytest.raises(SidecarError) as reused:
             await client.step(2, 2.0, [StartOwner(engine_id="pod-a", req_id="r")], command_id="reused")
-        assert reused.value.code == p.ErrorCode.INVALID_MESSAGE and "step 1, not step 2" in str(reused.value)
+        assert reused.value.code == p.ErrorCode.COMMAND_ID_REUSED and "step 1 at clock 1.0, not step 2" in str(reused.value)
         assert await _mark(sidecar, event_log) == before
         retry = await client.step(1, 1.0, [], command_id="reused")
         assert retry.duplicate and retry.step == 1 and (retry.first_seq, retry.last_seq) == (first.first_seq, first.last_seq)

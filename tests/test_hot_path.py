@@ -32,6 +32,7 @@ from coordinator.ledger import DecidedGroup, Transaction
 from coordinator.recovery import decode
 from coordinator.sidecar import committer as committer_module
 from coordinator.sidecar import protocol as p
+from coordinator.sidecar.admission import scoped
 from coordinator.sidecar.server import Sidecar
 from events import Event, EventCodec, ExternalKeysLookedUp, ExternalStoreStarted, KeyPublished, RankReported, StepBegan
 from events.log import AppendBatch, AppendResult, EventLog, LogUnavailable
@@ -218,7 +219,7 @@ async def test_a_group_decided_while_the_previous_append_fails_is_never_shown(
         logged = await _logged(event_log)
         b_steps = [seq for seq, e in logged if isinstance(e, StepBegan) and e.engine_id == "vllm-b" and e.step == 2]
         assert b_steps == [reply.first_seq]
-        assert sum(1 for group in decided for tx in group if getattr(tx, "command_id", None) == "vllm-b/b-2") == 2
+        assert sum(1 for group in decided for tx in group if getattr(tx, "command_id", None) == scoped("vllm-b", "step", "b-2")) == 2
         # The worker's report was refused once (COMMIT_FAILED), sent again with its command id, and counts once.
         assert [e for e in reported[0] if isinstance(e, KeyPublished)]
         assert len([e for _, e in logged if isinstance(e, RankReported) and e.job_id == job.job_id]) == 1

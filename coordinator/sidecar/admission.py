@@ -22,12 +22,12 @@ from collections.abc import Sequence
 import msgspec
 
 from coordinator import _checks as check_limits
-from coordinator.commands import OPERATOR_COMMANDS, AnyCommand, DeclareEngine, DeclareTier, ReportRank
+from coordinator.commands import OPERATOR_COMMANDS, AnyCommand, BeginStep, DeclareEngine, DeclareTier, EndStep, ReportRank
 from coordinator.decider import decide
 from coordinator.ledger import StepCommit
 from coordinator.sidecar import protocol as p
 from coordinator.state import State, TierState
-from events import Refused, StepBegan, TierSpec
+from events import Event, RankReported, Refused, StepBegan, TierSpec
 
 MAX_LOGGED_COMMAND_ID = 128
 """Characters of the log's command id column (kvl_commands.command_id; see `scoped`)."""
@@ -52,12 +52,15 @@ def told(error: BaseException) -> str:
 """The largest pool id the audit index holds (see `declaration_problem`)."""
 
 
-def scoped(engine_id: str, command_id: str) -> str:
+def scoped(engine_id: str, kind: str, command_id: str) -> str:
     """The log's id for a client's command id. Command ids are the client's; the log's are unique
-    per engine: one engine's retry can never be answered with another engine's committed events
-    (I9). The log keeps them in a 128-character column: a longer one is kept as its digest, the
-    same for every retry (PostgreSQL refused it at the append, failing the whole group)."""
-    scoped_id = f"{engine_id}/{command_id}"
+    per engine and per kind of message ("step", "execute", "report"): one engine's retry can never
+    be answered with another engine's committed events (I9), nor a report with a step's. The
+    engine id's length is spelled out, so no engine id (they may hold "/") can forge another's
+    scope: engine "team" with id "a/s1" and engine "team/a" with id "s1" used to be one id. The
+    log keeps them in a 128-character column: a longer one is kept as its digest, the same for
+    every retry (PostgreSQL refused it at the append, failing the whole group)."""
+    scoped_id = f"{kind}:{len(engine_id)}:{engine_id}/{command_id}"
     if len(scoped_id) <= MAX_LOGGED_COMMAND_ID:
         return scoped_id
     return "sha256:" + hashlib.sha256(scoped_id.encode()).hexdigest()
@@ -65,9 +68,15 @@ def scoped(engine_id: str, command_id: str) -> str:
 
 def foreign(engine_id: str, commands: Sequence[AnyCommand]) -> p.Error | None:
     """An engine speaks only for itself: a command naming another engine is refused whole, and so
-    is an operator's command (a namespace decision may touch other engines' keys), and a
-    declaration the log could not hold (`declaration_problem`)."""
+    is an operator's command (a namespace decision may touch other engines' keys), a command that
+    opens or closes a step, and a declaration the log could not hold (`declaration_problem`)."""
     for index, command in enumerate(commands):
+        if isinstance(command, (BeginStep, EndStep)):
+            # The sidecar frames every step itself: one append could hold two steps, an Execute
+            # open a step spanning appends, a retried step answer with fewer events than its first.
+            return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
+                           message=f"command {index} ({type(command).__name__}) controls the step: a Step's "
+                                   "commands are framed by the sidecar (its step and clock are the Step's own)")
         if isinstance(command, OPERATOR_COMMANDS):
             return p.Error(code=p.ErrorCode.WRONG_ROLE,
                            message=f"command {index} ({type(command).__name__}) is an operator's: send it on an operator connection")
@@ -132,11 +141,23 @@ def refused_declaration(state: State, declarations: Sequence[AnyCommand]) -> Any
 
 
 def retried_as_another_step(result: StepCommit, message: p.Step) -> p.Error | None:
-    """A command id committed for step M, sent again with step N: answering with step M's events
-    as StepResult(step=N, duplicate=True) told the engine its step N was in the log."""
-    committed = next((event.step for event in result.began if isinstance(event, StepBegan)), message.step)
-    if not result.commit.duplicate or committed == message.step:
+    """A command id committed for step M (at clock C), sent again with step N or another clock:
+    answering with step M's events as StepResult(step=N, duplicate=True) told the engine its step
+    N was in the log. Refused `command_id_reused`."""
+    began = next((event for event in result.began if isinstance(event, StepBegan)), None)
+    if not result.commit.duplicate or began is None or (began.step, began.clock) == (message.step, message.clock):
         return None
-    return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
-                   message=f"command id {message.command_id!r} was committed for step {committed}, not step "
-                           f"{message.step}: a retry sends the same step; a new step needs a new command id")
+    return p.Error(code=p.ErrorCode.COMMAND_ID_REUSED,
+                   message=f"command id {message.command_id!r} was committed for step {began.step} at clock "
+                           f"{began.clock}, not step {message.step} at {message.clock}: a retry sends the same step; "
+                           f"a new step needs a new command id")
+
+
+def reused_for_another_report(events: Sequence[Event], report: ReportRank, command_id: str) -> p.Error | None:
+    """A report's command id answered with what another report committed (another job or rank)."""
+    for event in events:
+        if isinstance(event, RankReported) and (event.job_id, event.rank) != (report.job_id, report.rank):
+            return p.Error(code=p.ErrorCode.COMMAND_ID_REUSED,
+                           message=f"command id {command_id!r} was committed for job {event.job_id} rank {event.rank}, "
+                                   f"not job {report.job_id} rank {report.rank}: a new report needs a new command id")
+    return None

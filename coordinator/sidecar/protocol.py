@@ -60,6 +60,7 @@ class ErrorCode(enum.StrEnum):
     SLOW_SUBSCRIBER = "slow_subscriber"  # fatal: resume with Subscribe(from_seq=resume_from)
     SHUTTING_DOWN = "shutting_down"  # fatal: retry against the restarted server
     COMMIT_FAILED = "commit_failed"  # nothing of the request was committed; retry with the same command id
+    COMMAND_ID_REUSED = "command_id_reused"  # the command id was committed for other content: use a new one
 
 
 Role = Literal["engine", "worker", "observer", "operator"]

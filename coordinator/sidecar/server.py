@@ -498,14 +498,20 @@ class Sidecar:
             if session.role not in ("worker", "engine"):
                 return _wrong_role(session, message)
             problem = admission.foreign_report(self.ledger.state, session.engine_id, message.report)
-            return problem or await self._commit_single(session, message.report, message.command_id or _report_id(message))
+            if problem is not None:
+                return problem
+            command_id = message.command_id or _report_id(message)
+            reply = await self._commit_single(session, "report", message.report, command_id)
+            reused = admission.reused_for_another_report(reply.events, message.report, command_id) \
+                if isinstance(reply, p.Committed) and reply.duplicate else None
+            return reused or reply
         if isinstance(message, p.Reports):
             if session.role not in ("worker", "engine"):
                 return _wrong_role(session, message)
             return await self._commit_reports(session, message)
         if session.role == "operator" and isinstance(message, p.Execute) and isinstance(message.command, OPERATOR_COMMANDS):
-            # Scoped by the operator session's empty engine id: "/<id>", which no engine's can be.
-            return await self._commit_single(session, message.command, message.command_id)
+            # Scoped by the operator session's empty engine id, which no engine's can be.
+            return await self._commit_single(session, "execute", message.command, message.command_id)
         if session.role != "engine":
             return _wrong_role(session, message)
         if isinstance(message, p.Lookup):
@@ -518,7 +524,7 @@ class Sidecar:
             return self._lookup_keys(session, message)
         if isinstance(message, p.Execute):
             problem = admission.foreign(session.engine_id, [message.command])
-            return problem or await self._commit_single(session, message.command, message.command_id)
+            return problem or await self._commit_single(session, "execute", message.command, message.command_id)
         assert isinstance(message, p.Step)
         return await self._step(session, message)
 
@@ -552,7 +558,7 @@ class Sidecar:
         started = time.perf_counter()
         bound = log.bind(engine=session.engine_id, step=message.step)
         tx = LedgerStep(engine_id=session.engine_id, step=message.step, clock=message.clock,
-                        commands=message.commands, command_id=admission.scoped(session.engine_id, message.command_id))
+                        commands=message.commands, command_id=admission.scoped(session.engine_id, "step", message.command_id))
         try:
             result = await self.committer.submit(tx)
         except ShuttingDown as error:
@@ -574,9 +580,9 @@ class Sidecar:
             decisions=p.decisions_for(commit.events, commit.first_seq, session.engine_id, 0),
         )
 
-    async def _commit_single(self, session: Session, command: AnyCommand, command_id: str) -> p.ServerMessage:
+    async def _commit_single(self, session: Session, kind: str, command: AnyCommand, command_id: str) -> p.ServerMessage:
         try:
-            scoped = admission.scoped(session.engine_id, command_id) if command_id else None
+            scoped = admission.scoped(session.engine_id, kind, command_id) if command_id else None
             result = await self.committer.submit(Single(command=command, command_id=scoped))
         except ShuttingDown as error:
             return p.Error(code=p.ErrorCode.SHUTTING_DOWN, message=str(error), fatal=True)
@@ -599,7 +605,7 @@ class Sidecar:
             if problem is not None:
                 return problem
             ids.append(sent.command_id or _report_id(sent))
-        txs = [Single(command=sent.report, command_id=admission.scoped(session.engine_id, command_id))
+        txs = [Single(command=sent.report, command_id=admission.scoped(session.engine_id, "report", command_id))
                for sent, command_id in zip(message.reports, ids, strict=True)]
         try:
             results = await self.committer.submit_all(txs)
@@ -608,8 +614,11 @@ class Sidecar:
         except Exception as error:  # noqa: BLE001 - nothing of it, or not all, committed: retry it with its command ids
             return p.Error(code=p.ErrorCode.COMMIT_FAILED, message=f"not committed: {admission.told(error)}")
         committed = []
-        for command_id, result in zip(ids, results, strict=True):
+        for sent, command_id, result in zip(message.reports, ids, results, strict=True):
             commit = _commit_of(result)
+            reused = admission.reused_for_another_report(commit.events, sent.report, command_id) if commit.duplicate else None
+            if reused is not None:
+                return reused
             committed.append(p.Committed(command_id=command_id, first_seq=commit.first_seq, last_seq=commit.last_seq,
                                          duplicate=commit.duplicate, events=p.any_events(commit.events)))
         return p.ReportsCommitted(results=committed)

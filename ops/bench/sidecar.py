@@ -449,7 +449,7 @@ async def log_only(args: argparse.Namespace, directory: Path, totals: Totals, lo
     """Append the sidecar's committed events again to a fresh SQLite log, the timed phase's timed;
     prints the figures and returns the ratio of the sidecar's events/s to the log's."""
     # Every step's command id as the sidecar logged it; the timed phase's are the boundary.
-    logged = {scoped(load.engine_id, command_id): step > args.warmup
+    logged = {scoped(load.engine_id, "step", command_id): step > args.warmup
               for load in loads for step, command_id in load.command_ids.items()}
     source = await open_log(str(directory / "log.sqlite"))
     try:

@@ -1,0 +1,114 @@
+"""Hostile and broken clients (issue 17), through a real sidecar on a real socket and log.
+
+Command ids are the client's; the log's are scoped by engine and by kind of message, so that no
+engine id (they may hold "/") forges another engine's scope and no message kind is answered with
+another kind's committed events; a command id sent again with other content is refused
+`command_id_reused`, never answered as the first. A Step or an Execute cannot carry the commands
+that open and close a step (BeginStep, EndStep): the sidecar frames every step itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coordinator.client import Address, EngineClient, SidecarError, WorkerClient
+from coordinator.commands import BeginStep, EndStep, ReportRank, StartOwner, StartStore
+from coordinator.sidecar import protocol as p
+from events import BlocksAllocated, OwnerStarted, RankReported, StepBegan, StoreJobStarted
+from events.log import EventLog
+from tests.sidecar_kit import TIER_SPEC, Engine, RawConnection, declaration, sidecar_on
+
+pytestmark = pytest.mark.anyio
+
+
+def _client(sock: Path, engine_id: str) -> EngineClient:
+    return EngineClient(Address(socket_path=str(sock)), declaration(engine_id), tiers=[TIER_SPEC], retry_for=5)
+
+
+async def test_an_engine_id_holding_a_slash_cannot_forge_another_engines_command_scope(
+    event_log: EventLog, tmp_path: Path
+) -> None:
+    """Engine "team" with id "a/s1" and engine "team/a" with id "s1" are two commands."""
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock), _client(sock, "team") as team, _client(sock, "team/a") as team_a:
+        first = await team.step(1, 1.0, [StartOwner(engine_id="team", req_id="tenant-secret")], command_id="a/s1")
+        second = await team_a.step(1, 1.0, [StartOwner(engine_id="team/a", req_id="mine")], command_id="s1")
+        assert not second.duplicate and second.first_seq > first.last_seq
+        (owner,) = [e for e in second.results[0] if isinstance(e, OwnerStarted)]
+        assert (owner.engine_id, owner.req_id) == ("team/a", "mine")
+
+
+async def test_a_step_id_reused_by_an_execute_or_a_report_is_another_command(event_log: EventLog, tmp_path: Path) -> None:
+    """An Execute reusing a Step's id is not answered as that step; a worker's Report whose id is
+    one of its engine's Step ids is recorded (its job completes), not answered with the step."""
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock), _client(sock, "pod-a") as client:
+        job = await Engine(client).request(0)
+        step = await client.step(100, 100.0, [], command_id="shared-id")
+        executed = await client.execute(StartOwner(engine_id="pod-a", req_id="r2"), command_id="shared-id")
+        assert not executed.duplicate and executed.first_seq > step.last_seq  # decided (refused: no step is open)
+        worker = WorkerClient(Address(socket_path=str(sock)), "pod-a", 0)
+        reported = await worker.report(ReportRank(job_id=job.job_id, rank=0, ok=True,
+                                                  checksums=[b"\x01" * 16] * len(job.items)), command_id="shared-id")
+        assert not reported.duplicate
+        assert [(e.job_id, e.rank) for e in reported.events if isinstance(e, RankReported)] == [(job.job_id, 0)]
+        await worker.aclose()
+
+
+async def test_a_command_id_sent_again_with_other_content_is_refused_command_id_reused(
+    event_log: EventLog, tmp_path: Path
+) -> None:
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock), _client(sock, "pod-a") as client:
+        await client.step(1, 1.0, [StartOwner(engine_id="pod-a", req_id="r1")], command_id="s")
+        head = await event_log.head()
+        for step, clock in ((2, 2.0), (1, 5.0)):  # another step, or the same step at another clock
+            with pytest.raises(SidecarError) as reused:
+                await client.step(step, clock, [], command_id="s")
+            assert reused.value.code is p.ErrorCode.COMMAND_ID_REUSED and "new command id" in str(reused.value)
+        assert (await client.step(1, 1.0, [], command_id="s")).duplicate  # the same step: its committed answer
+        assert await event_log.head() == head
+
+
+async def test_a_report_id_reused_for_another_job_or_rank_is_refused(event_log: EventLog, tmp_path: Path) -> None:
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock), _client(sock, "pod-a") as client:
+        engine = Engine(client)
+        jobs = [await engine.request(index) for index in range(2)]
+        worker = WorkerClient(Address(socket_path=str(sock)), "pod-a", 0)
+        await worker.report(ReportRank(job_id=jobs[0].job_id, rank=0, ok=True, checksums=[b"\x01" * 16] * len(jobs[0].items)),
+                            command_id="rep")
+        with pytest.raises(SidecarError) as reused:
+            await worker.report(ReportRank(job_id=jobs[1].job_id, rank=0, ok=True,
+                                           checksums=[b"\x01" * 16] * len(jobs[1].items)), command_id="rep")
+        assert reused.value.code is p.ErrorCode.COMMAND_ID_REUSED
+        assert f"job {jobs[0].job_id} rank 0" in str(reused.value)
+        await worker.aclose()
+
+
+@pytest.mark.parametrize("control", [BeginStep(engine_id="pod-a", step=7, clock=7.0), EndStep(engine_id="pod-a")])
+async def test_a_step_or_an_execute_carrying_step_control_commands_is_refused_whole(
+    event_log: EventLog, tmp_path: Path, control: BeginStep | EndStep
+) -> None:
+    """One append could hold two steps, an Execute could open a step spanning appends, and a
+    retried step holding an EndStep was answered with fewer events than its first answer."""
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock), _client(sock, "pod-a") as client:
+        await client.step(1, 1.0, [], command_id="first")
+        head = await event_log.head()
+        raw = await RawConnection.open(sock)
+        assert isinstance(await raw.hello(role="engine", engine_id="pod-a", incarnation=client.incarnation), p.Welcome)
+        await raw.send(p.Step(step=2, clock=2.0, commands=[StartOwner(engine_id="pod-a", req_id="r"), control],
+                              command_id="two-steps"))
+        refused = await raw.receive()
+        assert isinstance(refused, p.Error) and refused.code is p.ErrorCode.INVALID_MESSAGE
+        assert type(control).__name__ in refused.message
+        await raw.send(p.Execute(command=control, command_id="open"))
+        refused = await raw.receive()
+        assert isinstance(refused, p.Error) and refused.code is p.ErrorCode.INVALID_MESSAGE
+        await raw.aclose()
+        assert await event_log.head() == head
+        after = await client.step(2, 2.0, [], command_id="second")  # the engine steps on
+        assert isinstance(after.began[0], StepBegan)
