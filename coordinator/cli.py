@@ -230,14 +230,14 @@ def serve(
     except BaseExceptionGroup as group:  # a task of the sidecar failed at start: e.g. an ingest endpoint taken
         from coordinator.vllm.sidecar_ingest import IngestFileError
 
-        found, _ = group.split((IngestFileError, LogError, OSError))
+        found, _ = group.split((ConfigError, IngestFileError, LogError, OSError))
         if found is None:
             raise
         first = found.exceptions[0]
         while isinstance(first, BaseExceptionGroup):
             first = first.exceptions[0]
         typer.echo(f"kvledger serve: {first}", err=True)
-        raise typer.Exit(code=2 if isinstance(first, IngestFileError) else 1) from None
+        raise typer.Exit(code=2 if isinstance(first, (ConfigError, IngestFileError)) else 1) from None
 
 
 @app.command()

@@ -772,6 +772,21 @@ async def test_a_frame_begun_and_never_finished_is_cut_off_and_others_are_served
         await bystander.step(1, 1.0, [])  # everyone else is served
 
 
+@pytest.mark.parametrize("sent", [1, 2, 3])
+async def test_a_header_begun_and_never_finished_is_cut_off_and_others_are_served(
+    event_log: EventLog, tmp_path: Path, sent: int
+) -> None:
+    """1-3 bytes of a frame's 4-byte header, then nothing: the frame deadline covers the header too."""
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock, frame_timeout=0.5), engine_client(sock, "pod-a") as bystander:
+        raw = await RawConnection.open(sock)
+        await raw.send_bytes((100).to_bytes(p.HEADER_BYTES, "big")[:sent])
+        reply = await raw.receive()
+        assert isinstance(reply, p.Error) and reply.fatal and "not complete after 0.5 s" in reply.message, reply
+        assert await raw.closed()
+        await bystander.step(1, 1.0, [])
+
+
 async def test_a_step_of_too_many_commands_is_refused_and_nothing_is_committed(event_log: EventLog, tmp_path: Path) -> None:
     from coordinator.sidecar.admission import MAX_COMMANDS_PER_STEP
 

@@ -57,6 +57,20 @@ def test_serve_refuses_tcp_without_a_token_in_one_line(tmp_path: Path) -> None:
     assert run.stderr.strip().splitlines()[-1] == "kvledger serve: --tcp needs a token (--token or KVLEDGER_TOKEN): TCP clients must authenticate"
 
 
+def test_serve_on_a_socket_path_that_is_a_regular_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    taken = tmp_path / "not-a-socket"
+    taken.write_text("an operator's file\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "serve", "--socket", str(taken), "--log", str(tmp_path / "log.sqlite"),
+         "--http", "off"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "KVLEDGER_DATA_DIR": str(tmp_path)},
+    )
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == f"kvledger serve: --socket {taken} exists and is not a socket; refusing to replace it"
+    assert "Traceback" not in run.stderr
+    assert taken.read_text() == "an operator's file\n"
+
+
 def test_sigterm_finishes_in_flight_steps_snapshots_and_exits_0(tmp_path: Path) -> None:
     with serve_process(tmp_path) as server:
         results = []
