@@ -526,3 +526,22 @@ def check_cases(runner: CliRunner, cases: list[tuple[list[str], int, str]]) -> N
 def test_a_kafka_urls_state_store_password_is_masked() -> None:
     masked = mask(fleet_url("kafka://b1:9092/events?replication_factor=1", "postgresql://kvl:secret@db:5432/audit"))
     assert "secret" not in masked and "state=postgresql://kvl:***@db:5432/audit" in masked
+
+
+def test_a_postgresql_connection_closed_mid_query_is_an_outage_to_retry_not_a_failure() -> None:
+    """asyncpg's "connection was closed in the middle of operation" reaches SQLAlchemy as a plain
+    dbapi Error, not flagged as a disconnect: it ended `kvledger fleet` (exit 1) instead of making
+    it unready and retrying, in a CI run of the outage test above, when the cut fell mid-query."""
+    import asyncpg
+    import sqlalchemy as sa
+    from sqlalchemy.dialects.postgresql.asyncpg import AsyncAdapt_asyncpg_dbapi
+
+    from events.log import is_outage
+
+    dbapi = AsyncAdapt_asyncpg_dbapi(asyncpg)  # type: ignore[no-untyped-call]
+    lost = asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed in the middle of operation")
+    adapted = dbapi.Error(str(lost), lost)  # type: ignore[no-untyped-call]
+    adapted.__cause__ = lost
+    assert is_outage(sa.exc.DBAPIError("SELECT 1", {}, adapted))
+    refused = dbapi.Error("duplicate key", asyncpg.exceptions.UniqueViolationError("duplicate key"))  # type: ignore[no-untyped-call]
+    assert not is_outage(sa.exc.DBAPIError("INSERT", {}, refused))  # a refusal is not an outage

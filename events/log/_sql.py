@@ -55,7 +55,27 @@ def is_outage(error: BaseException) -> bool:
     rather than refused what was asked of it (a bug or a schema problem)."""
     if isinstance(error, (sa.exc.OperationalError, sa.exc.InterfaceError, OSError, TimeoutError)):
         return True
-    return isinstance(error, sa.exc.DBAPIError) and bool(error.connection_invalidated)
+    if isinstance(error, sa.exc.DBAPIError) and bool(error.connection_invalidated):
+        return True
+    return _lost_postgres_connection(error)
+
+
+def _lost_postgres_connection(error: BaseException) -> bool:
+    """asyncpg's "connection was closed in the middle of operation" (ConnectionDoesNotExistError, a
+    PostgresConnectionError) reaches SQLAlchemy as a plain dbapi Error, not flagged as a
+    disconnect: seen ending `kvledger fleet` when its audit database's connection was cut mid-query
+    (tests/test_fleet.py). It is found in the chain of causes."""
+    import asyncpg
+
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, ConnectionError)):
+            return True
+        orig = getattr(current, "orig", None)
+        current = orig if isinstance(orig, BaseException) else current.__cause__
+    return False
 
 KEEP_SNAPSHOTS = 5
 """Snapshots kept in the log's database: the newest, and four older in case it fails its digest."""
