@@ -209,9 +209,10 @@ async def test_a_request_id_with_a_slash_is_one_path_parameter(served: Served) -
 # --- tenants ------------------------------------------------------------------------------------
 
 
-async def test_a_tenant_token_reads_its_tenant_and_nothing_of_another(served: Served, story: Story) -> None:
-    """I9 for audit reads: another tenant's engine, key or request is 403, with nothing of it in
-    the body; lists hold only the token's tenant."""
+async def test_a_tenant_token_reads_its_tenant_and_another_tenants_things_read_as_absent(served: Served, story: Story) -> None:
+    """I9 for audit reads: another tenant's engine, key or request answers exactly as an absent
+    one (404, the same body: a 403 told tenant-a that tenant-b had computed a key); lists hold
+    only the token's tenant."""
     mine = Audit(served.log, tenant="tenant-a")
     status, _, body = await served.get(f"/audit/block/{slot(story.a_block)}?engine=pod-a", TENANT_A)
     assert (status, body) == (200, builtins(await mine.block("pod-a", story.a_block.pool_id, story.a_block.block_id,
@@ -219,12 +220,24 @@ async def test_a_tenant_token_reads_its_tenant_and_nothing_of_another(served: Se
     status, _, body = await served.get(f"/audit/key/{story.a_key}", TENANT_A)
     assert status == 200 and body["tenant"] == "tenant-a"
 
-    theirs = [f"/audit/block/{slot(story.b_block)}?engine=pod-b", f"/audit/history/{slot(story.b_block)}?engine=pod-b",
-              f"/audit/block/{slot(story.b_block)}?engine=pod-b&at_step=999999",  # scope before existence
-              f"/audit/key/{story.b_key}", "/audit/request/b-1", "/audit/request/b-2"]
-    for path in theirs:
+    absent_key = "ab" * 16
+    theirs = {  # tenant-b's thing -> the same query of a thing nobody has
+        f"/audit/block/{slot(story.b_block)}?engine=pod-b": f"/audit/block/{slot(story.b_block)}?engine=pod-x",
+        f"/audit/history/{slot(story.b_block)}?engine=pod-b": f"/audit/history/{slot(story.b_block)}?engine=pod-x",
+        f"/audit/block/{slot(story.b_block)}?engine=pod-b&at_step=999999":  # scope before existence
+            f"/audit/block/{slot(story.b_block)}?engine=pod-x&at_step=999999",
+        f"/audit/key/{story.b_key}": f"/audit/key/{absent_key}",
+        "/audit/request/b-1": "/audit/request/nobody-1", "/audit/request/b-2": "/audit/request/nobody-2",
+    }
+    for path, absent in theirs.items():
         status, _, body = await served.get(path, TENANT_A)
-        assert status == 403 and body == {"error": "forbidden", "detail": "outside this token's tenant", "parameter": None}, path
+        absent_status, _, absent_body = await served.get(absent, TENANT_A)
+        assert status == absent_status == 404, (path, body)
+        sent = {"pod-b": "pod-x", story.b_key: absent_key, "b-1": "nobody-1", "b-2": "nobody-2"}
+        echoed = json.dumps(body)
+        for theirs_name, absent_name in sent.items():
+            echoed = echoed.replace(theirs_name, absent_name)
+        assert json.loads(echoed) == absent_body, (path, body, absent_body)  # alike but for what the caller sent
         status, _, body = await served.get(path, TENANT_B)
         assert status == (404 if "at_step" in path else 200), (path, body)
 

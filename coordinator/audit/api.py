@@ -20,8 +20,9 @@ rather than missing (a client would take a 404 for an older sidecar). The schema
 it describes the API and holds no data.
 
 Statuses: 401 a missing or wrong token (with WWW-Authenticate: Bearer), checked before anything
-else; 422 a malformed parameter, named in the body; 403 another tenant's engine, key or request;
-404 an unknown one; 503 the index could not catch up. An error body (`ErrorBody`) holds a code,
+else; 422 a malformed parameter, named in the body; 404 an unknown engine, key or request, and
+another tenant's, with the same body (I9: a 403 told a tenant that another tenant had computed a
+key); 503 the index could not catch up. An error body (`ErrorBody`) holds a code,
 the parameter at fault and what the caller sent, never data of the log.
 
 Freshness: every query first catches the index up to the log's head at that moment
@@ -183,7 +184,7 @@ class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
     """The body of every error: what went wrong, never data of the log."""
 
     error: str
-    """unauthorized, forbidden, not_found, invalid_parameter, method_not_allowed, unavailable or internal."""
+    """unauthorized, not_found, invalid_parameter, method_not_allowed, unavailable or internal."""
     detail: str
     parameter: str | None = None
     """The path or query parameter at fault (422); several are comma-separated."""
@@ -400,7 +401,7 @@ class Operation:
     not_found: str = ""
     """The 404 detail, formatted with the parameters; empty: the route has no 404 of its own."""
     scoped: bool = False
-    """Whether the route names something of one tenant (and may answer 403)."""
+    """Whether the route names something of one tenant (another tenant's reads as absent: 404)."""
 
 
 OPERATIONS = (
@@ -468,9 +469,9 @@ class AuditApi:
                 indexed = await self.catch_up()
                 try:
                     result = await operation.run(Audit(self.event_log, tenant=grant.scope), params)
-                except OutOfScope:
-                    raise ApiError(403, "forbidden", "outside this token's tenant") from None
-                except NotFound:
+                except (OutOfScope, NotFound):
+                    # Another tenant's engine, key or request reads exactly as an absent one: a
+                    # 403 told a tenant that another tenant computed a key (I9: no metadata either).
                     raise ApiError(404, "not_found", operation.not_found.format(**msgspec.structs.asdict(params))) from None
                 except AuditError:  # every case is refused above as a 422 or a 404; kept as a backstop
                     raise ApiError(422, "invalid_parameter", "the index cannot answer this query as asked") from None
@@ -549,10 +550,9 @@ def openapi(operations: Sequence[Operation]) -> dict[str, Any]:
             "503": error("The audit index could not catch up with the log; retry.",
                          {"Retry-After": {"required": True, "schema": {"type": "integer"}}}),
         }
-        if operation.scoped:
-            responses["403"] = error("It belongs to a tenant this token may not read.")
         if operation.not_found:
-            responses["404"] = error("Not in the log (an engine, step, time, key or request).")
+            responses["404"] = error("Not in the log (an engine, step, time, key or request), or another tenant's: "
+                                     "the two read alike.")
         paths[MOUNT + re.sub(r"\{(\w+):\w+\}", r"{\1}", operation.path)] = {"get": {
             "operationId": operation.operation_id, "summary": operation.summary,
             "parameters": _parameters(operation), "responses": dict(sorted(responses.items())),
