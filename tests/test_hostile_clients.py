@@ -112,3 +112,79 @@ async def test_a_step_or_an_execute_carrying_step_control_commands_is_refused_wh
         assert await event_log.head() == head
         after = await client.step(2, 2.0, [], command_id="second")  # the engine steps on
         assert isinstance(after.began[0], StepBegan)
+
+
+# --- forensic commands read and create nothing -------------------------------------------------
+
+
+def _written_log(directory: Path) -> Path:
+    """A small real log, closed (no -wal, -shm or lock file beside it)."""
+    import anyio
+
+    from coordinator.commands import DeclareTier
+    from coordinator.ledger import Ledger
+    from events import TierSpec
+    from events.log import open_log
+
+    path = directory / "log.sqlite"
+
+    async def write() -> None:
+        event_log = await open_log(str(path))
+        ledger = await Ledger.open(event_log)
+        await ledger.execute(DeclareTier(spec=TierSpec(name="host", num_slots=4, bytes_per_slot=8)))
+        await ledger.close()
+        await event_log.close()
+
+    anyio.run(write)
+    (directory / "log.sqlite.lock").unlink()
+    return path
+
+
+@pytest.mark.parametrize("command", [["verify"], ["export", "--format", "jsonl"], ["replay"], ["audit", "refusals"]])
+def test_a_forensic_command_pointed_at_a_file_that_is_no_log_is_one_line_exit_2_and_creates_nothing(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """`kvledger verify --log /etc/passwd` (as root) left /etc/passwd.lock, after which useradd
+    refused to run."""
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+
+    passwd = tmp_path / "passwd"
+    passwd.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    result = CliRunner().invoke(app, [*command, "--log", str(passwd)])
+    assert result.exit_code == 2, result.output
+    name = " ".join(command[:2]) if command[0] == "audit" else command[0]
+    assert result.stderr.strip().splitlines() == [f"kvledger {name}: {passwd} is not a kvledger log: not a SQLite database"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["passwd"]
+    assert passwd.read_text() == "root:x:0:0:root:/root:/bin/bash\n"
+
+
+@pytest.mark.parametrize("command", [["verify"], ["export", "--format", "jsonl"], ["replay"]])
+def test_read_only_commands_read_a_log_and_create_no_file(tmp_path: Path, command: list[str]) -> None:
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+
+    log = _written_log(tmp_path)
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    result = CliRunner().invoke(app, [*command, "--log", str(log)])
+    assert result.exit_code == 0, result.output
+    assert "tier_declared" in result.output or "1" in result.output
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before  # nothing made, nothing written
+
+
+def test_a_sqlite_file_without_kvledgers_schema_is_not_a_log(tmp_path: Path) -> None:
+    import sqlite3
+
+    from typer.testing import CliRunner
+
+    from coordinator.cli import app
+
+    other = tmp_path / "other.db"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE t (x)")
+    conn.close()
+    result = CliRunner().invoke(app, ["verify", "--log", str(other)])
+    assert result.exit_code == 2 and f"{other} is not a kvledger log: it has no kvledger schema" in result.stderr, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db"]

@@ -35,7 +35,7 @@ from coordinator.audit.queries import (
 from coordinator.audit.store import IndexProgress, sync_index
 from coordinator.audit.timeline_cli import timeline_command
 from coordinator.audit.times import read_time
-from events.log import LogError, LogUnavailable, SqlEventLog, normalize, open_log
+from events.log import LogError, NotALog, SqlEventLog, check_sqlite_file, normalize, open_log
 from events.log._urls import is_kafka
 
 audit_app = typer.Typer(help="Who owned what, when: point-in-time answers from the log's audit index.", no_args_is_help=True)
@@ -67,7 +67,7 @@ def _errors(command: str) -> Iterator[None]:
     file that cannot be written), never a traceback."""
     try:
         yield
-    except AuditError as error:
+    except (AuditError, NotALog) as error:
         typer.echo(f"kvledger {command}: {error}", err=True)
         raise typer.Exit(code=2) from None
     except LogError as error:
@@ -114,18 +114,21 @@ def quiet_logs() -> None:
                         logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
 
-async def open_existing(log_url: str | None) -> SqlEventLog:
+async def open_existing(log_url: str | None, *, read_only: bool = False) -> SqlEventLog:
     """The log to examine. Forensics never creates one: a SQLite file that is not there is an
-    error naming the path (a typo must not answer "0 events, all fine"). A Kafka log's topic must
+    error naming the path (a typo must not answer "0 events, all fine"), and one that is not a
+    SQLite database is refused before anything opens it (NotALog: `kvledger verify --log
+    /etc/passwd` left /etc/passwd.lock). `read_only` (verify, export, a replay that needs no
+    index): the file is opened read-only and nothing is created anywhere. A Kafka log's topic must
     exist, and its index lives in its state store (coordinator/fleet.py, open_for_audit)."""
     if is_kafka(log_url):
         from coordinator.fleet import open_for_audit
 
         return await open_for_audit(str(log_url))
     target = normalize(log_url)
-    if target.get_backend_name() == "sqlite" and target.database and not Path(target.database).exists():
-        raise LogUnavailable(f"no log at {target.database}")
-    return await open_log(log_url)
+    if target.get_backend_name() == "sqlite" and target.database:
+        await check_sqlite_file(Path(target.database))
+    return await open_log(log_url, read_only=read_only)
 
 
 def _run(command: str, log_url: str | None, query: Callable[[Audit], Awaitable[T]]) -> T:
@@ -425,7 +428,9 @@ def replay_command(
     async def main() -> dict[str, Any]:
         _writable(out)
         until_moment = None if until_time is None else read_time(until_time, "--until-time")
-        event_log = await open_existing(log_url)
+        # A replay to a step or a time asks the audit index (which it builds in the log's
+        # database); to a sequence, or whole, it only reads.
+        event_log = await open_existing(log_url, read_only=until_step is None and until_time is None)
         try:
             until = until_seq
             if until_step is not None or until_time is not None:
@@ -477,7 +482,7 @@ def export_command(
 
     async def main() -> int:
         _writable(out)
-        event_log = await open_existing(log_url)
+        event_log = await open_existing(log_url, read_only=True)
         count = 0
         try:
             with _naming(out):
@@ -513,7 +518,7 @@ def verify_command(
     from coordinator.audit.verify_run import VerifyProgress, VerifyReport, verify_log
 
     async def main() -> VerifyReport:
-        event_log = await open_existing(log_url)
+        event_log = await open_existing(log_url, read_only=True)
         try:
             head = await event_log.head()
             with _progress() as progress:

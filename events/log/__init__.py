@@ -12,6 +12,7 @@ from events.log._contract import (
     LogUnavailable,
     PendingEvent,
     ProjectionTransaction,
+    NotALog,
     SchemaMismatch,
     Snapshot,
     StoredEvent,
@@ -20,7 +21,7 @@ from events.log._contract import (
     WrongExpectedVersion,
 )
 from events.log._kafka import KafkaEventLog
-from events.log._open import open_log, schema_revision, upgrade_log
+from events.log._open import check_sqlite_file, open_log, schema_revision, upgrade_log
 from events.log._sql import SqlEventLog, is_outage
 from events.log._urls import data_dir, mask, normalize
 
@@ -35,6 +36,7 @@ __all__ = [
     "LogUnavailable",
     "PendingEvent",
     "ProjectionTransaction",
+    "NotALog",
     "SchemaMismatch",
     "Snapshot",
     "SqlEventLog",
@@ -46,6 +48,7 @@ __all__ = [
     "data_dir",
     "mask",
     "normalize",
+    "check_sqlite_file",
     "open_log",
     "schema_revision",
     "upgrade_log",

@@ -165,6 +165,11 @@ class SchemaMismatch(LogError):
     """The log's schema is newer than this code, or behind it where upgrading is manual."""
 
 
+class NotALog(LogError):
+    """What a read-only command was pointed at is not a kvledger log (not a SQLite database, or
+    one without kvledger's schema); the message names the path."""
+
+
 class LogDiverged(LogError):
     """The log went backwards: records this process read or was told were committed are gone
     (a broker lost them, or the topic was deleted). The log fails closed: every later call

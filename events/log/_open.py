@@ -15,7 +15,7 @@ import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import migrations
-from events.log._contract import LogUnavailable, SchemaMismatch
+from events.log._contract import LogError, LogUnavailable, NotALog, SchemaMismatch
 from events.log._kafka import KafkaEventLog
 from events.log._kafka_target import parse_kafka_url, probe
 from events.log._sql import SqlEventLog, make_blocking_sqlite_engine, make_engine
@@ -77,13 +77,19 @@ async def upgrade_log(url: str | None) -> str:
         await engine.dispose()
 
 
-async def open_log(url: str | None = None) -> SqlEventLog:
+async def open_log(url: str | None = None, *, read_only: bool = False) -> SqlEventLog:
     """Open the log at `url` (a path, sqlite://, postgresql:// or kafka://; None: the default file).
 
     SQLite upgrades its own schema under a file lock. PostgreSQL behind head is refused with the
     command to run. A schema newer than this code is refused, naming both revisions. A Kafka log
     opens its state store by these rules, then reads its topic (KafkaEventLog.open): it is a
-    SqlEventLog whose SQL side is that store, so this signature holds for every backend."""
+    SqlEventLog whose SQL side is that store, so this signature holds for every backend.
+
+    `read_only` (the forensic commands that only read: verify, export, replay): a SQLite file is
+    opened read-only, with no lock file, no directory made and no upgrade; one that is missing,
+    not a SQLite database or without kvledger's schema is refused (NotALog) naming the path."""
+    if read_only and not is_kafka(url) and normalize(url).get_backend_name() == "sqlite":
+        return await _open_sqlite_read_only(normalize(url))
     if is_kafka(url):
         kafka = parse_kafka_url(str(url))
         state = await open_log(kafka.state_url)
@@ -114,6 +120,69 @@ async def open_log(url: str | None = None) -> SqlEventLog:
         raise
     blocking = make_blocking_sqlite_engine(target) if target.get_backend_name() == "sqlite" else None
     return SqlEventLog(engine, masked, blocking)
+
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+async def check_sqlite_file(path: Path) -> None:
+    """That an existing SQLite log is at `path`, before anything opens it (and makes a lock file
+    or a database beside or in place of what is there): LogUnavailable when nothing is there,
+    NotALog when it is not a SQLite database."""
+
+    def magic() -> bytes:
+        with path.open("rb") as file:
+            return file.read(len(SQLITE_MAGIC))
+
+    try:
+        header = await anyio.to_thread.run_sync(magic)
+    except FileNotFoundError:
+        raise LogUnavailable(f"no log at {path}") from None
+    except IsADirectoryError:
+        raise NotALog(f"{path} is a directory, not a kvledger log") from None
+    except OSError as exc:
+        raise LogUnavailable(f"cannot read log {path}: {exc.strerror or exc}") from exc
+    if header != SQLITE_MAGIC:
+        raise NotALog(f"{path} is not a kvledger log: not a SQLite database")
+
+
+async def _open_sqlite_read_only(target: sa.URL) -> SqlEventLog:
+    """A SQLite log opened read-only (`open_log(read_only=True)`): nothing is created beside it
+    (`kvledger verify --log /etc/passwd` left /etc/passwd.lock, after which useradd refused to run)."""
+    path = Path(str(target.database or ""))
+    if not target.database or str(path) == ":memory:":
+        raise NotALog("a read-only command needs a log file; none was named")
+    await check_sqlite_file(path)
+    # A log in WAL mode that no process has open has no -wal and -shm files, and a read-only
+    # connection would create both (and leave them): such a file is read as immutable. One that a
+    # sidecar has open (its -shm is there) is read through the WAL, seeing what it commits.
+    live = any(Path(f"{path}{suffix}").exists() for suffix in ("-wal", "-shm"))
+    flags = "mode=ro" if live else "mode=ro&immutable=1"
+    read_only = target.set(database=f"file:{path.resolve()}?{flags}", query={"uri": "true"})
+    engine = make_engine(read_only)
+    masked = mask(target)
+    try:
+        async with engine.connect() as conn:
+            revision: str | None = await conn.run_sync(migrations.current)
+    except (OSError, sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.DatabaseError) as exc:
+        await engine.dispose()
+        raise NotALog(f"{path} is not a kvledger log: {_first_line(exc)}") from exc
+    except BaseException:
+        await engine.dispose()
+        raise
+    problem: LogError | None = None
+    if revision is None:
+        problem = NotALog(f"{path} is not a kvledger log: it has no kvledger schema")
+    elif not migrations.known(revision):
+        problem = SchemaMismatch(f"log {masked} was written by a newer kvledger (schema {revision}); "
+                                 f"this one knows up to {migrations.head()}")
+    elif revision != migrations.head():
+        problem = SchemaMismatch(f"log {masked} is at schema {revision}, this kvledger reads {migrations.head()}: "
+                                 f"run `kvledger db upgrade --log {masked}` (read-only commands change nothing)")
+    if problem is not None:
+        await engine.dispose()
+        raise problem
+    return SqlEventLog(engine, masked, make_blocking_sqlite_engine(read_only))
 
 
 async def _check_not_newer(engine: AsyncEngine, target: sa.URL) -> str | None:
