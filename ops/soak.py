@@ -92,6 +92,7 @@ from coordinator.client import Address, EngineClient, SidecarError, SidecarUnava
 from coordinator.commands import AnyCommand, DeclareEngine, ReportRank  # noqa: E402
 from coordinator.recovery import decode_step, stored_steps  # noqa: E402
 from coordinator.sidecar import protocol as p  # noqa: E402
+from coordinator.sidecar.admission import scoped  # noqa: E402
 from coordinator.simulator._requests import ENCODER_TOKENS, namespace, pools  # noqa: E402
 from coordinator.simulator._scheduler import WorkloadEngine  # noqa: E402
 from coordinator.simulator.harness import SimEngine, Simulation  # noqa: E402
@@ -245,7 +246,7 @@ class SoakClient(EngineClient):
                    command_id: str | None = None) -> p.StepResult:
         command_id = command_id or uuid_utils.uuid7().hex
         result = await self._persist(lambda: EngineClient.step(self, step, clock, commands, command_id=command_id))
-        self.book.acked(Ack(command_id=f"{self.engine_id}/{command_id}", kind="step", engine_id=self.engine_id,
+        self.book.acked(Ack(command_id=scoped(self.engine_id, "step", command_id), kind="step", engine_id=self.engine_id,
                             step=step, first_seq=result.first_seq, last_seq=result.last_seq,
                             segment=self.book.segment), result.duplicate)
         events: list[Event] = [event for group in result.results for event in group]
@@ -264,7 +265,7 @@ class SoakClient(EngineClient):
     async def execute(self, command: AnyCommand, *, command_id: str | None = None) -> p.Committed:
         command_id = command_id or uuid_utils.uuid7().hex
         committed = await self._persist(lambda: EngineClient.execute(self, command, command_id=command_id))
-        self.book.acked(Ack(command_id=f"{self.engine_id}/{command_id}", kind="execute", engine_id=self.engine_id,
+        self.book.acked(Ack(command_id=scoped(self.engine_id, "execute", command_id), kind="execute", engine_id=self.engine_id,
                             first_seq=committed.first_seq, last_seq=committed.last_seq, segment=self.book.segment),
                         committed.duplicate)
         self._follow_incarnation(committed.events)
@@ -295,7 +296,7 @@ class RecordingWorkerClient(WorkerClient):
     async def report(self, report: ReportRank, *, command_id: str | None = None) -> p.Committed:
         command_id = command_id or uuid_utils.uuid7().hex
         committed = await super().report(report, command_id=command_id)
-        self.book.acked(Ack(command_id=f"{self.engine_id}/{command_id}", kind="report", engine_id=self.engine_id,
+        self.book.acked(Ack(command_id=scoped(self.engine_id, "report", command_id), kind="report", engine_id=self.engine_id,
                             first_seq=committed.first_seq, last_seq=committed.last_seq, segment=self.book.segment),
                         committed.duplicate)
         self.engine.reported(report.job_id, report.rank, committed.events)
