@@ -17,8 +17,8 @@ the groups in flight (`committed`) or read around what they touched (`uncommitte
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 
 import anyio
 import msgspec
@@ -239,14 +239,15 @@ class Ledger:
         the state is rebuilt from the log, and the error propagates."""
         async with self._serial:  # concurrent callers: one group decided and appended at a time
             group = await self.decide_group(transactions)
-            results, snapshot = await self._append_mapped(group)
+            with _outages_retried(self.log.url):
+                results, snapshot = await self._append(group)
         await self._snapshot_due(snapshot, save_snapshot)
         return results
 
     async def decide_group(self, transactions: Sequence[Transaction]) -> DecidedGroup:
         """Decide and fold the group in memory, on top of the groups still in flight; nothing is
         appended (`append_decided` does). Raises DecideFailed when the core fails on one."""
-        try:
+        with _outages_retried(self.log.url):
             async with self._lock:
                 await self._fresh()
                 ids = [tx.command_id for tx in transactions if not isinstance(tx, Recorded) and tx.command_id is not None]
@@ -266,29 +267,14 @@ class Ledger:
                     self._pending.append(group)
                     self._settled = anyio.Event()
                 return group
-        except (LogError, DecideFailed):
-            raise
-        except Exception as error:
-            if is_outage(error):  # the database went away mid-commit (a lookup, a rebuild): retry
-                raise _unavailable(self.log.url, error) from error
-            raise
 
     async def append_decided(self, group: DecidedGroup, *, save_snapshot: bool = True) -> list[StepCommit | Commit]:
         """Append a decided group and return its results. Raises Superseded (nothing appended)
         when a group before it failed; on its own failure the state is rebuilt from the log."""
-        results, snapshot = await self._append_mapped(group)
+        with _outages_retried(self.log.url):
+            results, snapshot = await self._append(group)
         await self._snapshot_due(snapshot, save_snapshot)
         return results
-
-    async def _append_mapped(self, group: DecidedGroup) -> tuple[list[StepCommit | Commit], Snapshot | None]:
-        try:
-            return await self._append(group)
-        except (LogError, Superseded):
-            raise
-        except Exception as error:
-            if is_outage(error):  # the database went away mid-commit (the append, a rebuild): retry
-                raise _unavailable(self.log.url, error) from error
-            raise
 
     async def _snapshot_due(self, snapshot: Snapshot | None, save_snapshot: bool) -> None:
         if snapshot is not None:
@@ -514,9 +500,19 @@ class Ledger:
         log.info("snapshot_saved", global_seq=snapshot.global_seq, bytes=len(snapshot.state))
 
 
-def _unavailable(url: str, error: Exception) -> LogUnavailable:
-    return LogUnavailable(f"{url} is unreachable: {type(error).__name__}: {error}".splitlines()[0]
-                          + ": it may or may not be committed; retry it with the same command ids")
+@contextmanager
+def _outages_retried(url: str) -> Iterator[None]:
+    """A database that went away mid-commit (a command lookup, the append, a rebuild) is
+    LogUnavailable, which callers retry; every other error passes as it is."""
+    try:
+        yield
+    except (LogError, DecideFailed, Superseded):
+        raise
+    except Exception as error:
+        if is_outage(error):
+            raise LogUnavailable(f"{url} is unreachable: {type(error).__name__}: {error}".splitlines()[0]
+                                 + ": it may or may not be committed; retry it with the same command ids") from error
+        raise
 
 
 class DecideFailed(RuntimeError):

@@ -247,17 +247,6 @@ def child(args: argparse.Namespace, phase: str, workdir: Path, socket: Path | No
     return result
 
 
-def wait_for_socket(path: Path, sidecar: subprocess.Popen[bytes], limit_s: float = 60.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            return
-        if sidecar.poll() is not None:
-            raise fail(f"kvledger serve exited with {sidecar.returncode} before listening")
-        time.sleep(0.1)
-    raise fail(f"kvledger serve did not create {path} in {limit_s:.0f} s")
-
-
 def stop(sidecar: subprocess.Popen[bytes]) -> int:
     sidecar.send_signal(signal.SIGTERM)
     try:
@@ -351,6 +340,8 @@ def main() -> None:
             sidecar = subprocess.Popen([str(args.kvledger), "serve", "--log", str(log_path), "--socket", str(socket),
                                         "--http", "off"], stdout=sidecar_log, stderr=subprocess.STDOUT)
             try:
+                from prove import wait_for_socket  # ops/vllm/prove.py, on sys.path as namespace_of's
+
                 wait_for_socket(socket, sidecar)
                 ledgered = child(args, "kvledger", workdir, socket)
             finally:
