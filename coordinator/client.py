@@ -40,6 +40,10 @@ R = TypeVar("R", bound=p.Message)
 
 RETRY_CODES = frozenset({p.ErrorCode.SHUTTING_DOWN, p.ErrorCode.COMMIT_FAILED})
 """Errors after which the same request, with the same command id, is safe to send again."""
+WORKER_RETRY_CODES = RETRY_CODES | {p.ErrorCode.STALE_INCARNATION}
+"""A worker's too: its engine began a new incarnation, which fenced its connection; it says Hello
+again (bound to the new incarnation) and sends the report again, which the decider takes or drops
+as stale (I16). An engine's connection fenced so was taken over: it stops (SidecarError)."""
 
 
 class SidecarError(Exception):
@@ -99,16 +103,16 @@ _LOST = (OSError, anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceE
 
 
 def _hello(role: p.Role, engine_id: str, token: str, *, rank: int = 0, declare: DeclareEngine | None = None,
-           incarnation: int = 0, tiers: Sequence[TierSpec] = ()) -> p.Hello:
+           incarnation: int = 0, tiers: Sequence[TierSpec] = (), takeover: bool = False) -> p.Hello:
     return p.Hello(protocol=p.PROTOCOL_VERSION, role=role, engine_id=engine_id, rank=rank, token=token, declare=declare,
-                   incarnation=incarnation, tiers=list(tiers))
+                   incarnation=incarnation, tiers=list(tiers), takeover=takeover)
 
 
 def _engine_hello(client: EngineClient | SyncEngineClient) -> p.Hello:
     """The first Hello declares the engine (and its tiers); a reconnect names its incarnation."""
     first = client.incarnation == 0
     return _hello("engine", client.engine_id, client.address.token, declare=client.declare if first else None,
-                  incarnation=client.incarnation, tiers=client.tiers if first else ())
+                  incarnation=client.incarnation, tiers=client.tiers if first else (), takeover=first and client.takeover)
 
 
 def _welcomed(reply: p.ServerMessage) -> p.Welcome:
@@ -120,13 +124,13 @@ def _welcomed(reply: p.ServerMessage) -> p.Welcome:
     return reply
 
 
-def _verdict(reply: p.ServerMessage, expected: type[R]) -> R | str:
+def _verdict(reply: p.ServerMessage, expected: type[R], retry: frozenset[p.ErrorCode] = RETRY_CODES) -> R | str:
     """The reply, if it is the one expected; else why the same request (same command id) may be
     sent again on a new connection; raises SidecarError for an answer that retrying cannot change."""
     if isinstance(reply, expected):
         return reply
     if isinstance(reply, p.Error):
-        if reply.code not in RETRY_CODES:
+        if reply.code not in retry:
             raise SidecarError(reply)
         return f"{reply.code}: {reply.message}"
     raise SidecarError(p.Error(code=p.ErrorCode.INVALID_MESSAGE, message=f"unexpected reply {reply!r}"))
@@ -152,9 +156,11 @@ def _incarnation_after(reply: p.Message, engine_id: str, incarnation: int) -> in
 class EngineClient:
     def __init__(
         self, address: Address, declare: DeclareEngine, *, tiers: Sequence[TierSpec] = (),
-        retry_for: float = 30.0, reply_timeout: float = 30.0, max_frame: int = p.DEFAULT_MAX_FRAME,
+        retry_for: float = 30.0, reply_timeout: float = 30.0, max_frame: int = p.DEFAULT_MAX_FRAME, takeover: bool = False,
     ) -> None:
         self.address = address
+        self.takeover = takeover
+        """Declare the engine even while another connection of it is open (fencing that one)."""
         self.reply_timeout = reply_timeout
         """Seconds to wait for one reply; past it the connection counts as lost and the request
         is sent again (with the same command id) on a new one."""
@@ -326,7 +332,7 @@ class WorkerClient:
                                 self.last_seq = decision.seq
                                 yield decision
                     elif isinstance(message, p.Error):
-                        if message.code != p.ErrorCode.SLOW_SUBSCRIBER:
+                        if message.code not in (p.ErrorCode.SLOW_SUBSCRIBER, p.ErrorCode.STALE_INCARNATION):
                             raise SidecarError(message)
                         log.warning("resubscribing", engine=self.engine_id, rank=self.rank, reason=message.code.value,
                                     resume_from=message.resume_from)
@@ -364,7 +370,7 @@ class WorkerClient:
                     await self._drop_reports()
                     problem = f"{type(lost).__name__}: {lost}"
                 else:
-                    verdict = _verdict(reply, p.Committed)
+                    verdict = _verdict(reply, p.Committed, WORKER_RETRY_CODES)
                     if not isinstance(verdict, str):
                         return verdict
                     await self._drop_reports()
@@ -480,8 +486,10 @@ class _BlockingRequester:
     """A request sent again, with the same command id, through lost connections until an answer
     comes or `retry_for` runs out (SidecarUnavailable); what the synchronous clients share."""
 
-    def __init__(self, address: Address, *, retry_for: float, reply_timeout: float, max_frame: int) -> None:
+    def __init__(self, address: Address, *, retry_for: float, reply_timeout: float, max_frame: int,
+                 retry: frozenset[p.ErrorCode] = RETRY_CODES) -> None:
         self.address = address
+        self.retry = retry
         self.retry_for = retry_for
         self.reply_timeout = reply_timeout
         """Seconds to wait for one reply; past it the connection counts as lost."""
@@ -516,7 +524,7 @@ class _BlockingRequester:
                 problem = f"{type(lost).__name__}: {lost}"
             else:
                 try:
-                    verdict = _verdict(reply, expected)
+                    verdict = _verdict(reply, expected, self.retry)
                 except SidecarError as error:
                     if error.fatal:
                         self.drop()
@@ -543,9 +551,10 @@ class SyncEngineClient:
 
     def __init__(
         self, address: Address, declare: DeclareEngine, *, tiers: Sequence[TierSpec] = (),
-        retry_for: float = 30.0, reply_timeout: float = 30.0, max_frame: int = p.DEFAULT_MAX_FRAME,
+        retry_for: float = 30.0, reply_timeout: float = 30.0, max_frame: int = p.DEFAULT_MAX_FRAME, takeover: bool = False,
     ) -> None:
         self.address = address
+        self.takeover = takeover
         self.declare = declare
         self.engine_id = declare.engine_id
         self.tiers = list(tiers)
@@ -613,7 +622,8 @@ class SyncWorkerClient:
         self.address = address
         self.engine_id = engine_id
         self.rank = rank
-        self._requester = _BlockingRequester(address, retry_for=retry_for, reply_timeout=reply_timeout, max_frame=max_frame)
+        self._requester = _BlockingRequester(address, retry_for=retry_for, reply_timeout=reply_timeout, max_frame=max_frame,
+                                             retry=WORKER_RETRY_CODES)
 
     @property
     def connections(self) -> int:

@@ -37,6 +37,9 @@ class DeclareEngine(Command, frozen=True, tag="declare_engine"):
     (external keys: vLLM's prefix_caching_hash_algo, as "vllm:sha256"). Given, it must equal the
     namespace's hash_algorithm: keys hashed another way never meet the namespace's (refused, naming
     both)."""
+    takeover: bool = False
+    """Set by the sidecar when this declaration replaced an engine that was still connected (a
+    deliberate takeover, Hello's `takeover`): recorded on EngineDeclared, for the audit."""
 
 
 class ResetCache(Command, frozen=True, tag="reset_cache"):

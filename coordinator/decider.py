@@ -203,6 +203,7 @@ def _declare_engine(state: State, command: DeclareEngine) -> list[Event]:
             world_size=command.world_size,
             tiers=command.tiers,
             encoder_cache_tokens=command.encoder_cache_tokens,
+            takeover=command.takeover,
         )
     )
     return events

@@ -46,6 +46,9 @@ class EngineDeclared(Event, frozen=True, tag="engine_declared"):
     world_size: int
     tiers: list[str]
     encoder_cache_tokens: int = 0
+    takeover: bool = False
+    """This incarnation replaced one whose engine was still connected to the sidecar: a
+    deliberate takeover (the Hello said so), never the side effect of a Hello."""
 
 
 class EngineReset(Event, frozen=True, tag="engine_reset"):

@@ -188,3 +188,65 @@ def test_a_sqlite_file_without_kvledgers_schema_is_not_a_log(tmp_path: Path) -> 
     result = CliRunner().invoke(app, ["verify", "--log", str(other)])
     assert result.exit_code == 2 and f"{other} is not a kvledger log: it has no kvledger schema" in result.stderr, result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db"]
+
+
+# --- sessions bound to an incarnation ----------------------------------------------------------
+
+
+async def test_a_declaring_hello_for_a_connected_engine_is_refused_unless_it_says_takeover(
+    event_log: EventLog, tmp_path: Path
+) -> None:
+    """A Hello with `declare` for an engine that is connected started a new incarnation and
+    fenced its jobs; the connected engine was not told. Now it is refused `engine_connected`; with
+    `takeover` it is a deliberate act, recorded on EngineDeclared, and the old connection's next
+    message (its ResetCache here, which would have fenced the new incarnation's jobs) is refused
+    `stale_incarnation` and the connection closed."""
+    from coordinator.commands import ResetCache
+    from events import EngineDeclared
+
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock) as sidecar, _client(sock, "pod-a") as old:
+        with pytest.raises(SidecarError) as connected:
+            await _client(sock, "pod-a").connect()
+        assert connected.value.code is p.ErrorCode.ENGINE_CONNECTED and "takeover" in str(connected.value)
+        assert sidecar.ledger.state.engines["pod-a"].incarnation == 1
+        taker = EngineClient(Address(socket_path=str(sock)), declaration("pod-a"), tiers=[TIER_SPEC], takeover=True)
+        async with taker:
+            job = await Engine(taker).request(0)
+            with pytest.raises(SidecarError) as stale:
+                await old.execute(ResetCache(engine_id="pod-a"))
+            assert stale.value.code is p.ErrorCode.STALE_INCARNATION and stale.value.fatal
+            assert job.job_id in sidecar.ledger.state.jobs  # the new incarnation's job is not fenced
+            assert sidecar.ledger.state.engines["pod-a"].incarnation == 2
+        declared = [e for e in await _events(event_log) if isinstance(e, EngineDeclared)]
+        assert [(e.incarnation, e.takeover) for e in declared] == [(1, False), (2, True)]
+
+
+async def _events(event_log: EventLog) -> list[object]:
+    from coordinator.recovery import decode
+    from events import EventCodec
+
+    codec = EventCodec()
+    return [decode(codec, stored) for stored in await event_log.read(0, 100_000)]
+
+
+async def test_an_engines_reset_fences_its_old_workers_which_say_hello_again_and_go_on(
+    event_log: EventLog, tmp_path: Path
+) -> None:
+    """A worker connection bound to the old incarnation is refused at its next message; the
+    worker client says Hello again (the new incarnation) and sends its report again, which the
+    decider takes as what it now is (a fenced job's rank, I16), never silently lost."""
+    from coordinator.commands import ResetCache
+    from events import FencedRankDone
+
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock), _client(sock, "pod-a") as client:
+        job = await Engine(client).request(0)
+        worker = WorkerClient(Address(socket_path=str(sock)), "pod-a", 0, retry_for=5)
+        await worker.report(ReportRank(job_id=999_999, rank=0, ok=True, checksums=[]))  # opens its connection
+        await client.execute(ResetCache(engine_id="pod-a"))  # the engine's own reset: its own connection follows
+        late = await worker.report(ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=[b"\x01" * 16] * len(job.items)))
+        # Taken for what it is now: a fenced job's rank done (its slots let go, nothing published).
+        assert [type(e) for e in late.events] == [FencedRankDone]
+        await client.step(50, 50.0, [])  # the engine itself was not fenced by its own reset
+        await worker.aclose()

@@ -178,10 +178,18 @@ async def test_a_reconnecting_engine_keeps_its_incarnation_and_its_jobs(event_lo
         result = await client.step(10, 10.0, [])
         assert client.incarnation == 1 and not result.duplicate
         assert job.job_id in sidecar.ledger.state.jobs
-        # A fresh engine process declares again: a new incarnation fences the old one's jobs.
-        async with engine_client(sock, "pod-a") as restarted:
+        # A fresh engine process declares again while the old connection is open: a takeover, refused
+        # unless the Hello says so (issue 17); then the new incarnation fences the old one's jobs
+        # and connection.
+        with pytest.raises(SidecarError) as connected:
+            await engine_client(sock, "pod-a").connect()
+        assert connected.value.code is p.ErrorCode.ENGINE_CONNECTED and sidecar.ledger.state.engines["pod-a"].incarnation == 1
+        async with EngineClient(Address(socket_path=str(sock)), declaration("pod-a"), tiers=[TIER_SPEC], takeover=True) as restarted:
             assert restarted.incarnation == 2
         assert job.job_id not in sidecar.ledger.state.jobs
+        with pytest.raises(SidecarError) as stale:
+            await client.step(11, 11.0, [])
+        assert stale.value.code is p.ErrorCode.STALE_INCARNATION and "incarnation 2" in str(stale.value)
         await client.aclose()
 
 
@@ -621,7 +629,7 @@ async def test_a_hello_with_a_refused_tier_declares_nothing_and_fences_nothing(e
     async with sidecar_on(event_log, sock) as sidecar, engine_client(sock, "pod-a") as running:
         job = await Engine(running).request(0)
         other_tier = msgspec.structs.replace(TIER_SPEC, num_slots=TIER_SPEC.num_slots + 1)
-        impostor = EngineClient(Address(socket_path=str(sock)), declaration("pod-a"), tiers=[other_tier])
+        impostor = EngineClient(Address(socket_path=str(sock)), declaration("pod-a"), tiers=[other_tier], takeover=True)
         with pytest.raises(SidecarError) as refused:
             await impostor.connect()
         assert refused.value.code == p.ErrorCode.REFUSED and "tier_spec_changed" in str(refused.value)

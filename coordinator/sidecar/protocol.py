@@ -61,6 +61,8 @@ class ErrorCode(enum.StrEnum):
     SHUTTING_DOWN = "shutting_down"  # fatal: retry against the restarted server
     COMMIT_FAILED = "commit_failed"  # nothing of the request was committed; retry with the same command id
     COMMAND_ID_REUSED = "command_id_reused"  # the command id was committed for other content: use a new one
+    STALE_INCARNATION = "stale_incarnation"  # fatal: the engine began a new incarnation since this connection's Hello
+    ENGINE_CONNECTED = "engine_connected"  # a declaring Hello for an engine still connected, without `takeover`
 
 
 Role = Literal["engine", "worker", "observer", "operator"]
@@ -91,6 +93,9 @@ class Hello(Message, frozen=True, tag="hello"):
     declare: DeclareEngine | None = None
     incarnation: int = 0
     tiers: list[TierSpec] = []
+    takeover: bool = False
+    """Declare the engine although a connection of it is still open: the new incarnation fences
+    that connection (and its workers'). Without it such a Hello is refused `engine_connected`."""
     """Tiers to declare before the engine; declaring a known tier with the same spec is a no-op."""
     rank: int = 0
     """Workers: the tensor-parallel rank this worker serves."""

@@ -39,7 +39,7 @@ from coordinator.sidecar.committer import Committer, ShuttingDown, freeze_long_l
 from coordinator.sidecar.http import make_app
 from coordinator.sidecar.hub import DEFAULT_BUFFER, DecisionHub, SlowSubscriber, Subscription
 from coordinator.sidecar.metrics import SidecarMetrics
-from events import EngineDeclared, Event, ExternalKeysLookedUp, Refused
+from events import EngineDeclared, EngineReset, Event, ExternalKeysLookedUp, Refused
 from events.log import EventLog, LogError, open_log
 
 log = structlog.get_logger("kvledger.sidecar")
@@ -99,12 +99,14 @@ def _is_loopback(host: str) -> bool:
 
 
 class Session:
-    """What a connection's Hello established."""
+    """What a connection's Hello established: its role, and for an engine or a worker, the
+    engine and the incarnation it speaks for (0: a worker whose engine was not declared yet)."""
 
-    def __init__(self, role: str, engine_id: str, rank: int) -> None:
+    def __init__(self, role: str, engine_id: str, rank: int, incarnation: int = 0) -> None:
         self.role = role
         self.engine_id = engine_id
         self.rank = rank
+        self.incarnation = incarnation
         self.subscribed = False
 
 
@@ -113,6 +115,8 @@ class Connection:
         self.stream = stream
         self.peer = peer
         self._send_lock = anyio.Lock()
+        self.engine_id: str | None = None
+        """The engine this connection speaks for, once its Hello made it an engine's."""
 
     async def send(self, message: p.Message) -> None:
         async with self._send_lock:
@@ -143,6 +147,8 @@ class Sidecar:
         """Why the last look at the log (`_probe_log`) failed, if it did: readiness reports it."""
         self._declaring = anyio.Lock()
         """Held while a Hello's declarations are checked and committed (`_engine_hello`)."""
+        self._engine_connections: dict[str, int] = {}
+        """Open engine connections per engine id: declaring a connected engine again is a takeover."""
         self.metrics.ready.set_function(lambda: 1.0 if self.readiness()[0] else 0.0)
 
     # --- readiness -------------------------------------------------------------------------
@@ -341,6 +347,35 @@ class Sidecar:
             log.error("connection_failed", peer=conn.peer, errors=[f"{type(e).__name__}: {e}" for e in errors.exceptions])
         finally:
             self.metrics.connections.dec()
+            if conn.engine_id is not None:
+                left = self._engine_connections.get(conn.engine_id, 1) - 1
+                if left > 0:
+                    self._engine_connections[conn.engine_id] = left
+                else:
+                    self._engine_connections.pop(conn.engine_id, None)
+
+    def _stale_incarnation(self, session: Session) -> str | None:
+        """Why this connection may no longer speak for its engine: the engine began a new
+        incarnation (declared again, or reset by another connection) since its Hello. A worker
+        that said Hello before its engine was declared takes the first incarnation it sees."""
+        if session.role not in ("engine", "worker"):
+            return None
+        known = self.ledger.state.engines.get(session.engine_id)
+        if known is None:
+            return None
+        if session.incarnation == 0 and session.role == "worker":
+            session.incarnation = known.incarnation
+        if known.incarnation == session.incarnation:
+            return None
+        return (f"engine {session.engine_id!r} is now incarnation {known.incarnation}; this connection spoke for "
+                f"incarnation {session.incarnation}, which was fenced: say Hello again")
+
+    def _follow_own(self, session: Session, events: list[Event]) -> None:
+        """A connection's own reset or declaration moves it to the new incarnation (only the
+        engine's other connections are fenced by it)."""
+        for event in events:
+            if isinstance(event, (EngineReset, EngineDeclared)) and event.engine_id == session.engine_id:
+                session.incarnation = max(session.incarnation, event.incarnation)
 
     async def _converse(self, conn: Connection, tasks: TaskGroup, is_tcp: bool) -> None:
         reader = BufferedByteReceiveStream(conn.stream)
@@ -380,7 +415,14 @@ class Sidecar:
                 session, fatal = await self._hello(conn, message, is_tcp)
                 if fatal:
                     return
+                if session is not None and session.role == "engine":
+                    conn.engine_id = session.engine_id
+                    self._engine_connections[session.engine_id] = self._engine_connections.get(session.engine_id, 0) + 1
                 continue
+            stale = self._stale_incarnation(session)
+            if stale is not None:
+                await self._error(conn, p.ErrorCode.STALE_INCARNATION, stale, fatal=True)
+                return
             if self.draining and not isinstance(message, p.Health):
                 await self._error(conn, p.ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down", fatal=True)
                 return
@@ -435,7 +477,7 @@ class Sidecar:
                     kv_dtype=state.namespaces[known.namespace_id].kv_dtype if known else "",
                 )
             await conn.send(welcome)
-            return Session("worker", hello.engine_id, hello.rank), False
+            return Session("worker", hello.engine_id, hello.rank, welcome.incarnation), False
         return await self._engine_hello(conn, hello)
 
     async def _engine_hello(self, conn: Connection, hello: p.Hello) -> tuple[Session | None, bool]:
@@ -454,10 +496,22 @@ class Sidecar:
         if problem is not None:
             await self._error(conn, p.ErrorCode.INVALID_MESSAGE, problem)
             return None, False
+        connected = self._engine_connections.get(engine_id, 0)
+        if not reconnect and connected and not hello.takeover:
+            # Declaring again begins a new incarnation, which fences the connected engine's jobs
+            # and connections: a deliberate act, never the side effect of a Hello.
+            await self._error(conn, p.ErrorCode.ENGINE_CONNECTED,
+                              f"engine {engine_id!r} is connected (incarnation {known.incarnation if known else 0}); a "
+                              "Hello that declares it again must say takeover (its connections and workers are then "
+                              "fenced), or come after its connection closed")
+            return None, False
         declarations: list[AnyCommand] = [DeclareTier(spec=spec) for spec in hello.tiers]
         if not reconnect:
             assert hello.declare is not None
-            declarations.append(hello.declare)
+            declarations.append(msgspec.structs.replace(hello.declare, takeover=bool(connected)))
+            if connected:
+                log.warning("engine_taken_over", engine=engine_id, connections=connected, peer=conn.peer,
+                            incarnation=known.incarnation if known else 0)
         events: list[Event] = []
         try:
             # A Hello is taken whole or not at all (admission.refused_declaration): its declarations
@@ -484,12 +538,12 @@ class Sidecar:
             log.info("engine_reconnected", engine=engine_id, incarnation=known.incarnation, peer=conn.peer)
             await conn.send(p.Welcome(protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, engine_id=engine_id,
                                       incarnation=known.incarnation, head_seq=self.ledger.last_seq, events=p.any_events(events)))
-            return Session("engine", engine_id, 0), False
+            return Session("engine", engine_id, 0, known.incarnation), False
         declared = next(e for e in events if isinstance(e, EngineDeclared))
         log.info("engine_declared", engine=engine_id, incarnation=declared.incarnation, peer=conn.peer)
         await conn.send(p.Welcome(protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, engine_id=engine_id,
                                   incarnation=declared.incarnation, head_seq=self.ledger.last_seq, events=p.any_events(events)))
-        return Session("engine", engine_id, 0), False
+        return Session("engine", engine_id, 0, declared.incarnation), False
 
     # --- requests --------------------------------------------------------------------------
 
@@ -572,6 +626,7 @@ class Sidecar:
             return p.Error(code=p.ErrorCode.COMMIT_FAILED, message=f"step {message.step} was not committed: {admission.told(error)}")
         assert isinstance(result, StepCommit)
         commit = result.commit
+        self._follow_own(session, commit.events)
         reused = admission.retried_as_another_step(result, message)
         if reused is not None:
             return reused
@@ -593,6 +648,7 @@ class Sidecar:
         except Exception as error:  # noqa: BLE001
             return p.Error(code=p.ErrorCode.COMMIT_FAILED, message=f"not committed: {admission.told(error)}")
         commit = _commit_of(result)
+        self._follow_own(session, commit.events)
         return p.Committed(command_id=command_id, first_seq=commit.first_seq, last_seq=commit.last_seq,
                            duplicate=commit.duplicate, events=p.any_events(commit.events))
 
@@ -638,12 +694,19 @@ class Sidecar:
         session.subscribed = True
         subscription = self.hub.register(session.engine_id, session.rank, message.from_seq)
         log.info("subscribed", engine=session.engine_id, rank=session.rank, from_seq=message.from_seq)
-        tasks.start_soon(self._push, conn, subscription, tasks.cancel_scope)
+        tasks.start_soon(self._push, conn, session, subscription, tasks.cancel_scope)
 
-    async def _push(self, conn: Connection, subscription: Subscription, connection_scope: anyio.CancelScope) -> None:
+    async def _push(self, conn: Connection, session: Session, subscription: Subscription,
+                    connection_scope: anyio.CancelScope) -> None:
         self.metrics.subscribers.inc()
         try:
             async for decisions in self.hub.stream(subscription):
+                stale = self._stale_incarnation(session)
+                if stale is not None:  # a new incarnation fences its old workers' subscriptions too
+                    with anyio.move_on_after(5):
+                        await conn.send(p.Error(code=p.ErrorCode.STALE_INCARNATION, message=stale, fatal=True))
+                    connection_scope.cancel()
+                    return
                 with anyio.CancelScope() as sending:
                     subscription.send_scope = sending
                     await conn.send(p.Decisions(items=decisions))
