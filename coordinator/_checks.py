@@ -11,6 +11,10 @@ MAX_BLOCKS_PER_POOL = 1 << 24
 MAX_POOL_ID = (1 << 31) - 1
 """Pool ids are 32-bit signed in the log's and the audit index's tables (kvl_audit_slots.pool)."""
 MAX_ITEMS_PER_COMMAND = 1 << 16
+MAX_LOOKUP_TOKENS = 1 << 18
+"""Token ids one prefix lookup hashes (262,144: beyond the longest contexts served): one of 2**21,
+in a 16 MiB frame, held every engine of the sidecar for 17-20 s (issue 17)."""
+MAX_EXTRA_KEYS = 1 << 10
 MAX_LEASE_SECONDS = 86_400.0
 
 

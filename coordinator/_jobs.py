@@ -54,6 +54,12 @@ def prefix_hit(state: State, command: LookupPrefix, eng: EngineState) -> PrefixL
     """The longest boundary that is a whole reuse unit (I7) at which every group needed to
     resume has a loadable key (I6), in this engine's namespace only (I9)."""
     tier = check.tier(state, eng, command.tier)
+    if len(command.token_ids) > check.MAX_LOOKUP_TOKENS:
+        raise Refusal(Reason.INVALID_COUNT, f"a lookup hashes at most {check.MAX_LOOKUP_TOKENS:,} token ids, "
+                                            f"not {len(command.token_ids):,}")
+    if len(command.extra_keys) > check.MAX_EXTRA_KEYS:
+        raise Refusal(Reason.INVALID_COUNT, f"a lookup takes at most {check.MAX_EXTRA_KEYS:,} extra keys, "
+                                            f"not {len(command.extra_keys):,}")
     groups = [p for p in eng.pools.values() if p.spec.kind != "encoder"]
     unit = reuse_unit((p.spec.kind, p.spec.block_size) for p in groups)
     if is_off(Protection.WHOLE_UNITS) and groups:

@@ -250,3 +250,23 @@ async def test_an_engines_reset_fences_its_old_workers_which_say_hello_again_and
         assert [type(e) for e in late.events] == [FencedRankDone]
         await client.step(50, 50.0, [])  # the engine itself was not fenced by its own reset
         await worker.aclose()
+
+
+# --- bounded work --------------------------------------------------------------------------------
+
+
+async def test_a_lookup_of_too_many_token_ids_is_refused_at_once_and_others_are_served(
+    event_log: EventLog, tmp_path: Path
+) -> None:
+    """A Lookup had no cap on its token ids: one 16 MiB frame held every engine for 17-20 s."""
+    from coordinator._checks import MAX_LOOKUP_TOKENS
+    from events import Refused
+
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock), _client(sock, "pod-a") as client, _client(sock, "pod-b") as bystander:
+        answer = await client.lookup(TIER_SPEC.name, list(range(MAX_LOOKUP_TOKENS + 1)))
+        assert isinstance(answer.answer, Refused) and answer.answer.reason == "invalid_count"
+        assert f"at most {MAX_LOOKUP_TOKENS:,} token ids" in answer.answer.detail
+        many_keys = await client.lookup(TIER_SPEC.name, [1] * 64, extra_keys=["k"] * 2000)
+        assert isinstance(many_keys.answer, Refused) and "extra keys" in many_keys.answer.detail
+        await bystander.step(1, 1.0, [])
