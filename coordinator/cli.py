@@ -190,6 +190,8 @@ def serve(
     subscriber_buffer: int = typer.Option(10_000, "--subscriber-buffer", envvar="KVLEDGER_SUBSCRIBER_BUFFER", help="Decisions a worker may fall behind before it is cut off (it resumes)."),
     snapshot_every: int = typer.Option(1000, "--snapshot-every", envvar="KVLEDGER_SNAPSHOT_EVERY", help="Steps between snapshots (one is also written at shutdown)."),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow --tcp/--http on a non-loopback address."),
+    metrics_token: str = typer.Option("", "--metrics-token", envvar="KVLEDGER_METRICS_TOKEN", help="A bearer token /metrics requires (default: none)."),
+    metrics_engine_labels: bool = typer.Option(True, "--metrics-engine-labels/--no-metrics-engine-labels", help="Label per-engine gauges with engine ids (off: one engine=\"all\" series)."),
     audit_tokens: str | None = typer.Option(None, "--audit-tokens", envvar="KVLEDGER_AUDIT_TOKENS", help="Tokens file (JSON or TOML: token -> {tenant = NAME or \"*\"}) of the HTTP audit API under /audit/; without it the API answers 401."),
     frame_timeout: float = typer.Option(30.0, "--frame-timeout", envvar="KVLEDGER_FRAME_TIMEOUT", min=0.1, max=3600.0, help="Seconds a frame that has begun may take to arrive whole; then its connection is closed."),
     ingest_vllm: str | None = typer.Option(None, "--ingest-vllm", envvar="KVLEDGER_INGEST_VLLM", help="TOML file of vLLM engines ([[engine]]: engine_id, endpoint, replay, topic, [engine.namespace]) whose KV events this sidecar records, as `kvledger ingest vllm` does."),
@@ -209,6 +211,7 @@ def serve(
         log_url=log_url, socket_path=socket_path or str(data_dir() / "kvledger.sock"), tcp=_address(tcp, "--tcp"),
         token=token, http=_address(http, "--http"), max_frame=max_frame, subscriber_buffer=subscriber_buffer,
         snapshot_every=snapshot_every, allow_remote=allow_remote, audit_tokens=audit_tokens, ingest_vllm=ingest_vllm,
+        metrics_token=metrics_token, metrics_engine_labels=metrics_engine_labels,
         frame_timeout=frame_timeout,
     )
 

@@ -270,3 +270,36 @@ async def test_a_lookup_of_too_many_token_ids_is_refused_at_once_and_others_are_
         many_keys = await client.lookup(TIER_SPEC.name, [1] * 64, extra_keys=["k"] * 2000)
         assert isinstance(many_keys.answer, Refused) and "extra keys" in many_keys.answer.detail
         await bystander.step(1, 1.0, [])
+
+
+# --- /metrics ----------------------------------------------------------------------------------
+
+
+async def test_metrics_can_require_a_token_and_leave_engine_ids_out(event_log: EventLog, tmp_path: Path) -> None:
+    """/metrics needed no token and labelled every engine id (engine ids can name tenants)."""
+    import urllib.error
+    import urllib.request
+
+    import anyio
+
+    sock = tmp_path / "s.sock"
+    options = {"http": ("127.0.0.1", 0), "metrics_token": "scrape-secret", "metrics_engine_labels": False}
+    async with sidecar_on(event_log, sock, **options) as sidecar, _client(sock, "tenant-a-secret-engine") as client:
+        await Engine(client).request(0)
+        assert sidecar.http_address is not None
+        url = f"http://{sidecar.http_address[0]}:{sidecar.http_address[1]}/metrics"
+
+        def get(token: str | None) -> tuple[int, str]:
+            request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+            try:
+                with urllib.request.urlopen(request, timeout=10) as answer:  # noqa: S310 - loopback
+                    return answer.status, answer.read().decode()
+            except urllib.error.HTTPError as error:
+                return error.code, error.read().decode()
+
+        for token in (None, "wrong"):
+            status, body = await anyio.to_thread.run_sync(get, token)
+            assert status == 401 and "scrape-secret" not in body and "kvledger_" not in body
+        status, body = await anyio.to_thread.run_sync(get, "scrape-secret")
+        assert status == 200 and 'kvledger_pins{engine="all"}' in body
+        assert "tenant-a-secret-engine" not in body

@@ -8,6 +8,7 @@ Nothing here changes state (the audit API brings its index, a projection, up to 
 
 from __future__ import annotations
 
+import hmac
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,16 @@ if TYPE_CHECKING:
 
 
 def make_app(sidecar: Sidecar) -> Starlette:
-    async def metrics(_: Request) -> Response:
+    expected = sidecar.config.metrics_token.encode()
+
+    async def metrics(request: Request) -> Response:
+        if expected:
+            given = request.headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+                # The token itself is never logged, nor echoed.
+                return JSONResponse({"error": "unauthorized", "detail": "/metrics needs its bearer token"},
+                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
         # The gauges are read from the state at scrape time: from the committed state, so a group
         # still being appended (which may yet fail) never shows in them.
         async with sidecar.ledger.committed():

@@ -48,7 +48,8 @@ one is worth a page. Every kind is exported from the start at 0, so `increase()`
 
 
 class SidecarMetrics:
-    def __init__(self, state: Callable[[], State], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, state: Callable[[], State], clock: Callable[[], float] = time.monotonic, *,
+                 engine_labels: bool = True) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.step_seconds = Histogram(
@@ -92,7 +93,7 @@ class SidecarMetrics:
         self.ready = Gauge("kvledger_ready", "1 while the sidecar is ready (/readyz answers 200), else 0.", registry=r)
         self.job_started: dict[int, float] = {}
         """job_id -> when this process saw its decision commit (`clock`): what pin ages count from."""
-        r.register(_StateCollector(state, self.job_started, clock))
+        r.register(_StateCollector(state, self.job_started, clock, engine_labels))
         self._state = state
         self._clock = clock
 
@@ -148,23 +149,37 @@ def _pins(job: JobState) -> bool:
     return not (isinstance(job.decision, StoreJobStarted) and not job.decision.pinned)
 
 
+ALL_ENGINES = "all"
+"""The engine label of every per-engine series when the sidecar runs with engine labels off."""
+
+
 class _StateCollector(Collector):
-    def __init__(self, state: Callable[[], State], job_started: dict[int, float], clock: Callable[[], float]) -> None:
+    def __init__(self, state: Callable[[], State], job_started: dict[int, float], clock: Callable[[], float],
+                 engine_labels: bool = True) -> None:
         self._state = state
         self._job_started = job_started
         self._clock = clock
+        self._engine_labels = engine_labels
+
+    def _engine(self, engine_id: str) -> str:
+        """The engine label: its id, or "all" when engine labels are off (the series are summed)."""
+        return engine_id if self._engine_labels else ALL_ENGINES
 
     def collect(self) -> Iterator[Metric]:
         state = self._state()
         pins = GaugeMetricFamily("kvledger_pins", "Pins held on device slots by jobs in flight (I3).", labels=["engine"])
         draining = GaugeMetricFamily("kvledger_draining_slots", "Slots with no owner left, still pinned by a job (I3).", labels=["engine"])
+        held: dict[str, int] = {}
+        drained: dict[str, int] = {}
         for engine in state.engines.values():
-            held = drained = 0
+            label = self._engine(engine.engine_id)
             for pool in engine.pools.values():
-                held += sum(pool.pins)
-                drained += sum(1 for refs, pinned in zip(pool.refs, pool.pins, strict=True) if pinned and not refs)
-            pins.add_metric([engine.engine_id], held)
-            draining.add_metric([engine.engine_id], drained)
+                held[label] = held.get(label, 0) + sum(pool.pins)
+                drained[label] = drained.get(label, 0) + sum(
+                    1 for refs, pinned in zip(pool.refs, pool.pins, strict=True) if pinned and not refs)
+        for label in held.keys() | drained.keys():
+            pins.add_metric([label], held.get(label, 0))
+            draining.add_metric([label], drained.get(label, 0))
         keys = GaugeMetricFamily("kvledger_published_keys", "Loadable keys, by tier.", labels=["tier"])
         for name, tier in state.tiers.items():
             keys.add_metric([name], sum(len(group) for group in tier.entries.values()))
@@ -181,14 +196,14 @@ class _StateCollector(Collector):
         process saw the job's decision commit; a job recovered from the log at a restart counts
         from the first scrape after it: an age is never more than the truth."""
         now = self._clock()
-        oldest = {engine_id: 0.0 for engine_id in state.engines}
+        oldest = {self._engine(engine_id): 0.0 for engine_id in state.engines}
         in_flight = [*state.jobs.values(), *(fenced.job for fenced in state.fenced.values())]
         for job in in_flight:
             if not _pins(job):
                 continue
             started = self._job_started.setdefault(job.job_id, now)
-            engine_id = job.decision.engine_id
-            oldest[engine_id] = max(oldest.get(engine_id, 0.0), now - started)
+            label = self._engine(job.decision.engine_id)
+            oldest[label] = max(oldest.get(label, 0.0), now - started)
         _forget_finished(self._job_started, state)
         gauge = GaugeMetricFamily(
             "kvledger_oldest_pin_seconds",

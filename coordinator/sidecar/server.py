@@ -66,6 +66,11 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     """Seconds a frame that has begun may take to arrive whole; then the connection is closed."""
     ingest_vllm: str | None = None
     """A TOML file of vLLM engines whose KV events the sidecar records (coordinator/vllm/sidecar_ingest.py)."""
+    metrics_token: str = ""
+    """A bearer token /metrics requires (empty: none; /healthz and /readyz never need one)."""
+    metrics_engine_labels: bool = True
+    """Label per-engine gauges with each engine id; False: one series, engine="all", for every engine
+    (engine ids can name tenants, and /metrics is often scraped by a shared Prometheus)."""
 
 
 class ConfigError(ValueError):
@@ -132,7 +137,7 @@ class Sidecar:
     def __init__(self, ledger: Ledger, config: ServeConfig) -> None:
         self.ledger = ledger
         self.config = config
-        self.metrics = SidecarMetrics(lambda: ledger.state)
+        self.metrics = SidecarMetrics(lambda: ledger.state, engine_labels=config.metrics_engine_labels)
         self.hub = DecisionHub(ledger.log, ledger.codec, ledger.last_seq, config.subscriber_buffer)
         self.committer = Committer(ledger, self.hub, self.metrics)
         self.accepting = False
