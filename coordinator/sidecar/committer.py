@@ -209,9 +209,12 @@ class Committer:
         busy = {w.tx.command_id for w in previous.waiters} if previous is not None else set()
         group: list[_Waiter] = []
         skipped: list[_Waiter] = []
+        held: set[int] = set()  # batches with a transaction skipped: the whole batch waits, in its order
         while self._queue and len(group) < self.max_group:
             waiter = self._queue.popleft()
-            if waiter.tx.command_id is not None and waiter.tx.command_id in busy:
+            if (waiter.tx.command_id is not None and waiter.tx.command_id in busy) or id(waiter.batch) in held:
+                if waiter.batch is not None:
+                    held.add(id(waiter.batch))
                 skipped.append(waiter)
                 continue
             group.append(waiter)
