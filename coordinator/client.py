@@ -102,6 +102,15 @@ class _Channel:
 _LOST = (OSError, anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError)
 
 
+async def _close_quietly(channel: _Channel) -> None:
+    """Close a connection whatever its peer left of it; shielded, so a cancelled caller closes it too."""
+    with anyio.CancelScope(shield=True):
+        try:
+            await channel.aclose()
+        except _LOST:
+            pass
+
+
 def _hello(role: p.Role, engine_id: str, token: str, *, rank: int = 0, declare: DeclareEngine | None = None,
            incarnation: int = 0, tiers: Sequence[TierSpec] = (), takeover: bool = False) -> p.Hello:
     return p.Hello(protocol=p.PROTOCOL_VERSION, role=role, engine_id=engine_id, rank=rank, token=token, declare=declare,
@@ -263,11 +272,7 @@ class EngineClient:
 
     async def _drop(self) -> None:
         if self._channel is not None:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await self._channel.aclose()
-                except _LOST:
-                    pass
+            await _close_quietly(self._channel)
             self._channel = None
 
     async def aclose(self) -> None:
@@ -345,11 +350,7 @@ class WorkerClient:
                 await anyio.sleep(0.05)
             finally:
                 if channel is not None:
-                    with anyio.CancelScope(shield=True):
-                        try:
-                            await channel.aclose()
-                        except _LOST:
-                            pass
+                    await _close_quietly(channel)
             self.resumes += 1
 
     async def report(self, report: ReportRank, *, command_id: str | None = None) -> p.Committed:
@@ -381,11 +382,7 @@ class WorkerClient:
 
     async def _drop_reports(self) -> None:
         if self._reports is not None:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await self._reports.aclose()
-                except _LOST:
-                    pass
+            await _close_quietly(self._reports)
             self._reports = None
 
     async def aclose(self) -> None:
@@ -436,11 +433,7 @@ class OperatorClient:
                 await channel.send(message)
                 return await channel.receive()
         finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await channel.aclose()
-                except _LOST:
-                    pass
+            await _close_quietly(channel)
 
 
 class _BlockingChannel:
