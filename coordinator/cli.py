@@ -190,6 +190,8 @@ def serve(
     subscriber_buffer: int = typer.Option(10_000, "--subscriber-buffer", envvar="KVLEDGER_SUBSCRIBER_BUFFER", help="Decisions a worker may fall behind before it is cut off (it resumes)."),
     snapshot_every: int = typer.Option(1000, "--snapshot-every", envvar="KVLEDGER_SNAPSHOT_EVERY", help="Steps between snapshots (one is also written at shutdown)."),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow --tcp/--http on a non-loopback address."),
+    max_tier_slots: int = typer.Option(1 << 22, "--max-tier-slots", envvar="KVLEDGER_MAX_TIER_SLOTS", min=1, help="Tier slots all tiers together may hold; engines' declarations beyond it are refused (~150 B of state a slot)."),
+    max_tiers: int = typer.Option(64, "--max-tiers", envvar="KVLEDGER_MAX_TIERS", min=1, help="Tiers the sidecar holds; engines' declarations beyond it are refused."),
     metrics_token: str = typer.Option("", "--metrics-token", envvar="KVLEDGER_METRICS_TOKEN", help="A bearer token /metrics requires (default: none)."),
     metrics_engine_labels: bool = typer.Option(True, "--metrics-engine-labels/--no-metrics-engine-labels", help="Label per-engine gauges with engine ids (off: one engine=\"all\" series)."),
     audit_tokens: str | None = typer.Option(None, "--audit-tokens", envvar="KVLEDGER_AUDIT_TOKENS", help="Tokens file (JSON or TOML: token -> {tenant = NAME or \"*\"}) of the HTTP audit API under /audit/; without it the API answers 401."),
@@ -211,7 +213,8 @@ def serve(
         log_url=log_url, socket_path=socket_path or str(data_dir() / "kvledger.sock"), tcp=_address(tcp, "--tcp"),
         token=token, http=_address(http, "--http"), max_frame=max_frame, subscriber_buffer=subscriber_buffer,
         snapshot_every=snapshot_every, allow_remote=allow_remote, audit_tokens=audit_tokens, ingest_vllm=ingest_vllm,
-        metrics_token=metrics_token, metrics_engine_labels=metrics_engine_labels,
+        metrics_token=metrics_token, metrics_engine_labels=metrics_engine_labels, max_tier_slots=max_tier_slots,
+        max_tiers=max_tiers,
         frame_timeout=frame_timeout,
     )
 

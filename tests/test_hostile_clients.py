@@ -303,3 +303,30 @@ async def test_metrics_can_require_a_token_and_leave_engine_ids_out(event_log: E
         status, body = await anyio.to_thread.run_sync(get, "scrape-secret")
         assert status == 200 and 'kvledger_pins{engine="all"}' in body
         assert "tenant-a-secret-engine" not in body
+
+
+async def test_tiers_beyond_the_sidecars_budget_are_refused_naming_the_budget(event_log: EventLog, tmp_path: Path) -> None:
+    """Any engine connection could declare tiers of up to 2**24 slots, as many as it liked (one
+    80-byte message added ~1.3 GB of RSS, and every restart rebuilt it from the log)."""
+    import msgspec
+
+    from coordinator.commands import DeclareTier
+    from events import TierSpec
+
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock, max_tier_slots=TIER_SPEC.num_slots + 100, max_tiers=2) as sidecar:
+        async with _client(sock, "pod-a") as client:
+            head = await event_log.head()
+            huge = TierSpec(name="huge", num_slots=1 << 24, bytes_per_slot=64)
+            greedy = EngineClient(Address(socket_path=str(sock)), declaration("pod-b"), tiers=[TIER_SPEC, huge])
+            with pytest.raises(SidecarError) as refused:
+                await greedy.connect()
+            assert refused.value.code is p.ErrorCode.INVALID_MESSAGE and "--max-tier-slots" in str(refused.value)
+            assert "huge" not in sidecar.ledger.state.tiers and "pod-b" not in sidecar.ledger.state.engines
+            assert await event_log.head() == head  # nothing of the Hello committed
+            small = TierSpec(name="small", num_slots=50, bytes_per_slot=64)
+            await client.execute(DeclareTier(spec=small))  # within the budget: taken
+            with pytest.raises(SidecarError) as too_many:
+                await client.execute(DeclareTier(spec=msgspec.structs.replace(small, name="third")))
+            assert too_many.value.code is p.ErrorCode.INVALID_MESSAGE and "--max-tiers" in str(too_many.value)
+            await client.step(1, 1.0, [])  # the engine goes on

@@ -115,6 +115,38 @@ def declaration_problem(declare: DeclareEngine) -> str | None:
     return None
 
 
+MAX_TIER_SLOTS = 1 << 22
+"""Tier slots a sidecar holds for all its tiers together, by default (`serve --max-tier-slots`):
+about 150 B of state each, so ~600 MiB. Any engine connection could declare tiers of up to 2**24
+slots, as many as it liked: one 80-byte message added ~1.3 GB of RSS, and it is in the log, so
+every restart rebuilt it (issue 17)."""
+MAX_TIERS = 64
+"""Tiers a sidecar holds, by default (`serve --max-tiers`)."""
+
+
+def over_tier_budget(state: State, commands: Sequence[AnyCommand], max_slots: int, max_tiers: int) -> p.Error | None:
+    """Tiers an engine declares (in its Hello, a Step or an Execute) beyond the sidecar's budget:
+    refused whole, naming the budget and the option that raises it."""
+    # A declaration the decider refuses anyway (a count out of its range) is left to it: its
+    # refusal is recorded in the log (I1), where this one is not.
+    new = {command.spec.name: command.spec for command in commands
+           if isinstance(command, DeclareTier) and command.spec.name not in state.tiers
+           and 0 < command.spec.num_slots <= check_limits.MAX_BLOCKS_PER_POOL}
+    if not new:
+        return None
+    held = sum(tier.spec.num_slots for tier in state.tiers.values())
+    wanted = sum(spec.num_slots for spec in new.values())
+    if len(state.tiers) + len(new) > max_tiers:
+        return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
+                       message=f"declaring {sorted(new)} would make {len(state.tiers) + len(new)} tiers; this sidecar "
+                               f"holds at most {max_tiers} (raise it with `kvledger serve --max-tiers`)")
+    if held + wanted > max_slots:
+        return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
+                       message=f"declaring {sorted(new)} ({wanted:,} slots) would make {held + wanted:,} tier slots; "
+                               f"this sidecar holds at most {max_slots:,} (raise it with `kvledger serve --max-tier-slots`)")
+    return None
+
+
 def tier_conflict(tiers: Sequence[TierSpec]) -> str | None:
     """A Hello naming one tier twice with two specs (no state could take both)."""
     specs: dict[str, TierSpec] = {}

@@ -68,6 +68,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     """A TOML file of vLLM engines whose KV events the sidecar records (coordinator/vllm/sidecar_ingest.py)."""
     metrics_token: str = ""
     """A bearer token /metrics requires (empty: none; /healthz and /readyz never need one)."""
+    max_tier_slots: int = admission.MAX_TIER_SLOTS
+    """Tier slots all tiers together may hold (engines' declarations beyond it are refused)."""
+    max_tiers: int = admission.MAX_TIERS
     metrics_engine_labels: bool = True
     """Label per-engine gauges with each engine id; False: one series, engine="all", for every engine
     (engine ids can name tenants, and /metrics is often scraped by a shared Prometheus)."""
@@ -495,6 +498,10 @@ class Sidecar:
                               "carry `declare` (a DeclareEngine for the same engine_id)")
             return None, False
         problem = admission.tier_conflict(hello.tiers)
+        if problem is None:
+            over = admission.over_tier_budget(self.ledger.state, [DeclareTier(spec=spec) for spec in hello.tiers],
+                                              self.config.max_tier_slots, self.config.max_tiers)
+            problem = over.message if over is not None else None
         if problem is None and not reconnect:
             assert hello.declare is not None
             problem = admission.declaration_problem(hello.declare)
@@ -586,7 +593,7 @@ class Sidecar:
         if isinstance(message, p.LookupKeys):
             return self._lookup_keys(session, message)
         if isinstance(message, p.Execute):
-            problem = admission.foreign(session.engine_id, [message.command])
+            problem = admission.foreign(session.engine_id, [message.command]) or self._over_budget([message.command])
             return problem or await self._commit_single(session, "execute", message.command, message.command_id)
         assert isinstance(message, p.Step)
         return await self._step(session, message)
@@ -607,8 +614,11 @@ class Sidecar:
         self.committer.record(f"engine/{session.engine_id}", answer)
         return p.KeysLookedUp(answer=answer, head_seq=head)
 
+    def _over_budget(self, commands: list[AnyCommand]) -> p.Error | None:
+        return admission.over_tier_budget(self.ledger.state, commands, self.config.max_tier_slots, self.config.max_tiers)
+
     async def _step(self, session: Session, message: p.Step) -> p.ServerMessage:
-        problem = admission.foreign(session.engine_id, message.commands)
+        problem = admission.foreign(session.engine_id, message.commands) or self._over_budget(message.commands)
         if problem is not None:
             return problem
         if not message.command_id:
