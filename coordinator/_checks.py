@@ -16,6 +16,13 @@ MAX_LOOKUP_TOKENS = 1 << 18
 in a 16 MiB frame, held every engine of the sidecar for 17-20 s (issue 17)."""
 MAX_EXTRA_KEYS = 1 << 10
 MAX_LEASE_SECONDS = 86_400.0
+MAX_STEP_JUMP = 1 << 48
+"""How far one step number may leap past the engine's last (~8.9 years of a microsecond wall
+clock, vLLM's step numbers). Unbounded, one step numbered 2**63-1 refused every later step of
+the engine (issue 17). The first step of an incarnation may be any number in 0..MAX_STEP_JUMP."""
+MAX_CLOCK_JUMP = float(1 << 28)
+"""How far one step's clock (seconds) may leap past the engine's last (~8.5 years). The first
+step of an incarnation may set any finite clock; every later one moves from it."""
 
 
 class Refusal(Exception):

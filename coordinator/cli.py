@@ -195,6 +195,8 @@ def serve(
     metrics_token: str = typer.Option("", "--metrics-token", envvar="KVLEDGER_METRICS_TOKEN", help="A bearer token /metrics requires (default: none)."),
     metrics_engine_labels: bool = typer.Option(True, "--metrics-engine-labels/--no-metrics-engine-labels", help="Label per-engine gauges with engine ids (off: one engine=\"all\" series)."),
     audit_tokens: str | None = typer.Option(None, "--audit-tokens", envvar="KVLEDGER_AUDIT_TOKENS", help="Tokens file (JSON or TOML: token -> {tenant = NAME or \"*\"}) of the HTTP audit API under /audit/; without it the API answers 401."),
+    credentials: str | None = typer.Option(None, "--credentials", envvar="KVLEDGER_CREDENTIALS", help="Credentials file (TOML or JSON, [[credentials]]: token or uid, roles, engines or tenant): who may take which role for which engines. Replaces --token."),
+    socket_uid: list[int] = typer.Option([], "--socket-uid", help="A uid, beside the sidecar's own and the credentials file's, that may connect to the socket (checked with SO_PEERCRED; the socket is then 0666). Repeatable."),
     frame_timeout: float = typer.Option(30.0, "--frame-timeout", envvar="KVLEDGER_FRAME_TIMEOUT", min=0.1, max=3600.0, help="Seconds a frame that has begun may take to arrive whole; then its connection is closed."),
     ingest_vllm: str | None = typer.Option(None, "--ingest-vllm", envvar="KVLEDGER_INGEST_VLLM", help="TOML file of vLLM engines ([[engine]]: engine_id, endpoint, replay, topic, [engine.namespace]) whose KV events this sidecar records, as `kvledger ingest vllm` does."),
 ) -> None:
@@ -214,7 +216,7 @@ def serve(
         token=token, http=_address(http, "--http"), max_frame=max_frame, subscriber_buffer=subscriber_buffer,
         snapshot_every=snapshot_every, allow_remote=allow_remote, audit_tokens=audit_tokens, ingest_vllm=ingest_vllm,
         metrics_token=metrics_token, metrics_engine_labels=metrics_engine_labels, max_tier_slots=max_tier_slots,
-        max_tiers=max_tiers,
+        max_tiers=max_tiers, credentials=credentials, socket_uids=list(socket_uid),
         frame_timeout=frame_timeout,
     )
 

@@ -246,9 +246,16 @@ def _begin_step(state: State, command: BeginStep) -> list[Event]:
         raise Refusal(Reason.STEP_ALREADY_OPEN, f"step {eng.step} is still open")
     if command.step <= eng.step:
         raise Refusal(Reason.STEP_NOT_ADVANCING, f"step {command.step} after step {eng.step}")
+    first = eng.step < 0  # the first step of this incarnation: a declaration starts steps afresh
+    if command.step - max(eng.step, 0) > check.MAX_STEP_JUMP:
+        since = "0 (the incarnation's first step)" if first else f"step {eng.step}"
+        raise Refusal(Reason.STEP_JUMP, f"step {command.step} leaps more than {check.MAX_STEP_JUMP:,} past {since}")
     check.finite(command.clock, "clock", low=-1e18, high=1e18)
-    if command.clock < eng.clock:
+    if command.clock < eng.clock and not first:
         raise Refusal(Reason.CLOCK_REGRESSED, f"clock {command.clock} < {eng.clock}")
+    if not first and command.clock - eng.clock > check.MAX_CLOCK_JUMP:
+        raise Refusal(Reason.STEP_JUMP, f"clock {command.clock} leaps more than {check.MAX_CLOCK_JUMP:,.0f} s "
+                                        f"past the engine's clock {eng.clock}")
     return [StepBegan(engine_id=eng.engine_id, step=command.step, clock=command.clock)]
 
 

@@ -180,6 +180,9 @@ def _engine_declared(state: State, event: EngineDeclared) -> None:
             encoder_cache_tokens=event.encoder_cache_tokens,
         )
         return
+    # Declared again: a new incarnation (a restarted engine), which starts its steps and clock
+    # afresh: a step number or clock the old one poisoned (issue 17) does not outlive it.
+    known.step, known.clock, known.step_open = -1, 0.0, False
     known.incarnation = event.incarnation
     known.namespace_id = event.namespace_id
     known.world_size = event.world_size

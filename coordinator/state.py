@@ -247,8 +247,9 @@ class State(msgspec.Struct, kw_only=True):
     """How many events have been folded in."""
 
 
-SNAPSHOT_SCHEMA_VERSION = 4
-"""v4 packs a key's checksums in one bytes object (KeyEntry.packed_checksums): a v3 snapshot does
+SNAPSHOT_SCHEMA_VERSION = 5
+"""v5 folds a new incarnation's declaration as starting its steps and clock afresh (issue 17): a v4
+snapshot's engines could hold the old incarnation's step, so recovery replays the log instead. v4 packs a key's checksums in one bytes object (KeyEntry.packed_checksums): a v3 snapshot does
 not decode, and recovery replays the log instead. v3 added `State.observed`. A v2 snapshot still decodes (the field has a default) but its bytes,
 and so its digest, lack the field: recovery ignores it and replays the log, and verify does not
 compare it with a replay (a snapshot is a cache, always rebuildable)."""

@@ -22,6 +22,7 @@ class Reason(enum.StrEnum):
     STEP_ALREADY_OPEN = "step_already_open"
     STEP_NOT_ADVANCING = "step_not_advancing"
     CLOCK_REGRESSED = "clock_regressed"
+    STEP_JUMP = "step_jump"  # a step number or clock that leaps past its bound (coordinator/_checks.py)
     NAMESPACE_MISMATCH = "namespace_mismatch"
     POOL_LAYOUT_CHANGED = "pool_layout_changed"
     TIER_SPEC_CHANGED = "tier_spec_changed"

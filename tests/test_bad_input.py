@@ -43,6 +43,7 @@ from coordinator.commands import (
     StartOwner,
     StartStore,
 )
+from coordinator._checks import MAX_CLOCK_JUMP, MAX_STEP_JUMP
 from coordinator.core import CoordinatorCore
 from events import (
     BlockRef,
@@ -451,6 +452,23 @@ def test_step_number_that_does_not_advance(world: World, behind: int) -> None:
     step = current - behind
     assert_rejected(world.core, BeginStep(engine_id=ENGINE, step=step, clock=CLOCK), Reason.STEP_NOT_ADVANCING, f"step {step}", f"step {current}")
     keeps_serving(world.core, BeginStep(engine_id=ENGINE, step=current + 1, clock=CLOCK))
+
+
+@pytest.mark.parametrize("leap", ["step", "clock"])
+def test_step_or_clock_that_leaps_past_its_bound(world: World, leap: str) -> None:
+    """Unbounded, one step numbered 2**63-1 (or at clock 1e18) refused every later step of the
+    engine for good (issue 17): a step leaps at most MAX_STEP_JUMP, a clock MAX_CLOCK_JUMP."""
+    end(world.core)
+    eng = world.core.state.engines[ENGINE]
+    if leap == "step":
+        poison = BeginStep(engine_id=ENGINE, step=2**63 - 1, clock=eng.clock)
+        assert_rejected(world.core, poison, Reason.STEP_JUMP, f"step {2**63 - 1}", f"step {eng.step}")
+        edge = BeginStep(engine_id=ENGINE, step=eng.step + MAX_STEP_JUMP + 1, clock=eng.clock)
+        assert_rejected(world.core, edge, Reason.STEP_JUMP, f"{MAX_STEP_JUMP:,}")
+    else:
+        poison = BeginStep(engine_id=ENGINE, step=eng.step + 1, clock=1e18)
+        assert_rejected(world.core, poison, Reason.STEP_JUMP, "clock 1e+18", f"{eng.clock}")
+    keeps_serving(world.core, BeginStep(engine_id=ENGINE, step=eng.step + MAX_STEP_JUMP, clock=eng.clock + MAX_CLOCK_JUMP))
 
 
 def test_begin_step_while_one_is_open(world: World) -> None:

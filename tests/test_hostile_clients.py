@@ -9,8 +9,10 @@ that open and close a step (BeginStep, EndStep): the sidecar frames every step i
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from coordinator.client import Address, EngineClient, SidecarError, WorkerClient
@@ -330,3 +332,168 @@ async def test_tiers_beyond_the_sidecars_budget_are_refused_naming_the_budget(ev
                 await client.execute(DeclareTier(spec=msgspec.structs.replace(small, name="third")))
             assert too_many.value.code is p.ErrorCode.INVALID_MESSAGE and "--max-tiers" in str(too_many.value)
             await client.step(1, 1.0, [])  # the engine goes on
+
+
+# --- step numbers and clocks that cannot be poisoned ------------------------------------------
+
+
+async def test_a_poisoned_step_is_refused_and_a_new_incarnation_starts_its_steps_afresh(
+    event_log: EventLog, tmp_path: Path
+) -> None:
+    """A Step numbered 2**63-1 (or at clock 1e18) was accepted, and every later step of the engine
+    was refused, even after it was declared again. Now a step leaps at most MAX_STEP_JUMP (a clock
+    MAX_CLOCK_JUMP), and a new incarnation starts its steps and clock afresh."""
+    from coordinator._checks import MAX_STEP_JUMP
+    from events import Refused
+
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock) as sidecar:
+        async with _client(sock, "pod-a") as client:
+            await client.step(10, 10.0, [])
+            for step, clock in ((2**63 - 1, 11.0), (11, 1e18)):
+                poisoned = await client.step(step, clock, [])
+                assert isinstance(poisoned.began[0], Refused) and poisoned.began[0].reason == "step_jump", poisoned.began
+            await client.step(11, 11.0, [])  # the engine goes on
+            await client.step(11 + MAX_STEP_JUMP, 12.0, [])  # the largest leap there is: taken
+        async with _client(sock, "pod-a") as restarted:  # a new incarnation: its steps begin again
+            assert sidecar.ledger.state.engines["pod-a"].incarnation == 2
+            again = await restarted.step(1, 1.0, [])
+            assert not isinstance(again.began[0], Refused), again.began
+
+
+# --- least privilege: credentials bound to roles and engines -------------------------------------
+
+
+def _credentials_file(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "credentials.toml"
+    path.write_text(text)
+    path.chmod(0o600)
+    return str(path)
+
+
+ENGINE_TOKEN, WORKER_TOKEN, TENANT_TOKEN, OPERATOR_TOKEN = ("engine-a-" + "e" * 16, "worker-a-" + "w" * 16,
+                                                             "tenant-b-" + "t" * 16, "operator-" + "o" * 16)
+CREDENTIALS = f'''
+[[credentials]]
+name = "pod-a engine"
+token = "{ENGINE_TOKEN}"
+roles = ["engine"]
+engines = ["pod-a"]
+
+[[credentials]]
+name = "pod-a workers"
+token = "{WORKER_TOKEN}"
+roles = ["worker"]
+engines = ["pod-a"]
+
+[[credentials]]
+name = "tenant-b"
+token = "{TENANT_TOKEN}"
+roles = ["engine", "worker"]
+tenant = "tenant-b"
+
+[[credentials]]
+name = "ops"
+token = "{OPERATOR_TOKEN}"
+roles = ["operator"]
+'''
+
+
+async def test_a_credential_takes_only_its_roles_for_its_engines_or_its_tenants(event_log: EventLog, tmp_path: Path) -> None:
+    """Anyone with the one TCP token could say Hello as any engine's worker (and publish a store
+    job with invented checksums), attach as the engine, or be an operator."""
+    from coordinator.sidecar.server import ConfigError, ServeConfig, check_config
+    from tests import builders as b
+
+    sock = tmp_path / "s.sock"
+    options = {"tcp": ("127.0.0.1", 0), "credentials": _credentials_file(tmp_path, CREDENTIALS)}
+    async with sidecar_on(event_log, sock, **options) as sidecar:
+        assert sidecar.tcp_address is not None
+
+        def address(token: str) -> Address:
+            assert sidecar.tcp_address is not None
+            return Address(tcp=sidecar.tcp_address, token=token)
+
+        async def refused(client: EngineClient | WorkerClient, *words: str) -> None:
+            with pytest.raises(SidecarError) as caught:
+                await (client.connect() if isinstance(client, EngineClient) else client.report(
+                    ReportRank(job_id=1, rank=0, ok=True, checksums=[])))
+            assert caught.value.code is p.ErrorCode.UNAUTHORIZED, caught.value
+            for word in words:
+                assert word in str(caught.value), (word, caught.value)
+            for token in (ENGINE_TOKEN, WORKER_TOKEN, TENANT_TOKEN, OPERATOR_TOKEN):
+                assert token not in str(caught.value)
+
+        async with EngineClient(address(ENGINE_TOKEN), declaration("pod-a"), tiers=[TIER_SPEC], retry_for=2) as engine:
+            await Engine(engine).request(0)
+            await refused(EngineClient(address(WORKER_TOKEN), declaration("pod-a"), retry_for=2), "not engine")
+            await refused(EngineClient(address(ENGINE_TOKEN), declaration("pod-c"), retry_for=2), "'pod-c'")
+            await refused(WorkerClient(address(ENGINE_TOKEN), "pod-a", 0, retry_for=2), "not worker")
+            await refused(WorkerClient(address(WORKER_TOKEN), "pod-b", 0, retry_for=2), "'pod-b'")
+            worker = WorkerClient(address(WORKER_TOKEN), "pod-a", 0, retry_for=2)
+            await worker.report(ReportRank(job_id=999_999, rank=0, ok=True, checksums=[]))  # its own engine: in
+            await worker.aclose()
+            # Tenant b's credential declares its tenant's engines only, and takes over no other's.
+            tenant_b = msgspec.structs.replace(declaration("pod-b"), namespace=b.namespace(tenant="tenant-b"))
+            async with EngineClient(address(TENANT_TOKEN), tenant_b, tiers=[TIER_SPEC], retry_for=2) as own:
+                await own.step(1, 1.0, [])
+            await refused(EngineClient(address(TENANT_TOKEN), declaration("pod-x"), retry_for=2), "'pod-x'")
+            hijack = msgspec.structs.replace(tenant_b, engine_id="pod-a")
+            await refused(EngineClient(address(TENANT_TOKEN), hijack, takeover=True, retry_for=2), "'pod-a'")
+            await refused(EngineClient(address(OPERATOR_TOKEN), declaration("pod-a"), retry_for=2), "not engine")
+            await refused(EngineClient(address("no-such-token-at-all"), declaration("pod-a"), retry_for=2), "wrong token")
+            await engine.step(50, 50.0, [])  # the engine was never taken over
+            assert sidecar.ledger.state.engines["pod-a"].incarnation == 1
+    with pytest.raises(ConfigError, match="exactly one of token and uid"):
+        check_config(ServeConfig(socket_path=str(sock), credentials=_credentials_file(
+            tmp_path, '[[credentials]]\nroles = ["observer"]\n')))
+    with pytest.raises(ConfigError, match="engines"):
+        check_config(ServeConfig(socket_path=str(sock), credentials=_credentials_file(
+            tmp_path, f'[[credentials]]\ntoken = "{ENGINE_TOKEN}"\nroles = ["worker"]\n')))
+    with pytest.raises(ConfigError, match="both given"):
+        check_config(ServeConfig(socket_path=str(sock), token="t", credentials=_credentials_file(tmp_path, CREDENTIALS)))
+
+
+_UNIX_PEER = r"""
+import os, sys
+from coordinator.client import Address, SidecarError, SyncWorkerClient
+from coordinator.commands import ReportRank
+os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[2]))
+worker = SyncWorkerClient(Address(socket_path=sys.argv[1]), sys.argv[3], 0, retry_for=2)
+try:
+    worker.report(ReportRank(job_id=999999, rank=0, ok=True, checksums=[]))
+except SidecarError as error:
+    print(error.code.value, str(error))
+else:
+    print("ok")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs its peers as other uids, which needs root")
+async def test_the_unix_socket_checks_the_peers_uid_against_its_credentials(event_log: EventLog) -> None:
+    """On the Unix socket the kernel's peer uid (SO_PEERCRED) is the credential: a uid the
+    sidecar does not know is cut at once; a known uid takes only its roles for its engines."""
+    import subprocess
+    import sys
+    import tempfile
+
+    import anyio
+
+    allowed, stranger = 65534, 65533
+    with tempfile.TemporaryDirectory() as folder:
+        os.chmod(folder, 0o755)
+        sock = Path(folder) / "s.sock"
+        text = f'[[credentials]]\nuid = {allowed}\nroles = ["worker"]\nengines = ["pod-a"]\n' \
+               f'[[credentials]]\nuid = 0\nroles = ["engine"]\nengines = ["*"]\n'
+        async with sidecar_on(event_log, sock, credentials=_credentials_file(Path(folder), text)), _client(sock, "pod-a"):
+            assert sock.stat().st_mode & 0o777 == 0o666  # other uids may connect: the peer uid is the check
+
+            def peer(uid: int, engine: str) -> str:
+                done = subprocess.run([sys.executable, "-c", _UNIX_PEER, str(sock), str(uid), engine], capture_output=True,
+                                      text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
+                return (done.stdout.strip() or done.stderr.strip()).splitlines()[-1]  # its answer, after its log lines
+
+            assert await anyio.to_thread.run_sync(peer, allowed, "pod-a") == "ok"
+            assert (await anyio.to_thread.run_sync(peer, allowed, "pod-b")).startswith("unauthorized")
+            stranger_said = await anyio.to_thread.run_sync(peer, stranger, "pod-a")
+            assert stranger_said.startswith("unauthorized") and f"uid {stranger}" in stranger_said

@@ -36,12 +36,8 @@ every step even when nobody audits, on the loop and under the SQLite write lock 
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import re
 import time
-import tomllib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +71,7 @@ from coordinator.audit.queries import (
 )
 from coordinator.audit.store import sync_index
 from coordinator.audit.times import EARLIEST, LATEST, RANGE, time_problem
+from coordinator.tokens import TokenFileError as TokenFileError, TokenMatcher, check_token, read_file
 from events.log import LogError, SqlEventLog
 
 log = structlog.get_logger("kvledger.audit.api")
@@ -85,7 +82,6 @@ OPERATOR = "*"
 """The tenant of a token that reads every tenant."""
 CATCH_UP_BATCH = 500
 """Events per index transaction when a query catches the index up (see the module's docstring)."""
-MIN_TOKEN_LENGTH = 16
 REALM = "kvledger-audit"
 INDEXED_SEQ_HEADER = "Kvledger-Indexed-Seq"
 """On every answer: the global sequence the index held when it answered."""
@@ -96,7 +92,6 @@ _PRINTABLE = r"^(?![\s\S]*[\x00-\x1f\x7f-\x9f])"
 """No control character anywhere (PostgreSQL's text cannot hold NUL, and none is a name). A
 lookahead, since `$` lets a trailing newline through (and JSON Schema's regexes have no `\\Z`)."""
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-_TOKEN_SYNTAX = re.compile(r"[A-Za-z0-9\-._~+/]+=*")  # RFC 6750's b64token: what the header can carry
 
 
 # --- tokens -------------------------------------------------------------------------------------
@@ -116,51 +111,17 @@ class Grant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return None if self.tenant == OPERATOR else self.tenant
 
 
-class TokenFileError(ValueError):
-    """A tokens file the sidecar refuses to start with. The message never quotes a token."""
-
-
-class Tokens:
-    """The tokens and their grants. `match` takes the same time whichever token matches, or
-    none: it compares SHA-256 digests (hmac.compare_digest is constant-time only between equal
-    lengths, and a digest hides the length) against every token, without stopping at a match."""
+class Tokens(TokenMatcher[Grant]):
+    """The audit API's tokens and their grants (coordinator/tokens.py matches them)."""
 
     def __init__(self, grants: Mapping[str, Grant]) -> None:
-        self._grants = [(_digest(token), grant) for token, grant in grants.items()]
-
-    def __len__(self) -> int:
-        return len(self._grants)
-
-    def match(self, presented: str) -> Grant | None:
-        digest = _digest(presented)
-        found = None
-        for known, grant in self._grants:
-            if hmac.compare_digest(digest, known):
-                found = grant
-        return found
-
-
-def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
+        super().__init__(grants.items())
 
 
 def load_tokens(path: Path) -> Tokens:
     """The tokens file: a JSON object or a TOML table mapping each token to {"tenant": NAME}
-    (NAME "*": an operator) and optionally "name" (who holds it, for the logs). TOML when the
-    file ends in .toml, JSON when it ends in .json, else JSON if it starts with "{"."""
-    try:
-        text = path.read_text()
-        mode = path.stat().st_mode
-    except OSError as error:
-        raise TokenFileError(f"--audit-tokens {path}: {error.strerror or error}") from None
-    as_toml = path.suffix == ".toml" or (path.suffix != ".json" and not text.lstrip().startswith("{"))
-    try:
-        # Neither parser's message quotes the text: a token never reaches the error.
-        raw: Any = tomllib.loads(text) if as_toml else json.loads(text)
-    except tomllib.TOMLDecodeError as error:
-        raise TokenFileError(f"--audit-tokens {path} is not valid TOML: {error}") from None
-    except json.JSONDecodeError as error:
-        raise TokenFileError(f"--audit-tokens {path} is not valid JSON: {error.msg} at line {error.lineno}") from None
+    (NAME "*": an operator) and optionally "name" (who holds it, for the logs)."""
+    raw = read_file(path, "--audit-tokens")
     try:
         grants = msgspec.convert(raw, dict[str, Grant])
     except msgspec.ValidationError as error:  # its path shows a token as `[...]`
@@ -168,12 +129,7 @@ def load_tokens(path: Path) -> Tokens:
     if not grants:
         raise TokenFileError(f"--audit-tokens {path} names no token")
     for position, token in enumerate(grants, 1):
-        if len(token) < MIN_TOKEN_LENGTH or not _TOKEN_SYNTAX.fullmatch(token):
-            raise TokenFileError(
-                f"--audit-tokens {path}: token {position} must be at least {MIN_TOKEN_LENGTH} characters of "
-                "A-Z a-z 0-9 - . _ ~ + / (then any '='), e.g. from `openssl rand -hex 32`")
-    if mode & 0o077:
-        log.warning("audit_tokens_readable_by_others", path=str(path), mode=oct(mode & 0o777))
+        check_token(token, path=path, option="--audit-tokens", position=position)
     return Tokens(grants)
 
 

@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import stat
+import struct
 import time
 from collections.abc import Awaitable, Callable, Container, Iterator
 from pathlib import Path
@@ -29,12 +30,14 @@ import uuid_utils
 from anyio.abc import ByteStream, SocketStream, TaskGroup
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from coordinator.audit.api import TokenFileError, load_tokens
+from coordinator.audit.api import load_tokens
 from coordinator.commands import OPERATOR_COMMANDS, AnyCommand, DeclareTier, LookupExternal, LookupPrefix
 from coordinator.decider import lookup, lookup_keys
 from coordinator.ledger import Commit, Ledger, Single, Step as LedgerStep, StepCommit
 from coordinator.protections import switched_off
+from coordinator.tokens import TokenFileError
 from coordinator.sidecar import admission, protocol as p
+from coordinator.sidecar.credentials import ALL, Credential, Credentials, load_credentials, permits
 from coordinator.sidecar.committer import Committer, ShuttingDown, freeze_long_lived
 from coordinator.sidecar.http import make_app
 from coordinator.sidecar.hub import DEFAULT_BUFFER, DecisionHub, SlowSubscriber, Subscription
@@ -71,6 +74,12 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_tier_slots: int = admission.MAX_TIER_SLOTS
     """Tier slots all tiers together may hold (engines' declarations beyond it are refused)."""
     max_tiers: int = admission.MAX_TIERS
+    credentials: str | None = None
+    """The credentials file (coordinator/sidecar/credentials.py): who may take which role for which
+    engines. None: the shared token (TCP) and the socket's owner may be anything."""
+    socket_uids: list[int] = []
+    """Unix uids, beside the sidecar's own (and the credentials file's), that may connect to the
+    socket (SO_PEERCRED). Any of them makes the socket 0666: the kernel's peer uid is the check."""
     metrics_engine_labels: bool = True
     """Label per-engine gauges with each engine id; False: one series, engine="all", for every engine
     (engine ids can name tenants, and /metrics is often scraped by a shared Prometheus)."""
@@ -81,8 +90,12 @@ class ConfigError(ValueError):
 
 
 def check_config(config: ServeConfig) -> None:
-    if config.tcp is not None and not config.token:
-        raise ConfigError("--tcp needs a token (--token or KVLEDGER_TOKEN): TCP clients must authenticate")
+    credentials = _load_credentials(config)
+    if config.credentials and config.token:
+        raise ConfigError("--token and --credentials both given: the credentials file's tokens replace the shared token")
+    if config.tcp is not None and not (config.token or (credentials is not None and credentials.has_tokens)):
+        raise ConfigError("--tcp needs a token (--token or KVLEDGER_TOKEN, or a token in --credentials): "
+                          "TCP clients must authenticate")
     for name, address in (("--tcp", config.tcp), ("--http", config.http)):
         if address is not None and not config.allow_remote and not _is_loopback(address[0]):
             raise ConfigError(f"{name} {address[0]} is not a loopback address; pass --allow-remote to listen on it")
@@ -102,6 +115,15 @@ def check_config(config: ServeConfig) -> None:
             raise ConfigError(str(error)) from None
 
 
+def _load_credentials(config: ServeConfig) -> Credentials | None:
+    if not config.credentials:
+        return None
+    try:
+        return load_credentials(Path(config.credentials))
+    except TokenFileError as error:
+        raise ConfigError(str(error)) from None
+
+
 def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
@@ -110,7 +132,9 @@ class Session:
     """What a connection's Hello established: its role, and for an engine or a worker, the
     engine and the incarnation it speaks for (0: a worker whose engine was not declared yet)."""
 
-    def __init__(self, role: str, engine_id: str, rank: int, incarnation: int = 0) -> None:
+    def __init__(self, role: str, engine_id: str, rank: int, incarnation: int = 0, credential: Credential = ALL) -> None:
+        self.credential = credential
+        """What let it in (the credentials file's entry, or ALL without one)."""
         self.role = role
         self.engine_id = engine_id
         self.rank = rank
@@ -119,9 +143,11 @@ class Session:
 
 
 class Connection:
-    def __init__(self, stream: ByteStream, peer: str) -> None:
+    def __init__(self, stream: ByteStream, peer: str, peer_uid: int | None = None) -> None:
         self.stream = stream
         self.peer = peer
+        self.peer_uid = peer_uid
+        """The Unix socket peer's uid, from the kernel (SO_PEERCRED); None on TCP."""
         self._send_lock = anyio.Lock()
         self.engine_id: str | None = None
         """The engine this connection speaks for, once its Hello made it an engine's."""
@@ -158,6 +184,10 @@ class Sidecar:
         self._engine_connections: dict[str, int] = {}
         """Open engine connections per engine id: declaring a connected engine again is a takeover."""
         self.metrics.ready.set_function(lambda: 1.0 if self.readiness()[0] else 0.0)
+        self.credentials = _load_credentials(config)
+        self.socket_uids = frozenset({os.geteuid(), *config.socket_uids,
+                                      *(self.credentials.uids if self.credentials is not None else ())})
+        """Who may connect to the Unix socket at all (SO_PEERCRED)."""
 
     # --- readiness -------------------------------------------------------------------------
 
@@ -303,7 +333,8 @@ class Sidecar:
             unix = await anyio.create_unix_listener(path)
         finally:
             os.umask(previous)
-        os.chmod(path, 0o600)
+        # Owner-only, unless other uids may connect: then the kernel's peer uid is the check (_handle).
+        os.chmod(path, 0o600 if self.socket_uids <= {os.geteuid()} else 0o666)
         listeners.append(unix)
         if self.config.tcp is not None:
             host, port = self.config.tcp
@@ -343,10 +374,15 @@ class Sidecar:
         except Exception:  # noqa: BLE001
             peer = "unix"
         is_tcp = self.config.tcp is not None and stream.extra(anyio.abc.SocketAttribute.family) != socket.AF_UNIX
-        conn = Connection(stream, peer)
+        conn = Connection(stream, peer, None if is_tcp else _peer_uid(stream))
         self.metrics.connections.inc()
         try:
             async with stream, anyio.create_task_group() as tasks:
+                if not is_tcp and conn.peer_uid not in self.socket_uids:
+                    await self._error(conn, p.ErrorCode.UNAUTHORIZED,
+                                      f"uid {conn.peer_uid} may not connect to this socket (allowed: the sidecar's own uid, "
+                                      "--socket-uid and the credentials file's uids)", fatal=True)
+                    return
                 await self._converse(conn, tasks, is_tcp)
                 tasks.cancel_scope.cancel()
         except* _GONE:
@@ -461,16 +497,23 @@ class Sidecar:
             await self._error(conn, p.ErrorCode.PROTOCOL_MISMATCH,
                               f"client speaks protocol {hello.protocol}, this server speaks {p.PROTOCOL_VERSION}", fatal=True)
             return None, True
-        if (is_tcp or self.config.token) and not hmac.compare_digest(hello.token.encode(), self.config.token.encode()):
+        credential = self._identify(conn, hello, is_tcp)
+        if credential is None:
             # The token itself is never logged.
             await self._error(conn, p.ErrorCode.UNAUTHORIZED, "missing or wrong token", fatal=True)
             return None, True
-        if hello.role in ("observer", "operator"):
-            await conn.send(p.Welcome(protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, head_seq=self.ledger.last_seq))
-            return Session(hello.role, "", 0), False
-        if not hello.engine_id:
+        if hello.role not in ("observer", "operator") and not hello.engine_id:
             await self._error(conn, p.ErrorCode.INVALID_MESSAGE, f"a {hello.role}'s Hello names its engine_id")
             return None, False
+        problem = permits(credential, hello.role, hello.engine_id, self._tenants(hello))
+        if problem is not None:
+            log.warning("hello_not_permitted", peer=conn.peer, role=hello.role, engine=hello.engine_id,
+                        credential=credential.name or None)
+            await self._error(conn, p.ErrorCode.UNAUTHORIZED, problem, fatal=True)
+            return None, True
+        if hello.role in ("observer", "operator"):
+            await conn.send(p.Welcome(protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, head_seq=self.ledger.last_seq))
+            return Session(hello.role, "", 0, credential=credential), False
         if hello.role == "worker":
             log.info("worker_connected", engine=hello.engine_id, rank=hello.rank, peer=conn.peer)
             # From the committed state: a declaration still being appended must not be shown (it
@@ -485,10 +528,30 @@ class Sidecar:
                     kv_dtype=state.namespaces[known.namespace_id].kv_dtype if known else "",
                 )
             await conn.send(welcome)
-            return Session("worker", hello.engine_id, hello.rank, welcome.incarnation), False
-        return await self._engine_hello(conn, hello)
+            return Session("worker", hello.engine_id, hello.rank, welcome.incarnation, credential), False
+        return await self._engine_hello(conn, hello, credential)
 
-    async def _engine_hello(self, conn: Connection, hello: p.Hello) -> tuple[Session | None, bool]:
+    def _identify(self, conn: Connection, hello: p.Hello, is_tcp: bool) -> Credential | None:
+        """The credential this Hello presents (None: refused). Without a credentials file, the
+        shared token, where one is set or on TCP, lets in as anything; so does the socket's owner."""
+        if self.credentials is not None:
+            return self.credentials.identify(hello.token, None if is_tcp else conn.peer_uid)
+        if (is_tcp or self.config.token) and not hmac.compare_digest(hello.token.encode(), self.config.token.encode()):
+            return None
+        return ALL
+
+    def _tenants(self, hello: p.Hello) -> list[str]:
+        """The tenants a Hello speaks for: its engine's as known, and the one it declares."""
+        tenants = []
+        known = self.ledger.state.engines.get(hello.engine_id)
+        namespace = self.ledger.state.namespaces.get(known.namespace_id) if known is not None else None
+        if namespace is not None:
+            tenants.append(namespace.tenant)
+        if hello.role == "engine" and hello.declare is not None:
+            tenants.append(hello.declare.namespace.tenant)
+        return tenants
+
+    async def _engine_hello(self, conn: Connection, hello: p.Hello, credential: Credential) -> tuple[Session | None, bool]:
         engine_id = hello.engine_id
         known = self.ledger.state.engines.get(engine_id)
         reconnect = known is not None and hello.incarnation != 0 and hello.incarnation == known.incarnation
@@ -550,12 +613,12 @@ class Sidecar:
             log.info("engine_reconnected", engine=engine_id, incarnation=known.incarnation, peer=conn.peer)
             await conn.send(p.Welcome(protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, engine_id=engine_id,
                                       incarnation=known.incarnation, head_seq=self.ledger.last_seq, events=p.any_events(events)))
-            return Session("engine", engine_id, 0, known.incarnation), False
+            return Session("engine", engine_id, 0, known.incarnation, credential), False
         declared = next(e for e in events if isinstance(e, EngineDeclared))
         log.info("engine_declared", engine=engine_id, incarnation=declared.incarnation, peer=conn.peer)
         await conn.send(p.Welcome(protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, engine_id=engine_id,
                                   incarnation=declared.incarnation, head_seq=self.ledger.last_seq, events=p.any_events(events)))
-        return Session("engine", engine_id, 0, declared.incarnation), False
+        return Session("engine", engine_id, 0, declared.incarnation, credential), False
 
     # --- requests --------------------------------------------------------------------------
 
@@ -764,6 +827,17 @@ class _EveryKey:
 
 
 _EVERY_KEY = _EveryKey()
+
+
+def _peer_uid(stream: SocketStream) -> int | None:
+    """The uid of the process at the other end of a Unix socket, as the kernel recorded it when
+    it connected (SO_PEERCRED, Linux): a client cannot forge it."""
+    try:
+        raw: socket.socket = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+        _pid, uid, _gid = struct.unpack("3i", raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except (OSError, AttributeError, anyio.TypedAttributeLookupError):
+        return None
+    return int(uid)
 
 
 def _commit_of(result: StepCommit | Commit) -> Commit:
