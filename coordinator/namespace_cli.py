@@ -42,7 +42,7 @@ namespace_app = typer.Typer(
 LOG = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="Record directly on this log (SQLite path or URL, or PostgreSQL URL) when no sidecar serves it.")
 SOCKET = typer.Option(None, "--socket", envvar="KVLEDGER_SOCKET", help="Record through the sidecar on this Unix socket.")
 TCP = typer.Option(None, "--tcp", envvar="KVLEDGER_TCP", help="Record through the sidecar at TCP HOST:PORT (needs --token).")
-TOKEN = typer.Option("", "--token", envvar="KVLEDGER_TOKEN", help="The sidecar's shared secret (TCP).", show_default=False)
+TOKEN = typer.Option("", "--token", envvar="KVLEDGER_TOKEN", help="The sidecar's shared secret (TCP), or a token of its --credentials (TCP or socket).", show_default=False)
 COMMAND_ID = typer.Option(None, "--command-id", help="Make a retry exactly once: the same id returns the committed result.")
 JSON = typer.Option(False, "--json", help="Print JSON instead of text.")
 
@@ -194,7 +194,8 @@ async def _through_sidecar(target: _Target, commands: Sequence[AnyCommand], comm
                            summary: Summary) -> list[Recorded]:
     from coordinator.client import Address, OperatorClient, SidecarError, SidecarUnavailable
 
-    address = Address(socket_path=target.socket_path) if target.socket_path else Address(tcp=target.tcp, token=target.token)
+    address = Address(socket_path=target.socket_path, token=target.token) if target.socket_path else \
+        Address(tcp=target.tcp, token=target.token)
     client = OperatorClient(address, retry_for=10.0)
     recorded = []
     for command, command_id in zip(commands, command_ids, strict=True):
