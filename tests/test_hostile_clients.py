@@ -497,3 +497,68 @@ async def test_the_unix_socket_checks_the_peers_uid_against_its_credentials(even
             assert (await anyio.to_thread.run_sync(peer, allowed, "pod-b")).startswith("unauthorized")
             stranger_said = await anyio.to_thread.run_sync(peer, stranger, "pod-a")
             assert stranger_said.startswith("unauthorized") and f"uid {stranger}" in stranger_said
+
+
+async def test_pools_and_live_owners_beyond_the_sidecars_budget_are_refused_naming_the_budget(
+    event_log: EventLog, tmp_path: Path
+) -> None:
+    """Nothing limited what a client left behind: owners never finished (~500 B each: 295k added
+    ~140 MB), pools of 2**24 blocks each, in every declaration."""
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock, max_pool_blocks=600, max_owners_per_engine=3) as sidecar:
+        async with _client(sock, "pod-a") as client:  # 256 blocks
+            head = await event_log.head()
+            greedy = EngineClient(Address(socket_path=str(sock)), declaration("pod-b", num_blocks=400), tiers=[TIER_SPEC])
+            with pytest.raises(SidecarError) as refused:
+                await greedy.connect()
+            assert refused.value.code is p.ErrorCode.INVALID_MESSAGE and "--max-pool-blocks" in str(refused.value)
+            assert "pod-b" not in sidecar.ledger.state.engines and await event_log.head() == head
+            async with _client(sock, "pod-c"):  # another 256: within the budget
+                pass
+            await client.step(1, 1.0, [StartOwner(engine_id="pod-a", req_id=f"r{i}") for i in range(3)])
+            with pytest.raises(SidecarError) as owners:
+                await client.step(2, 2.0, [StartOwner(engine_id="pod-a", req_id="r3")])
+            assert owners.value.code is p.ErrorCode.INVALID_MESSAGE and "--max-owners-per-engine" in str(owners.value)
+            assert "3 live owners" in str(owners.value)
+            assert sum(1 for o in sidecar.ledger.state.owners.values() if o.engine_id == "pod-a") == 3
+            await client.step(2, 2.0, [])  # the engine goes on
+
+
+async def test_a_subscribers_catch_up_is_decoded_off_the_event_loop_and_a_made_up_engine_reads_nothing(
+    event_log: EventLog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Subscribe(from_seq=0) as a worker of any engine id, even an undeclared one, read and
+    decoded the whole log on the event loop (20 small frames pushed another engine's p99 past 50 ms)."""
+    import threading
+
+    import anyio
+
+    from coordinator.sidecar.hub import DecisionHub
+
+    loop_thread = threading.get_ident()
+    decoded_on: list[int] = []
+    real = DecisionHub._decisions_in
+
+    def spy(self: DecisionHub, *args: object) -> object:
+        decoded_on.append(threading.get_ident())
+        return real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DecisionHub, "_decisions_in", spy)
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock), _client(sock, "pod-a") as client:
+        engine = Engine(client)
+        for index in range(3):
+            await engine.request(index)
+        worker = WorkerClient(Address(socket_path=str(sock)), "pod-a", 0, retry_for=5)
+        with anyio.fail_after(10):
+            async for decision in worker.decisions(from_seq=0):
+                break
+        assert decision.seq > 0 and decoded_on and loop_thread not in decoded_on
+        decoded_on.clear()
+        stranger = WorkerClient(Address(socket_path=str(sock)), "no-such-engine", 0, retry_for=5)
+        with anyio.move_on_after(0.5):
+            async for _ in stranger.decisions(from_seq=0):
+                raise AssertionError("a made-up engine has no decision")
+        assert decoded_on == []  # nothing of the log was read for it
+        await worker.aclose()
+        await stranger.aclose()

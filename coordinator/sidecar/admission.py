@@ -22,7 +22,16 @@ from collections.abc import Sequence
 import msgspec
 
 from coordinator import _checks as check_limits
-from coordinator.commands import OPERATOR_COMMANDS, AnyCommand, BeginStep, DeclareEngine, DeclareTier, EndStep, ReportRank
+from coordinator.commands import (
+    OPERATOR_COMMANDS,
+    AnyCommand,
+    BeginStep,
+    DeclareEngine,
+    DeclareTier,
+    EndStep,
+    ReportRank,
+    StartOwner,
+)
 from coordinator.decider import decide
 from coordinator.ledger import StepCommit
 from coordinator.sidecar import protocol as p
@@ -122,11 +131,33 @@ slots, as many as it liked: one 80-byte message added ~1.3 GB of RSS, and it is 
 every restart rebuilt it (issue 17)."""
 MAX_TIERS = 64
 """Tiers a sidecar holds, by default (`serve --max-tiers`)."""
+MAX_POOL_BLOCKS = 1 << 23
+"""Blocks all engines' pools hold together, by default (`serve --max-pool-blocks`): ~100 B of state
+each (measured), ~830 MiB (a large vLLM engine has ~10^5 blocks). One declaration could ask for 64 pools of
+2**24 blocks."""
+MAX_OWNERS_PER_ENGINE = 1 << 16
+"""Live owners (requests started, not finished) one engine may hold (`serve --max-owners-per-engine`)."""
 
 
-def over_tier_budget(state: State, commands: Sequence[AnyCommand], max_slots: int, max_tiers: int) -> p.Error | None:
-    """Tiers an engine declares (in its Hello, a Step or an Execute) beyond the sidecar's budget:
-    refused whole, naming the budget and the option that raises it."""
+class Budget(msgspec.Struct, frozen=True, kw_only=True):
+    """What engines may make the sidecar hold (`kvledger serve --max-...`): each bounds state that
+    lives until its engine lets it go, and that a restart rebuilds from the log."""
+
+    tier_slots: int = MAX_TIER_SLOTS
+    tiers: int = MAX_TIERS
+    pool_blocks: int = MAX_POOL_BLOCKS
+    owners_per_engine: int = MAX_OWNERS_PER_ENGINE
+
+
+def over_budget(state: State, engine_id: str, commands: Sequence[AnyCommand], budget: Budget) -> p.Error | None:
+    """What an engine's message (its Hello's declarations, a Step, an Execute) would hold beyond
+    the sidecar's budget: refused whole, naming the budget and the option that raises it."""
+    return (over_tier_budget(state, commands, budget)
+            or over_pool_budget(state, commands, budget)
+            or over_owner_budget(state, engine_id, commands, budget))
+
+
+def over_tier_budget(state: State, commands: Sequence[AnyCommand], budget: Budget) -> p.Error | None:
     # A declaration the decider refuses anyway (a count out of its range) is left to it: its
     # refusal is recorded in the log (I1), where this one is not.
     new = {command.spec.name: command.spec for command in commands
@@ -136,15 +167,47 @@ def over_tier_budget(state: State, commands: Sequence[AnyCommand], max_slots: in
         return None
     held = sum(tier.spec.num_slots for tier in state.tiers.values())
     wanted = sum(spec.num_slots for spec in new.values())
-    if len(state.tiers) + len(new) > max_tiers:
+    if len(state.tiers) + len(new) > budget.tiers:
         return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
                        message=f"declaring {sorted(new)} would make {len(state.tiers) + len(new)} tiers; this sidecar "
-                               f"holds at most {max_tiers} (raise it with `kvledger serve --max-tiers`)")
-    if held + wanted > max_slots:
+                               f"holds at most {budget.tiers} (raise it with `kvledger serve --max-tiers`)")
+    if held + wanted > budget.tier_slots:
         return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
                        message=f"declaring {sorted(new)} ({wanted:,} slots) would make {held + wanted:,} tier slots; "
-                               f"this sidecar holds at most {max_slots:,} (raise it with `kvledger serve --max-tier-slots`)")
+                               f"this sidecar holds at most {budget.tier_slots:,} (raise it with `kvledger serve --max-tier-slots`)")
     return None
+
+
+def over_pool_budget(state: State, commands: Sequence[AnyCommand], budget: Budget) -> p.Error | None:
+    """A new engine's pools beyond the blocks all engines' pools may hold together (a known
+    engine declared again keeps its pools: the decider refuses another layout)."""
+    new = {command.engine_id: sum(max(pool.num_blocks, 0) for pool in command.pools) for command in commands
+           if isinstance(command, DeclareEngine) and command.engine_id not in state.engines}
+    if not new:
+        return None
+    held = sum(pool.spec.num_blocks for engine in state.engines.values() for pool in engine.pools.values())
+    wanted = sum(new.values())
+    if held + wanted > budget.pool_blocks:
+        return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
+                       message=f"declaring engine {sorted(new)[0]!r} ({wanted:,} pool blocks) would make {held + wanted:,} "
+                               f"blocks in all engines' pools; this sidecar holds at most {budget.pool_blocks:,} "
+                               f"(raise it with `kvledger serve --max-pool-blocks`)")
+    return None
+
+
+def over_owner_budget(state: State, engine_id: str, commands: Sequence[AnyCommand], budget: Budget) -> p.Error | None:
+    """Owners (requests) an engine starts beyond the live owners it may hold: each is ~500 B until
+    it is finished (295k never finished added ~140 MB, issue 17)."""
+    starting = sum(1 for command in commands if isinstance(command, StartOwner))
+    if not starting or len(state.owners) + starting <= budget.owners_per_engine:
+        return None  # the fast path: fewer owners in all than one engine may hold
+    live = sum(1 for owner in state.owners.values() if owner.engine_id == engine_id)
+    if live + starting <= budget.owners_per_engine:
+        return None
+    return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
+                   message=f"engine {engine_id!r} holds {live:,} live owners; starting {starting:,} more would pass the "
+                           f"{budget.owners_per_engine:,} an engine may hold (finish owners, or raise it with "
+                           f"`kvledger serve --max-owners-per-engine`)")
 
 
 def tier_conflict(tiers: Sequence[TierSpec]) -> str | None:

@@ -74,6 +74,10 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_tier_slots: int = admission.MAX_TIER_SLOTS
     """Tier slots all tiers together may hold (engines' declarations beyond it are refused)."""
     max_tiers: int = admission.MAX_TIERS
+    max_pool_blocks: int = admission.MAX_POOL_BLOCKS
+    """Blocks all engines' pools together may hold (a declaration beyond it is refused)."""
+    max_owners_per_engine: int = admission.MAX_OWNERS_PER_ENGINE
+    """Live owners one engine may hold (a step starting more is refused)."""
     credentials: str | None = None
     """The credentials file (coordinator/sidecar/credentials.py): who may take which role for which
     engines. None: the shared token (TCP) and the socket's owner may be anything."""
@@ -185,6 +189,8 @@ class Sidecar:
         """Open engine connections per engine id: declaring a connected engine again is a takeover."""
         self.metrics.ready.set_function(lambda: 1.0 if self.readiness()[0] else 0.0)
         self.credentials = _load_credentials(config)
+        self.budget = admission.Budget(tier_slots=config.max_tier_slots, tiers=config.max_tiers,
+                                       pool_blocks=config.max_pool_blocks, owners_per_engine=config.max_owners_per_engine)
         self.socket_uids = frozenset({os.geteuid(), *config.socket_uids,
                                       *(self.credentials.uids if self.credentials is not None else ())})
         """Who may connect to the Unix socket at all (SO_PEERCRED)."""
@@ -562,8 +568,10 @@ class Sidecar:
             return None, False
         problem = admission.tier_conflict(hello.tiers)
         if problem is None:
-            over = admission.over_tier_budget(self.ledger.state, [DeclareTier(spec=spec) for spec in hello.tiers],
-                                              self.config.max_tier_slots, self.config.max_tiers)
+            hello_declares: list[AnyCommand] = [DeclareTier(spec=spec) for spec in hello.tiers]
+            if hello.declare is not None and not reconnect:
+                hello_declares.append(hello.declare)
+            over = admission.over_budget(self.ledger.state, engine_id, hello_declares, self.budget)
             problem = over.message if over is not None else None
         if problem is None and not reconnect:
             assert hello.declare is not None
@@ -656,7 +664,7 @@ class Sidecar:
         if isinstance(message, p.LookupKeys):
             return self._lookup_keys(session, message)
         if isinstance(message, p.Execute):
-            problem = admission.foreign(session.engine_id, [message.command]) or self._over_budget([message.command])
+            problem = admission.foreign(session.engine_id, [message.command]) or self._over_budget(session, [message.command])
             return problem or await self._commit_single(session, "execute", message.command, message.command_id)
         assert isinstance(message, p.Step)
         return await self._step(session, message)
@@ -677,11 +685,11 @@ class Sidecar:
         self.committer.record(f"engine/{session.engine_id}", answer)
         return p.KeysLookedUp(answer=answer, head_seq=head)
 
-    def _over_budget(self, commands: list[AnyCommand]) -> p.Error | None:
-        return admission.over_tier_budget(self.ledger.state, commands, self.config.max_tier_slots, self.config.max_tiers)
+    def _over_budget(self, session: Session, commands: list[AnyCommand]) -> p.Error | None:
+        return admission.over_budget(self.ledger.state, session.engine_id, commands, self.budget)
 
     async def _step(self, session: Session, message: p.Step) -> p.ServerMessage:
-        problem = admission.foreign(session.engine_id, message.commands) or self._over_budget(message.commands)
+        problem = admission.foreign(session.engine_id, message.commands) or self._over_budget(session, message.commands)
         if problem is not None:
             return problem
         if not message.command_id:
@@ -770,7 +778,10 @@ class Sidecar:
             await self._error(conn, p.ErrorCode.INVALID_MESSAGE, "this connection is already subscribed")
             return
         session.subscribed = True
-        subscription = self.hub.register(session.engine_id, session.rank, message.from_seq)
+        # An engine never decided on has no decision in the log: nothing to read (a Subscribe
+        # from 0 for a made-up engine id used to read and decode the whole log).
+        from_seq = message.from_seq if session.engine_id in self.ledger.state.engines else max(message.from_seq, self.hub.last_seq)
+        subscription = self.hub.register(session.engine_id, session.rank, from_seq)
         log.info("subscribed", engine=session.engine_id, rank=session.rank, from_seq=message.from_seq)
         tasks.start_soon(self._push, conn, session, subscription, tasks.cancel_scope)
 
