@@ -236,7 +236,7 @@ def declaration(engine_id: str) -> DeclareEngine:
 # --- the sidecar process -------------------------------------------------------------------------
 
 
-async def health(socket_path: str) -> p.HealthResult:
+async def health(socket_path: str, token: str = "") -> p.HealthResult:
     """One Health request on an observer connection of its own."""
     stream = await anyio.connect_unix(socket_path)
     async with stream:
@@ -246,7 +246,7 @@ async def health(socket_path: str) -> p.HealthResult:
             length = p.frame_length(await reader.receive_exactly(p.HEADER_BYTES), p.DEFAULT_MAX_FRAME)
             return p.decode_server(await reader.receive_exactly(length))
 
-        await stream.send(p.frame(p.Hello(protocol=p.PROTOCOL_VERSION, role="observer")))
+        await stream.send(p.frame(p.Hello(protocol=p.PROTOCOL_VERSION, role="observer", token=token)))
         welcome = await receive()
         if not isinstance(welcome, p.Welcome):
             raise RuntimeError(f"the sidecar answered Hello with {welcome!r}")
@@ -257,7 +257,7 @@ async def health(socket_path: str) -> p.HealthResult:
         return reply
 
 
-async def wait_ready(server: subprocess.Popen[bytes], socket_path: str) -> p.HealthResult:
+async def wait_ready(server: subprocess.Popen[bytes], socket_path: str, token: str = "") -> p.HealthResult:
     deadline = time.monotonic() + START_TIMEOUT
     problem = "the socket does not exist yet"
     while time.monotonic() < deadline:
@@ -265,7 +265,7 @@ async def wait_ready(server: subprocess.Popen[bytes], socket_path: str) -> p.Hea
             raise RuntimeError(f"kvledger serve exited with {server.returncode} before it was ready")
         if Path(socket_path).exists():
             try:
-                answer = await health(socket_path)
+                answer = await health(socket_path, token)
             except (OSError, anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError) as error:
                 problem = f"{type(error).__name__}: {error}"
             else:

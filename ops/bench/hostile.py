@@ -1,0 +1,523 @@
+"""Benchmark: a legitimate engine's step latency while hostile clients attack the sidecar (issue 17).
+
+    .venv/bin/python ops/bench/hostile.py [--steps 600] [--commands 32] [--warmup 100] [--seed 7]
+
+Starts a real `kvledger serve` subprocess on SQLite in a temporary directory, with a credentials
+file (coordinator/sidecar/credentials.py) as the operator of a shared node would write one: the
+legitimate engine `legit` (token: roles engine, engines ["legit"]), an observer, and the attacker,
+a tenant of its own (`mallory`: roles engine and worker for the engines of tenant mallory), and
+budgets sized for the node: --max-tier-slots 131,072 (the legit tier's 65,536 and as many again),
+--max-pool-blocks 81,920 (the legit pool's 65,536 and room for the attacker's), and
+--max-owners-per-engine 4,096, --frame-timeout 2.
+
+Phase 1, alone: `legit` declares (one attention pool of 65,536 blocks, the benchmark tier) and
+runs --warmup steps (not timed; they also give the log the history a catch-up reads), then
+--steps timed steps of exactly --commands commands (ops/bench/sidecar.py's EngineLoad: start,
+allocate, mark computed, finish; nothing refused), each timed from send to reply.
+
+Phase 2, under attack: this script starts itself again as the attacker process (--attacker), which
+opens its connections, prints `attacking` once every attack has begun, and runs every attack in a
+loop until it is stopped; then `legit` runs --steps more timed steps, the same way. The attacks
+are those issue 17 reproduced, each from a client written from the protocol alone:
+
+- forge: Hello as legit's worker, as legit itself, and as an operator, with mallory's token;
+- takeover: a Hello declaring `legit` (in mallory's namespace) with takeover;
+- collide: engines `team` and `team/a` stepping with ids "a/s1" and "s1" (and reusing them);
+- poison: steps numbered 2**63-1 and at clock 1e18 on mallory's own engine;
+- step control: Steps and Executes carrying BeginStep/EndStep;
+- lookups: Lookups of 262,144 token ids (the most a Lookup may hash) and of one more;
+- catch-up: 20 connections subscribing from sequence 0 as workers of mallory's engine (which reads
+  the whole log) and of made-up engines, again as soon as they caught up;
+- big steps: Steps of 16,384 commands (the most a Step may hold), each refused by the decider;
+- tiers: declarations of 2**24-slot tiers; pools: a declaration of 64 pools of 2**24 blocks;
+- owners: Steps that start 1,000 owners and never finish them, until the budget refuses them;
+- stalls: 50 connections that send 1-3 bytes of a frame header and go silent, again once cut;
+- garbage: frames of random bytes, and frames that announce 16 MiB and send nothing more.
+
+The attacker's payloads are encoded once, before it says `attacking`, so its own CPU goes to
+sending. It shares the machine's cores with the sidecar and the legitimate engine: on a 2-core
+machine three busy processes share two cores, and the figures say so (the load average and the
+CPU each process used are printed).
+
+The sidecar's resident memory (VmRSS, /proc) is read after phase 1 and every 100 ms during phase
+2; the growth is the largest reading in phase 2 less the one after phase 1. Prints the legit
+engine's p50/p99/max alone and under attack, what each attack got back (counts of replies by
+kind, and a sample of each refusal), and the targets: `p99 under attack <= 2x alone`, `<= 50
+ms`, `RSS growth <= 50 MiB`, each met or MISSED; the last lines are plain `key value` lines:
+
+    p99 alone ms X
+    p99 under attack ms Y
+    p99 ratio Z
+    rss growth MiB W
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import anyio  # noqa: E402
+import msgspec  # noqa: E402
+import structlog  # noqa: E402
+from anyio.abc import ByteStream  # noqa: E402
+from anyio.streams.buffered import BufferedByteReceiveStream  # noqa: E402
+from figures import console, load, out, percentile  # noqa: E402
+from sidecar import TIER, EngineLoad, cpu_seconds, server_output, stop, wait_ready  # noqa: E402
+
+from coordinator._checks import MAX_LOOKUP_TOKENS  # noqa: E402
+from coordinator.client import Address, EngineClient  # noqa: E402
+from coordinator.commands import (  # noqa: E402
+    AnyCommand,
+    BeginStep,
+    DeclareEngine,
+    DeclareTier,
+    EndStep,
+    FinishOwner,
+    StartOwner,
+)
+from coordinator.sidecar import protocol as p  # noqa: E402
+from coordinator.sidecar.admission import MAX_COMMANDS_PER_STEP  # noqa: E402
+from events import TierSpec  # noqa: E402
+from tests import builders as b  # noqa: E402
+
+LEGIT = "legit"
+MALLORY = "mallory"
+LEGIT_TOKEN = "legit-engine-" + "l" * 24
+OBSERVER_TOKEN = "observer-" + "o" * 24
+MALLORY_TOKEN = "mallory-" + "m" * 24
+NUM_BLOCKS = 1 << 16
+MALLORY_BLOCKS = 4096
+BUDGET = {"--max-tier-slots": 2 * TIER.num_slots, "--max-pool-blocks": NUM_BLOCKS + 4 * MALLORY_BLOCKS,
+          "--max-owners-per-engine": 4096, "--frame-timeout": 2}
+P99_RATIO_TARGET = 2.0
+P99_TARGET_MS = 50.0
+RSS_TARGET_MIB = 50.0
+SUBSCRIBERS = 20
+STALLERS = 50
+START_TIMEOUT = 60.0
+
+CREDENTIALS = f"""
+[[credentials]]
+name = "legit"
+token = "{LEGIT_TOKEN}"
+roles = ["engine", "worker"]
+engines = ["{LEGIT}"]
+
+[[credentials]]
+name = "observer"
+token = "{OBSERVER_TOKEN}"
+roles = ["observer"]
+
+[[credentials]]
+name = "mallory"
+token = "{MALLORY_TOKEN}"
+roles = ["engine", "worker"]
+tenant = "{MALLORY}"
+"""
+
+
+def declaration(engine_id: str, tenant: str, num_blocks: int) -> DeclareEngine:
+    return DeclareEngine(engine_id=engine_id, namespace=b.namespace(tenant=tenant), world_size=2, tiers=[b.TIER],
+                         pools=[b.attention_pool(num_blocks=num_blocks)])
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+# --- the legitimate engine -------------------------------------------------------------------------
+
+
+class Legit:
+    def __init__(self, socket_path: str, commands: int, seed: int) -> None:
+        self.client = EngineClient(Address(socket_path=socket_path, token=LEGIT_TOKEN),
+                                   declaration(LEGIT, "legit", NUM_BLOCKS), tiers=[TIER], retry_for=60.0)
+        self.load = EngineLoad(LEGIT, commands, seed)
+
+    async def steps(self, count: int) -> list[float]:
+        latencies = []
+        for _ in range(count):
+            commands, concern = self.load.plan()
+            self.load.step += 1
+            before = time.perf_counter()
+            result = await self.client.step(self.load.step, self.load.step * 0.01, commands,
+                                            command_id=self.load.next_command_id())
+            latencies.append(time.perf_counter() - before)
+            self.load.follow(result, concern)
+        return latencies
+
+
+def figures(latencies: list[float]) -> tuple[float, float, float]:
+    ordered = sorted(latencies)
+    return percentile(ordered, 0.50) * 1e3, percentile(ordered, 0.99) * 1e3, ordered[-1] * 1e3
+
+
+# --- the attacker process -------------------------------------------------------------------------
+
+
+class Raw:
+    """One connection, framed by hand: what a client written from protocol.py alone sends."""
+
+    def __init__(self, stream: ByteStream) -> None:
+        self.stream = stream
+        self.reader = BufferedByteReceiveStream(stream)
+
+    @classmethod
+    async def open(cls, socket_path: str) -> Raw:
+        return cls(await anyio.connect_unix(socket_path))
+
+    async def receive(self) -> p.ServerMessage:
+        header = await self.reader.receive_exactly(p.HEADER_BYTES)
+        return p.decode_server(await self.reader.receive_exactly(p.frame_length(header, 64 << 20)))
+
+    async def ask(self, frame: bytes) -> p.ServerMessage:
+        await self.stream.send(frame)
+        return await self.receive()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def hello(role: str, engine_id: str = "", **fields: object) -> bytes:
+    return p.frame(p.Hello(protocol=p.PROTOCOL_VERSION, role=role, engine_id=engine_id, token=MALLORY_TOKEN, **fields))  # type: ignore[arg-type]
+
+
+def step(number: int, clock: float, commands: list[AnyCommand], command_id: str) -> bytes:
+    return p.frame(p.Step(step=number, clock=clock, commands=commands, command_id=command_id))
+
+
+class Tally:
+    """What each attack got back: reply kinds (an Error by its code), and one sample of each."""
+
+    def __init__(self) -> None:
+        self.replies: dict[str, Counter[str]] = {}
+        self.samples: dict[tuple[str, str], str] = {}
+
+    def note(self, attack: str, reply: p.ServerMessage | str) -> None:
+        if isinstance(reply, str):
+            kind, sample = reply, reply
+        elif isinstance(reply, p.Error):
+            kind, sample = f"error {reply.code.value}", reply.message
+        elif isinstance(reply, p.StepResult):
+            refused = [e for e in reply.began + [x for r in reply.results for x in r] if type(e).__name__ == "Refused"]
+            kind = f"step, refused {getattr(refused[0], 'reason', '')}" if refused else "step committed"
+            sample = str(getattr(refused[0], "detail", ""))[:160] if refused else ""
+        else:
+            kind, sample = type(reply).__name__, ""
+        self.replies.setdefault(attack, Counter())[kind] += 1
+        self.samples.setdefault((attack, kind), sample[:200])
+
+    def print(self) -> None:
+        for attack, kinds in sorted(self.replies.items()):
+            detail = "; ".join(f"{kind} x{n}" for kind, n in kinds.most_common())
+            print(f"attack {attack}: {detail}", flush=True)
+            for kind in kinds:
+                sample = self.samples.get((attack, kind))
+                if sample:
+                    print(f"  {kind}: {sample}", flush=True)
+
+
+Attack = Callable[[], Awaitable[None]]
+
+
+async def attacker(socket_path: str) -> None:
+    """Run every attack in a loop, forever; `attacking` on stdout once each has begun."""
+    tally = Tally()
+    rng = random.Random(7)
+    attacks: list[tuple[str, Attack]] = []
+
+    async def ask(name: str, conn: Raw, frame: bytes) -> None:
+        tally.note(name, await conn.ask(frame))
+
+    async def engine(name: str, engine_id: str) -> Raw:
+        conn = await Raw.open(socket_path)
+        await ask(name, conn, hello("engine", engine_id, declare=declaration(engine_id, MALLORY, MALLORY_BLOCKS),
+                                    tiers=[TIER], takeover=True))
+        return conn
+
+    async def forge() -> None:
+        for frame in (hello("worker", LEGIT, rank=0), hello("engine", LEGIT, declare=declaration(LEGIT, MALLORY, NUM_BLOCKS)),
+                      hello("operator")):
+            conn = await Raw.open(socket_path)
+            await ask("forge", conn, frame)
+            await conn.aclose()
+
+    async def takeover() -> None:
+        conn = await Raw.open(socket_path)
+        await ask("takeover", conn, hello("engine", LEGIT, declare=declaration(LEGIT, MALLORY, NUM_BLOCKS), takeover=True))
+        await conn.aclose()
+
+    async def collide() -> None:
+        team, team_a = await engine("collide", "team"), await engine("collide", "team/a")
+        for n in range(1, 50):
+            await ask("collide", team, step(n, n, [StartOwner(engine_id="team", req_id="secret")], f"a/s{n}"))
+            await ask("collide", team_a, step(n, n, [FinishOwner(engine_id="team/a", owner_id=1)], f"s{n}"))
+            await ask("collide", team_a, step(n + 1, n, [], f"s{n}"))  # the id again, with other content
+        await team.aclose()
+        await team_a.aclose()
+
+    async def poison() -> None:
+        conn = await engine("poison", "mallory-poison")
+        for n in range(20):
+            await ask("poison", conn, step(2**63 - 1, 1.0, [], f"p{n}"))
+            await ask("poison", conn, step(1 + n, 1e18, [], f"c{n}"))
+        await conn.aclose()
+
+    control = [step(1, 1.0, [BeginStep(engine_id="mallory-control", step=5, clock=5.0)], "bs"),
+               p.frame(p.Execute(command=EndStep(engine_id="mallory-control"), command_id="es"))]
+
+    async def step_control() -> None:
+        conn = await engine("step-control", "mallory-control")
+        for _ in range(20):
+            for frame in control:
+                await ask("step-control", conn, frame)
+        await conn.aclose()
+
+    heavy = p.frame(p.Lookup(tier=TIER.name, token_ids=[rng.randrange(50_000) for _ in range(MAX_LOOKUP_TOKENS)]))
+    over = p.frame(p.Lookup(tier=TIER.name, token_ids=list(range(MAX_LOOKUP_TOKENS + 1))))
+
+    async def lookups() -> None:
+        conn = await engine("lookups", "mallory-lookups")
+        for _ in range(5):
+            await ask("lookups", conn, heavy)
+            await ask("lookups", conn, over)
+        await conn.aclose()
+
+    def subscriber(index: int) -> Attack:
+        engine_id = "mallory-lookups" if index % 2 == 0 else f"made-up-{index}"
+
+        async def subscribe() -> None:
+            conn = await Raw.open(socket_path)
+            await ask("catch-up", conn, hello("worker", engine_id, rank=0))
+            await conn.stream.send(p.frame(p.Subscribe(from_seq=0)))
+            with anyio.move_on_after(1.0):  # what the catch-up sends; then again from 0
+                while True:
+                    tally.note("catch-up", await conn.receive())
+            await conn.aclose()
+        return subscribe
+
+    big = [FinishOwner(engine_id="mallory-big", owner_id=10**9 + i) for i in range(MAX_COMMANDS_PER_STEP)]
+    big_frames = [step(n, float(n), big, f"big{n}") for n in range(1, 6)]
+
+    async def big_steps() -> None:
+        conn = await engine("big-steps", "mallory-big")  # declared again: its steps begin afresh
+        for frame in big_frames:
+            await ask("big-steps", conn, frame)
+        await conn.aclose()
+
+    huge_tier = p.frame(p.Execute(command=DeclareTier(spec=TierSpec(name="huge", num_slots=1 << 24, bytes_per_slot=64)),
+                                  command_id="t"))
+    many_pools = DeclareEngine(engine_id="mallory-pools", namespace=b.namespace(tenant=MALLORY, block_sizes=(b.BLOCK,) * 64),
+                               world_size=2, tiers=[b.TIER],
+                               pools=[b.attention_pool(pool_id=i, num_blocks=1 << 24)
+                                      for i in range(64)])
+
+    async def tiers_pools() -> None:
+        conn = await engine("tiers-pools", "mallory-tiers")
+        await ask("tiers-pools", conn, huge_tier)
+        await conn.aclose()
+        conn = await Raw.open(socket_path)
+        await ask("tiers-pools", conn, hello("engine", "mallory-pools", declare=many_pools))
+        await conn.aclose()
+
+    owner_frames = [step(n, float(n), [StartOwner(engine_id="mallory-owners", req_id=f"o{n}-{i}") for i in range(1000)],
+                         f"o{n}") for n in range(1, 8)]
+
+    async def owners() -> None:
+        conn = await engine("owners", "mallory-owners")  # declared again: the last round's owners are let go
+        for frame in owner_frames:
+            await ask("owners", conn, frame)
+        await conn.aclose()
+
+    def staller(index: int) -> Attack:
+        async def stall() -> None:
+            conn = await Raw.open(socket_path)
+            await conn.stream.send(hello("observer")[: 1 + index % 3])
+            with anyio.move_on_after(30):
+                tally.note("stalls", await conn.receive())  # cut after the frame timeout
+            await conn.aclose()
+        return stall
+
+    async def garbage() -> None:
+        conn = await Raw.open(socket_path)
+        await ask("garbage", conn, (64).to_bytes(4, "big") + rng.randbytes(64))
+        await conn.aclose()
+        conn = await Raw.open(socket_path)
+        await conn.stream.send((16 << 20).to_bytes(4, "big"))  # announces 16 MiB, sends nothing more
+        with anyio.move_on_after(30):
+            tally.note("garbage", await conn.receive())
+        await conn.aclose()
+
+    attacks += [("forge", forge), ("takeover", takeover), ("collide", collide), ("poison", poison),
+                ("step-control", step_control), ("lookups", lookups), ("big-steps", big_steps),
+                ("tiers-pools", tiers_pools), ("owners", owners), ("garbage", garbage)]
+    attacks += [("catch-up", subscriber(i)) for i in range(SUBSCRIBERS)]
+    attacks += [("stalls", staller(i)) for i in range(STALLERS)]
+    begun = 0
+
+    def mark_begun() -> None:
+        nonlocal begun
+        begun += 1
+        if begun == len(attacks):
+            print("attacking", flush=True)
+
+    async def forever(name: str, body: Attack) -> None:
+        first = True
+        while True:
+            if first and name == "stalls":  # a stall's first round ends only when it is cut
+                first = False
+                mark_begun()
+            try:
+                await body()
+            except (OSError, anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError) as error:
+                tally.note(name, f"connection ended ({type(error).__name__})")
+            if first:
+                first = False
+                mark_begun()
+            await anyio.sleep(0.01)
+
+    with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+        async with anyio.create_task_group() as tg:
+            for name, body in attacks:
+                tg.start_soon(forever, name, body)
+            async for _ in signals:
+                tally.print()
+                tg.cancel_scope.cancel()
+                break
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=600, help="timed steps of the legit engine in each phase (default 600)")
+    parser.add_argument("--commands", type=int, default=32, help="commands per legit step (default 32)")
+    parser.add_argument("--warmup", type=int, default=100, help="legit steps before timing (default 100)")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--attacker", metavar="SOCKET", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    if args.attacker:
+        anyio.run(attacker, args.attacker)
+        return 0
+    if args.steps < 1 or args.commands < 1 or args.warmup < 0:
+        parser.error("--steps and --commands must be positive, --warmup not negative")
+    kvledger = Path(sys.executable).parent / "kvledger"
+    out(f"host at start: {load()}")
+    with tempfile.TemporaryDirectory(prefix="kvl-hostile-bench-") as name:
+        directory = Path(name)
+        socket_path = str(directory / "kvledger.sock")
+        credentials = directory / "credentials.toml"
+        credentials.write_text(CREDENTIALS)
+        credentials.chmod(0o600)
+        command = [str(kvledger), "serve", "--socket", socket_path, "--log", str(directory / "log.sqlite"), "--http", "off",
+                   "--credentials", str(credentials)] + [str(x) for option, value in BUDGET.items() for x in (option, value)]
+        output = directory / "serve.log"
+        env = {**os.environ, "KVLEDGER_DATA_DIR": str(directory)}
+        with output.open("wb") as sink:
+            server = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            status = anyio.run(run, args, server, socket_path, directory)
+        except BaseException:
+            console.print(f"the benchmark failed; kvledger serve's last output:\n{server_output(output)}")
+            raise
+        finally:
+            code = stop(server)
+            out(f"sidecar exit code after SIGTERM: {code} ({'clean' if code == 0 else 'NOT clean'})")
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+    return status
+
+
+async def run(args: argparse.Namespace, server: subprocess.Popen[bytes], socket_path: str, directory: Path) -> int:
+    await wait_ready(server, socket_path, OBSERVER_TOKEN)
+    legit = Legit(socket_path, args.commands, args.seed)
+    async with legit.client:
+        console.print(f"phase 1: {args.warmup} warmup and {args.steps} timed steps of {args.commands} commands, alone")
+        await legit.steps(args.warmup)
+        gc.collect()
+        cpu0 = cpu_seconds(server.pid)
+        started = time.perf_counter()
+        alone = await legit.steps(args.steps)
+        alone_wall, cpu1 = time.perf_counter() - started, cpu_seconds(server.pid)
+        rss_before = rss_mib(server.pid)
+        console.print("phase 2: the attacker starts")
+        attack = subprocess.Popen([sys.executable, __file__, "--attacker", socket_path], stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, cwd=ROOT, text=True)
+        try:
+            assert attack.stdout is not None
+            with anyio.fail_after(START_TIMEOUT):
+                line = await anyio.to_thread.run_sync(attack.stdout.readline)
+            if line.strip() != "attacking":
+                raise RuntimeError(f"the attacker said {line!r}, not `attacking`")
+            peak = rss_before
+
+            async def watch_rss() -> None:
+                nonlocal peak
+                while True:
+                    peak = max(peak, rss_mib(server.pid))
+                    await anyio.sleep(0.1)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch_rss)
+                await anyio.sleep(2.0)  # every attack well under way
+                cpu2, attack_cpu0 = cpu_seconds(server.pid), cpu_seconds(attack.pid)[1]
+                started = time.perf_counter()
+                attacked = await legit.steps(args.steps)
+                attacked_wall, cpu3, attack_cpu1 = time.perf_counter() - started, cpu_seconds(server.pid), cpu_seconds(attack.pid)[1]
+                tg.cancel_scope.cancel()
+            peak = max(peak, rss_mib(server.pid))
+        finally:
+            attack.send_signal(signal.SIGTERM)
+            try:
+                tally, _ = await anyio.to_thread.run_sync(lambda: attack.communicate(timeout=30))
+            except subprocess.TimeoutExpired:
+                attack.kill()
+                tally = "(the attacker did not stop within 30 s)"
+    print(tally, end="", flush=True)
+    a50, a99, amax = figures(alone)
+    h50, h99, hmax = figures(attacked)
+    ratio = h99 / a99
+    growth = peak - rss_before
+    out(f"legit engine, {args.steps} steps of {args.commands} commands each phase (after {args.warmup} warmup steps)")
+    out(f"alone: p50 {a50:.2f} ms, p99 {a99:.2f} ms, max {amax:.2f} ms in {alone_wall:.2f} s; "
+        f"sidecar CPU {cpu1[1] - cpu0[1]:.2f} s" if cpu0[1] is not None and cpu1[1] is not None else "")
+    attacker_cpu = f", attacker CPU {attack_cpu1 - attack_cpu0:.2f} s" if attack_cpu0 is not None and attack_cpu1 is not None else ""
+    out(f"under attack: p50 {h50:.2f} ms, p99 {h99:.2f} ms, max {hmax:.2f} ms in {attacked_wall:.2f} s; "
+        f"sidecar CPU {cpu3[1] - cpu2[1]:.2f} s{attacker_cpu}" if cpu2[1] is not None and cpu3[1] is not None else "")
+    out(f"sidecar RSS {rss_before:.1f} MiB after phase 1, peak {peak:.1f} MiB under attack")
+    refused = sum(legit.load.refused for _ in [0])
+    out(f"legit commands refused: {refused} (0 expected)")
+    met = [h99 <= P99_RATIO_TARGET * a99, h99 <= P99_TARGET_MS, growth <= RSS_TARGET_MIB]
+    out(f"targets: p99 under attack <= {P99_RATIO_TARGET:g}x alone: {'met' if met[0] else 'MISSED'}; "
+        f"<= {P99_TARGET_MS:g} ms: {'met' if met[1] else 'MISSED'}; RSS growth <= {RSS_TARGET_MIB:g} MiB: "
+        f"{'met' if met[2] else 'MISSED'}")
+    out(f"host at end: {load()}")
+    out(f"p99 alone ms {a99:.2f}")
+    out(f"p99 under attack ms {h99:.2f}")
+    out(f"p99 ratio {ratio:.2f}")
+    out(f"rss growth MiB {growth:.1f}")
+    return 0 if refused == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
