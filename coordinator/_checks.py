@@ -19,7 +19,10 @@ MAX_LEASE_SECONDS = 86_400.0
 MAX_STEP_JUMP = 1 << 48
 """How far one step number may leap past the engine's last (~8.9 years of a microsecond wall
 clock, vLLM's step numbers). Unbounded, one step numbered 2**63-1 refused every later step of
-the engine (issue 17). The first step of an incarnation may be any number in 0..MAX_STEP_JUMP."""
+the engine (issue 17). The first step of an incarnation may be any number in 0..MAX_FIRST_STEP."""
+MAX_FIRST_STEP = 1 << 53
+"""The largest first step of an incarnation: a microsecond wall clock (vLLM's step numbers, ~1.8e15
+now) fits until the year 2255."""
 MAX_CLOCK_JUMP = float(1 << 28)
 """How far one step's clock (seconds) may leap past the engine's last (~8.5 years). The first
 step of an incarnation may set any finite clock; every later one moves from it."""

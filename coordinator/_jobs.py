@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import msgspec
 
 from coordinator import _checks as check
 from coordinator import _external
@@ -50,7 +52,30 @@ def _lookup_prefix(state: State, command: LookupPrefix) -> list[Event]:
     return [prefix_hit(state, command, check.engine_in_step(state, command.engine_id))]
 
 
-def prefix_hit(state: State, command: LookupPrefix, eng: EngineState) -> PrefixLookedUp:
+class Chains(msgspec.Struct, frozen=True):
+    """A lookup's chain keys, hashed before it is decided (`hash_chains`: the sidecar hashes a long
+    lookup off its event loop). Used only if they were hashed for the engine's namespace and block
+    sizes as the state has them when the lookup is decided."""
+
+    namespace_id: bytes
+    block_sizes: dict[int, int]
+    """pool id -> block size, of every group a prefix hit restores."""
+    keys: dict[int, list[bytes]]
+
+
+def lookup_groups(eng: EngineState) -> dict[int, int]:
+    """The groups a lookup hashes: pool id -> block size (every pool but the encoder's)."""
+    return {pool.spec.pool_id: pool.spec.block_size for pool in eng.pools.values() if pool.spec.kind != "encoder"}
+
+
+def hash_chains(namespace_id: bytes, block_sizes: dict[int, int], token_ids: Sequence[int],
+                extra_keys: Sequence[str]) -> Chains:
+    """Pure, and touches no state: it can run on any thread."""
+    return Chains(namespace_id, dict(block_sizes),
+                  {pool_id: chain_keys(namespace_id, token_ids, size, extra_keys) for pool_id, size in block_sizes.items()})
+
+
+def prefix_hit(state: State, command: LookupPrefix, eng: EngineState, hashed: Chains | None = None) -> PrefixLookedUp:
     """The longest boundary that is a whole reuse unit (I7) at which every group needed to
     resume has a loadable key (I6), in this engine's namespace only (I9)."""
     tier = check.tier(state, eng, command.tier)
@@ -65,10 +90,13 @@ def prefix_hit(state: State, command: LookupPrefix, eng: EngineState) -> PrefixL
     if is_off(Protection.WHOLE_UNITS) and groups:
         unit = min(p.spec.block_size for p in groups)  # the naive, finer granularity
     tokens = command.token_ids
-    chains = {
-        p.spec.pool_id: chain_keys(eng.namespace_id, tokens, p.spec.block_size, command.extra_keys)
-        for p in groups
-    }
+    if hashed is not None and hashed.namespace_id == eng.namespace_id and hashed.block_sizes == lookup_groups(eng):
+        chains = hashed.keys
+    else:
+        chains = {
+            p.spec.pool_id: chain_keys(eng.namespace_id, tokens, p.spec.block_size, command.extra_keys)
+            for p in groups
+        }
 
     def loadable_prefix_sums(pool: PoolState) -> list[int]:
         """sums[i] = how many of the first i blocks have a loadable key (I9: this namespace)."""
@@ -98,8 +126,17 @@ def prefix_hit(state: State, command: LookupPrefix, eng: EngineState) -> PrefixL
         return counts[span.stop] - counts[span.start] == len(span)
 
     boundary = 0
+    # A full-attention group needs every block before the boundary: none lies past its first
+    # unloadable block, so the search starts there (a miss is answered at once, not after
+    # trying every candidate of a 262,144-token lookup).
+    top = len(tokens) // unit * unit if unit else 0
+    for p in groups:
+        if p.spec.kind == "attention":
+            counts = sums[p.spec.pool_id]
+            loadable = next((i for i in range(len(counts) - 1) if counts[i + 1] == counts[i]), len(counts) - 1)
+            top = min(top, loadable * p.spec.block_size // unit * unit if unit else 0)
     if unit:
-        for candidate in range(len(tokens) // unit * unit, 0, -unit):
+        for candidate in range(top, 0, -unit):
             if all(valid(p, candidate) for p in groups):
                 boundary = candidate
                 break

@@ -632,12 +632,14 @@ class SyncWorkerClient:
 
     def report_all(self, reports: Sequence[tuple[ReportRank, str]]) -> list[list[Event]]:
         """Several (report, command id) in one round trip, committed together; what each committed."""
-        if not reports:
-            return []
-        message = p.Reports(reports=[p.Report(report=report, command_id=command_id) for report, command_id in reports])
-        committed = self._requester.request(
-            message, p.ReportsCommitted, lambda: _hello("worker", self.engine_id, self.address.token, rank=self.rank))
-        return [list(result.events) for result in committed.results]
+        results: list[list[Event]] = []
+        for start in range(0, len(reports), p.MAX_COMMANDS):  # the sidecar refuses a larger Reports
+            message = p.Reports(reports=[p.Report(report=report, command_id=command_id)
+                                         for report, command_id in reports[start : start + p.MAX_COMMANDS]])
+            committed = self._requester.request(
+                message, p.ReportsCommitted, lambda: _hello("worker", self.engine_id, self.address.token, rank=self.rank))
+            results += [list(result.events) for result in committed.results]
+        return results
 
     def close(self) -> None:
         self._requester.drop()

@@ -80,11 +80,12 @@ def decide(state: State, command: AnyCommand) -> list[Event]:
         return [_refusal_event(state, command, refusal)]
 
 
-def lookup(state: State, command: LookupPrefix) -> PrefixLookedUp | Refused:
+def lookup(state: State, command: LookupPrefix, hashed: _jobs.Chains | None = None) -> PrefixLookedUp | Refused:
     """The read-only fast path of LookupPrefix: the same answer, outside any step, recorded
-    nowhere (the sidecar's Lookup). A refusal comes back as the Refused event it would be."""
+    nowhere (the sidecar's Lookup). A refusal comes back as the Refused event it would be.
+    `hashed`: its chain keys, hashed beforehand (`_jobs.hash_chains`), used if still right."""
     try:
-        return _jobs.prefix_hit(state, command, check.engine(state, command.engine_id))
+        return _jobs.prefix_hit(state, command, check.engine(state, command.engine_id), hashed)
     except Refusal as refusal:
         event = _refusal_event(state, command, refusal)
         assert isinstance(event, Refused)
@@ -247,9 +248,11 @@ def _begin_step(state: State, command: BeginStep) -> list[Event]:
     if command.step <= eng.step:
         raise Refusal(Reason.STEP_NOT_ADVANCING, f"step {command.step} after step {eng.step}")
     first = eng.step < 0  # the first step of this incarnation: a declaration starts steps afresh
-    if command.step - max(eng.step, 0) > check.MAX_STEP_JUMP:
-        since = "0 (the incarnation's first step)" if first else f"step {eng.step}"
-        raise Refusal(Reason.STEP_JUMP, f"step {command.step} leaps more than {check.MAX_STEP_JUMP:,} past {since}")
+    if first and command.step > check.MAX_FIRST_STEP:
+        raise Refusal(Reason.STEP_JUMP, f"step {command.step} is above {check.MAX_FIRST_STEP:,}, the largest first "
+                                        "step of an incarnation")
+    if not first and command.step - eng.step > check.MAX_STEP_JUMP:
+        raise Refusal(Reason.STEP_JUMP, f"step {command.step} leaps more than {check.MAX_STEP_JUMP:,} past step {eng.step}")
     check.finite(command.clock, "clock", low=-1e18, high=1e18)
     if command.clock < eng.clock and not first:
         raise Refusal(Reason.CLOCK_REGRESSED, f"clock {command.clock} < {eng.clock}")

@@ -357,6 +357,8 @@ async def test_a_poisoned_step_is_refused_and_a_new_incarnation_starts_its_steps
             await client.step(11 + MAX_STEP_JUMP, 12.0, [])  # the largest leap there is: taken
         async with _client(sock, "pod-a") as restarted:  # a new incarnation: its steps begin again
             assert sidecar.ledger.state.engines["pod-a"].incarnation == 2
+            first = await restarted.step(2**63 - 1, 1.0, [])  # a first step is at most 2**53 (a microsecond clock)
+            assert isinstance(first.began[0], Refused) and first.began[0].reason == "step_jump", first.began
             again = await restarted.step(1, 1.0, [])
             assert not isinstance(again.began[0], Refused), again.began
 

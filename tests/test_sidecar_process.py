@@ -54,7 +54,7 @@ def test_serve_refuses_tcp_without_a_token_in_one_line(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "KVLEDGER_DATA_DIR": str(tmp_path)},
     )
     assert run.returncode == 2
-    assert run.stderr.strip().splitlines()[-1] == "kvledger serve: --tcp needs a token (--token or KVLEDGER_TOKEN): TCP clients must authenticate"
+    assert run.stderr.strip().splitlines()[-1] == "kvledger serve: --tcp needs a token (--token or KVLEDGER_TOKEN, or a token in --credentials): TCP clients must authenticate"
 
 
 def test_serve_on_a_socket_path_that_is_a_regular_file_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -9,18 +9,21 @@ buffer fills is closed with the sequence it can resume from; the others are not 
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import anyio
 import structlog
 
 from coordinator.recovery import decode_step, stored_steps
-from coordinator.sidecar.protocol import Decision, decisions_for
+from coordinator.sidecar.protocol import DECISION_TYPES, Decision, decisions_for
 from events import Event, EventCodec
 from events.log import EventLog, StoredStep
 
 log = structlog.get_logger("kvledger.hub")
+T = TypeVar("T")
 
 CATCH_UP_BATCH = 2_000
 """Events a catch-up reads and decodes at a time (in a worker thread)."""
@@ -85,8 +88,9 @@ class DecisionHub:
         """The highest committed sequence published so far."""
         self.capacity = capacity
         self.subscriptions: set[Subscription] = set()
-        self._catching_up = anyio.Lock()
-        """Held while a catch-up batch is read and decoded: catch-ups take turns, batch by batch."""
+        self.heavy_reads = anyio.Lock()
+        """Held while a catch-up batch is read and decoded, or a long lookup hashed (server.py), in
+        a worker thread: heavy reads take turns, so together they hold at most one core."""
 
     def register(self, engine_id: str, rank: int, from_seq: int) -> Subscription:
         subscription = Subscription(engine_id, rank, from_seq, self.last_seq, self.capacity)
@@ -98,13 +102,20 @@ class DecisionHub:
 
     def publish(self, commits: list[tuple[list[Event], int]], last_seq: int) -> None:
         """After a commit: offer each subscription its decisions among (events, first_seq)."""
-        for subscription in self.subscriptions:
-            decisions = [
-                d for events, first in commits
-                for d in decisions_for(events, first, subscription.engine_id, subscription.rank)
-            ]
-            if decisions:
-                subscription.offer(decisions)
+        if self.subscriptions:
+            # The decisions among the events, found once (most commits hold none), then each
+            # subscription's among them: not every event once per subscription.
+            found = [(first + index, event) for events, first in commits for index, event in enumerate(events)
+                     if isinstance(event, DECISION_TYPES)]
+            if found:
+                engines = {event.engine_id for _, event in found}
+                for subscription in self.subscriptions:
+                    if subscription.engine_id not in engines:
+                        continue
+                    decisions = [d for seq, event in found
+                                 for d in decisions_for([event], seq, subscription.engine_id, subscription.rank)]
+                    if decisions:
+                        subscription.offer(decisions)
         self.last_seq = max(self.last_seq, last_seq)
 
     async def publish_from_log(self, until: int) -> None:
@@ -137,20 +148,41 @@ class DecisionHub:
         engine's step p99 past 50 ms (issue 17)."""
         last, until = subscription.from_seq, subscription.registered_at
         while last < until:
-            async with self._catching_up:
+            async with self.heavy_reads:
+                started = time.perf_counter()
                 steps = await self.log.read_steps(last, min(CATCH_UP_BATCH, until - last))
                 if not steps:
                     return
                 decisions = await anyio.to_thread.run_sync(self._decisions_in, steps, subscription, last)
+                await anyio.sleep(time.perf_counter() - started)  # as _heavy_held: at most half the time
             last = steps[-1].last_seq
             if decisions:
                 yield decisions
 
+    async def heavy(self, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)` in a worker thread, as a heavy read: one at a time (`heavy_reads`)."""
+        async with self.heavy_reads:
+            return await self._heavy_held(work, *args)
+
+    async def _heavy_held(self, work: Callable[..., T], *args: Any) -> T:
+        # Then as long again before the next heavy read: in a worker thread it still takes the
+        # GIL from the event loop, so heavy reads together get at most half of it.
+        started = time.perf_counter()
+        result = await anyio.to_thread.run_sync(work, *args)
+        await anyio.sleep(time.perf_counter() - started)
+        return result
+
     def _decisions_in(self, steps: list[StoredStep], subscription: Subscription, after_seq: int) -> list[Decision]:
+        # A decision is an event of its engine's own command (StartStore, StartLoad, PlanStateCopy,
+        # their external forms), and every command naming an engine is committed to the engine's
+        # stream (coordinator.ledger.stream_for): other streams' steps are not decoded at all.
+        stream = f"engine/{subscription.engine_id}"
         decisions = []
         for step in steps:
             if step.first_seq > subscription.registered_at:
                 break
+            if step.stream_id != stream:
+                continue
             after = max(after_seq, step.first_seq - 1)
             events = decode_step(self.codec, step, after)
             decisions += [

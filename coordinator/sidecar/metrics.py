@@ -104,9 +104,11 @@ class SidecarMetrics:
         # with no such failure is a store's conflict (I10).
         counted = [event for event in events if type(event) in _COUNTED]  # most events count only in events_appended
         failed_loads = {e.job_id for e in counted if isinstance(e, JobFailed) and e.reason == Reason.CHECKSUM_MISMATCH}
+        refusals: dict[tuple[str, str], int] = {}  # one labels() call per kind, not per event
         for event in counted:
             if isinstance(event, (Refused, NoticeDropped)):
-                self.refusals.labels("refused" if isinstance(event, Refused) else "dropped", event.reason.value).inc()
+                labels = ("refused" if isinstance(event, Refused) else "dropped", event.reason.value)
+                refusals[labels] = refusals.get(labels, 0) + 1
                 if event.reason == Reason.CONFLICTING_REPORT:  # a report is a notice: dropped, not refused
                     self.integrity_violations.labels("conflicting_report").inc()
             elif isinstance(event, JobFailed):
@@ -123,6 +125,8 @@ class SidecarMetrics:
                 self.lookups.labels("miss").inc(len(event.loadable) - hits)
             elif isinstance(event, (StoreJobStarted, LoadJobStarted, StateCopyPlanned)):
                 self.job_started[event.job_id] = self._clock()
+        for labels, count in refusals.items():
+            self.refusals.labels(*labels).inc(count)
         if len(self.job_started) > 2 * _in_flight(self._state()) + 1024:
             # Nobody scrapes (the collector forgets finished jobs too): keep this bounded.
             _forget_finished(self.job_started, self._state())

@@ -133,6 +133,11 @@ class Report(Message, frozen=True, tag="report"):
     command_id: str = ""
 
 
+MAX_COMMANDS = 1024
+"""Commands in one Step, reports in one Reports: a larger one is refused (`invalid_message`),
+and a client splits it (see coordinator.sidecar.admission.MAX_COMMANDS_PER_STEP for why)."""
+
+
 class Reports(Message, frozen=True, tag="reports"):
     """Several (job, rank) reports of one worker, committed together in one group (a worker that
     moves many jobs in one engine pass reports them in one round trip). Each keeps its command id:

@@ -17,6 +17,7 @@ import signal
 import socket
 import stat
 import struct
+import sys
 import time
 from collections.abc import Awaitable, Callable, Container, Iterator
 from pathlib import Path
@@ -32,6 +33,8 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from coordinator.audit.api import load_tokens
 from coordinator.commands import OPERATOR_COMMANDS, AnyCommand, DeclareTier, LookupExternal, LookupPrefix
+from coordinator._checks import MAX_EXTRA_KEYS, MAX_LOOKUP_TOKENS
+from coordinator._jobs import Chains, hash_chains, lookup_groups
 from coordinator.decider import lookup, lookup_keys
 from coordinator.ledger import Commit, Ledger, Single, Step as LedgerStep, StepCommit
 from coordinator.protections import switched_off
@@ -161,6 +164,13 @@ class Connection:
             await self.stream.send(p.frame(message))
 
 
+LARGE_FRAME = 256 << 10
+"""A frame of more bytes is decoded in a worker thread, as a heavy read."""
+LONG_LOOKUP_TOKENS = 4096
+"""A Lookup of more token ids is hashed in a worker thread (`_hash_long_lookup`)."""
+SWITCH_INTERVAL = 0.001
+"""Seconds a thread holds the GIL before another may take it (Python's default is 0.005): the
+event loop waits at most this long behind a heavy read running in a worker thread."""
 PROBE_SECONDS = 2.0
 """How often the sidecar looks at its log while serving (`Sidecar._probe_log`)."""
 PROBE_TIMEOUT_SECONDS = 10.0
@@ -454,7 +464,8 @@ class Sidecar:
                                   f"a frame begun was not complete after {self.config.frame_timeout:g} s", fatal=True)
                 return
             try:
-                message = p.decode_client(body)
+                # A large frame (a long Lookup: 262,144 token ids take ~11 ms) is decoded off the loop.
+                message = await self.hub.heavy(p.decode_client, body) if len(body) > LARGE_FRAME else p.decode_client(body)
             except p.FrameError as error:
                 await self._error(conn, error.code, str(error))
                 continue
@@ -658,9 +669,10 @@ class Sidecar:
         if isinstance(message, p.Lookup):
             command = LookupPrefix(engine_id=session.engine_id, tier=message.tier, token_ids=message.token_ids,
                                    extra_keys=message.extra_keys)
+            hashed = await self._hash_long_lookup(session, message)
             async with self.ledger.committed() as state:
                 with switched_off(self.ledger.protections_off):  # empty outside the simulator
-                    return p.LookupResult(answer=lookup(state, command))
+                    return p.LookupResult(answer=lookup(state, command, hashed))
         if isinstance(message, p.LookupKeys):
             return self._lookup_keys(session, message)
         if isinstance(message, p.Execute):
@@ -668,6 +680,16 @@ class Sidecar:
             return problem or await self._commit_single(session, "execute", message.command, message.command_id)
         assert isinstance(message, p.Step)
         return await self._step(session, message)
+
+    async def _hash_long_lookup(self, session: Session, message: p.Lookup) -> Chains | None:
+        """A long Lookup's chain keys, hashed in a worker thread, one heavy read at a time: one of
+        262,144 token ids hashes for ~0.1 s, which held every engine's steps on the event loop."""
+        engine = self.ledger.state.engines.get(session.engine_id)
+        if engine is None or not LONG_LOOKUP_TOKENS < len(message.token_ids) <= MAX_LOOKUP_TOKENS \
+                or len(message.extra_keys) > MAX_EXTRA_KEYS:
+            return None  # short, or refused by the decider anyway
+        return await self.hub.heavy(hash_chains, engine.namespace_id, lookup_groups(engine), message.token_ids,
+                                    message.extra_keys)
 
     def _lookup_keys(self, session: Session, message: p.LookupKeys) -> p.ServerMessage:
         """Answered at once from the state, never waiting for a commit: what the groups in
@@ -867,6 +889,7 @@ def _wrong_role(session: Session, message: p.Message) -> p.Error:
 async def run_sidecar(config: ServeConfig, *, on_started: Callable[[Sidecar], None] | None = None) -> None:
     """Open the log, recover, serve until SIGTERM/SIGINT, drain, snapshot."""
     check_config(config)
+    sys.setswitchinterval(SWITCH_INTERVAL)
     event_log: EventLog = await open_log(config.log_url)
     try:
         ledger = await Ledger.open(event_log, snapshot_every=config.snapshot_every)

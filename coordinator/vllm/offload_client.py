@@ -356,6 +356,14 @@ class LedgerSession:
             store.evicted = [e for e in events if isinstance(e, KeyEvicted)]
 
     def _decide(self, commands: list[AnyCommand]) -> list[list[Event]]:
+        """Each command's events: in one step, or in steps of p.MAX_COMMANDS for a pass
+        that holds more (the sidecar refuses a larger step)."""
+        results: list[list[Event]] = []
+        for start in range(0, len(commands), p.MAX_COMMANDS):
+            results += self._decide_step(commands[start : start + p.MAX_COMMANDS])
+        return results
+
+    def _decide_step(self, commands: list[AnyCommand]) -> list[list[Event]]:
         # Steps must advance and the clock must not go back, across restarts of a stable engine
         # id too: wall-clock microseconds as the step, wall-clock seconds as the clock (leases).
         now = time.time()

@@ -199,6 +199,12 @@ def hello(role: str, engine_id: str = "", **fields: object) -> bytes:
     return p.frame(p.Hello(protocol=p.PROTOCOL_VERSION, role=role, engine_id=engine_id, token=MALLORY_TOKEN, **fields))  # type: ignore[arg-type]
 
 
+def _with_id(frame: bytes, command_id: str) -> bytes:
+    """A Step frame encoded with command id "{id}", with `command_id` in its place (re-framed)."""
+    body = frame[p.HEADER_BYTES:].replace(b"\xa4{id}", msgspec.msgpack.encode(command_id), 1)
+    return len(body).to_bytes(p.HEADER_BYTES, "big") + body
+
+
 def step(number: int, clock: float, commands: list[AnyCommand], command_id: str) -> bytes:
     return p.frame(p.Step(step=number, clock=clock, commands=commands, command_id=command_id))
 
@@ -237,7 +243,7 @@ class Tally:
 Attack = Callable[[], Awaitable[None]]
 
 
-async def attacker(socket_path: str) -> None:
+async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None:
     """Run every attack in a loop, forever; `attacking` on stdout once each has begun."""
     tally = Tally()
     rng = random.Random(7)
@@ -314,12 +320,16 @@ async def attacker(socket_path: str) -> None:
         return subscribe
 
     big = [FinishOwner(engine_id="mallory-big", owner_id=10**9 + i) for i in range(MAX_COMMANDS_PER_STEP)]
-    big_frames = [step(n, float(n), big, f"big{n}") for n in range(1, 6)]
+    big_frames = [p.frame(p.Step(step=n, clock=float(n), commands=big, command_id="{id}")) for n in range(1, 6)]
+    rounds = 0
 
     async def big_steps() -> None:
+        nonlocal rounds
         conn = await engine("big-steps", "mallory-big")  # declared again: its steps begin afresh
-        for frame in big_frames:
-            await ask("big-steps", conn, frame)
+        rounds += 1
+        for n, frame in enumerate(big_frames):
+            # A fresh command id each time (one reused would be answered from the log as a duplicate).
+            await ask("big-steps", conn, _with_id(frame, f"big-{rounds}-{n}"))
         await conn.aclose()
 
     huge_tier = p.frame(p.Execute(command=DeclareTier(spec=TierSpec(name="huge", num_slots=1 << 24, bytes_per_slot=64)),
@@ -338,12 +348,14 @@ async def attacker(socket_path: str) -> None:
         await conn.aclose()
 
     owner_frames = [step(n, float(n), [StartOwner(engine_id="mallory-owners", req_id=f"o{n}-{i}") for i in range(1000)],
-                         f"o{n}") for n in range(1, 8)]
+                         "{id}") for n in range(1, 8)]
 
     async def owners() -> None:
+        nonlocal rounds
         conn = await engine("owners", "mallory-owners")  # declared again: the last round's owners are let go
-        for frame in owner_frames:
-            await ask("owners", conn, frame)
+        rounds += 1
+        for n, frame in enumerate(owner_frames):
+            await ask("owners", conn, _with_id(frame, f"owners-{rounds}-{n}"))
         await conn.aclose()
 
     def staller(index: int) -> Attack:
@@ -370,6 +382,8 @@ async def attacker(socket_path: str) -> None:
                 ("tiers-pools", tiers_pools), ("owners", owners), ("garbage", garbage)]
     attacks += [("catch-up", subscriber(i)) for i in range(SUBSCRIBERS)]
     attacks += [("stalls", staller(i)) for i in range(STALLERS)]
+    if only:
+        attacks[:] = [(name, body) for name, body in attacks if name in only]
     begun = 0
 
     def mark_begun() -> None:
@@ -412,11 +426,12 @@ def main() -> int:
     parser.add_argument("--commands", type=int, default=32, help="commands per legit step (default 32)")
     parser.add_argument("--warmup", type=int, default=100, help="legit steps before timing (default 100)")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--attacks", default="", help="only these attacks, comma-separated (default: every one)")
     parser.add_argument("--attacker", metavar="SOCKET", help=argparse.SUPPRESS)
     args = parser.parse_args()
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     if args.attacker:
-        anyio.run(attacker, args.attacker)
+        anyio.run(attacker, args.attacker, frozenset(filter(None, args.attacks.split(","))))
         return 0
     if args.steps < 1 or args.commands < 1 or args.warmup < 0:
         parser.error("--steps and --commands must be positive, --warmup not negative")
@@ -461,7 +476,7 @@ async def run(args: argparse.Namespace, server: subprocess.Popen[bytes], socket_
         alone_wall, cpu1 = time.perf_counter() - started, cpu_seconds(server.pid)
         rss_before = rss_mib(server.pid)
         console.print("phase 2: the attacker starts")
-        attack = subprocess.Popen([sys.executable, __file__, "--attacker", socket_path], stdout=subprocess.PIPE,
+        attack = subprocess.Popen([sys.executable, __file__, "--attacker", socket_path, "--attacks", args.attacks], stdout=subprocess.PIPE,
                                   stderr=subprocess.DEVNULL, cwd=ROOT, text=True)
         try:
             assert attack.stdout is not None
