@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 
 import anyio
+import blake3
 import msgspec
 import structlog
 import uuid_utils
@@ -47,6 +48,9 @@ class Commit(msgspec.Struct, frozen=True, kw_only=True):
     last_seq: int
     duplicate: bool = False
     """A retry of an already committed command id: `events` are the original ones."""
+    reused: bool = False
+    """A duplicate whose command id was committed with other content (`content_digest`): the
+    caller must not take `events` for what it sent (the sidecar refuses it `command_id_reused`)."""
 
 
 NAMESPACE_STREAM = "namespaces"
@@ -96,6 +100,15 @@ class Recorded(msgspec.Struct, frozen=True, kw_only=True):
 
 Submission = Step | Single
 """What a caller submits to be decided: a step or one command."""
+
+_digest_encoder = msgspec.msgpack.Encoder()
+
+
+def content_digest(tx: Submission) -> bytes:
+    """What a command id stands for: its step (engine, number, clock, commands) or its command.
+    Kept with the id in the log, so a retry with other content is told apart from a retry."""
+    content = (tx.engine_id, tx.step, tx.clock, list(tx.commands)) if isinstance(tx, Step) else tx.command
+    return blake3.blake3(_digest_encoder.encode(content)).digest(16)
 Transaction = Submission | Recorded
 
 
@@ -364,7 +377,12 @@ class Ledger:
                 assert not isinstance(tx, Recorded) and tx.command_id is not None
                 original = group.done.get(tx.command_id)
                 earlier = results[group.first_of[tx.command_id]] if original is None else None
-                results[index] = await self._retried(tx, original, earlier)
+                retried = await self._retried(tx, original, earlier)
+                first_digest = original.digest if original is not None else \
+                    content_digest(_submission(group.transactions[group.first_of[tx.command_id]]))
+                if first_digest is not None and first_digest != content_digest(tx):
+                    retried = _reused(retried)
+                results[index] = retried
         snapshot = None
         if self._steps_since_snapshot >= self._snapshot_every:
             async with self._lock:
@@ -435,7 +453,8 @@ class Ledger:
                 raise DecideFailed(index, error) from error
             version = expected.get(stream, 0)
             batches.append(AppendBatch(stream_id=stream, expected_version=version,
-                                       events=self._pending_events(events, step, now), command_id=command_id))
+                                       events=self._pending_events(events, step, now), command_id=command_id,
+                                       digest=None if command_id is None or isinstance(tx, Recorded) else content_digest(tx)))
             expected[stream] = version + len(events)
             decided.append((index, stream, events, detail))
         return batches, decided, first_of
@@ -524,6 +543,17 @@ class DecideFailed(RuntimeError):
         super().__init__(f"the core failed on transaction {index} of the group: {type(cause).__name__}: {cause}")
         self.index = index
         self.cause = cause
+
+
+def _submission(tx: Transaction) -> Submission:
+    assert not isinstance(tx, Recorded)
+    return tx
+
+
+def _reused(result: StepCommit | Commit) -> StepCommit | Commit:
+    if isinstance(result, StepCommit):
+        return msgspec.structs.replace(result, commit=msgspec.structs.replace(result.commit, reused=True))
+    return msgspec.structs.replace(result, reused=True)
 
 
 _PLACEHOLDER = Commit(events=[], stream_id="", first_seq=0, last_seq=0)

@@ -577,8 +577,8 @@ async def test_a_step_number_beyond_the_logs_64_bit_column_is_invalid_and_commit
         assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.INVALID_MESSAGE and "$.step" in reply.message, reply
         assert await _mark(sidecar, event_log) == before
         assert not [entry for entry in logs if entry["event"] in ("ledger_rebuilt_from_log", "commit_failed")]
-        largest = await client.step(p.MAX_STEP, 2.0, [])
-        assert not largest.duplicate and isinstance(largest.began[0], StepBegan)
+        largest = await client.step(p.MAX_STEP, 2.0, [])  # a valid message, decided: a leap the decider refuses
+        assert not largest.duplicate and isinstance(largest.began[0], Refused) and largest.began[0].reason == "step_jump"
 
 
 @pytest.mark.anyio

@@ -70,7 +70,8 @@ async def test_a_command_id_sent_again_with_other_content_is_refused_command_id_
             with pytest.raises(SidecarError) as reused:
                 await client.step(step, clock, [], command_id="s")
             assert reused.value.code is p.ErrorCode.COMMAND_ID_REUSED and "new command id" in str(reused.value)
-        assert (await client.step(1, 1.0, [], command_id="s")).duplicate  # the same step: its committed answer
+        again = await client.step(1, 1.0, [StartOwner(engine_id="pod-a", req_id="r1")], command_id="s")
+        assert again.duplicate  # the same step: its committed answer
         assert await event_log.head() == head
 
 
@@ -564,3 +565,52 @@ async def test_a_subscribers_catch_up_is_decoded_off_the_event_loop_and_a_made_u
         assert decoded_on == []  # nothing of the log was read for it
         await worker.aclose()
         await stranger.aclose()
+
+
+async def test_a_command_id_is_a_duplicate_only_for_the_same_content_even_across_a_restart(
+    event_log: EventLog, tmp_path: Path
+) -> None:
+    """The same step number and clock with other commands, or an Execute reusing its id for
+    another command, was answered with the first one's events as a duplicate. The log keeps each
+    id's content digest (kvl_commands.digest), so this holds after a restart too."""
+    sock = tmp_path / "s.sock"
+    first_commands = [StartOwner(engine_id="pod-a", req_id="r1")]
+    for restart in (False, True):
+        async with sidecar_on(event_log, sock), _client(sock, "pod-a") as client:
+            if not restart:
+                await client.step(1, 1.0, first_commands, command_id="s")
+                await client.execute(StartStore(engine_id="pod-a", tier=TIER_SPEC.name, blocks=[]), command_id="e")
+            head = await event_log.head()
+            with pytest.raises(SidecarError) as other_step:
+                await client.step(1, 1.0, [StartOwner(engine_id="pod-a", req_id="another")], command_id="s")
+            assert other_step.value.code is p.ErrorCode.COMMAND_ID_REUSED and "other content" in str(other_step.value)
+            with pytest.raises(SidecarError) as other_execute:
+                await client.execute(StartStore(engine_id="pod-a", tier="another-tier", blocks=[]), command_id="e")
+            assert other_execute.value.code is p.ErrorCode.COMMAND_ID_REUSED
+            assert (await client.step(1, 1.0, first_commands, command_id="s")).duplicate  # the same: its answer
+            assert (await client.execute(StartStore(engine_id="pod-a", tier=TIER_SPEC.name, blocks=[]),
+                                         command_id="e")).duplicate
+            assert await event_log.head() == head
+
+
+async def test_two_reports_with_one_command_id_in_one_batch_are_refused_unless_the_same(
+    event_log: EventLog, tmp_path: Path
+) -> None:
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock), _client(sock, "pod-a") as client:
+        job = await Engine(client).request(0)
+        ok = ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=[b"\x01" * 16] * len(job.items))
+        failed = ReportRank(job_id=job.job_id, rank=0, ok=False, checksums=[])
+        from coordinator.client import SyncWorkerClient
+
+        import anyio
+
+        worker = SyncWorkerClient(Address(socket_path=str(sock)), "pod-a", 0, retry_for=5)
+        try:
+            with pytest.raises(SidecarError) as reused:
+                await anyio.to_thread.run_sync(worker.report_all, [(ok, "same-id"), (failed, "same-id")])
+            assert reused.value.code is p.ErrorCode.COMMAND_ID_REUSED
+            same = await anyio.to_thread.run_sync(worker.report_all, [(ok, "id-2"), (ok, "id-2")])
+            assert same[0] == same[1]
+        finally:
+            worker.close()

@@ -647,7 +647,7 @@ async def test_command_ids_are_per_engine_so_a_shared_id_never_returns_another_e
         assert not second.duplicate and second.first_seq > first.last_seq
         [owner] = [e for e in second.results[0] if isinstance(e, OwnerStarted)]
         assert owner.req_id == "b" and owner.engine_id == "pod-b"
-        again = await a.step(1, 1.0, [], command_id="step-1")
+        again = await a.step(1, 1.0, [StartOwner(engine_id="pod-a", req_id="secret-a")], command_id="step-1")
         assert again.duplicate and again.first_seq == first.first_seq
 
 

@@ -33,7 +33,7 @@ from coordinator.commands import (
     StartOwner,
 )
 from coordinator.decider import decide
-from coordinator.ledger import StepCommit
+from coordinator.ledger import Commit, StepCommit
 from coordinator.sidecar import protocol as p
 from coordinator.state import State, TierState
 from events import Event, RankReported, Refused, StepBegan, TierSpec
@@ -241,6 +241,16 @@ def refused_declaration(state: State, declarations: Sequence[AnyCommand]) -> Any
             # What the decider reads of a tier to come is its spec: its slots are not made.
             tiers[command.spec.name] = TierState(spec=command.spec, generations=[], free={}, lru={}, entries={})
     return None
+
+
+def reused_for_other_content(commit: Commit, command_id: str, kind: str) -> p.Error | None:
+    """A command id committed with other content (the ledger compares their digests): answering
+    with the first content's events told the client its own was in the log."""
+    if not commit.reused:
+        return None
+    return p.Error(code=p.ErrorCode.COMMAND_ID_REUSED,
+                   message=f"command id {command_id!r} was committed for another {kind} (other content): a retry sends "
+                           f"the same {kind}; a new {kind} needs a new command id")
 
 
 def retried_as_another_step(result: StepCommit, message: p.Step) -> p.Error | None:

@@ -32,7 +32,7 @@ from anyio.abc import ByteStream, SocketStream, TaskGroup
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from coordinator.audit.api import load_tokens
-from coordinator.commands import OPERATOR_COMMANDS, AnyCommand, DeclareTier, LookupExternal, LookupPrefix
+from coordinator.commands import OPERATOR_COMMANDS, AnyCommand, DeclareTier, LookupExternal, LookupPrefix, ReportRank
 from coordinator._checks import MAX_EXTRA_KEYS, MAX_LOOKUP_TOKENS
 from coordinator._jobs import Chains, hash_chains, lookup_groups
 from coordinator.decider import lookup, lookup_keys
@@ -652,11 +652,7 @@ class Sidecar:
             problem = admission.foreign_report(self.ledger.state, session.engine_id, message.report)
             if problem is not None:
                 return problem
-            command_id = message.command_id or _report_id(message)
-            reply = await self._commit_single(session, "report", message.report, command_id)
-            reused = admission.reused_for_another_report(reply.events, message.report, command_id) \
-                if isinstance(reply, p.Committed) and reply.duplicate else None
-            return reused or reply
+            return await self._commit_single(session, "report", message.report, message.command_id or _report_id(message))
         if isinstance(message, p.Reports):
             if session.role not in ("worker", "engine"):
                 return _wrong_role(session, message)
@@ -735,7 +731,8 @@ class Sidecar:
         assert isinstance(result, StepCommit)
         commit = result.commit
         self._follow_own(session, commit.events)
-        reused = admission.retried_as_another_step(result, message)
+        reused = admission.retried_as_another_step(result, message) \
+            or admission.reused_for_other_content(commit, message.command_id, "step")
         if reused is not None:
             return reused
         self.metrics.step_seconds.observe(time.perf_counter() - started)
@@ -757,6 +754,11 @@ class Sidecar:
             return p.Error(code=p.ErrorCode.COMMIT_FAILED, message=f"not committed: {admission.told(error)}")
         commit = _commit_of(result)
         self._follow_own(session, commit.events)
+        reused = admission.reused_for_another_report(commit.events, command, command_id) \
+            if commit.duplicate and isinstance(command, ReportRank) else None
+        reused = reused or admission.reused_for_other_content(commit, command_id, kind)
+        if reused is not None:
+            return reused
         return p.Committed(command_id=command_id, first_seq=commit.first_seq, last_seq=commit.last_seq,
                            duplicate=commit.duplicate, events=p.any_events(commit.events))
 
@@ -784,7 +786,8 @@ class Sidecar:
         committed = []
         for sent, command_id, result in zip(message.reports, ids, results, strict=True):
             commit = _commit_of(result)
-            reused = admission.reused_for_another_report(commit.events, sent.report, command_id) if commit.duplicate else None
+            reused = (admission.reused_for_another_report(commit.events, sent.report, command_id) if commit.duplicate
+                      else None) or admission.reused_for_other_content(commit, command_id, "report")
             if reused is not None:
                 return reused
             committed.append(p.Committed(command_id=command_id, first_seq=commit.first_seq, last_seq=commit.last_seq,

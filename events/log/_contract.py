@@ -121,6 +121,9 @@ class AppendBatch(msgspec.Struct, frozen=True, kw_only=True):
     """The stream's version before this append; 0 for a new stream."""
     events: Sequence[PendingEvent]
     command_id: str | None = None
+    digest: bytes | None = None
+    """The content the command id stands for (the ledger's digest of it), kept with the id: a
+    retry of the id with other content is told apart from a retry of the same."""
 
 
 class AppendResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -132,6 +135,8 @@ class AppendResult(msgspec.Struct, frozen=True, kw_only=True):
     """The stream's version after the append."""
     duplicate: bool = False
     """True when the command id had been appended before: nothing was appended now."""
+    digest: bytes | None = None
+    """The digest the command id was committed with (None: committed before digests were kept)."""
 
 
 class Snapshot(msgspec.Struct, frozen=True, kw_only=True):

@@ -248,7 +248,7 @@ class KafkaEventLog(SqlEventLog):
             first = batch.events[0] if batch.events else None
             parts.append(StepPart(
                 batch.stream_id, self._held[batch.stream_id], batch.expected_version, batch.command_id,
-                first.step if first else -1, first.recorded_at if first else 0.0, schemas, header, payload,
+                first.step if first else -1, first.recorded_at if first else 0.0, schemas, header, payload, batch.digest,
             ))
         record = AppendRecord(uuid.uuid4().hex, self.writer_id, parts)
         verdict = await self._send(record.append_id, *encode_append(record), key=batches[0].stream_id)

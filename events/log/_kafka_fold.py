@@ -73,6 +73,8 @@ class StepPart(msgspec.Struct, frozen=True, array_like=True):
     header: bytes
     """pack_step's header: one StepEntry per event (id, type, schema version, length, ...)."""
     payload: bytes
+    digest: bytes | None = None
+    """The command id's content digest (AppendBatch.digest); absent from records written before it."""
 
 
 class AppendRecord(msgspec.Struct, frozen=True, array_like=True):
@@ -231,7 +233,8 @@ class KafkaFold:
             new_ids |= seen
             count = len(ids)
             first, last = (head + 1, head + count) if count else (0, 0)
-            result = AppendResult(stream_id=stream, first_seq=first, last_seq=last, stream_version=actual + count)
+            result = AppendResult(stream_id=stream, first_seq=first, last_seq=last, stream_version=actual + count,
+                                  digest=part.digest)
             if count:
                 steps.append(StoredStep(first, last, stream, actual + 1, part.schemas, part.header, part.payload,
                                         part.step, part.recorded_at))

@@ -56,6 +56,7 @@ commands = sa.Table(
     sa.Column("first_seq", sa.BigInteger, nullable=False),
     sa.Column("last_seq", sa.BigInteger, nullable=False),
     sa.Column("stream_version", sa.Integer, nullable=False),
+    sa.Column("digest", sa.LargeBinary, nullable=True),
 )
 
 checkpoints = sa.Table(

@@ -276,7 +276,7 @@ class SqlEventLog:
             rows = (await conn.execute(query)).all()
         return {
             row.command_id: AppendResult(stream_id=row.stream_id, first_seq=row.first_seq, last_seq=row.last_seq,
-                                         stream_version=row.stream_version, duplicate=True)
+                                         stream_version=row.stream_version, duplicate=True, digest=row.digest)
             for row in rows
         }
 
@@ -392,7 +392,8 @@ def _append_sync(conn: sa.Connection, batches: Sequence[AppendBatch]) -> list[Ap
             )
             rows.set_stream_version(batch.stream_id, actual + count, new=current is None)
         next_seq += count
-        result = AppendResult(stream_id=batch.stream_id, first_seq=first, last_seq=last, stream_version=actual + count)
+        result = AppendResult(stream_id=batch.stream_id, first_seq=first, last_seq=last, stream_version=actual + count,
+                              digest=batch.digest)
         if batch.command_id is not None:
             rows.insert_command(batch.command_id, result)
         results.append(result)
@@ -432,11 +433,12 @@ class _SqliteRows:
 
     def command(self, command_id: str) -> AppendResult | None:
         row = self.driver.execute(
-            "SELECT stream_id, first_seq, last_seq, stream_version FROM kvl_commands WHERE command_id = ?", (command_id,)
+            "SELECT stream_id, first_seq, last_seq, stream_version, digest FROM kvl_commands WHERE command_id = ?", (command_id,)
         ).fetchone()
         if row is None:
             return None
-        return AppendResult(stream_id=row[0], first_seq=row[1], last_seq=row[2], stream_version=row[3], duplicate=True)
+        return AppendResult(stream_id=row[0], first_seq=row[1], last_seq=row[2], stream_version=row[3], duplicate=True,
+                            digest=row[4])
 
     def stream_version(self, stream_id: str) -> int | None:
         row = self.driver.execute("SELECT version FROM kvl_streams WHERE stream_id = ?", (stream_id,)).fetchone()
@@ -454,8 +456,9 @@ class _SqliteRows:
 
     def insert_command(self, command_id: str, result: AppendResult) -> None:
         self.driver.execute(
-            "INSERT INTO kvl_commands (command_id, stream_id, first_seq, last_seq, stream_version) VALUES (?, ?, ?, ?, ?)",
-            (command_id, result.stream_id, result.first_seq, result.last_seq, result.stream_version),
+            "INSERT INTO kvl_commands (command_id, stream_id, first_seq, last_seq, stream_version, digest) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (command_id, result.stream_id, result.first_seq, result.last_seq, result.stream_version, result.digest),
         )
 
 
@@ -473,7 +476,7 @@ class _CoreRows:
         if done is None:
             return None
         return AppendResult(stream_id=done.stream_id, first_seq=done.first_seq, last_seq=done.last_seq,
-                            stream_version=done.stream_version, duplicate=True)
+                            stream_version=done.stream_version, duplicate=True, digest=done.digest)
 
     def stream_version(self, stream_id: str) -> int | None:
         value = self.conn.execute(sa.select(t.streams.c.version).where(t.streams.c.stream_id == stream_id)).scalar()
@@ -492,5 +495,5 @@ class _CoreRows:
     def insert_command(self, command_id: str, result: AppendResult) -> None:
         self.conn.execute(
             t.commands.insert().values(command_id=command_id, stream_id=result.stream_id, first_seq=result.first_seq,
-                                       last_seq=result.last_seq, stream_version=result.stream_version)
+                                       last_seq=result.last_seq, stream_version=result.stream_version, digest=result.digest)
         )
