@@ -31,8 +31,8 @@ class TokenFileError(ValueError):
     """A tokens or credentials file the sidecar refuses to start with. The message never quotes a token."""
 
 
-def read_file(path: Path, option: str) -> Any:
-    """The file's content, parsed (TOML or JSON); warns when others may read it."""
+def read_file(path: Path, option: str) -> tuple[Any, int]:
+    """The file's content, parsed (TOML or JSON), and its mode (for `warn_if_readable`)."""
     try:
         text = path.read_text()
         mode = path.stat().st_mode
@@ -45,9 +45,13 @@ def read_file(path: Path, option: str) -> Any:
         raise TokenFileError(f"{option} {path} is not valid TOML: {error}") from None
     except json.JSONDecodeError as error:
         raise TokenFileError(f"{option} {path} is not valid JSON: {error.msg} at line {error.lineno}") from None
+    return raw, mode
+
+
+def warn_if_readable(path: Path, mode: int, option: str) -> None:
+    """Once the file was taken: a warning when others than its owner may read it."""
     if mode & 0o077:
         log.warning("tokens_file_readable_by_others", option=option, path=str(path), mode=oct(mode & 0o777))
-    return raw
 
 
 def check_token(token: str, *, path: Path, option: str, position: int) -> None:

@@ -614,3 +614,28 @@ async def test_two_reports_with_one_command_id_in_one_batch_are_refused_unless_t
             assert same[0] == same[1]
         finally:
             worker.close()
+
+
+def test_a_group_takes_a_small_step_before_other_engines_large_ones_and_keeps_each_engines_order() -> None:
+    """A group was the queue's first 64 transactions, whatever their size: a small step queued
+    behind other engines' 1,024-command steps waited for all of them, one group each."""
+    from coordinator.ledger import Single, Step
+    from coordinator.sidecar.committer import MAX_GROUP_WORK, _Waiter, take_fairly
+
+    def step(engine: str, commands: int, command_id: str) -> _Waiter:
+        return _Waiter(Step(engine_id=engine, step=1, clock=1.0, command_id=command_id,
+                            commands=[StartOwner(engine_id=engine, req_id=str(i)) for i in range(commands)]))
+
+    big = [step(f"mallory-{i}", MAX_GROUP_WORK, f"big-{i}") for i in range(4)]
+    small = step("legit", 32, "small")
+    second = step("mallory-1", 10, "second")  # mallory-1's next step: never before its first
+    queue = big + [second, small]
+    group = take_fairly(queue, set(), 64)
+    assert group == [big[0], small], [w.tx.command_id for w in group]
+    rest = [w for w in queue if w not in group]
+    assert take_fairly(rest, set(), 64) == [big[1], second]  # mallory-1's second, after its first
+    # The oldest always goes (nothing starves), unless its command id is in the group in flight:
+    # then its engine's later steps wait too, and the next engine's oldest goes.
+    assert take_fairly(rest, {"big-1"}, 64) == [big[2]]
+    report = _Waiter(Single(command=ReportRank(job_id=1, rank=0, ok=True, checksums=[]), command_id="r"))
+    assert take_fairly([report], {"r"}, 64) == []

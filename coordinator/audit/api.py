@@ -71,7 +71,7 @@ from coordinator.audit.queries import (
 )
 from coordinator.audit.store import sync_index
 from coordinator.audit.times import EARLIEST, LATEST, RANGE, time_problem
-from coordinator.tokens import TokenFileError as TokenFileError, TokenMatcher, check_token, read_file
+from coordinator.tokens import TokenFileError as TokenFileError, TokenMatcher, check_token, read_file, warn_if_readable
 from events.log import LogError, SqlEventLog
 
 log = structlog.get_logger("kvledger.audit.api")
@@ -121,7 +121,7 @@ class Tokens(TokenMatcher[Grant]):
 def load_tokens(path: Path) -> Tokens:
     """The tokens file: a JSON object or a TOML table mapping each token to {"tenant": NAME}
     (NAME "*": an operator) and optionally "name" (who holds it, for the logs)."""
-    raw = read_file(path, "--audit-tokens")
+    raw, mode = read_file(path, "--audit-tokens")
     try:
         grants = msgspec.convert(raw, dict[str, Grant])
     except msgspec.ValidationError as error:  # its path shows a token as `[...]`
@@ -130,6 +130,7 @@ def load_tokens(path: Path) -> Tokens:
         raise TokenFileError(f"--audit-tokens {path} names no token")
     for position, token in enumerate(grants, 1):
         check_token(token, path=path, option="--audit-tokens", position=position)
+    warn_if_readable(path, mode, "--audit-tokens")
     return Tokens(grants)
 
 

@@ -29,7 +29,18 @@ from collections.abc import Sequence
 import anyio
 import structlog
 
-from coordinator.ledger import Commit, DecidedGroup, DecideFailed, Ledger, Recorded, StepCommit, Submission, Superseded, Transaction
+from coordinator.ledger import (
+    Commit,
+    DecidedGroup,
+    DecideFailed,
+    Ledger,
+    Recorded,
+    Step,
+    StepCommit,
+    Submission,
+    Superseded,
+    Transaction,
+)
 from coordinator.sidecar.hub import DecisionHub
 from coordinator.sidecar.metrics import SidecarMetrics
 from events import Event, ExternalKeysLookedUp
@@ -37,6 +48,15 @@ from events import Event, ExternalKeysLookedUp
 log = structlog.get_logger("kvledger.committer")
 
 MAX_GROUP = 64
+MAX_GROUP_WORK = 1024
+"""Commands a group holds (a Step counts its commands, anything else one), beyond its first
+transaction: a group is decided whole before the next, so a queue of large steps (one engine's,
+or several) would hold every other engine's small step behind all of them. A transaction too
+large for what is left waits for the next group, which it begins; smaller ones behind it, of
+other engines, go on (issue 17: one engine's large step delays another's small one by at most
+one group)."""
+SMALL_ROOM = 256
+"""Commands a group always has room for beside its first transaction, however large that is."""
 RECORD_DELAY = 0.05
 """Seconds queued records wait for a group to ride with before they are committed alone."""
 MAX_RECORDS = 100_000
@@ -204,25 +224,12 @@ class Committer:
                     appends.start_soon(self._append, decided)
 
     def _take(self, previous: _InFlight | None) -> list[_Waiter]:
-        """The next group: up to max_group transactions, a batch never split, none whose command
-        id is in the group in flight (it is decided once that one landed: then it is a retry)."""
+        """The next group (`take_fairly`), taken out of the queue."""
         busy = {w.tx.command_id for w in previous.waiters} if previous is not None else set()
-        group: list[_Waiter] = []
-        skipped: list[_Waiter] = []
-        held: set[int] = set()  # batches with a transaction skipped: the whole batch waits, in its order
-        while self._queue and len(group) < self.max_group:
-            waiter = self._queue.popleft()
-            if (waiter.tx.command_id is not None and waiter.tx.command_id in busy) or id(waiter.batch) in held:
-                if waiter.batch is not None:
-                    held.add(id(waiter.batch))
-                skipped.append(waiter)
-                continue
-            group.append(waiter)
-        # A batch (submit_all) is never split across groups: were one group of it to fail and
-        # the next to commit, its order would break (an ingested batch after a missing one).
-        while group and self._queue and group[-1].batch is not None and self._queue[0].batch is group[-1].batch:
-            group.append(self._queue.popleft())
-        self._queue.extendleft(reversed(skipped))
+        group = take_fairly(list(self._queue), busy, self.max_group)
+        if group:
+            chosen = {id(waiter) for waiter in group}
+            self._queue = deque(waiter for waiter in self._queue if id(waiter) not in chosen)
         return group
 
     def _take_records(self, take: bool) -> list[tuple[str, Event]]:
@@ -393,6 +400,68 @@ class Committer:
             self.metrics.group_size.observe(len(flight.waiters))
         log.debug("group_committed", transactions=len(flight.waiters), records=len(flight.records),
                   seconds=time.perf_counter() - flight.started, global_seq=self.ledger.last_seq)
+
+
+class _Unit:
+    """Waiters that go into a group together: one transaction, or a whole batch (submit_all)."""
+
+    def __init__(self, position: int, waiters: list[_Waiter], busy: set[str | None]) -> None:
+        self.position = position
+        self.waiters = waiters
+        self.engine, _ = _engine_and_work(waiters[0].tx)
+        self.work = sum(_engine_and_work(waiter.tx)[1] for waiter in waiters)
+        self.busy = any(waiter.tx.command_id is not None and waiter.tx.command_id in busy for waiter in waiters)
+
+
+def take_fairly(queue: list[_Waiter], busy: set[str | None], max_group: int) -> list[_Waiter]:
+    """The next group out of `queue`, fairly between engines (issue 17: one engine's large step
+    delays another's small one by at most one group):
+
+    * the oldest transaction that may go (its command id is not in the group in flight, in
+      `busy`) always goes: nothing waits for ever;
+    * then each engine's next transaction, the smallest first (a Step's work is its commands,
+      anything else 1), while they fit in what is left of MAX_GROUP_WORK (never less than
+      SMALL_ROOM): a small step is not held behind other engines' large ones;
+    * each engine's transactions keep their order (an engine's next one is the first of its
+      own not taken), and a batch goes whole, in one group, in its order.
+    """
+    units: list[_Unit] = []
+    index = 0
+    while index < len(queue):
+        end = index + 1
+        batch = queue[index].batch
+        while batch is not None and end < len(queue) and queue[end].batch is batch:
+            end += 1
+        units.append(_Unit(index, queue[index:end], busy))
+        index = end
+    taken: list[_Unit] = []
+    waiting: dict[str, list[_Unit]] = {}
+    for unit in units:
+        waiting.setdefault(unit.engine, []).append(unit)
+    head = next((unit for unit in units if not unit.busy and waiting[unit.engine][0] is unit), None)
+    if head is None:
+        return []
+    taken.append(waiting[head.engine].pop(0))
+    room = max(MAX_GROUP_WORK - head.work, SMALL_ROOM)
+    count = len(head.waiters)
+    while count < max_group:
+        nexts = sorted((units_[0] for units_ in waiting.values() if units_ and not units_[0].busy),
+                       key=lambda unit: (unit.work, unit.position))
+        fit = next((unit for unit in nexts if unit.work <= room), None)
+        if fit is None:
+            break
+        taken.append(waiting[fit.engine].pop(0))
+        room -= fit.work
+        count += len(fit.waiters)
+    return [waiter for unit in sorted(taken, key=lambda unit: unit.position) for waiter in unit.waiters]
+
+
+def _engine_and_work(tx: Submission) -> tuple[str, int]:
+    """Whose order a transaction keeps (its engine; "" for a command naming none: a report, a
+    tier) and the work it brings a group (a step's commands; anything else 1)."""
+    if isinstance(tx, Step):
+        return tx.engine_id, max(1, len(tx.commands))
+    return str(getattr(tx.command, "engine_id", "")), 1
 
 
 def _keys_of(event: Event) -> int:

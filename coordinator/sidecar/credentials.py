@@ -36,7 +36,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from coordinator.tokens import TokenFileError, TokenMatcher, check_token, read_file
+from coordinator.tokens import TokenFileError, TokenMatcher, check_token, read_file, warn_if_readable
 
 Role = Literal["engine", "worker", "observer", "operator"]
 ANY_ENGINE = "*"
@@ -88,7 +88,7 @@ class Credentials:
 
 
 def load_credentials(path: Path) -> Credentials:
-    raw = read_file(path, OPTION)
+    raw, mode = read_file(path, OPTION)
     try:
         parsed = msgspec.convert(raw, _File)
     except msgspec.ValidationError as error:
@@ -110,6 +110,7 @@ def load_credentials(path: Path) -> Credentials:
             uids.add(credential.uid)
         if {"engine", "worker"} & set(credential.roles) and not (credential.engines or credential.tenant):
             raise TokenFileError(f"{where} may be an engine or a worker: name its engines (or \"*\") or its tenant")
+    warn_if_readable(path, mode, OPTION)
     return Credentials(parsed.credentials)
 
 
