@@ -171,6 +171,11 @@ LONG_LOOKUP_TOKENS = 4096
 SWITCH_INTERVAL = 0.001
 """Seconds a thread holds the GIL before another may take it (Python's default is 0.005): the
 event loop waits at most this long behind a heavy read running in a worker thread."""
+REFUSAL_DELAY = 0.5
+"""Seconds a refused Hello (`unauthorized`) waits before its answer."""
+ERROR_LOGS_PER_SECOND = 10
+"""Protocol errors logged per error code and second; the rest are counted, and the next line
+logged says how many were left out (a flood of bad frames cost a JSON line each)."""
 PROBE_SECONDS = 2.0
 """How often the sidecar looks at its log while serving (`Sidecar._probe_log`)."""
 PROBE_TIMEOUT_SECONDS = 10.0
@@ -198,6 +203,8 @@ class Sidecar:
         self._engine_connections: dict[str, int] = {}
         """Open engine connections per engine id: declaring a connected engine again is a takeover."""
         self.metrics.ready.set_function(lambda: 1.0 if self.readiness()[0] else 0.0)
+        self._error_logs = _LogBudget(ERROR_LOGS_PER_SECOND)
+        """Protocol errors logged per code and second (all are counted in the metrics)."""
         self.credentials = _load_credentials(config)
         self.budget = admission.Budget(tier_slots=config.max_tier_slots, tiers=config.max_tiers,
                                        pool_blocks=config.max_pool_blocks, owners_per_engine=config.max_owners_per_engine)
@@ -503,7 +510,14 @@ class Sidecar:
 
     async def _error(self, conn: Connection, code: p.ErrorCode, message: str, *, fatal: bool = False) -> None:
         self.metrics.protocol_errors.labels(code.value).inc()
-        log.warning("protocol_error", peer=conn.peer, code=code.value, error=message, fatal=fatal)
+        suppressed = self._error_logs.take(code.value)
+        if suppressed is not None:
+            log.warning("protocol_error", peer=conn.peer, code=code.value, error=message, fatal=fatal,
+                        **({"suppressed_since_last": suppressed} if suppressed else {}))
+        if code is p.ErrorCode.UNAUTHORIZED:
+            # A tarpit: a client refused its credentials waits before it hears so (and before its
+            # connection closes), so a loop of refused Hellos costs the sidecar little CPU.
+            await anyio.sleep(REFUSAL_DELAY)
         await conn.send(p.Error(code=code, message=message, fatal=fatal))
 
     # --- hello -----------------------------------------------------------------------------
@@ -524,8 +538,6 @@ class Sidecar:
             return None, False
         problem = permits(credential, hello.role, hello.engine_id, self._tenants(hello))
         if problem is not None:
-            log.warning("hello_not_permitted", peer=conn.peer, role=hello.role, engine=hello.engine_id,
-                        credential=credential.name or None)
             await self._error(conn, p.ErrorCode.UNAUTHORIZED, problem, fatal=True)
             return None, True
         if hello.role in ("observer", "operator"):
@@ -842,6 +854,27 @@ class Sidecar:
         finally:
             self.hub.unregister(subscription)
             self.metrics.subscribers.dec()
+
+
+class _LogBudget:
+    """At most `per_second` log lines per key and second: `take` answers None when the line is
+    to be left out, else how many were left out since the last one logged."""
+
+    def __init__(self, per_second: int) -> None:
+        self.per_second = per_second
+        self._window: dict[str, tuple[int, int, int]] = {}
+        """key -> (second, lines logged in it, lines left out since the last logged)."""
+
+    def take(self, key: str) -> int | None:
+        second = int(time.monotonic())
+        start, logged, left_out = self._window.get(key, (second, 0, 0))
+        if start != second:
+            start, logged = second, 0
+        if logged >= self.per_second:
+            self._window[key] = (start, logged, left_out + 1)
+            return None
+        self._window[key] = (start, logged + 1, 0)
+        return left_out
 
 
 class _HttpServer(uvicorn.Server):
