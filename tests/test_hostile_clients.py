@@ -618,7 +618,7 @@ async def test_two_reports_with_one_command_id_in_one_batch_are_refused_unless_t
 
 def test_a_group_takes_a_small_step_before_other_engines_large_ones_and_keeps_each_engines_order() -> None:
     """A group was the queue's first 64 transactions, whatever their size: a small step queued
-    behind other engines' 1,024-command steps waited for all of them, one group each."""
+    behind other engines' large steps waited for all of them, one group each."""
     from coordinator.ledger import Single, Step
     from coordinator.sidecar.committer import MAX_GROUP_WORK, _Waiter, take_fairly
 

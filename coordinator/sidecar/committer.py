@@ -48,14 +48,14 @@ from events import Event, ExternalKeysLookedUp
 log = structlog.get_logger("kvledger.committer")
 
 MAX_GROUP = 64
-MAX_GROUP_WORK = 1024
+MAX_GROUP_WORK = 512
 """Commands a group holds (a Step counts its commands, anything else one), beyond its first
 transaction: a group is decided whole before the next, so a queue of large steps (one engine's,
 or several) would hold every other engine's small step behind all of them. A transaction too
 large for what is left waits for the next group, which it begins; smaller ones behind it, of
 other engines, go on (issue 17: one engine's large step delays another's small one by at most
 one group)."""
-SMALL_ROOM = 256
+SMALL_ROOM = 128
 """Commands a group always has room for beside its first transaction, however large that is."""
 RECORD_DELAY = 0.05
 """Seconds queued records wait for a group to ride with before they are committed alone."""

@@ -133,7 +133,7 @@ class Report(Message, frozen=True, tag="report"):
     command_id: str = ""
 
 
-MAX_COMMANDS = 1024
+MAX_COMMANDS = 512
 """Commands in one Step, reports in one Reports: a larger one is refused (`invalid_message`),
 and a client splits it (see coordinator.sidecar.admission.MAX_COMMANDS_PER_STEP for why)."""
 

@@ -171,6 +171,8 @@ LONG_LOOKUP_TOKENS = 4096
 SWITCH_INTERVAL = 0.001
 """Seconds a thread holds the GIL before another may take it (Python's default is 0.005): the
 event loop waits at most this long behind a heavy read running in a worker thread."""
+REQUESTS_PER_CREDENTIAL = 2
+"""Requests one credential's connections may have in progress together (`Sidecar._turns`)."""
 REFUSAL_DELAY = 0.5
 """Seconds a refused Hello (`unauthorized`) waits before its answer."""
 ERROR_LOGS_PER_SECOND = 10
@@ -203,6 +205,7 @@ class Sidecar:
         self._engine_connections: dict[str, int] = {}
         """Open engine connections per engine id: declaring a connected engine again is a takeover."""
         self.metrics.ready.set_function(lambda: 1.0 if self.readiness()[0] else 0.0)
+        self._credential_turns: dict[str, anyio.Semaphore] = {}
         self._error_logs = _LogBudget(ERROR_LOGS_PER_SECOND)
         """Protocol errors logged per code and second (all are counted in the metrics)."""
         self.credentials = _load_credentials(config)
@@ -421,6 +424,18 @@ class Sidecar:
                 else:
                     self._engine_connections.pop(conn.engine_id, None)
 
+    def _turns(self, session: Session) -> anyio.Semaphore:
+        """The requests a credential may have in progress at once (its engines' connections
+        together): many connections of one credential (a hostile tenant's) take turns, and
+        cannot fill the event loop ahead of the others'. Without a credentials file, each
+        engine (or role) is its own."""
+        key = session.credential.name or str(id(session.credential)) if self.credentials is not None \
+            else f"{session.role}:{session.engine_id}"
+        turns = self._credential_turns.get(key)
+        if turns is None:
+            turns = self._credential_turns[key] = anyio.Semaphore(REQUESTS_PER_CREDENTIAL)
+        return turns
+
     def _stale_incarnation(self, session: Session) -> str | None:
         """Why this connection may no longer speak for its engine: the engine began a new
         incarnation (declared again, or reset by another connection) since its Hello. A worker
@@ -499,7 +514,11 @@ class Sidecar:
                 continue
             self._in_flight += 1
             try:
-                reply = await self._dispatch(session, message)
+                if isinstance(message, p.Health):
+                    reply = await self._dispatch(session, message)
+                else:
+                    async with self._turns(session):
+                        reply = await self._dispatch(session, message)
                 if isinstance(reply, p.Error):
                     self.metrics.protocol_errors.labels(reply.code.value).inc()
                 await conn.send(reply)

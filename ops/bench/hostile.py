@@ -28,7 +28,7 @@ are those issue 17 reproduced, each from a client written from the protocol alon
 - lookups: Lookups of 262,144 token ids (the most a Lookup may hash) and of one more;
 - catch-up: 20 connections subscribing from sequence 0 as workers of mallory's engine (which reads
   the whole log) and of made-up engines, again as soon as they caught up;
-- big steps: Steps of 16,384 commands (the most a Step may hold), each refused by the decider;
+- big steps: Steps of 16,384 commands (the most a Step held before issue 17; refused now);
 - tiers: declarations of 2**24-slot tiers; pools: a declaration of 64 pools of 2**24 blocks;
 - owners: Steps that start 1,000 owners and never finish them, until the budget refuses them;
 - stalls: 50 connections that send 1-3 bytes of a frame header and go silent, again once cut;
