@@ -223,6 +223,20 @@ async def test_a_declaring_hello_for_a_connected_engine_is_refused_unless_it_say
             assert sidecar.ledger.state.engines["pod-a"].incarnation == 2
         declared = [e for e in await _events(event_log) if isinstance(e, EngineDeclared)]
         assert [(e.incarnation, e.takeover) for e in declared] == [(1, False), (2, True)]
+    # ... and in the audit index: the declaration that took the engine over says so.
+    import sqlalchemy as sa
+
+    from coordinator.audit.store import sync_index
+    from events.log import SqlEventLog
+    from events.log import _schema as t
+
+    assert isinstance(event_log, SqlEventLog)
+    await sync_index(event_log)
+    e = t.audit_engines.c
+    async with event_log.engine.connect() as conn:
+        rows = (await conn.execute(sa.select(e.incarnation, e.detail).where(e.engine == "pod-a", e.kind == "declared")
+                                   .order_by(e.seq))).all()
+    assert [tuple(row) for row in rows] == [(1, ""), (2, "takeover")]
 
 
 async def _events(event_log: EventLog) -> list[object]:

@@ -209,9 +209,9 @@ class Indexer:
                 rows.owners.append((by, owner, req_id, seq, "started", "resumed" if resumed else ""))
             case OwnerFinished(engine_id=by, owner_id=owner, reason=reason):
                 rows.owners.append((by, owner, "", seq, "finished", reason))
-            case EngineDeclared(engine_id=by, incarnation=incarnation, namespace_id=namespace):
+            case EngineDeclared(engine_id=by, incarnation=incarnation, namespace_id=namespace, takeover=takeover):
                 self.namespaces[by] = namespace
-                rows.engines.append((by, incarnation, namespace, seq, "declared", ""))
+                rows.engines.append((by, incarnation, namespace, seq, "declared", "takeover" if takeover else ""))
             case EngineReset(engine_id=by, incarnation=incarnation, reason=reason):
                 rows.engines.append((by, incarnation, self.namespaces.get(by), seq, "reset", reason))
             case NamespaceRegistered(namespace_id=namespace, spec=spec):
