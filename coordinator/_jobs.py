@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import msgspec
@@ -75,7 +75,8 @@ def hash_chains(namespace_id: bytes, block_sizes: dict[int, int], token_ids: Seq
                   {pool_id: chain_keys(namespace_id, token_ids, size, extra_keys) for pool_id, size in block_sizes.items()})
 
 
-def prefix_hit(state: State, command: LookupPrefix, eng: EngineState, hashed: Chains | None = None) -> PrefixLookedUp:
+def prefix_hit(state: State, command: LookupPrefix, eng: EngineState, hashed: Chains | None = None,
+               uncommitted: Container[bytes] = frozenset()) -> PrefixLookedUp:
     """The longest boundary that is a whole reuse unit (I7) at which every group needed to
     resume has a loadable key (I6), in this engine's namespace only (I9)."""
     tier = check.tier(state, eng, command.tier)
@@ -104,7 +105,8 @@ def prefix_hit(state: State, command: LookupPrefix, eng: EngineState, hashed: Ch
         sums = [0]
         for key in chains[pool.spec.pool_id]:
             entry = group.get(key)
-            usable = entry is not None and not entry.quarantined and entry.namespace_id == eng.namespace_id
+            usable = entry is not None and not entry.quarantined and entry.namespace_id == eng.namespace_id \
+                and key not in uncommitted
             sums.append(sums[-1] + usable)
         return sums
 

@@ -80,12 +80,14 @@ def decide(state: State, command: AnyCommand) -> list[Event]:
         return [_refusal_event(state, command, refusal)]
 
 
-def lookup(state: State, command: LookupPrefix, hashed: _jobs.Chains | None = None) -> PrefixLookedUp | Refused:
+def lookup(state: State, command: LookupPrefix, hashed: _jobs.Chains | None = None,
+           uncommitted: Container[bytes] = frozenset()) -> PrefixLookedUp | Refused:
     """The read-only fast path of LookupPrefix: the same answer, outside any step, recorded
     nowhere (the sidecar's Lookup). A refusal comes back as the Refused event it would be.
-    `hashed`: its chain keys, hashed beforehand (`_jobs.hash_chains`), used if still right."""
+    `hashed`: its chain keys, hashed beforehand (`_jobs.hash_chains`), used if still right;
+    a key in `uncommitted` (changed by a group not yet in the log) is not loadable."""
     try:
-        return _jobs.prefix_hit(state, command, check.engine(state, command.engine_id), hashed)
+        return _jobs.prefix_hit(state, command, check.engine(state, command.engine_id), hashed, uncommitted)
     except Refusal as refusal:
         event = _refusal_event(state, command, refusal)
         assert isinstance(event, Refused)

@@ -149,7 +149,7 @@ async def test_a_retried_step_returns_the_committed_result_once_and_appends_noth
 
 async def test_lookup_is_read_only_and_answers_from_committed_state(event_log: EventLog, tmp_path: Path) -> None:
     sock = tmp_path / "s.sock"
-    async with sidecar_on(event_log, sock), engine_client(sock, "pod-a") as client:
+    async with sidecar_on(event_log, sock) as sidecar, engine_client(sock, "pod-a") as client:
         driver = Engine(client)
         job = await driver.request(0)
         tokens = [hash(("pod-a", 0, i)) % 50_000 for i in range(2 * b.BLOCK)]
@@ -161,6 +161,14 @@ async def test_lookup_is_read_only_and_answers_from_committed_state(event_log: E
         after = await client.lookup(b.TIER, tokens)
         assert isinstance(after.answer, PrefixLookedUp) and after.answer.boundary == 2 * b.BLOCK
         assert [k for hit in after.answer.hits for k in hit.keys] == [i.key for i in job.items]
+        # A Lookup is answered at once, never waiting for the groups in flight: a key one of them
+        # changed is not loadable (here: the second block's key, as if its report were in flight).
+        from coordinator.commands import LookupPrefix
+        from coordinator.decider import lookup
+
+        in_flight = lookup(sidecar.ledger.state, LookupPrefix(engine_id="pod-a", tier=b.TIER, token_ids=tokens),
+                           uncommitted={job.items[1].key})
+        assert isinstance(in_flight, PrefixLookedUp) and in_flight.boundary == b.BLOCK
         unknown = await client.lookup("no-such-tier", tokens)
         assert isinstance(unknown.answer, Refused) and unknown.answer.reason == "unknown_tier"
         assert await event_log.head() == head, "a lookup wrote to the log"

@@ -40,6 +40,7 @@ from coordinator.ledger import Commit, Ledger, Single, Step as LedgerStep, StepC
 from coordinator.protections import switched_off
 from coordinator.tokens import TokenFileError
 from coordinator.sidecar import admission, protocol as p
+from coordinator.state import State
 from coordinator.sidecar.credentials import ALL, Credential, Credentials, load_credentials, permits
 from coordinator.sidecar.committer import Committer, ShuttingDown, freeze_long_lived
 from coordinator.sidecar.http import make_app
@@ -564,20 +565,29 @@ class Sidecar:
             return Session(hello.role, "", 0, credential=credential), False
         if hello.role == "worker":
             log.info("worker_connected", engine=hello.engine_id, rank=hello.rank, peer=conn.peer)
-            # From the committed state: a declaration still being appended must not be shown (it
-            # may yet fail), and head_seq must be a sequence the log holds.
-            async with self.ledger.committed() as state:
-                known = state.engines.get(hello.engine_id)
-                welcome = p.Welcome(
-                    protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, engine_id=hello.engine_id,
-                    incarnation=known.incarnation if known else 0, head_seq=self.ledger.last_seq,
-                    pools=[pool.spec for pool in known.pools.values()] if known else [],
-                    world_size=known.world_size if known else 0, tiers=list(known.tiers) if known else [],
-                    kv_dtype=state.namespaces[known.namespace_id].kv_dtype if known else "",
-                )
+            # A declaration of this engine still being appended must not be shown (it may yet
+            # fail): then from the committed state. Otherwise at once (waiting for the groups in
+            # flight held every engine's next group back, once per worker's Hello); what a
+            # Welcome shows of an engine changes only when it is declared or reset. head_seq is
+            # the last sequence the log holds either way.
+            if hello.engine_id in self.ledger.uncommitted_keys()[1]:
+                async with self.ledger.committed() as state:
+                    welcome = self._worker_welcome(state, hello.engine_id)
+            else:
+                welcome = self._worker_welcome(self.ledger.state, hello.engine_id)
             await conn.send(welcome)
             return Session("worker", hello.engine_id, hello.rank, welcome.incarnation, credential), False
         return await self._engine_hello(conn, hello, credential)
+
+    def _worker_welcome(self, state: State, engine_id: str) -> p.Welcome:
+        known = state.engines.get(engine_id)
+        return p.Welcome(
+            protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, engine_id=engine_id,
+            incarnation=known.incarnation if known else 0, head_seq=self.ledger.last_seq,
+            pools=[pool.spec for pool in known.pools.values()] if known else [],
+            world_size=known.world_size if known else 0, tiers=list(known.tiers) if known else [],
+            kv_dtype=state.namespaces[known.namespace_id].kv_dtype if known else "",
+        )
 
     def _identify(self, conn: Connection, hello: p.Hello, is_tcp: bool) -> Credential | None:
         """The credential this Hello presents (None: refused). Without a credentials file, the
@@ -642,9 +652,10 @@ class Sidecar:
             # A Hello is taken whole or not at all (admission.refused_declaration): its declarations
             # are decided first, one Hello at a time; a refused one is committed alone and ends it.
             async with self._declaring:
-                async with self.ledger.committed() as state:
-                    with switched_off(self.ledger.protections_off):
-                        refused_first = admission.refused_declaration(state, declarations)
+                # On the state as it is (the committer decides each declaration for real): this
+                # only puts a refused one first.
+                with switched_off(self.ledger.protections_off):
+                    refused_first = admission.refused_declaration(self.ledger.state, declarations)
                 if refused_first is not None:
                     declarations.remove(refused_first)
                     declarations.insert(0, refused_first)
@@ -697,9 +708,11 @@ class Sidecar:
             command = LookupPrefix(engine_id=session.engine_id, tier=message.tier, token_ids=message.token_ids,
                                    extra_keys=message.extra_keys)
             hashed = await self._hash_long_lookup(session, message)
-            async with self.ledger.committed() as state:
-                with switched_off(self.ledger.protections_off):  # empty outside the simulator
-                    return p.LookupResult(answer=lookup(state, command, hashed))
+            # Answered at once, as LookupKeys: what groups in flight changed is answered as a miss.
+            keys, engines = self.ledger.uncommitted_keys()
+            uncommitted: Container[bytes] = _EVERY_KEY if session.engine_id in engines else keys
+            with switched_off(self.ledger.protections_off):  # empty outside the simulator
+                return p.LookupResult(answer=lookup(self.ledger.state, command, hashed, uncommitted))
         if isinstance(message, p.LookupKeys):
             return self._lookup_keys(session, message)
         if isinstance(message, p.Execute):
