@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -13,7 +13,7 @@ from coordinator import _external
 from coordinator._checks import Refusal
 from coordinator.commands import Command, LookupPrefix, PlanStateCopy, ReleaseFencedRank, ReportRank, StartLoad, StartStore
 from coordinator.copy_plan import PlannedMove, overlapping_destinations, plan_copies
-from coordinator.keys import chain_keys, reuse_unit
+from coordinator.keys import chain_keys, iter_chain_keys, reuse_unit
 from coordinator.protections import Protection, is_off
 from coordinator.state import EngineState, JobState, KeyEntry, PoolState, SlotStatus, State, TierState
 from events import (
@@ -91,24 +91,35 @@ def prefix_hit(state: State, command: LookupPrefix, eng: EngineState, hashed: Ch
     if is_off(Protection.WHOLE_UNITS) and groups:
         unit = min(p.spec.block_size for p in groups)  # the naive, finer granularity
     tokens = command.token_ids
-    if hashed is not None and hashed.namespace_id == eng.namespace_id and hashed.block_sizes == lookup_groups(eng):
-        chains = hashed.keys
-    else:
-        chains = {
-            p.spec.pool_id: chain_keys(eng.namespace_id, tokens, p.spec.block_size, command.extra_keys)
-            for p in groups
-        }
+    precomputed = hashed.keys if hashed is not None and hashed.namespace_id == eng.namespace_id \
+        and hashed.block_sizes == lookup_groups(eng) else None
 
-    def loadable_prefix_sums(pool: PoolState) -> list[int]:
-        """sums[i] = how many of the first i blocks have a loadable key (I9: this namespace)."""
-        group = tier.entries.get(pool.spec.pool_id, {})
-        sums = [0]
-        for key in chains[pool.spec.pool_id]:
-            entry = group.get(key)
-            usable = entry is not None and not entry.quarantined and entry.namespace_id == eng.namespace_id \
-                and key not in uncommitted
-            sums.append(sums[-1] + usable)
-        return sums
+    def loadable(pool: PoolState, key: bytes) -> bool:
+        """A key this engine may load (I9: this namespace), committed (not in `uncommitted`)."""
+        entry = tier.entries.get(pool.spec.pool_id, {}).get(key)
+        return entry is not None and not entry.quarantined and entry.namespace_id == eng.namespace_id \
+            and key not in uncommitted
+
+    def keys_of(pool: PoolState, blocks: int | None = None) -> Iterator[bytes]:
+        size = pool.spec.block_size
+        if precomputed is not None:
+            return iter(precomputed[pool.spec.pool_id][:blocks])
+        upto = tokens if blocks is None else tokens[: blocks * size]
+        return iter_chain_keys(eng.namespace_id, upto, size, command.extra_keys)
+
+    # A full-attention group needs every block before the boundary, so none lies past its first
+    # unloadable block: its keys are hashed only up to there, and every other group's only up to
+    # that bound (a miss costs one key, not the 16,384 of a 262,144-token lookup).
+    top = len(tokens) // unit * unit if unit else 0
+    chains: dict[int, list[bytes]] = {}
+    for p in groups:
+        if p.spec.kind == "attention":
+            keys = list(itertools.takewhile(lambda key, p=p: loadable(p, key), keys_of(p)))  # type: ignore[misc]
+            chains[p.spec.pool_id] = keys
+            top = min(top, len(keys) * p.spec.block_size // unit * unit if unit else 0)
+    for p in groups:
+        if p.spec.kind != "attention":
+            chains[p.spec.pool_id] = list(keys_of(p, top // p.spec.block_size))
 
     def needed(pool: PoolState, boundary: int) -> range:
         """Block indexes a group must load to resume at `boundary`."""
@@ -120,7 +131,14 @@ def prefix_hit(state: State, command: LookupPrefix, eng: EngineState, hashed: Ch
             return range(max(0, (boundary - pool.spec.sliding_window) // size), end)
         return range(0, end)
 
-    sums = {p.spec.pool_id: loadable_prefix_sums(p) for p in groups}
+    def prefix_sums(pool: PoolState) -> list[int]:
+        """sums[i] = how many of the first i blocks have a loadable key."""
+        sums = [0]
+        for key in chains[pool.spec.pool_id]:
+            sums.append(sums[-1] + loadable(pool, key))
+        return sums
+
+    sums = {p.spec.pool_id: prefix_sums(p) for p in groups}
 
     def valid(pool: PoolState, boundary: int) -> bool:
         span = needed(pool, boundary)
@@ -128,15 +146,6 @@ def prefix_hit(state: State, command: LookupPrefix, eng: EngineState, hashed: Ch
         return counts[span.stop] - counts[span.start] == len(span)
 
     boundary = 0
-    # A full-attention group needs every block before the boundary: none lies past its first
-    # unloadable block, so the search starts there (a miss is answered at once, not after
-    # trying every candidate of a 262,144-token lookup).
-    top = len(tokens) // unit * unit if unit else 0
-    for p in groups:
-        if p.spec.kind == "attention":
-            counts = sums[p.spec.pool_id]
-            loadable = next((i for i in range(len(counts) - 1) if counts[i + 1] == counts[i]), len(counts) - 1)
-            top = min(top, loadable * p.spec.block_size // unit * unit if unit else 0)
     if unit:
         for candidate in range(top, 0, -unit):
             if all(valid(p, candidate) for p in groups):

@@ -14,7 +14,7 @@ salted `hash()`, see PYTHONHASHSEED in seed 004's reproduction). 128-bit keys: a
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import blake3
 import msgspec
@@ -87,6 +87,23 @@ def chain_keys(
         parent = hasher(encode((namespace, parent, tokens[start : start + block_size], extras)), key=seed).digest(KEY_BYTES)
         keys.append(parent)
     return keys
+
+
+def iter_chain_keys(
+    namespace: bytes,
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: Sequence[str] = (),
+    parent_key: bytes | None = None,
+) -> Iterator[bytes]:
+    """`chain_keys`, one key at a time: a reader that stops at its first miss hashes no further."""
+    parent = parent_key or b""
+    extras = list(extra_keys)
+    encode, hasher, seed = _encoder.encode, blake3.blake3, KEY_SEED_DIGEST
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hasher(encode((namespace, parent, list(token_ids[start : start + block_size]), extras)),
+                        key=seed).digest(KEY_BYTES)
+        yield parent
 
 
 def reuse_unit(groups: Iterable[tuple[PoolKind, int]]) -> int:

@@ -653,3 +653,31 @@ def test_a_group_takes_a_small_step_before_other_engines_large_ones_and_keeps_ea
     assert take_fairly(rest, {"big-1"}, 64) == [big[2]]
     report = _Waiter(Single(command=ReportRank(job_id=1, rank=0, ok=True, checksums=[]), command_id="r"))
     assert take_fairly([report], {"r"}, 64) == []
+
+
+def test_a_long_lookup_that_misses_hashes_only_up_to_its_first_unloadable_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Lookup of 262,144 token ids hashed all 16,384 (here 65,536) blocks and summed them, on the
+    event loop, even when its first block missed: ~100 ms for every other engine to wait."""
+    from coordinator import _jobs
+    from coordinator._checks import MAX_LOOKUP_TOKENS
+    from coordinator.commands import DeclareTier, LookupPrefix
+    from coordinator.core import CoordinatorCore
+    from coordinator.decider import lookup
+    from events import PrefixLookedUp
+
+    core = CoordinatorCore()
+    core.execute(DeclareTier(spec=TIER_SPEC))
+    core.execute(declaration("pod-a"))
+    hashed = 0
+    real = _jobs.iter_chain_keys  # type: ignore[attr-defined]
+
+    def counting(*args: object, **kwargs: object) -> object:
+        nonlocal hashed
+        for key in real(*args, **kwargs):  # type: ignore[arg-type]
+            hashed += 1
+            yield key
+
+    monkeypatch.setattr(_jobs, "iter_chain_keys", counting)
+    answer = lookup(core.state, LookupPrefix(engine_id="pod-a", tier=TIER_SPEC.name, token_ids=[7] * MAX_LOOKUP_TOKENS))
+    assert isinstance(answer, PrefixLookedUp) and answer.boundary == 0
+    assert hashed == 1, hashed

@@ -46,7 +46,7 @@ from coordinator.sidecar.committer import Committer, ShuttingDown, freeze_long_l
 from coordinator.sidecar.http import make_app
 from coordinator.sidecar.hub import DEFAULT_BUFFER, DecisionHub, SlowSubscriber, Subscription
 from coordinator.sidecar.metrics import SidecarMetrics
-from events import EngineDeclared, EngineReset, Event, ExternalKeysLookedUp, Refused
+from events import EngineDeclared, EngineReset, Event, ExternalKeysLookedUp, PrefixLookedUp, Refused
 from events.log import EventLog, LogError, open_log
 
 log = structlog.get_logger("kvledger.sidecar")
@@ -707,10 +707,13 @@ class Sidecar:
         if isinstance(message, p.Lookup):
             command = LookupPrefix(engine_id=session.engine_id, tier=message.tier, token_ids=message.token_ids,
                                    extra_keys=message.extra_keys)
-            hashed = await self._hash_long_lookup(session, message)
             # Answered at once, as LookupKeys: what groups in flight changed is answered as a miss.
             keys, engines = self.ledger.uncommitted_keys()
             uncommitted: Container[bytes] = _EVERY_KEY if session.engine_id in engines else keys
+            hashed = await self._hash_long_lookup(session, command, uncommitted)
+            if hashed is not None:  # again: groups were decided while it was hashed
+                keys, engines = self.ledger.uncommitted_keys()
+                uncommitted = _EVERY_KEY if session.engine_id in engines else keys
             with switched_off(self.ledger.protections_off):  # empty outside the simulator
                 return p.LookupResult(answer=lookup(self.ledger.state, command, hashed, uncommitted))
         if isinstance(message, p.LookupKeys):
@@ -721,15 +724,24 @@ class Sidecar:
         assert isinstance(message, p.Step)
         return await self._step(session, message)
 
-    async def _hash_long_lookup(self, session: Session, message: p.Lookup) -> Chains | None:
+    async def _hash_long_lookup(self, session: Session, command: LookupPrefix, uncommitted: Container[bytes]) -> Chains | None:
         """A long Lookup's chain keys, hashed in a worker thread, one heavy read at a time: one of
-        262,144 token ids hashes for ~0.1 s, which held every engine's steps on the event loop."""
+        262,144 token ids hashes for ~0.1 s, which held every engine's steps on the event loop.
+        Only when its first LONG_LOOKUP_TOKENS still hit: a miss there is answered on the loop
+        at once (the search stops at a full-attention group's first unloadable block)."""
         engine = self.ledger.state.engines.get(session.engine_id)
-        if engine is None or not LONG_LOOKUP_TOKENS < len(message.token_ids) <= MAX_LOOKUP_TOKENS \
-                or len(message.extra_keys) > MAX_EXTRA_KEYS:
+        if engine is None or not LONG_LOOKUP_TOKENS < len(command.token_ids) <= MAX_LOOKUP_TOKENS \
+                or len(command.extra_keys) > MAX_EXTRA_KEYS:
             return None  # short, or refused by the decider anyway
-        return await self.hub.heavy(hash_chains, engine.namespace_id, lookup_groups(engine), message.token_ids,
-                                    message.extra_keys)
+        head = msgspec.structs.replace(command, token_ids=command.token_ids[:LONG_LOOKUP_TOKENS])
+        with switched_off(self.ledger.protections_off):
+            quick = lookup(self.ledger.state, head, None, uncommitted)
+        attention = any(pool.spec.kind == "attention" for pool in engine.pools.values())
+        if attention and isinstance(quick, PrefixLookedUp) and quick.reuse_unit \
+                and quick.boundary < LONG_LOOKUP_TOKENS // quick.reuse_unit * quick.reuse_unit:
+            return None
+        return await self.hub.heavy(hash_chains, engine.namespace_id, lookup_groups(engine), command.token_ids,
+                                    command.extra_keys)
 
     def _lookup_keys(self, session: Session, message: p.LookupKeys) -> p.ServerMessage:
         """Answered at once from the state, never waiting for a commit: what the groups in
