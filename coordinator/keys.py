@@ -77,16 +77,7 @@ def chain_keys(
     parent_key: bytes | None = None,
 ) -> list[bytes]:
     """Keys of every full block of `token_ids` at `block_size`; a partial tail has no key."""
-    # content_key, inlined: a 262,144-token lookup hashes 16,384 blocks (each key as content_key makes it).
-    keys = []
-    parent = parent_key or b""
-    extras = list(extra_keys)
-    tokens = list(token_ids)
-    encode, hasher, seed = _encoder.encode, blake3.blake3, KEY_SEED_DIGEST
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hasher(encode((namespace, parent, tokens[start : start + block_size], extras)), key=seed).digest(KEY_BYTES)
-        keys.append(parent)
-    return keys
+    return list(iter_chain_keys(namespace, token_ids, block_size, extra_keys, parent_key))
 
 
 def iter_chain_keys(
@@ -96,7 +87,8 @@ def iter_chain_keys(
     extra_keys: Sequence[str] = (),
     parent_key: bytes | None = None,
 ) -> Iterator[bytes]:
-    """`chain_keys`, one key at a time: a reader that stops at its first miss hashes no further."""
+    """`chain_keys`, one key at a time: a reader that stops at its first miss hashes no further.
+    content_key, inlined: a 262,144-token lookup hashes 16,384 blocks (each key as content_key makes it)."""
     parent = parent_key or b""
     extras = list(extra_keys)
     encode, hasher, seed = _encoder.encode, blake3.blake3, KEY_SEED_DIGEST

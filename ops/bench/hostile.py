@@ -73,8 +73,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import anyio  # noqa: E402
 import msgspec  # noqa: E402
 import structlog  # noqa: E402
-from anyio.abc import ByteStream  # noqa: E402
-from anyio.streams.buffered import BufferedByteReceiveStream  # noqa: E402
 from figures import console, load, out, percentile  # noqa: E402
 from sidecar import TIER, EngineLoad, cpu_seconds, server_output, stop, wait_ready  # noqa: E402
 
@@ -93,6 +91,7 @@ from coordinator.sidecar import protocol as p  # noqa: E402
 from coordinator.sidecar.admission import MAX_COMMANDS_PER_STEP  # noqa: E402
 from events import TierSpec  # noqa: E402
 from tests import builders as b  # noqa: E402
+from tests.sidecar_kit import RawConnection  # noqa: E402
 
 LEGIT = "legit"
 MALLORY = "mallory"
@@ -172,27 +171,12 @@ def figures(latencies: list[float]) -> tuple[float, float, float]:
 # --- the attacker process -------------------------------------------------------------------------
 
 
-class Raw:
+class Raw(RawConnection):
     """One connection, framed by hand: what a client written from protocol.py alone sends."""
 
-    def __init__(self, stream: ByteStream) -> None:
-        self.stream = stream
-        self.reader = BufferedByteReceiveStream(stream)
-
-    @classmethod
-    async def open(cls, socket_path: str) -> Raw:
-        return cls(await anyio.connect_unix(socket_path))
-
-    async def receive(self) -> p.ServerMessage:
-        header = await self.reader.receive_exactly(p.HEADER_BYTES)
-        return p.decode_server(await self.reader.receive_exactly(p.frame_length(header, 64 << 20)))
-
     async def ask(self, frame: bytes) -> p.ServerMessage:
-        await self.stream.send(frame)
+        await self.send_bytes(frame)
         return await self.receive()
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
 
 
 def hello(role: str, engine_id: str = "", **fields: object) -> bytes:
@@ -253,7 +237,7 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
         tally.note(name, await conn.ask(frame))
 
     async def engine(name: str, engine_id: str) -> Raw:
-        conn = await Raw.open(socket_path)
+        conn = await Raw.open(Path(socket_path))
         await ask(name, conn, hello("engine", engine_id, declare=declaration(engine_id, MALLORY, MALLORY_BLOCKS),
                                     tiers=[TIER], takeover=True))
         return conn
@@ -261,12 +245,12 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
     async def forge() -> None:
         for frame in (hello("worker", LEGIT, rank=0), hello("engine", LEGIT, declare=declaration(LEGIT, MALLORY, NUM_BLOCKS)),
                       hello("operator")):
-            conn = await Raw.open(socket_path)
+            conn = await Raw.open(Path(socket_path))
             await ask("forge", conn, frame)
             await conn.aclose()
 
     async def takeover() -> None:
-        conn = await Raw.open(socket_path)
+        conn = await Raw.open(Path(socket_path))
         await ask("takeover", conn, hello("engine", LEGIT, declare=declaration(LEGIT, MALLORY, NUM_BLOCKS), takeover=True))
         await conn.aclose()
 
@@ -310,7 +294,7 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
         engine_id = "mallory-lookups" if index % 2 == 0 else f"made-up-{index}"
 
         async def subscribe() -> None:
-            conn = await Raw.open(socket_path)
+            conn = await Raw.open(Path(socket_path))
             await ask("catch-up", conn, hello("worker", engine_id, rank=0))
             await conn.stream.send(p.frame(p.Subscribe(from_seq=0)))
             with anyio.move_on_after(1.0):  # what the catch-up sends; then again from 0
@@ -343,7 +327,7 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
         conn = await engine("tiers-pools", "mallory-tiers")
         await ask("tiers-pools", conn, huge_tier)
         await conn.aclose()
-        conn = await Raw.open(socket_path)
+        conn = await Raw.open(Path(socket_path))
         await ask("tiers-pools", conn, hello("engine", "mallory-pools", declare=many_pools))
         await conn.aclose()
 
@@ -360,7 +344,7 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
 
     def staller(index: int) -> Attack:
         async def stall() -> None:
-            conn = await Raw.open(socket_path)
+            conn = await Raw.open(Path(socket_path))
             await conn.stream.send(hello("observer")[: 1 + index % 3])
             with anyio.move_on_after(30):
                 tally.note("stalls", await conn.receive())  # cut after the frame timeout
@@ -368,10 +352,10 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
         return stall
 
     async def garbage() -> None:
-        conn = await Raw.open(socket_path)
+        conn = await Raw.open(Path(socket_path))
         await ask("garbage", conn, (64).to_bytes(4, "big") + rng.randbytes(64))
         await conn.aclose()
-        conn = await Raw.open(socket_path)
+        conn = await Raw.open(Path(socket_path))
         await conn.stream.send((16 << 20).to_bytes(4, "big"))  # announces 16 MiB, sends nothing more
         with anyio.move_on_after(30):
             tally.note("garbage", await conn.receive())
