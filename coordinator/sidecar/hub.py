@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import anyio
@@ -148,29 +149,29 @@ class DecisionHub:
         engine's step p99 past 50 ms (issue 17)."""
         last, until = subscription.from_seq, subscription.registered_at
         while last < until:
-            async with self.heavy_reads:
-                started = time.perf_counter()
+            async with self.heavy_turn():
                 steps = await self.log.read_steps(last, min(CATCH_UP_BATCH, until - last))
                 if not steps:
                     return
                 decisions = await anyio.to_thread.run_sync(self._decisions_in, steps, subscription, last)
-                await anyio.sleep(time.perf_counter() - started)  # as _heavy_held: at most half the time
             last = steps[-1].last_seq
             if decisions:
                 yield decisions
 
     async def heavy(self, work: Callable[..., T], *args: Any) -> T:
-        """`work(*args)` in a worker thread, as a heavy read: one at a time (`heavy_reads`)."""
-        async with self.heavy_reads:
-            return await self._heavy_held(work, *args)
+        """`work(*args)` in a worker thread, as a heavy read (`heavy_turn`)."""
+        async with self.heavy_turn():
+            return await anyio.to_thread.run_sync(work, *args)
 
-    async def _heavy_held(self, work: Callable[..., T], *args: Any) -> T:
-        # Then as long again before the next heavy read: in a worker thread it still takes the
-        # GIL from the event loop, so heavy reads together get at most half of it.
-        started = time.perf_counter()
-        result = await anyio.to_thread.run_sync(work, *args)
-        await anyio.sleep(time.perf_counter() - started)
-        return result
+    @asynccontextmanager
+    async def heavy_turn(self) -> AsyncIterator[None]:
+        """One heavy read's turn: one at a time (`heavy_reads`), then as long again idle before
+        the next. In a worker thread a heavy read still takes the GIL from the event loop, so
+        heavy reads together get at most half of it."""
+        async with self.heavy_reads:
+            started = time.perf_counter()
+            yield
+            await anyio.sleep(time.perf_counter() - started)
 
     def _decisions_in(self, steps: list[StoredStep], subscription: Subscription, after_seq: int) -> list[Decision]:
         # A decision is an event of its engine's own command (StartStore, StartLoad, PlanStateCopy,
