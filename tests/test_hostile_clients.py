@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from coordinator.client import Address, EngineClient, SidecarError, WorkerClient
-from coordinator.commands import BeginStep, EndStep, ReportRank, StartOwner, StartStore
+from coordinator.commands import BeginStep, EndStep, ExternalKey, FinishOwner, ReportRank, StartOwner, StartStore
 from coordinator.sidecar import protocol as p
 from events import BlocksAllocated, OwnerStarted, RankReported, StepBegan, StoreJobStarted
 from events.log import EventLog
@@ -275,18 +275,42 @@ async def test_an_engines_reset_fences_its_old_workers_which_say_hello_again_and
 async def test_a_lookup_of_too_many_token_ids_is_refused_at_once_and_others_are_served(
     event_log: EventLog, tmp_path: Path
 ) -> None:
-    """A Lookup had no cap on its token ids: one 16 MiB frame held every engine for 17-20 s."""
-    from coordinator._checks import MAX_LOOKUP_TOKENS
-    from events import Refused
+    """A Lookup had no cap on its token ids: one 16 MiB frame held every engine for 17-20 s. The
+    bound is in the message's type, so the frame is refused before its token ids are decoded."""
+    from coordinator._checks import MAX_EXTRA_KEYS, MAX_LOOKUP_TOKENS
 
     sock = tmp_path / "s.sock"
     async with sidecar_on(event_log, sock), _client(sock, "pod-a") as client, _client(sock, "pod-b") as bystander:
-        answer = await client.lookup(TIER_SPEC.name, list(range(MAX_LOOKUP_TOKENS + 1)))
-        assert isinstance(answer.answer, Refused) and answer.answer.reason == "invalid_count"
-        assert f"at most {MAX_LOOKUP_TOKENS:,} token ids" in answer.answer.detail
-        many_keys = await client.lookup(TIER_SPEC.name, [1] * 64, extra_keys=["k"] * 2000)
-        assert isinstance(many_keys.answer, Refused) and "extra keys" in many_keys.answer.detail
+        with pytest.raises(SidecarError) as refused:
+            await client.lookup(TIER_SPEC.name, list(range(MAX_LOOKUP_TOKENS + 1)))
+        assert refused.value.code == p.ErrorCode.INVALID_MESSAGE
+        assert f"at most {MAX_LOOKUP_TOKENS:,} token ids" in str(refused.value)
+        with pytest.raises(SidecarError) as many_keys:
+            await client.lookup(TIER_SPEC.name, [1] * 64, extra_keys=["k"] * (MAX_EXTRA_KEYS + 1))
+        assert f"at most {MAX_EXTRA_KEYS:,} extra keys" in str(many_keys.value)
+        assert (await client.lookup(TIER_SPEC.name, [1] * MAX_LOOKUP_TOKENS)).answer is not None  # at the bound: served
         await bystander.step(1, 1.0, [])
+
+
+def test_a_frame_over_a_list_bound_is_refused_before_its_items_are_decoded() -> None:
+    """Every list a client message carries is bounded in its type: msgspec reads the length and
+    refuses before it decodes an item, so an over-bound frame costs nothing to refuse."""
+    import tracemalloc
+
+    body = p.frame(p.Lookup(tier="t", token_ids=[1 << 30] * 4_000_000))[p.HEADER_BYTES:]
+    tracemalloc.start()
+    try:
+        with pytest.raises(p.FrameError, match="at most 262,144 token ids"):
+            p.decode_client(body)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"refusing took {peak:,} bytes (decoding the 4M token ids takes ~140 MB)"
+    for message in (p.Step(step=1, clock=1.0, commands=[FinishOwner(engine_id="e", owner_id=1)] * (p.MAX_COMMANDS + 1), command_id="s"),
+                    p.Reports(reports=[p.Report(report=ReportRank(job_id=1, rank=0, ok=True))] * (p.MAX_COMMANDS + 1)),
+                    p.LookupKeys(tier="t", keys=[ExternalKey(pool_id=0, engine_key=b"k")] * ((1 << 16) + 1))):
+        with pytest.raises(p.FrameError, match="holds at most"):
+            p.decode_client(p.frame(message)[p.HEADER_BYTES:])
 
 
 # --- /metrics ----------------------------------------------------------------------------------

@@ -13,12 +13,14 @@ server closes the connection after it (the others go on serving). Pure: no I/O h
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Sequence
 from typing import Annotated, Literal, Union, cast
 
 import msgspec
 from msgspec import Meta
 
+from coordinator._checks import MAX_EXTRA_KEYS, MAX_ITEMS_PER_COMMAND, MAX_LOOKUP_TOKENS
 from coordinator.commands import AnyCommand, DeclareEngine, ExternalKey, ReportRank
 from events import (
     AnyEvent,
@@ -43,6 +45,14 @@ a larger one failed the append of its whole group and made the ledger rebuild fr
 MAX_ENGINE_ID = 248
 """Characters: the engine's stream id, "engine/<id>", is a 255-character column (kvl_steps.stream_id;
 PostgreSQL refused a longer one at the append)."""
+MAX_COMMANDS = 512
+"""Commands in one Step, reports in one Reports: a larger one is refused (`invalid_message`),
+and a client splits it (see coordinator.sidecar.admission.MAX_COMMANDS_PER_STEP for why).
+
+This bound and the others on a message's lists are part of its type (`Meta(max_length=...)`):
+the decoder reads a list's length before its items, so a frame over a bound is refused before
+anything in it is decoded (a Lookup of 262,145 token ids held ~10 MiB while it was decoded only
+to be refused)."""
 
 
 class ErrorCode(enum.StrEnum):
@@ -107,7 +117,7 @@ class Step(Message, frozen=True, tag="step"):
     step: Annotated[int, Meta(le=MAX_STEP)]
     """Above the engine's last step (the decider refuses one that does not advance)."""
     clock: float
-    commands: list[AnyCommand]
+    commands: Annotated[list[AnyCommand], Meta(max_length=MAX_COMMANDS)]
     command_id: str
     """Unique per step; a retry with the same id returns the committed result exactly once."""
 
@@ -133,25 +143,20 @@ class Report(Message, frozen=True, tag="report"):
     command_id: str = ""
 
 
-MAX_COMMANDS = 512
-"""Commands in one Step, reports in one Reports: a larger one is refused (`invalid_message`),
-and a client splits it (see coordinator.sidecar.admission.MAX_COMMANDS_PER_STEP for why)."""
-
-
 class Reports(Message, frozen=True, tag="reports"):
     """Several (job, rank) reports of one worker, committed together in one group (a worker that
     moves many jobs in one engine pass reports them in one round trip). Each keeps its command id:
     a retried batch counts each report once (I4)."""
 
-    reports: list[Report]
+    reports: Annotated[list[Report], Meta(max_length=MAX_COMMANDS)]
 
 
 class Lookup(Message, frozen=True, tag="lookup"):
     """Read-only: the longest loadable prefix in a tier, from committed state; nothing is logged."""
 
     tier: str
-    token_ids: list[int]
-    extra_keys: list[str] = []
+    token_ids: Annotated[list[int], Meta(max_length=MAX_LOOKUP_TOKENS)]
+    extra_keys: Annotated[list[str], Meta(max_length=MAX_EXTRA_KEYS)] = []
 
 
 class LookupKeys(Message, frozen=True, tag="lookup_keys"):
@@ -160,7 +165,7 @@ class LookupKeys(Message, frozen=True, tag="lookup_keys"):
     recorded in the log with a later group (`ExternalKeysLookedUp`), for the audit."""
 
     tier: str
-    keys: list[ExternalKey]
+    keys: Annotated[list[ExternalKey], Meta(max_length=MAX_ITEMS_PER_COMMAND)]
 
 
 class Health(Message, frozen=True, tag="health"):
@@ -272,7 +277,15 @@ ServerMessage = Union[  # noqa: UP007
 _encoder = msgspec.msgpack.Encoder()
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _server_decoder = msgspec.msgpack.Decoder(ServerMessage)
-_tag_only = msgspec.msgpack.Decoder(dict[str, object])
+
+
+class _Tag(msgspec.Struct):
+    """A message's tag alone: decoding it skips the other fields without building them."""
+
+    msg: object = None
+
+
+_tag_only = msgspec.msgpack.Decoder(_Tag)
 
 
 class FrameError(ValueError):
@@ -313,15 +326,24 @@ def decode_server(body: bytes) -> ServerMessage:
         raise FrameError(ErrorCode.MALFORMED_FRAME, f"server sent an undecodable frame: {error}") from error
 
 
+_OVER_LENGTH = re.compile(r"Expected `array` of length <= (\d+) - at `(\$[\w.\[\]]*)`")
+
+
 def _explain(body: bytes, error: msgspec.ValidationError) -> FrameError:
     try:
-        tag = _tag_only.decode(body).get("msg")
-    except msgspec.DecodeError:
+        tag = _tag_only.decode(body).msg
+    except msgspec.DecodeError:  # a ValidationError too: not a map
         return FrameError(ErrorCode.MALFORMED_FRAME, f"frame is not a msgpack map: {error}")
     if not isinstance(tag, str):
         return FrameError(ErrorCode.MALFORMED_FRAME, f"message has no string 'msg' tag: {error}")
     if tag not in CLIENT_TAGS:
         return FrameError(ErrorCode.UNKNOWN_MESSAGE, f"unknown message type {tag!r}; this server knows {sorted(CLIENT_TAGS)}")
+    over = _OVER_LENGTH.fullmatch(str(error))
+    if over is not None:
+        most, where = int(over[1]), over[2]
+        field = where.rpartition(".")[2].replace("_", " ")
+        return FrameError(ErrorCode.INVALID_MESSAGE, f"a {tag!r} message holds at most {most:,} {field} (`{where}`): "
+                                                     "split it, or send fewer")
     return FrameError(ErrorCode.INVALID_MESSAGE, f"message {tag!r} is invalid: {error}")
 
 

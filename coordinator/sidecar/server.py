@@ -768,11 +768,6 @@ class Sidecar:
             return problem
         if not message.command_id:
             return p.Error(code=p.ErrorCode.INVALID_MESSAGE, message="a Step needs a command_id (unique per step)")
-        if len(message.commands) > admission.MAX_COMMANDS_PER_STEP:
-            # A huge step stalls every engine's steps while it is decided, and its reply could
-            # outgrow the client's frame limit after it was committed (found by fuzzing).
-            return p.Error(code=p.ErrorCode.INVALID_MESSAGE, message=f"a step holds at most {admission.MAX_COMMANDS_PER_STEP:,} "
-                           f"commands, not {len(message.commands):,}: split it")
         started = time.perf_counter()
         bound = log.bind(engine=session.engine_id, step=message.step)
         tx = LedgerStep(engine_id=session.engine_id, step=message.step, clock=message.clock,
@@ -822,9 +817,6 @@ class Sidecar:
         """A worker's reports of one pass, committed together (one group: submit_all)."""
         if not message.reports:
             return p.ReportsCommitted(results=[])
-        if len(message.reports) > admission.MAX_COMMANDS_PER_STEP:
-            return p.Error(code=p.ErrorCode.INVALID_MESSAGE, message=f"a Reports holds at most "
-                           f"{admission.MAX_COMMANDS_PER_STEP:,} reports, not {len(message.reports):,}: split it")
         ids = []
         for sent in message.reports:
             problem = admission.foreign_report(self.ledger.state, session.engine_id, sent.report)
