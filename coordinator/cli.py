@@ -194,6 +194,7 @@ def serve(
     max_tiers: int = typer.Option(64, "--max-tiers", envvar="KVLEDGER_MAX_TIERS", min=1, help="Tiers the sidecar holds; engines' declarations beyond it are refused."),
     max_pool_blocks: int = typer.Option(1 << 23, "--max-pool-blocks", envvar="KVLEDGER_MAX_POOL_BLOCKS", min=1, help="Blocks all engines' pools together may hold; a declaration beyond it is refused (~100 B of state a block)."),
     max_owners_per_engine: int = typer.Option(1 << 16, "--max-owners-per-engine", envvar="KVLEDGER_MAX_OWNERS_PER_ENGINE", min=1, help="Live owners (requests started, not finished) one engine may hold; a step starting more is refused."),
+    free_errors: int = typer.Option(10, "--free-errors", envvar="KVLEDGER_FREE_ERRORS", min=1, help="Refusals per credential and second answered at once; each further one in that second waits 50 ms, in the credential's turn (a client flooding what is refused slows only itself)."),
     metrics_token: str = typer.Option("", "--metrics-token", envvar="KVLEDGER_METRICS_TOKEN", help="A bearer token /metrics requires (default: none)."),
     metrics_engine_labels: bool = typer.Option(True, "--metrics-engine-labels/--no-metrics-engine-labels", help="Label per-engine gauges with engine ids (off: one engine=\"all\" series)."),
     audit_tokens: str | None = typer.Option(None, "--audit-tokens", envvar="KVLEDGER_AUDIT_TOKENS", help="Tokens file (JSON or TOML: token -> {tenant = NAME or \"*\"}) of the HTTP audit API under /audit/; without it the API answers 401."),
@@ -219,7 +220,7 @@ def serve(
         snapshot_every=snapshot_every, allow_remote=allow_remote, audit_tokens=audit_tokens, ingest_vllm=ingest_vllm,
         metrics_token=metrics_token, metrics_engine_labels=metrics_engine_labels, max_tier_slots=max_tier_slots,
         max_tiers=max_tiers, max_pool_blocks=max_pool_blocks, max_owners_per_engine=max_owners_per_engine, credentials=credentials, socket_uids=list(socket_uid),
-        frame_timeout=frame_timeout,
+        frame_timeout=frame_timeout, free_errors=free_errors,
     )
 
     def started(sidecar: Sidecar) -> None:

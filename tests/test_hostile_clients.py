@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import anyio
 import msgspec
 import pytest
 
@@ -290,6 +291,41 @@ async def test_a_lookup_of_too_many_token_ids_is_refused_at_once_and_others_are_
         assert f"at most {MAX_EXTRA_KEYS:,} extra keys" in str(many_keys.value)
         assert (await client.lookup(TIER_SPEC.name, [1] * MAX_LOOKUP_TOKENS)).answer is not None  # at the bound: served
         await bystander.step(1, 1.0, [])
+
+
+async def test_a_client_flooding_refused_requests_slows_only_itself(event_log: EventLog, tmp_path: Path) -> None:
+    """Every refusal was answered at once, so one client could keep the event loop busy with
+    requests that are refused. Past `free_errors` a second, each refusal of that credential
+    waits in its turn; another engine's steps go on meanwhile."""
+    from coordinator.sidecar.server import ERROR_DELAY
+
+    sock = tmp_path / "s.sock"
+    flood, free = 12, 2
+    async with sidecar_on(event_log, sock, free_errors=free), _client(sock, "pod-a") as flooder, \
+            _client(sock, "pod-b") as bystander:
+        flood_ended: list[float] = []
+        steps_ended: list[float] = []
+
+        async def refused_again_and_again() -> None:
+            for _ in range(flood):
+                with pytest.raises(SidecarError, match="controls the step"):
+                    await flooder.execute(BeginStep(engine_id="pod-a", step=1, clock=1.0))
+            flood_ended.append(anyio.current_time())
+
+        async def stepping() -> None:
+            for n in range(1, 6):
+                await bystander.step(n, float(n), [])
+                steps_ended.append(anyio.current_time())
+
+        started = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(refused_again_and_again)
+            tg.start_soon(stepping)
+        # At most `free` refusals a second are answered at once (the flood spans at most two
+        # seconds' windows); each other one waited.
+        assert flood_ended[0] - started >= (flood - 2 * free) * ERROR_DELAY * 0.9
+        assert steps_ended[-1] < flood_ended[0], "the bystander's steps waited behind the flood"
+        await flooder.step(1, 1.0, [])  # the flooder itself is still served
 
 
 def test_a_frame_over_a_list_bound_is_refused_before_its_items_are_decoded() -> None:

@@ -82,6 +82,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     """Blocks all engines' pools together may hold (a declaration beyond it is refused)."""
     max_owners_per_engine: int = admission.MAX_OWNERS_PER_ENGINE
     """Live owners one engine may hold (a step starting more is refused)."""
+    free_errors: int = 10
+    """Refusals (Error replies) per credential and second sent at once; each further one in the
+    second waits ERROR_DELAY in the credential's turn (`Sidecar._slow_down`)."""
     credentials: str | None = None
     """The credentials file (coordinator/sidecar/credentials.py): who may take which role for which
     engines. None: the shared token (TCP) and the socket's owner may be anything."""
@@ -176,6 +179,8 @@ REQUESTS_PER_CREDENTIAL = 2
 """Requests one credential's connections may have in progress together (`Sidecar._turns`)."""
 REFUSAL_DELAY = 0.5
 """Seconds a refused Hello (`unauthorized`) waits before its answer."""
+ERROR_DELAY = 0.05
+"""Seconds each further refusal of a credential in the same second waits (`Sidecar._slow_down`)."""
 ERROR_LOGS_PER_SECOND = 10
 """Protocol errors logged per error code and second; the rest are counted, and the next line
 logged says how many were left out (a flood of bad frames cost a JSON line each)."""
@@ -207,8 +212,10 @@ class Sidecar:
         """Open engine connections per engine id: declaring a connected engine again is a takeover."""
         self.metrics.ready.set_function(lambda: 1.0 if self.readiness()[0] else 0.0)
         self._credential_turns: dict[str, anyio.Semaphore] = {}
-        self._error_logs = _LogBudget(ERROR_LOGS_PER_SECOND)
+        self._error_logs = _PerSecond(ERROR_LOGS_PER_SECOND)
         """Protocol errors logged per code and second (all are counted in the metrics)."""
+        self._free_errors = _PerSecond(config.free_errors)
+        """Refusals per credential and second sent without delay (`_slow_down`)."""
         self.credentials = _load_credentials(config)
         self.budget = admission.Budget(tier_slots=config.max_tier_slots, tiers=config.max_tiers,
                                        pool_blocks=config.max_pool_blocks, owners_per_engine=config.max_owners_per_engine)
@@ -425,13 +432,17 @@ class Sidecar:
                 else:
                     self._engine_connections.pop(conn.engine_id, None)
 
+    def _credential_key(self, session: Session) -> str:
+        """Whose turns a session takes: its credential's. Without a credentials file, each
+        engine (or role) is its own."""
+        return session.credential.name or str(id(session.credential)) if self.credentials is not None \
+            else f"{session.role}:{session.engine_id}"
+
     def _turns(self, session: Session) -> anyio.Semaphore:
         """The requests a credential may have in progress at once (its engines' connections
         together): many connections of one credential (a hostile tenant's) take turns, and
-        cannot fill the event loop ahead of the others'. Without a credentials file, each
-        engine (or role) is its own."""
-        key = session.credential.name or str(id(session.credential)) if self.credentials is not None \
-            else f"{session.role}:{session.engine_id}"
+        cannot fill the event loop ahead of the others'."""
+        key = self._credential_key(session)
         turns = self._credential_turns.get(key)
         if turns is None:
             turns = self._credential_turns[key] = anyio.Semaphore(REQUESTS_PER_CREDENTIAL)
@@ -468,65 +479,119 @@ class Sidecar:
                 first = await reader.receive_exactly(1)  # an idle connection may wait for ever
             except (anyio.EndOfStream, anyio.IncompleteRead):
                 return
-            try:
-                # A frame that has begun must end, its header too: a peer that sends part of one
-                # and stalls would otherwise hold its connection and buffer forever (found by
-                # fuzzing; 1-3 bytes of a header were never cut).
-                with anyio.fail_after(self.config.frame_timeout):
-                    header = first + await reader.receive_exactly(p.HEADER_BYTES - 1)
-                    try:
-                        length = p.frame_length(header, self.config.max_frame)
-                    except p.FrameError as error:
-                        await self._error(conn, error.code, str(error), fatal=True)
-                        return
-                    body = await reader.receive_exactly(length)
-            except (anyio.EndOfStream, anyio.IncompleteRead):
+            # One frame at a time, in a call of its own: what a frame decoded to is let go of
+            # before the next is read (a connection held its last Lookup's 262,144 decoded token
+            # ids while it decoded the next: two of them at once).
+            session, go_on = await self._frame(conn, reader, first, session, tasks, is_tcp)
+            if not go_on:
                 return
-            except TimeoutError:
-                await self._error(conn, p.ErrorCode.INVALID_MESSAGE,
-                                  f"a frame begun was not complete after {self.config.frame_timeout:g} s", fatal=True)
-                return
+
+    async def _frame(self, conn: Connection, reader: BufferedByteReceiveStream, first: bytes, session: Session | None,
+                     tasks: TaskGroup, is_tcp: bool) -> tuple[Session | None, bool]:
+        """Reads, decodes and answers one frame (its first byte read): (the session after it,
+        whether the connection goes on)."""
+        async with contextlib.AsyncExitStack() as turn:
+            length = await self._frame_length(conn, reader, first)
+            if length is None:
+                return session, False
+            held = session is not None and length > LARGE_FRAME
+            if session is not None and held:
+                # Read, decoded and served in its credential's turn: a credential holds at most
+                # REQUESTS_PER_CREDENTIAL large frames in memory, however many connections it
+                # opens (a Lookup of 262,144 token ids is ~10 MiB decoded).
+                await turn.enter_async_context(self._turns(session))
+            body = await self._frame_body(conn, reader, length)
+            if body is None:
+                return session, False
             try:
                 # A large frame (a long Lookup: 262,144 token ids take ~11 ms) is decoded off the loop.
                 message = await self.hub.heavy(p.decode_client, body) if len(body) > LARGE_FRAME else p.decode_client(body)
             except p.FrameError as error:
+                if session is not None:
+                    await self._slow_down(session, turn, held)
                 await self._error(conn, error.code, str(error))
-                continue
+                return session, True
+            del body
             if session is None:
                 if not isinstance(message, p.Hello):
                     await self._error(conn, p.ErrorCode.HELLO_FIRST, f"send Hello first, not {type(message).__name__}")
-                    continue
+                    return None, True
                 session, fatal = await self._hello(conn, message, is_tcp)
                 if fatal:
-                    return
+                    return session, False
                 if session is not None and session.role == "engine":
                     conn.engine_id = session.engine_id
                     self._engine_connections[session.engine_id] = self._engine_connections.get(session.engine_id, 0) + 1
-                continue
+                return session, True
             stale = self._stale_incarnation(session)
             if stale is not None:
                 await self._error(conn, p.ErrorCode.STALE_INCARNATION, stale, fatal=True)
-                return
+                return session, False
             if self.draining and not isinstance(message, p.Health):
                 await self._error(conn, p.ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down", fatal=True)
-                return
+                return session, False
             if isinstance(message, p.Subscribe):
                 await self._subscribe(conn, session, message, tasks)
-                continue
+                return session, True
             self._in_flight += 1
             try:
-                if isinstance(message, p.Health):
-                    reply = await self._dispatch(session, message)
-                else:
-                    async with self._turns(session):
-                        reply = await self._dispatch(session, message)
+                if not held and not isinstance(message, p.Health):
+                    await turn.enter_async_context(self._turns(session))
+                    held = True
+                reply = await self._dispatch(session, message)
+                del message
                 if isinstance(reply, p.Error):
                     self.metrics.protocol_errors.labels(reply.code.value).inc()
+                    await self._slow_down(session, turn, held)
                 await conn.send(reply)
             finally:
                 self._in_flight -= 1
-            if isinstance(reply, p.Error) and reply.fatal:
-                return
+            return session, not (isinstance(reply, p.Error) and reply.fatal)
+
+    async def _frame_length(self, conn: Connection, reader: BufferedByteReceiveStream, first: bytes) -> int | None:
+        """The length a frame's header announces, its first byte read; None when the connection
+        is to close (told why)."""
+        try:
+            # A frame that has begun must end, its header too: a peer that sends part of one
+            # and stalls would otherwise hold its connection and buffer forever (found by
+            # fuzzing; 1-3 bytes of a header were never cut).
+            with anyio.fail_after(self.config.frame_timeout):
+                header = first + await reader.receive_exactly(p.HEADER_BYTES - 1)
+        except (anyio.EndOfStream, anyio.IncompleteRead):
+            return None
+        except TimeoutError:
+            await self._incomplete(conn)
+            return None
+        try:
+            return p.frame_length(header, self.config.max_frame)
+        except p.FrameError as error:
+            await self._error(conn, error.code, str(error), fatal=True)
+            return None
+
+    async def _frame_body(self, conn: Connection, reader: BufferedByteReceiveStream, length: int) -> bytes | None:
+        try:
+            with anyio.fail_after(self.config.frame_timeout):
+                return await reader.receive_exactly(length)
+        except (anyio.EndOfStream, anyio.IncompleteRead):
+            return None
+        except TimeoutError:
+            await self._incomplete(conn)
+            return None
+
+    async def _incomplete(self, conn: Connection) -> None:
+        await self._error(conn, p.ErrorCode.INVALID_MESSAGE,
+                          f"a frame begun was not complete after {self.config.frame_timeout:g} s", fatal=True)
+
+    async def _slow_down(self, session: Session, turn: contextlib.AsyncExitStack, held: bool) -> None:
+        """A credential refused more than `ServeConfig.free_errors` times in a second waits
+        ERROR_DELAY before each further refusal is sent, in its turn: a client that floods the
+        sidecar with what it refuses gets through at most REQUESTS_PER_CREDENTIAL / ERROR_DELAY
+        of them a second, and the others' requests are served meanwhile."""
+        if self._free_errors.take(self._credential_key(session)) is not None:
+            return
+        if not held:
+            await turn.enter_async_context(self._turns(session))
+        await anyio.sleep(ERROR_DELAY)
 
     async def _error(self, conn: Connection, code: p.ErrorCode, message: str, *, fatal: bool = False) -> None:
         self.metrics.protocol_errors.labels(code.value).inc()
@@ -892,9 +957,9 @@ class Sidecar:
             self.metrics.subscribers.dec()
 
 
-class _LogBudget:
-    """At most `per_second` log lines per key and second: `take` answers None when the line is
-    to be left out, else how many were left out since the last one logged."""
+class _PerSecond:
+    """At most `per_second` of something (a log line, a refusal sent at once) per key and second:
+    `take` answers None when this one is over, else how many were over since the last one taken."""
 
     def __init__(self, per_second: int) -> None:
         self.per_second = per_second
