@@ -228,7 +228,7 @@ class EngineClient:
         return await self._request(p.Report(report=report, command_id=command_id or uuid_utils.uuid7().hex), p.Committed)
 
     async def lookup(self, tier: str, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> p.LookupResult:
-        return await self._request(p.Lookup(tier=tier, token_ids=list(token_ids), extra_keys=list(extra_keys)), p.LookupResult)
+        return await self._request(p.lookup_message(tier, token_ids, extra_keys), p.LookupResult)
 
     async def lookup_keys(self, tier: str, keys: Sequence[ExternalKey]) -> p.KeysLookedUp:
         """Which of these keys are loadable, answered at once (never waits for a commit)."""
@@ -586,7 +586,7 @@ class SyncEngineClient:
         return self._request(p.Report(report=report, command_id=command_id or uuid_utils.uuid7().hex), p.Committed)
 
     def lookup(self, tier: str, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> p.LookupResult:
-        return self._request(p.Lookup(tier=tier, token_ids=list(token_ids), extra_keys=list(extra_keys)), p.LookupResult)
+        return self._request(p.lookup_message(tier, token_ids, extra_keys), p.LookupResult)
 
     def lookup_keys(self, tier: str, keys: Sequence[ExternalKey]) -> p.KeysLookedUp:
         """Which of these keys are loadable, answered at once (never waits for a commit)."""

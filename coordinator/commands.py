@@ -8,6 +8,7 @@ is refused. Both are recorded (I1).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -115,7 +116,8 @@ class MarkComputed(Command, frozen=True, tag="mark_computed"):
 class LookupPrefix(Command, frozen=True, tag="lookup_prefix"):
     engine_id: str
     tier: str
-    token_ids: list[int]
+    token_ids: Sequence[int]
+    """A list, or the sidecar's packed array (coordinator.sidecar.protocol.lookup_tokens)."""
     extra_keys: list[str] = []
 
 

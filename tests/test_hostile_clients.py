@@ -19,8 +19,9 @@ import pytest
 from coordinator.client import Address, EngineClient, SidecarError, WorkerClient
 from coordinator.commands import BeginStep, EndStep, ExternalKey, FinishOwner, ReportRank, StartOwner, StartStore
 from coordinator.sidecar import protocol as p
-from events import BlocksAllocated, OwnerStarted, RankReported, StepBegan, StoreJobStarted
+from events import BlocksAllocated, OwnerStarted, PrefixLookedUp, RankReported, StepBegan, StoreJobStarted
 from events.log import EventLog
+from tests import builders as b
 from tests.sidecar_kit import TIER_SPEC, Engine, RawConnection, declaration, sidecar_on
 
 pytestmark = pytest.mark.anyio
@@ -283,9 +284,12 @@ async def test_a_lookup_of_too_many_token_ids_is_refused_at_once_and_others_are_
     sock = tmp_path / "s.sock"
     async with sidecar_on(event_log, sock), _client(sock, "pod-a") as client, _client(sock, "pod-b") as bystander:
         with pytest.raises(SidecarError) as refused:
-            await client.lookup(TIER_SPEC.name, list(range(MAX_LOOKUP_TOKENS + 1)))
+            await client.lookup(TIER_SPEC.name, list(range(MAX_LOOKUP_TOKENS + 1)))  # packed
         assert refused.value.code == p.ErrorCode.INVALID_MESSAGE
-        assert f"at most {MAX_LOOKUP_TOKENS:,} token ids" in str(refused.value)
+        assert f"at most {p.TOKEN_BYTES * MAX_LOOKUP_TOKENS:,} token bytes" in str(refused.value)
+        listed = p.Lookup(tier=TIER_SPEC.name, token_ids=list(range(p.MAX_LISTED_TOKENS + 1)))
+        with pytest.raises(SidecarError, match=f"at most {p.MAX_LISTED_TOKENS:,} token ids"):
+            await client._request(listed, p.LookupResult)
         with pytest.raises(SidecarError) as many_keys:
             await client.lookup(TIER_SPEC.name, [1] * 64, extra_keys=["k"] * (MAX_EXTRA_KEYS + 1))
         assert f"at most {MAX_EXTRA_KEYS:,} extra keys" in str(many_keys.value)
@@ -328,6 +332,32 @@ async def test_a_client_flooding_refused_requests_slows_only_itself(event_log: E
         await flooder.step(1, 1.0, [])  # the flooder itself is still served
 
 
+async def test_a_lookup_packs_its_token_ids_and_hits_as_the_listed_one(event_log: EventLog, tmp_path: Path) -> None:
+    """A long Lookup's token ids were decoded one Python int each, holding the GIL (~7 ms for
+    262,144) while other engines waited; packed (4 bytes a token) they are one copy. Both forms
+    find the same prefix; a Lookup sending both, or bytes that are no whole uint32s, is refused."""
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock), _client(sock, "pod-a") as client:
+        engine = Engine(client)
+        job = await engine.request(0)
+        for rank in (0, 1):
+            await client.report(ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items]))
+        tokens = [hash(("pod-a", 0, i)) % 50_000 for i in range(2 * b.BLOCK)]  # what request(0) computed
+        listed = await client._request(p.Lookup(tier=TIER_SPEC.name, token_ids=tokens), p.LookupResult)
+        packed_bytes = b"".join(token.to_bytes(p.TOKEN_BYTES, "little") for token in tokens)
+        packed = await client._request(p.Lookup(tier=TIER_SPEC.name, token_bytes=packed_bytes), p.LookupResult)
+        assert isinstance(listed.answer, PrefixLookedUp) and listed.answer.boundary == 2 * b.BLOCK
+        assert packed.answer == listed.answer
+        long = tokens + list(range(p.MAX_LISTED_TOKENS))  # the client packs it: the same prefix hits
+        hit = (await client.lookup(TIER_SPEC.name, long)).answer
+        assert isinstance(hit, PrefixLookedUp) and hit.boundary == 2 * b.BLOCK
+        for wrong, why in ((p.Lookup(tier=TIER_SPEC.name, token_ids=tokens, token_bytes=packed_bytes), "not both"),
+                           (p.Lookup(tier=TIER_SPEC.name, token_bytes=packed_bytes[:-1]), "not a multiple of 4")):
+            with pytest.raises(SidecarError, match=why):
+                await client._request(wrong, p.LookupResult)
+        await engine.step([])  # still served
+
+
 def test_a_frame_over_a_list_bound_is_refused_before_its_items_are_decoded() -> None:
     """Every list a client message carries is bounded in its type: msgspec reads the length and
     refuses before it decodes an item, so an over-bound frame costs nothing to refuse."""
@@ -336,7 +366,7 @@ def test_a_frame_over_a_list_bound_is_refused_before_its_items_are_decoded() -> 
     body = p.frame(p.Lookup(tier="t", token_ids=[1 << 30] * 4_000_000))[p.HEADER_BYTES:]
     tracemalloc.start()
     try:
-        with pytest.raises(p.FrameError, match="at most 262,144 token ids"):
+        with pytest.raises(p.FrameError, match="at most 65,536 token ids"):
             p.decode_client(body)
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -480,7 +510,6 @@ async def test_a_credential_takes_only_its_roles_for_its_engines_or_its_tenants(
     """Anyone with the one TCP token could say Hello as any engine's worker (and publish a store
     job with invented checksums), attach as the engine, or be an operator."""
     from coordinator.sidecar.server import ConfigError, ServeConfig, check_config
-    from tests import builders as b
 
     sock = tmp_path / "s.sock"
     options = {"tcp": ("127.0.0.1", 0), "credentials": _credentials_file(tmp_path, CREDENTIALS)}

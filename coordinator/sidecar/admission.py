@@ -45,7 +45,8 @@ MAX_COMMANDS_PER_STEP = p.MAX_COMMANDS
 """Commands in one Step or reports in one Reports (the benchmarks' steps hold 256; vLLM's pass
 holds a load or a store per request, and LedgerSession splits a pass that holds more). A step is
 decided whole, on the event loop, at ~20-25 us a command: one of 16,384 held every other
-engine's steps for ~390 ms (ops/bench/hostile.py); one of 512 holds them ~12 ms."""
+engine's steps for ~390 ms (ops/bench/hostile.py); one of 512 held them ~10 ms, and pushed a
+small step's p99 under attack to 3x its p99 alone, so it is 256."""
 TOLD_CHARS = 2000
 """A bound on what one error tells the client; the log's own errors (LogDiverged names the topic, its URL and
 the offsets) fit whole."""

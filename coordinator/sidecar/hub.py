@@ -19,6 +19,7 @@ import anyio
 import structlog
 
 from coordinator.recovery import decode_step, stored_steps
+from coordinator.sidecar.memory import give_back_free_memory
 from coordinator.sidecar.protocol import DECISION_TYPES, Decision, decisions_for
 from events import Event, EventCodec
 from events.log import EventLog, StoredStep
@@ -167,10 +168,15 @@ class DecisionHub:
     async def heavy_turn(self) -> AsyncIterator[None]:
         """One heavy read's turn: one at a time (`heavy_reads`), then as long again idle before
         the next. In a worker thread a heavy read still takes the GIL from the event loop, so
-        heavy reads together get at most half of it."""
+        heavy reads together get at most half of it. What the read freed is given back to the
+        OS before the next (coordinator/sidecar/memory.py)."""
         async with self.heavy_reads:
             started = time.perf_counter()
-            yield
+            try:
+                yield
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(give_back_free_memory)
             await anyio.sleep(time.perf_counter() - started)
 
     def _decisions_in(self, steps: list[StoredStep], subscription: Subscription, after_seq: int) -> list[Decision]:

@@ -770,7 +770,11 @@ class Sidecar:
         if session.role != "engine":
             return _wrong_role(session, message)
         if isinstance(message, p.Lookup):
-            command = LookupPrefix(engine_id=session.engine_id, tier=message.tier, token_ids=message.token_ids,
+            try:
+                tokens = p.lookup_tokens(message)
+            except p.FrameError as error:
+                return p.Error(code=error.code, message=str(error))
+            command = LookupPrefix(engine_id=session.engine_id, tier=message.tier, token_ids=tokens,
                                    extra_keys=message.extra_keys)
             # Answered at once, as LookupKeys: what groups in flight changed is answered as a miss.
             keys, engines = self.ledger.uncommitted_keys()

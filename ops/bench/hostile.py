@@ -25,7 +25,8 @@ are those issue 17 reproduced, each from a client written from the protocol alon
 - collide: engines `team` and `team/a` stepping with ids "a/s1" and "s1" (and reusing them);
 - poison: steps numbered 2**63-1 and at clock 1e18 on mallory's own engine;
 - step control: Steps and Executes carrying BeginStep/EndStep;
-- lookups: Lookups of 262,144 token ids (the most a Lookup may hash) and of one more;
+- lookups: Lookups of 262,144 token ids (the most a Lookup may hash; packed) and of 65,536 (the
+  most it may list), and of one more of each;
 - catch-up: 20 connections subscribing from sequence 0 as workers of mallory's engine (which reads
   the whole log) and of made-up engines, again as soon as they caught up;
 - big steps: Steps of 16,384 commands (the most a Step held before issue 17; refused now);
@@ -280,14 +281,16 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
                 await ask("step-control", conn, frame)
         await conn.aclose()
 
-    heavy = p.frame(p.Lookup(tier=TIER.name, token_ids=[rng.randrange(50_000) for _ in range(MAX_LOOKUP_TOKENS)]))
-    over = p.frame(p.Lookup(tier=TIER.name, token_ids=list(range(MAX_LOOKUP_TOKENS + 1))))
+    heavy = [p.frame(p.lookup_message(TIER.name, [rng.randrange(50_000) for _ in range(n)]))
+             for n in (MAX_LOOKUP_TOKENS, p.MAX_LISTED_TOKENS)]  # packed, and the longest list
+    over = [p.frame(p.lookup_message(TIER.name, list(range(MAX_LOOKUP_TOKENS + 1)))),
+            p.frame(p.Lookup(tier=TIER.name, token_ids=list(range(MAX_LOOKUP_TOKENS + 1))))]
 
     async def lookups() -> None:
         conn = await engine("lookups", "mallory-lookups")
         for _ in range(5):
-            await ask("lookups", conn, heavy)
-            await ask("lookups", conn, over)
+            for frame in heavy + over:
+                await ask("lookups", conn, frame)
         await conn.aclose()
 
     def subscriber(index: int) -> Attack:
