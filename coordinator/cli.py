@@ -186,7 +186,7 @@ def serve(
     tcp: str | None = typer.Option(None, "--tcp", envvar="KVLEDGER_TCP", help="Also listen on TCP HOST:PORT (loopback only unless --allow-remote); needs --token."),
     token: str = typer.Option("", "--token", envvar="KVLEDGER_TOKEN", help="Shared secret clients send in Hello; required for --tcp.", show_default=False),
     http: str = typer.Option("127.0.0.1:9464", "--http", envvar="KVLEDGER_HTTP", help="HOST:PORT for /metrics, /healthz and /readyz; 'off' disables."),
-    max_frame: int = typer.Option(16 << 20, "--max-frame", envvar="KVLEDGER_MAX_FRAME", help="Largest frame accepted, bytes."),
+    max_frame: int = typer.Option((1 << 20) + (256 << 10), "--max-frame", envvar="KVLEDGER_MAX_FRAME", help="Largest frame accepted from a client, bytes (decoding one holds every engine's steps, ~11 ms a MiB)."),
     subscriber_buffer: int = typer.Option(10_000, "--subscriber-buffer", envvar="KVLEDGER_SUBSCRIBER_BUFFER", help="Decisions a worker may fall behind before it is cut off (it resumes)."),
     snapshot_every: int = typer.Option(1000, "--snapshot-every", envvar="KVLEDGER_SNAPSHOT_EVERY", help="Steps between snapshots (one is also written at shutdown)."),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow --tcp/--http on a non-loopback address."),

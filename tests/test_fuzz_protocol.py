@@ -441,7 +441,7 @@ def _huge() -> list[Payload]:
     bodies: list[p.Message] = [
         p.Lookup(tier=b.TIER, token_ids=list(range(150_000))),
         p.Lookup(tier=b.TIER, token_ids=[7] * 8, extra_keys=["k"] * 50_000),
-        p.Lookup(tier=b.TIER, token_bytes=b"\x07" * (p.TOKEN_BYTES * 300_000)),
+        p.Lookup(tier=b.TIER, token_bytes=b"\x07" * (p.TOKEN_BYTES * 200_000)),
         p.Lookup(tier=b.TIER, token_bytes=b"\x07" * 7),
         p.Lookup(tier=b.TIER, token_ids=[7] * 8, token_bytes=b"\x07" * 8),
         p.Step(step=2**40, clock=1.0, commands=[EndStep(engine_id=engine)] * 20_000, command_id="huge-1"),

@@ -358,6 +358,38 @@ async def test_a_lookup_packs_its_token_ids_and_hits_as_the_listed_one(event_log
         await engine.step([])  # still served
 
 
+async def test_a_frame_over_the_default_request_bound_is_refused_unread(event_log: EventLog, tmp_path: Path) -> None:
+    """A 14 MiB Step of token ids decoded for ~150 ms with the GIL held, and every engine's steps
+    waited. By default the sidecar takes frames of at most 1.25 MiB (`serve --max-frame`): a larger
+    one is refused from its header, its connection closed; the packed longest Lookup fits."""
+    from coordinator._checks import MAX_LOOKUP_TOKENS
+
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock), _client(sock, "pod-a") as client, _client(sock, "pod-b") as bystander:
+        raw = await RawConnection.open(sock)
+        try:
+            await raw.hello(role="engine", engine_id="pod-a", incarnation=client.incarnation)
+            await raw.send_bytes((p.MAX_REQUEST_FRAME + 1).to_bytes(p.HEADER_BYTES, "big") + b"\x00" * 1024)
+            reply = await raw.receive()
+            assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.FRAME_TOO_LARGE and reply.fatal
+            assert await raw.closed()
+        finally:
+            await raw.aclose()
+        # Before Hello, a peer that has proven nothing may not make the sidecar buffer a large frame.
+        from coordinator.sidecar.server import LARGE_FRAME
+
+        raw = await RawConnection.open(sock)
+        try:
+            await raw.send_bytes((LARGE_FRAME + 1).to_bytes(p.HEADER_BYTES, "big"))
+            reply = await raw.receive()
+            assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.FRAME_TOO_LARGE and "before Hello" in reply.message
+            assert await raw.closed()
+        finally:
+            await raw.aclose()
+        assert isinstance((await client.lookup(TIER_SPEC.name, [7] * MAX_LOOKUP_TOKENS)).answer, PrefixLookedUp)
+        await bystander.step(1, 1.0, [])
+
+
 def test_a_frame_over_a_list_bound_is_refused_before_its_items_are_decoded() -> None:
     """Every list a client message carries is bounded in its type: msgspec reads the length and
     refuses before it decodes an item, so an over-bound frame costs nothing to refuse."""

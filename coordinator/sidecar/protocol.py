@@ -40,7 +40,13 @@ from events import (
 PROTOCOL_VERSION = 1
 HEADER_BYTES = 4
 DEFAULT_MAX_FRAME = 16 << 20
-"""Bytes; `kvledger serve --max-frame` changes it."""
+"""Bytes of a frame a client takes from the sidecar (a reply, a batch of decisions)."""
+MAX_REQUEST_FRAME = (1 << 20) + (256 << 10)
+"""Bytes of a frame the sidecar takes from a client, by default (`kvledger serve --max-frame`):
+the longest Lookup, packed (1 MiB), and room for its extra keys. Decoding a frame holds the GIL,
+~11 ms a MiB of small ints, and every engine's step waits meanwhile (a 14 MiB Step held them
+~150 ms; at 2 MiB a legitimate engine's step p99 under attack was 25 ms, and the sidecar grew by
+68 MiB). vLLM's steps are far smaller: a step computes at most max_num_batched_tokens."""
 MAX_STEP = 2**63 - 1
 """The log keeps a step's number in a signed 64-bit column (events/log/_schema.py, kvl_steps.step):
 a larger one failed the append of its whole group and made the ledger rebuild from the log."""

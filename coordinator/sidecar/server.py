@@ -45,6 +45,7 @@ from coordinator.sidecar.credentials import ALL, Credential, Credentials, load_c
 from coordinator.sidecar.committer import Committer, ShuttingDown, freeze_long_lived
 from coordinator.sidecar.http import make_app
 from coordinator.sidecar.hub import DEFAULT_BUFFER, DecisionHub, SlowSubscriber, Subscription
+from coordinator.sidecar.memory import limit_arenas
 from coordinator.sidecar.metrics import SidecarMetrics
 from events import EngineDeclared, EngineReset, Event, ExternalKeysLookedUp, PrefixLookedUp, Refused
 from events.log import EventLog, LogError, open_log
@@ -62,7 +63,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     tcp: tuple[str, int] | None = None
     token: str = ""
     http: tuple[str, int] | None = None
-    max_frame: int = p.DEFAULT_MAX_FRAME
+    max_frame: int = p.MAX_REQUEST_FRAME
     subscriber_buffer: int = DEFAULT_BUFFER
     snapshot_every: int = 1000
     allow_remote: bool = False
@@ -212,6 +213,8 @@ class Sidecar:
         """Open engine connections per engine id: declaring a connected engine again is a takeover."""
         self.metrics.ready.set_function(lambda: 1.0 if self.readiness()[0] else 0.0)
         self._credential_turns: dict[str, anyio.Semaphore] = {}
+        self._large_frames = anyio.Lock()
+        """Held while a frame over LARGE_FRAME is decoded and served (`_frame`)."""
         self._error_logs = _PerSecond(ERROR_LOGS_PER_SECOND)
         """Protocol errors logged per code and second (all are counted in the metrics)."""
         self._free_errors = _PerSecond(config.free_errors)
@@ -494,15 +497,23 @@ class Sidecar:
             length = await self._frame_length(conn, reader, first)
             if length is None:
                 return session, False
-            held = session is not None and length > LARGE_FRAME
+            held = length > LARGE_FRAME
+            if held and session is None:
+                await self._error(conn, p.ErrorCode.FRAME_TOO_LARGE, f"a frame before Hello holds at most {LARGE_FRAME:,} "
+                                  f"bytes, not {length:,}", fatal=True)
+                return session, False
             if session is not None and held:
-                # Read, decoded and served in its credential's turn: a credential holds at most
-                # REQUESTS_PER_CREDENTIAL large frames in memory, however many connections it
-                # opens (a Lookup of 262,144 token ids is ~10 MiB decoded).
+                # Read in its credential's turn (a credential buffers at most
+                # REQUESTS_PER_CREDENTIAL of them, however many connections it opens), then
+                # decoded and served one large frame at a time in the whole sidecar: a Step of
+                # 1.25 MiB of token ids is ~10 MiB decoded, and the sidecar grew by 70 MiB while
+                # several were in flight.
                 await turn.enter_async_context(self._turns(session))
             body = await self._frame_body(conn, reader, length)
             if body is None:
                 return session, False
+            if held:
+                await turn.enter_async_context(self._large_frames)
             try:
                 # A large frame (a long Lookup: 262,144 token ids take ~11 ms) is decoded off the loop.
                 message = await self.hub.heavy(p.decode_client, body) if len(body) > LARGE_FRAME else p.decode_client(body)
@@ -1031,6 +1042,7 @@ async def run_sidecar(config: ServeConfig, *, on_started: Callable[[Sidecar], No
     """Open the log, recover, serve until SIGTERM/SIGINT, drain, snapshot."""
     check_config(config)
     sys.setswitchinterval(SWITCH_INTERVAL)
+    limit_arenas()
     event_log: EventLog = await open_log(config.log_url)
     try:
         ledger = await Ledger.open(event_log, snapshot_every=config.snapshot_every)

@@ -29,7 +29,8 @@ are those issue 17 reproduced, each from a client written from the protocol alon
   most it may list), and of one more of each;
 - catch-up: 20 connections subscribing from sequence 0 as workers of mallory's engine (which reads
   the whole log) and of made-up engines, again as soon as they caught up;
-- big steps: Steps of 16,384 commands (the most a Step held before issue 17; refused now);
+- big steps: Steps of the most commands a Step may hold, each refused;
+- huge frames: Steps as large as the sidecar takes (--max-frame, 1.25 MiB), one-byte token ids;
 - tiers: declarations of 2**24-slot tiers; pools: a declaration of 64 pools of 2**24 blocks;
 - owners: Steps that start 1,000 owners and never finish them, until the budget refuses them;
 - stalls: 50 connections that send 1-3 bytes of a frame header and go silent, again once cut;
@@ -86,6 +87,7 @@ from coordinator.commands import (  # noqa: E402
     DeclareTier,
     EndStep,
     FinishOwner,
+    MarkComputed,
     StartOwner,
 )
 from coordinator.sidecar import protocol as p  # noqa: E402
@@ -319,6 +321,18 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
             await ask("big-steps", conn, _with_id(frame, f"big-{rounds}-{n}"))
         await conn.aclose()
 
+    # The largest frame the sidecar takes, as many ints as it can hold (one byte each): decoding it
+    # holds the GIL longest (refused afterwards: owner 1 is unknown).
+    fill = [MarkComputed(engine_id="mallory-huge", owner_id=1, blocks=[], token_ids=[i % 128 for i in range(n)])
+            for n in (p.MAX_REQUEST_FRAME - 256,)]
+    huge_frame = step(1, 1.0, fill, "huge")
+
+    async def huge_frames() -> None:
+        conn = await engine("huge-frames", "mallory-huge")  # declared again: its step 1 is new
+        for _ in range(5):
+            await ask("huge-frames", conn, huge_frame)
+        await conn.aclose()
+
     huge_tier = p.frame(p.Execute(command=DeclareTier(spec=TierSpec(name="huge", num_slots=1 << 24, bytes_per_slot=64)),
                                   command_id="t"))
     many_pools = DeclareEngine(engine_id="mallory-pools", namespace=b.namespace(tenant=MALLORY, block_sizes=(b.BLOCK,) * 64),
@@ -366,7 +380,7 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
 
     attacks += [("forge", forge), ("takeover", takeover), ("collide", collide), ("poison", poison),
                 ("step-control", step_control), ("lookups", lookups), ("big-steps", big_steps),
-                ("tiers-pools", tiers_pools), ("owners", owners), ("garbage", garbage)]
+                ("tiers-pools", tiers_pools), ("owners", owners), ("garbage", garbage), ("huge-frames", huge_frames)]
     attacks += [("catch-up", subscriber(i)) for i in range(SUBSCRIBERS)]
     attacks += [("stalls", staller(i)) for i in range(STALLERS)]
     if only:
