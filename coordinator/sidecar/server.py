@@ -213,8 +213,6 @@ class Sidecar:
         """Open engine connections per engine id: declaring a connected engine again is a takeover."""
         self.metrics.ready.set_function(lambda: 1.0 if self.readiness()[0] else 0.0)
         self._credential_turns: dict[str, anyio.Semaphore] = {}
-        self._large_frames = anyio.Lock()
-        """Held while a frame over LARGE_FRAME is decoded and served (`_frame`)."""
         self._error_logs = _PerSecond(ERROR_LOGS_PER_SECOND)
         """Protocol errors logged per code and second (all are counted in the metrics)."""
         self._free_errors = _PerSecond(config.free_errors)
@@ -503,17 +501,13 @@ class Sidecar:
                                   f"bytes, not {length:,}", fatal=True)
                 return session, False
             if session is not None and held:
-                # Read in its credential's turn (a credential buffers at most
-                # REQUESTS_PER_CREDENTIAL of them, however many connections it opens), then
-                # decoded and served one large frame at a time in the whole sidecar: a Step of
-                # 1.25 MiB of token ids is ~10 MiB decoded, and the sidecar grew by 70 MiB while
-                # several were in flight.
+                # Read, decoded and served in its credential's turn: a credential holds at most
+                # REQUESTS_PER_CREDENTIAL large frames in memory, however many connections it
+                # opens (a Step of 1.25 MiB of token ids is ~10 MiB decoded).
                 await turn.enter_async_context(self._turns(session))
             body = await self._frame_body(conn, reader, length)
             if body is None:
                 return session, False
-            if held:
-                await turn.enter_async_context(self._large_frames)
             try:
                 # A large frame (a long Lookup: 262,144 token ids take ~11 ms) is decoded off the loop.
                 message = await self.hub.heavy(p.decode_client, body) if len(body) > LARGE_FRAME else p.decode_client(body)
