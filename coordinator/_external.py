@@ -16,8 +16,8 @@ still decides everything about the tier, under the same invariants as for its ow
 * a load leases its keys (I12) and carries the published checksums; a rank that read other bytes
   quarantines the key (I13); a load that completes after its lease expired fails (I12).
 
-Jobs are counted per (job_id, rank) by the ordinary ReportRank (I4, coordinator/_jobs.py), which
-hands external jobs to `complete` here. Pure, like the rest of the decider.
+Jobs are counted per (job_id, rank) by the ordinary ReportRank (I4, coordinator/_jobs.py) and
+completed as kvledger's own are (coordinator/completion.py). Pure, like the rest of the decider.
 """
 
 from __future__ import annotations
@@ -40,11 +40,7 @@ from events import (
     ExternalKeysLookedUp,
     ExternalLoadStarted,
     ExternalStoreStarted,
-    JobFailed,
     JobSucceeded,
-    KeyPublished,
-    KeyQuarantined,
-    RankReported,
     Reason,
 )
 
@@ -180,99 +176,6 @@ def _load_external(state: State, command: LoadExternal) -> list[Event]:
     return [ExternalLoadStarted(job_id=state.next_job_id, engine_id=eng.engine_id, incarnation=eng.incarnation,
                                 tier=tier.spec.name, world_size=eng.world_size, items=items,
                                 lease_expires_at=eng.clock + command.lease_seconds)]
-
-
-# --- completion (from ReportRank, once every rank reported) -----------------------------------
-
-
-def complete(
-    state: State, decision: ExternalStoreStarted | ExternalLoadStarted, reports: dict[int, RankReported]
-) -> list[Event]:
-    job_id = decision.job_id
-    tier = state.tiers[decision.tier]
-    failed = sorted(rank for rank, report in reports.items() if not report.ok)
-    if failed and isinstance(decision, ExternalLoadStarted):
-        mismatched = _mismatches(tier, decision, reports)
-        if mismatched:
-            return mismatched
-    if failed:
-        return [JobFailed(job_id=job_id, reason=Reason.RANK_FAILED, detail=f"ranks {failed} failed")]
-    per_rank = [reports[rank].checksums for rank in range(decision.world_size)]
-    if any(len(sums) != len(decision.items) or not all(sums) for sums in per_rank):
-        # I5: every item needs a checksum from every rank.
-        return [JobFailed(job_id=job_id, reason=Reason.MISSING_CHECKSUM, detail="a rank left items unverified")]
-    if isinstance(decision, ExternalStoreStarted):
-        return [*_publish(state, tier, decision, per_rank), JobSucceeded(job_id=job_id)]
-    clock = state.engines[decision.engine_id].clock
-    if clock >= decision.lease_expires_at:  # a lease is live while clock < expiry (I12)
-        return [JobFailed(job_id=job_id, reason=Reason.LEASE_EXPIRED,
-                          detail=f"completed at {clock}, lease expired at {decision.lease_expires_at}")]
-    quarantined: dict[tuple[int, bytes], None] = {}
-    for index, item in enumerate(decision.items):
-        entry = _current_entry(tier, item)
-        if entry is None:
-            return [JobFailed(job_id=job_id, reason=Reason.KEY_EVICTED, detail=f"key {item.key.hex()} left the tier")]
-        if entry.quarantined:
-            return [JobFailed(job_id=job_id, reason=Reason.KEY_QUARANTINED, detail=f"key {item.key.hex()}")]
-        if [sums[index] for sums in per_rank] != entry.checksums:
-            quarantined[(item.pool_id, item.key)] = None
-    if quarantined:
-        return [
-            *(KeyQuarantined(tier=tier.spec.name, pool_id=pool_id, key=key, reason=Reason.CHECKSUM_MISMATCH, job_id=job_id,
-                             detail="loaded bytes differ from the published checksum") for pool_id, key in quarantined),
-            JobFailed(job_id=job_id, reason=Reason.CHECKSUM_MISMATCH, detail=f"{len(quarantined)} keys failed verification"),
-        ]
-    return [JobSucceeded(job_id=job_id)]
-
-
-def _publish(state: State, tier: TierState, decision: ExternalStoreStarted, per_rank: list[list[bytes]]) -> list[Event]:
-    engine = state.engines[decision.engine_id]
-    events: list[Event] = []
-    for index, item in enumerate(decision.items):
-        checksums = [sums[index] for sums in per_rank]
-        existing = tier.entry(item.pool_id, item.key)
-        if existing is None:
-            events.append(KeyPublished(tier=tier.spec.name, namespace_id=engine.namespace_id, pool_id=item.pool_id,
-                                       key=item.key, tier_slot=item.tier_slot, tier_generation=item.tier_generation,
-                                       checksums=checksums, size_bytes=engine.pools[item.pool_id].spec.bytes_per_block,
-                                       source_job=decision.job_id))
-        elif existing.checksums != checksums and not existing.quarantined:
-            # I10: the same key with other bytes. Someone stored the wrong KV; trust neither.
-            events.append(KeyQuarantined(tier=tier.spec.name, pool_id=item.pool_id, key=item.key,
-                                         reason=Reason.CHECKSUM_MISMATCH, job_id=decision.job_id,
-                                         detail=f"re-store by job {decision.job_id} differs from job {existing.source_job}"))
-    return events
-
-
-def _current_entry(tier: TierState, item: ExternalItem) -> KeyEntry | None:
-    """The key's entry if it is still the one the load was decided on (same slot and generation)."""
-    entry = tier.entry(item.pool_id, item.key)
-    if entry is None or (entry.tier_slot, entry.tier_generation) != (item.tier_slot, item.tier_generation):
-        return None
-    return entry
-
-
-def _mismatches(tier: TierState, decision: ExternalLoadStarted, reports: dict[int, RankReported]) -> list[Event]:
-    """A load some rank failed: the keys a rank read with other bytes than published are
-    quarantined (I13) and the job fails CHECKSUM_MISMATCH; empty when no report carries a full,
-    differing checksum list (a failure for another reason)."""
-    keys: dict[tuple[int, bytes], None] = {}
-    for rank, report in sorted(reports.items()):
-        if len(report.checksums) != len(decision.items):
-            continue
-        for item, read in zip(decision.items, report.checksums, strict=True):
-            entry = _current_entry(tier, item)
-            if entry is not None and read and rank < len(entry.checksums) and read != entry.checksums[rank]:
-                keys[(item.pool_id, item.key)] = None
-    if not keys:
-        return []
-    return [
-        *(KeyQuarantined(tier=tier.spec.name, pool_id=pool_id, key=key, reason=Reason.CHECKSUM_MISMATCH,
-                         job_id=decision.job_id, detail="a worker read other bytes than the published checksum")
-          for pool_id, key in keys if not tier.entries[pool_id][key].quarantined),
-        JobFailed(job_id=decision.job_id, reason=Reason.CHECKSUM_MISMATCH,
-                  detail=f"{len(keys)} keys read with other bytes than published"),
-    ]
 
 
 HANDLERS: dict[type[Command], Handler] = {

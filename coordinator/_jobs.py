@@ -9,28 +9,23 @@ from typing import Any
 import msgspec
 
 from coordinator import _checks as check
-from coordinator import _external
 from coordinator._checks import Refusal
+from coordinator.completion import complete
 from coordinator.commands import Command, LookupPrefix, PlanStateCopy, ReleaseFencedRank, ReportRank, StartLoad, StartStore
 from coordinator.copy_plan import PlannedMove, overlapping_destinations, plan_copies
 from coordinator.keys import chain_keys, iter_chain_keys, reuse_unit
 from coordinator.protections import Protection, is_off
-from coordinator.state import EngineState, JobState, KeyEntry, PoolState, SlotStatus, State, TierState
+from coordinator.state import EngineState, PoolState, SlotStatus, State, TierState
 from events import (
     FencedRankReleased,
-    ExternalLoadStarted,
-    ExternalStoreStarted,
     FencedRankDone,
     NULL_BLOCK_ID,
     CopyOp,
     BlockRef,
     Event,
     GroupHit,
-    JobFailed,
     JobSucceeded,
     KeyEvicted,
-    KeyPublished,
-    KeyQuarantined,
     LoadItem,
     LoadJobStarted,
     PrefixLookedUp,
@@ -397,160 +392,7 @@ def _report_rank(state: State, command: ReportRank) -> list[Event]:
     events: list[Event] = [report]
     reports = {**job.reports, command.rank: report}
     if len(reports) == decision.world_size:
-        events += _complete(state, job, reports)
-    return events
-
-
-def _complete(state: State, job: JobState, reports: dict[int, RankReported]) -> list[Event]:
-    decision = job.decision
-    if isinstance(decision, ExternalStoreStarted | ExternalLoadStarted):
-        return _external.complete(state, decision, reports)  # the engine's own blocks (vLLM's)
-    job_id = decision.job_id
-    failed = sorted(rank for rank, report in reports.items() if not report.ok)
-    if failed and isinstance(decision, LoadJobStarted):
-        # A worker that found a checksum mismatch reports failure with what it read: the keys
-        # whose bytes differ are quarantined all the same (I13).
-        mismatched = _load_mismatches(state, decision, reports)
-        if mismatched:
-            return mismatched
-    if failed:
-        return [JobFailed(job_id=job_id, reason=Reason.RANK_FAILED, detail=f"ranks {failed} failed")]
-    if isinstance(decision, StateCopyPlanned):
-        return [JobSucceeded(job_id=job_id)]
-    per_rank = [reports[rank].checksums for rank in range(decision.world_size)]
-    if any(len(sums) != len(decision.items) or not all(sums) for sums in per_rank):
-        # I5 / I11: every item needs a checksum from every rank, duplicates included.
-        return [JobFailed(job_id=job_id, reason=Reason.MISSING_CHECKSUM, detail="a rank left items unverified")]
-    tier = state.tiers[decision.tier]
-    events: list[Event] = []
-    if isinstance(decision, StoreJobStarted):
-        for index, item in enumerate(decision.items):
-            checksums = [sums[index] for sums in per_rank]
-            existing = tier.entry(item.source.pool_id, item.key)
-            if existing is None:
-                pool = state.engines[decision.engine_id].pools[item.source.pool_id]
-                events.append(
-                    KeyPublished(
-                        tier=tier.spec.name,
-                        namespace_id=state.engines[decision.engine_id].namespace_id,
-                        pool_id=item.source.pool_id,
-                        key=item.key,
-                        tier_slot=item.tier_slot,
-                        tier_generation=item.tier_generation,
-                        checksums=checksums,
-                        size_bytes=pool.spec.bytes_per_block,
-                        source_job=job_id,
-                    )
-                )
-            elif existing.checksums != checksums and is_off(Protection.IDEMPOTENT_STORE):
-                # The naive store of seed 002: the last writer wins.
-                events.append(KeyEvicted(tier=tier.spec.name, pool_id=item.source.pool_id, key=item.key,
-                                         tier_slot=existing.tier_slot, engine_id=decision.engine_id))
-                pool = state.engines[decision.engine_id].pools[item.source.pool_id]
-                events.append(KeyPublished(
-                    tier=tier.spec.name, namespace_id=state.engines[decision.engine_id].namespace_id,
-                    pool_id=item.source.pool_id, key=item.key, tier_slot=item.tier_slot,
-                    tier_generation=item.tier_generation, checksums=checksums, size_bytes=pool.spec.bytes_per_block,
-                    source_job=job_id,
-                ))
-            elif existing.checksums != checksums and not existing.quarantined:
-                # I10: same key, other bytes. Someone stored the wrong KV; trust neither.
-                events.append(
-                    KeyQuarantined(
-                        tier=tier.spec.name,
-                        pool_id=item.source.pool_id,
-                        key=item.key,
-                        reason=Reason.CHECKSUM_MISMATCH,
-                        job_id=job_id,
-                        detail=f"re-store by job {job_id} differs from job {existing.source_job}",
-                    )
-                )
-        events.append(JobSucceeded(job_id=job_id))
-        return events
-    # A load: it counts only if the lease held (I12), the keys were not evicted meanwhile and
-    # every destination verified against the published checksums (I11, I13).
-    naive_leases = is_off(Protection.LEASES)  # seed 002's offload read path: no lease check
-    clock = state.engines[decision.engine_id].clock
-    if clock >= decision.lease_expires_at and not naive_leases:  # a lease is live while clock < expiry
-        return [
-            JobFailed(
-                job_id=job_id,
-                reason=Reason.LEASE_EXPIRED,
-                detail=f"completed at {clock}, lease expired at {decision.lease_expires_at}",
-            )
-        ]
-    verify = not is_off(Protection.CHECKSUMS)  # off: MOONCAKE_STORE_CHECKSUM unset (seed 002)
-    quarantined: dict[tuple[int, bytes], None] = {}
-    unverified = 0
-    for index, load_item in enumerate(decision.items):
-        entry = _current_entry(tier, load_item)
-        if entry is None and not naive_leases:
-            return [JobFailed(job_id=job_id, reason=Reason.KEY_EVICTED, detail=f"key {load_item.key.hex()} left the tier")]
-        if entry is not None and entry.quarantined:
-            return [JobFailed(job_id=job_id, reason=Reason.KEY_QUARANTINED, detail=f"key {load_item.key.hex()}")]
-        # A key that left the tier (only with leases off) is checked against what was published
-        # when the load was decided.
-        published = entry.checksums if entry is not None else load_item.checksums
-        if verify and published and [sums[index] for sums in per_rank] != published:
-            unverified += 1
-            if entry is not None:
-                quarantined[(load_item.dest.pool_id, load_item.key)] = None
-    if unverified:
-        events += [
-            KeyQuarantined(
-                tier=tier.spec.name, pool_id=pool_id, key=key, reason=Reason.CHECKSUM_MISMATCH, job_id=job_id,
-                detail="loaded bytes differ from the published checksum",
-            )
-            for pool_id, key in quarantined
-            if not tier.entries[pool_id][key].quarantined
-        ]
-        events.append(
-            JobFailed(job_id=job_id, reason=Reason.CHECKSUM_MISMATCH, detail=f"{unverified} items failed verification")
-        )
-        return events
-    return [JobSucceeded(job_id=job_id)]
-
-
-def _current_entry(tier: TierState, item: LoadItem) -> KeyEntry | None:
-    """The key's entry if it is still the one the load was decided on (same slot and
-    generation); None when it left the tier or was stored again elsewhere."""
-    entry = tier.entry(item.dest.pool_id, item.key)
-    if entry is None or (entry.tier_slot, entry.tier_generation) != (item.tier_slot, item.tier_generation):
-        return None
-    return entry
-
-
-def _load_mismatches(state: State, decision: LoadJobStarted, reports: dict[int, RankReported]) -> list[Event]:
-    """For a load some rank failed: KeyQuarantined for each key some rank read with other bytes
-    than published, then the job's failure (CHECKSUM_MISMATCH); empty when no report carries a
-    full, differing checksum list, or with checksums off. A key that left the tier (only
-    possible with leases off) is compared with the checksums in the decision and, being gone,
-    is not quarantined: the load fails all the same."""
-    if is_off(Protection.CHECKSUMS):
-        return []
-    tier = state.tiers[decision.tier]
-    keys: dict[tuple[int, bytes], None] = {}
-    mismatched = 0
-    for rank, report in sorted(reports.items()):
-        if len(report.checksums) != len(decision.items):
-            continue
-        for item, read in zip(decision.items, report.checksums, strict=True):
-            entry = _current_entry(tier, item)
-            published = entry.checksums if entry is not None else item.checksums
-            if read and rank < len(published) and read != published[rank]:
-                mismatched += 1
-                if entry is not None:
-                    keys[(item.dest.pool_id, item.key)] = None
-    if not mismatched:
-        return []
-    events: list[Event] = [
-        KeyQuarantined(tier=tier.spec.name, pool_id=pool_id, key=key, reason=Reason.CHECKSUM_MISMATCH,
-                       job_id=decision.job_id, detail="a worker read other bytes than the published checksum")
-        for pool_id, key in keys
-        if not tier.entries[pool_id][key].quarantined
-    ]
-    events.append(JobFailed(job_id=decision.job_id, reason=Reason.CHECKSUM_MISMATCH,
-                            detail=f"{mismatched} reads differ from the published checksums"))
+        events += complete(state, job.decision, reports)
     return events
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from coordinator.commands import (
@@ -16,9 +17,11 @@ from coordinator.commands import (
     ReportRank,
     StoreExternal,
 )
+from coordinator.completion import complete
 from coordinator.core import CoordinatorCore
 from coordinator._external import external_key
 from coordinator.keys import namespace_id
+from coordinator.protections import Protection, switched_off
 from events import (
     Event,
     ExternalKeysLookedUp,
@@ -30,6 +33,7 @@ from events import (
     KeyPublished,
     KeyQuarantined,
     NoticeDropped,
+    RankReported,
     Reason,
     Refused,
 )
@@ -312,3 +316,39 @@ async def test_audit_key_shows_an_external_keys_store_and_load(tmp_path: Path, a
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.mark.parametrize("off", [Protection.LEASES, Protection.CHECKSUMS, Protection.IDEMPOTENT_STORE])
+def test_an_engines_own_jobs_complete_as_kvledgers_do_under_every_protection_switch(off: Protection) -> None:
+    """External jobs completed through a copy of the completion rule that ignored the LEASES and
+    CHECKSUMS switches (and IDEMPOTENT_STORE), so a scenario switching one off saw vLLM's jobs
+    still protected. One completion path (coordinator/completion.py) now serves both kinds: with
+    the switch on the job is refused as kvledger's own would be, with it off it goes through."""
+
+    def outcome(switched: frozenset[Protection]) -> list[type[Event]]:
+        core = core_with()
+        with switched_off(switched):
+            first = publish(core, 1)
+            if off is Protection.IDEMPOTENT_STORE:
+                # The same key stored again with other bytes (the decider skips a key already
+                # there, so only the completion rule itself can be asked).
+                again = msgspec.structs.replace(first, job_id=first.job_id + 100)
+                differing = {rank: RankReported(job_id=again.job_id, rank=rank, ok=True, checksums=[b"other" + bytes([rank])])
+                             for rank in range(WORLD)}
+                return [type(e) for e in complete(core.state, again, differing)]
+            job = load(core, 1, lease_seconds=5.0)
+            if off is Protection.LEASES:
+                end(core)
+                begin(core, clock=10.0)  # past the lease
+                checksums = [job.items[0].checksums[rank] for rank in range(WORLD)]
+            else:
+                checksums = [b"other bytes"] * WORLD
+            events = [e for rank in range(WORLD) for e in report(core, job, rank, checksums=[checksums[rank]])]
+            return [type(e) for e in events if not isinstance(e, RankReported)]
+
+    on, switched = outcome(frozenset()), outcome(frozenset({off}))
+    if off is Protection.IDEMPOTENT_STORE:
+        assert on == [KeyQuarantined, JobSucceeded]  # I10: trust neither
+        assert switched == [KeyEvicted, KeyPublished, JobSucceeded]  # seed 002: the last writer wins
+    else:
+        assert on[-1] is JobFailed and switched == [JobSucceeded]

@@ -1,0 +1,176 @@
+"""Completing a job once every rank reported: one path for the jobs kvledger decides on its own
+blocks (StoreJobStarted, LoadJobStarted, StateCopyPlanned) and for an engine's own blocks
+(ExternalStoreStarted, ExternalLoadStarted: vLLM's, coordinator/_external.py).
+
+Both kinds keep the same invariants and honour the same protection switches: a key is published
+only when every rank reported success with a checksum (I5, I11); a re-store with other bytes
+quarantines the key (I10; with IDEMPOTENT_STORE off the last writer wins, as in seed 002); a load
+counts only while its lease holds (I12; LEASES off: no lease check), its keys were not evicted
+meanwhile, and every rank read the published bytes (I13; CHECKSUMS off: nothing is compared).
+Reached from ReportRank (coordinator/_jobs.py). Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from coordinator.protections import Protection, is_off
+from coordinator.state import KeyEntry, State, TierState
+from events import (
+    Event,
+    ExternalItem,
+    ExternalLoadStarted,
+    ExternalStoreStarted,
+    JobFailed,
+    JobSucceeded,
+    KeyEvicted,
+    KeyPublished,
+    KeyQuarantined,
+    LoadItem,
+    LoadJobStarted,
+    RankReported,
+    Reason,
+    StateCopyPlanned,
+    StoreItem,
+    StoreJobStarted,
+)
+
+Store = StoreJobStarted | ExternalStoreStarted
+Load = LoadJobStarted | ExternalLoadStarted
+Completed = Store | Load | StateCopyPlanned
+"""A decision that waits for every rank's report."""
+
+
+def pool_of(item: StoreItem | LoadItem | ExternalItem) -> int:
+    """The pool (cache group) an item's key belongs to."""
+    if isinstance(item, StoreItem):
+        return item.source.pool_id
+    if isinstance(item, LoadItem):
+        return item.dest.pool_id
+    return item.pool_id
+
+
+def complete(state: State, decision: Completed, reports: dict[int, RankReported]) -> list[Event]:
+    """What every rank's report decides: the job succeeded (and what it published), or failed."""
+    job_id = decision.job_id
+    failed = sorted(rank for rank, report in reports.items() if not report.ok)
+    if failed and isinstance(decision, LoadJobStarted | ExternalLoadStarted):
+        # A worker that found a checksum mismatch reports failure with what it read: the keys
+        # whose bytes differ are quarantined all the same (I13).
+        mismatched = _load_mismatches(state, decision, reports)
+        if mismatched:
+            return mismatched
+    if failed:
+        return [JobFailed(job_id=job_id, reason=Reason.RANK_FAILED, detail=f"ranks {failed} failed")]
+    if isinstance(decision, StateCopyPlanned):
+        return [JobSucceeded(job_id=job_id)]
+    per_rank = [reports[rank].checksums for rank in range(decision.world_size)]
+    if any(len(sums) != len(decision.items) or not all(sums) for sums in per_rank):
+        # I5 / I11: every item needs a checksum from every rank, duplicates included.
+        return [JobFailed(job_id=job_id, reason=Reason.MISSING_CHECKSUM, detail="a rank left items unverified")]
+    tier = state.tiers[decision.tier]
+    if isinstance(decision, StoreJobStarted | ExternalStoreStarted):
+        return [*_publish(state, tier, decision, per_rank), JobSucceeded(job_id=job_id)]
+    return _verify_load(state, tier, decision, per_rank)
+
+
+def _publish(state: State, tier: TierState, decision: Store, per_rank: list[list[bytes]]) -> list[Event]:
+    engine = state.engines[decision.engine_id]
+    events: list[Event] = []
+    items: Sequence[StoreItem | ExternalItem] = decision.items
+    for index, item in enumerate(items):
+        pool_id = pool_of(item)
+        checksums = [sums[index] for sums in per_rank]
+        published = KeyPublished(tier=tier.spec.name, namespace_id=engine.namespace_id, pool_id=pool_id, key=item.key,
+                                 tier_slot=item.tier_slot, tier_generation=item.tier_generation, checksums=checksums,
+                                 size_bytes=engine.pools[pool_id].spec.bytes_per_block, source_job=decision.job_id)
+        existing = tier.entry(pool_id, item.key)
+        if existing is None:
+            events.append(published)
+        elif existing.checksums != checksums and is_off(Protection.IDEMPOTENT_STORE):
+            # The naive store of seed 002: the last writer wins.
+            events += [KeyEvicted(tier=tier.spec.name, pool_id=pool_id, key=item.key, tier_slot=existing.tier_slot,
+                                  engine_id=decision.engine_id), published]
+        elif existing.checksums != checksums and not existing.quarantined:
+            # I10: the same key with other bytes. Someone stored the wrong KV; trust neither.
+            events.append(KeyQuarantined(tier=tier.spec.name, pool_id=pool_id, key=item.key, reason=Reason.CHECKSUM_MISMATCH,
+                                         job_id=decision.job_id,
+                                         detail=f"re-store by job {decision.job_id} differs from job {existing.source_job}"))
+    return events
+
+
+def _verify_load(state: State, tier: TierState, decision: Load, per_rank: list[list[bytes]]) -> list[Event]:
+    """A load counts only if the lease held (I12), the keys were not evicted meanwhile and every
+    destination verified against the published checksums (I11, I13)."""
+    job_id = decision.job_id
+    naive_leases = is_off(Protection.LEASES)  # seed 002's offload read path: no lease check
+    clock = state.engines[decision.engine_id].clock
+    if clock >= decision.lease_expires_at and not naive_leases:  # a lease is live while clock < expiry
+        return [JobFailed(job_id=job_id, reason=Reason.LEASE_EXPIRED,
+                          detail=f"completed at {clock}, lease expired at {decision.lease_expires_at}")]
+    verify = not is_off(Protection.CHECKSUMS)  # off: MOONCAKE_STORE_CHECKSUM unset (seed 002)
+    quarantined: dict[tuple[int, bytes], None] = {}
+    unverified = 0
+    items: Sequence[LoadItem | ExternalItem] = decision.items
+    for index, item in enumerate(items):
+        entry = current_entry(tier, item)
+        if entry is None and not naive_leases:
+            return [JobFailed(job_id=job_id, reason=Reason.KEY_EVICTED, detail=f"key {item.key.hex()} left the tier")]
+        if entry is not None and entry.quarantined:
+            return [JobFailed(job_id=job_id, reason=Reason.KEY_QUARANTINED, detail=f"key {item.key.hex()}")]
+        # A key that left the tier (only with leases off) is checked against what was published
+        # when the load was decided.
+        published = entry.checksums if entry is not None else item.checksums
+        if verify and published and [sums[index] for sums in per_rank] != published:
+            unverified += 1
+            if entry is not None:
+                quarantined[(pool_of(item), item.key)] = None
+    if not unverified:
+        return [JobSucceeded(job_id=job_id)]
+    return [
+        *(KeyQuarantined(tier=tier.spec.name, pool_id=pool_id, key=key, reason=Reason.CHECKSUM_MISMATCH, job_id=job_id,
+                         detail="loaded bytes differ from the published checksum") for pool_id, key in quarantined),
+        JobFailed(job_id=job_id, reason=Reason.CHECKSUM_MISMATCH, detail=f"{unverified} items failed verification"),
+    ]
+
+
+def current_entry(tier: TierState, item: LoadItem | ExternalItem) -> KeyEntry | None:
+    """The key's entry if it is still the one the load was decided on (same slot and
+    generation); None when it left the tier or was stored again elsewhere."""
+    entry = tier.entry(pool_of(item), item.key)
+    if entry is None or (entry.tier_slot, entry.tier_generation) != (item.tier_slot, item.tier_generation):
+        return None
+    return entry
+
+
+def _load_mismatches(state: State, decision: Load, reports: dict[int, RankReported]) -> list[Event]:
+    """For a load some rank failed: KeyQuarantined for each key some rank read with other bytes
+    than published, then the job's failure (CHECKSUM_MISMATCH); empty when no report carries a
+    full, differing checksum list, or with checksums off. A key that left the tier (only
+    possible with leases off) is compared with the checksums in the decision and, being gone,
+    is not quarantined: the load fails all the same."""
+    if is_off(Protection.CHECKSUMS):
+        return []
+    tier = state.tiers[decision.tier]
+    keys: dict[tuple[int, bytes], None] = {}
+    mismatched = 0
+    items: Sequence[LoadItem | ExternalItem] = decision.items
+    for rank, report in sorted(reports.items()):
+        if len(report.checksums) != len(items):
+            continue
+        for item, read in zip(items, report.checksums, strict=True):
+            entry = current_entry(tier, item)
+            published = entry.checksums if entry is not None else item.checksums
+            if read and rank < len(published) and read != published[rank]:
+                mismatched += 1
+                if entry is not None:
+                    keys[(pool_of(item), item.key)] = None
+    if not mismatched:
+        return []
+    return [
+        *(KeyQuarantined(tier=tier.spec.name, pool_id=pool_id, key=key, reason=Reason.CHECKSUM_MISMATCH,
+                         job_id=decision.job_id, detail="a worker read other bytes than the published checksum")
+          for pool_id, key in keys if not tier.entries[pool_id][key].quarantined),
+        JobFailed(job_id=decision.job_id, reason=Reason.CHECKSUM_MISMATCH,
+                  detail=f"{mismatched} reads differ from the published checksums"),
+    ]
