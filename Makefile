@@ -21,8 +21,7 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/kvledger demo
 
-test: $(STAMP) test-tools
-	$(BIN)/python -m mypy
+test: $(STAMP) test-tools lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # What some tests need beside the main venv, each built once and reused: the vLLM environment
@@ -41,8 +40,12 @@ bench: $(STAMP)
 	$(BIN)/python ops/bench/projector.py
 	$(BIN)/python ops/bench/log.py
 
+# Types, lint, format and the import floors (pyproject.toml, [tool.importlinter]).
 lint: $(STAMP)
 	$(BIN)/python -m mypy
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) .venv-vllm .tools build *.egg-info

@@ -32,7 +32,12 @@ app.command("fleet")(fleet_command)
 app.add_typer(namespace_app, name="namespace")
 app.add_typer(ingest_app, name="ingest")
 app.add_typer(jobs_app, name="jobs")
-LOG_OPTION = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="SQLite path or URL, or PostgreSQL URL (default: the data directory's SQLite file).")
+LOG_OPTION = typer.Option(
+    None,
+    "--log",
+    envvar="KVLEDGER_LOG",
+    help="SQLite path or URL, or PostgreSQL URL (default: the data directory's SQLite file).",
+)
 
 
 @app.callback()
@@ -63,7 +68,9 @@ def demo(
             table.add_row(row.engine, str(row.step or "-"), row.command, f"[{style}]{row.verdict}[/]", row.outcome, row.shows)
         console.print(table)
         same = "equal (I18 holds)" if result.digest == result.replay_digest else "DIFFERENT (I18 broken)"
-        console.print(f"{result.events} events. Live state digest {result.digest[:16]}; full replay {result.replay_digest[:16]}: {same}")
+        console.print(
+            f"{result.events} events. Live state digest {result.digest[:16]}; full replay {result.replay_digest[:16]}: {same}"
+        )
     log.info("demo_finished", events=result.events, rows=len(result.rows), replay_equal=result.digest == result.replay_digest)
     if result.digest != result.replay_digest:
         raise typer.Exit(code=1)
@@ -89,14 +96,22 @@ def _demo_on_the_sidecar(json_output: bool) -> None:
             typer.echo(msgspec.json.encode({"scenario": on.scenario, "on": on, "off": off}).decode())
     else:
         console = Console(width=200)
-        console.print(workload_table(workload, "kvledger demo, part two: a mixed workload of two engines on a real sidecar and real workers"))
-        console.print(scenario_table(results, "kvledger demo, part three: the seeds' failures as fault scenarios, protection on and off"))
+        console.print(
+            workload_table(
+                workload, "kvledger demo, part two: a mixed workload of two engines on a real sidecar and real workers"
+            )
+        )
+        console.print(
+            scenario_table(results, "kvledger demo, part three: the seeds' failures as fault scenarios, protection on and off")
+        )
         example = keep / "mixed-workload" / "log.sqlite"
         refused = keep / "duplicate-offload-with-different-bytes-on" / "log.sqlite"
-        console.print(f"Every run's log is under {keep}. Try next:\n"
-                      f"  kvledger audit block 0 5 --engine wl-0 --at-step 60 --log {example}\n"
-                      f"  kvledger audit refusals --log {refused}\n"
-                      f"  kvledger simulate --engines 2 --steps 400")
+        console.print(
+            f"Every run's log is under {keep}. Try next:\n"
+            f"  kvledger audit block 0 5 --engine wl-0 --at-step 60 --log {example}\n"
+            f"  kvledger audit refusals --log {refused}\n"
+            f"  kvledger simulate --engines 2 --steps 400"
+        )
     if workload.wrong_reads:
         typer.echo(f"kvledger demo: {workload.wrong_reads} wrong-KV reads in the mixed workload", err=True)
         raise typer.Exit(code=1)
@@ -182,26 +197,121 @@ def configure_json_logs() -> None:
 @app.command()
 def serve(
     log_url: str | None = LOG_OPTION,
-    socket_path: str | None = typer.Option(None, "--socket", envvar="KVLEDGER_SOCKET", help="Unix socket path (default: kvledger.sock in the data directory); created mode 0600."),
-    tcp: str | None = typer.Option(None, "--tcp", envvar="KVLEDGER_TCP", help="Also listen on TCP HOST:PORT (loopback only unless --allow-remote); needs --token."),
-    token: str = typer.Option("", "--token", envvar="KVLEDGER_TOKEN", help="Shared secret clients send in Hello; required for --tcp.", show_default=False),
-    http: str = typer.Option("127.0.0.1:9464", "--http", envvar="KVLEDGER_HTTP", help="HOST:PORT for /metrics, /healthz and /readyz; 'off' disables."),
-    max_frame: int = typer.Option((1 << 20) + (256 << 10), "--max-frame", envvar="KVLEDGER_MAX_FRAME", help="Largest frame accepted from a client, bytes (decoding one holds every engine's steps, ~11 ms a MiB)."),
-    subscriber_buffer: int = typer.Option(10_000, "--subscriber-buffer", envvar="KVLEDGER_SUBSCRIBER_BUFFER", help="Decisions a worker may fall behind before it is cut off (it resumes)."),
-    snapshot_every: int = typer.Option(1000, "--snapshot-every", envvar="KVLEDGER_SNAPSHOT_EVERY", help="Steps between snapshots (one is also written at shutdown)."),
+    socket_path: str | None = typer.Option(
+        None,
+        "--socket",
+        envvar="KVLEDGER_SOCKET",
+        help="Unix socket path (default: kvledger.sock in the data directory); created mode 0600.",
+    ),
+    tcp: str | None = typer.Option(
+        None,
+        "--tcp",
+        envvar="KVLEDGER_TCP",
+        help="Also listen on TCP HOST:PORT (loopback only unless --allow-remote); needs --token.",
+    ),
+    token: str = typer.Option(
+        "",
+        "--token",
+        envvar="KVLEDGER_TOKEN",
+        help="Shared secret clients send in Hello; required for --tcp.",
+        show_default=False,
+    ),
+    http: str = typer.Option(
+        "127.0.0.1:9464", "--http", envvar="KVLEDGER_HTTP", help="HOST:PORT for /metrics, /healthz and /readyz; 'off' disables."
+    ),
+    max_frame: int = typer.Option(
+        (1 << 20) + (256 << 10),
+        "--max-frame",
+        envvar="KVLEDGER_MAX_FRAME",
+        help="Largest frame accepted from a client, bytes (decoding one holds every engine's steps, ~11 ms a MiB).",
+    ),
+    subscriber_buffer: int = typer.Option(
+        10_000,
+        "--subscriber-buffer",
+        envvar="KVLEDGER_SUBSCRIBER_BUFFER",
+        help="Decisions a worker may fall behind before it is cut off (it resumes).",
+    ),
+    snapshot_every: int = typer.Option(
+        1000,
+        "--snapshot-every",
+        envvar="KVLEDGER_SNAPSHOT_EVERY",
+        help="Steps between snapshots (one is also written at shutdown).",
+    ),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow --tcp/--http on a non-loopback address."),
-    max_tier_slots: int = typer.Option(1 << 22, "--max-tier-slots", envvar="KVLEDGER_MAX_TIER_SLOTS", min=1, help="Tier slots all tiers together may hold; engines' declarations beyond it are refused (~150 B of state a slot)."),
-    max_tiers: int = typer.Option(64, "--max-tiers", envvar="KVLEDGER_MAX_TIERS", min=1, help="Tiers the sidecar holds; engines' declarations beyond it are refused."),
-    max_pool_blocks: int = typer.Option(1 << 23, "--max-pool-blocks", envvar="KVLEDGER_MAX_POOL_BLOCKS", min=1, help="Blocks all engines' pools together may hold; a declaration beyond it is refused (~100 B of state a block)."),
-    max_owners_per_engine: int = typer.Option(1 << 16, "--max-owners-per-engine", envvar="KVLEDGER_MAX_OWNERS_PER_ENGINE", min=1, help="Live owners (requests started, not finished) one engine may hold; a step starting more is refused."),
-    free_errors: int = typer.Option(10, "--free-errors", envvar="KVLEDGER_FREE_ERRORS", min=1, help="Refusals per credential and second answered at once; each further one in that second waits 50 ms, in the credential's turn (a client flooding what is refused slows only itself)."),
-    metrics_token: str = typer.Option("", "--metrics-token", envvar="KVLEDGER_METRICS_TOKEN", help="A bearer token /metrics requires (default: none)."),
-    metrics_engine_labels: bool = typer.Option(True, "--metrics-engine-labels/--no-metrics-engine-labels", help="Label per-engine gauges with engine ids (off: one engine=\"all\" series)."),
-    audit_tokens: str | None = typer.Option(None, "--audit-tokens", envvar="KVLEDGER_AUDIT_TOKENS", help="Tokens file (JSON or TOML: token -> {tenant = NAME or \"*\"}) of the HTTP audit API under /audit/; without it the API answers 401."),
-    credentials: str | None = typer.Option(None, "--credentials", envvar="KVLEDGER_CREDENTIALS", help="Credentials file (TOML or JSON, one credentials table each: token or uid, roles, engines or tenant): who may take which role for which engines. Replaces --token."),
-    socket_uid: list[int] = typer.Option([], "--socket-uid", help="A uid, beside the sidecar's own and the credentials file's, that may connect to the socket (checked with SO_PEERCRED; the socket is then 0666). Repeatable."),
-    frame_timeout: float = typer.Option(30.0, "--frame-timeout", envvar="KVLEDGER_FRAME_TIMEOUT", min=0.1, max=3600.0, help="Seconds a frame that has begun may take to arrive whole; then its connection is closed."),
-    ingest_vllm: str | None = typer.Option(None, "--ingest-vllm", envvar="KVLEDGER_INGEST_VLLM", help="TOML file of vLLM engines ([[engine]]: engine_id, endpoint, replay, topic, [engine.namespace]) whose KV events this sidecar records, as `kvledger ingest vllm` does."),
+    max_tier_slots: int = typer.Option(
+        1 << 22,
+        "--max-tier-slots",
+        envvar="KVLEDGER_MAX_TIER_SLOTS",
+        min=1,
+        help="Tier slots all tiers together may hold; engines' declarations beyond it are refused (~150 B of state a slot).",
+    ),
+    max_tiers: int = typer.Option(
+        64,
+        "--max-tiers",
+        envvar="KVLEDGER_MAX_TIERS",
+        min=1,
+        help="Tiers the sidecar holds; engines' declarations beyond it are refused.",
+    ),
+    max_pool_blocks: int = typer.Option(
+        1 << 23,
+        "--max-pool-blocks",
+        envvar="KVLEDGER_MAX_POOL_BLOCKS",
+        min=1,
+        help="Blocks all engines' pools together may hold; a declaration beyond it is refused (~100 B of state a block).",
+    ),
+    max_owners_per_engine: int = typer.Option(
+        1 << 16,
+        "--max-owners-per-engine",
+        envvar="KVLEDGER_MAX_OWNERS_PER_ENGINE",
+        min=1,
+        help="Live owners (requests started, not finished) one engine may hold; a step starting more is refused.",
+    ),
+    free_errors: int = typer.Option(
+        10,
+        "--free-errors",
+        envvar="KVLEDGER_FREE_ERRORS",
+        min=1,
+        help="Refusals per credential and second answered at once; each further one in that second waits 50 ms, in the credential's turn (a client flooding what is refused slows only itself).",
+    ),
+    metrics_token: str = typer.Option(
+        "", "--metrics-token", envvar="KVLEDGER_METRICS_TOKEN", help="A bearer token /metrics requires (default: none)."
+    ),
+    metrics_engine_labels: bool = typer.Option(
+        True,
+        "--metrics-engine-labels/--no-metrics-engine-labels",
+        help='Label per-engine gauges with engine ids (off: one engine="all" series).',
+    ),
+    audit_tokens: str | None = typer.Option(
+        None,
+        "--audit-tokens",
+        envvar="KVLEDGER_AUDIT_TOKENS",
+        help='Tokens file (JSON or TOML: token -> {tenant = NAME or "*"}) of the HTTP audit API under /audit/; without it the API answers 401.',
+    ),
+    credentials: str | None = typer.Option(
+        None,
+        "--credentials",
+        envvar="KVLEDGER_CREDENTIALS",
+        help="Credentials file (TOML or JSON, one credentials table each: token or uid, roles, engines or tenant): who may take which role for which engines. Replaces --token.",
+    ),
+    socket_uid: list[int] = typer.Option(
+        [],
+        "--socket-uid",
+        help="A uid, beside the sidecar's own and the credentials file's, that may connect to the socket (checked with SO_PEERCRED; the socket is then 0666). Repeatable.",
+    ),
+    frame_timeout: float = typer.Option(
+        30.0,
+        "--frame-timeout",
+        envvar="KVLEDGER_FRAME_TIMEOUT",
+        min=0.1,
+        max=3600.0,
+        help="Seconds a frame that has begun may take to arrive whole; then its connection is closed.",
+    ),
+    ingest_vllm: str | None = typer.Option(
+        None,
+        "--ingest-vllm",
+        envvar="KVLEDGER_INGEST_VLLM",
+        help="TOML file of vLLM engines ([[engine]]: engine_id, endpoint, replay, topic, [engine.namespace]) whose KV events this sidecar records, as `kvledger ingest vllm` does.",
+    ),
 ) -> None:
     """Run the sidecar: the coordinator on its log, on a Unix socket (and TCP if asked)."""
     from coordinator.sidecar.server import ConfigError, ServeConfig, Sidecar, run_sidecar
@@ -211,16 +321,34 @@ def serve(
     import os
 
     if os.environ.get("KVLEDGER_PROTECTIONS_OFF"):
-        typer.echo("kvledger serve: KVLEDGER_PROTECTIONS_OFF is set; protections are switched off only inside "
-                   "`kvledger simulate`, never in a sidecar", err=True)
+        typer.echo(
+            "kvledger serve: KVLEDGER_PROTECTIONS_OFF is set; protections are switched off only inside "
+            "`kvledger simulate`, never in a sidecar",
+            err=True,
+        )
         raise typer.Exit(code=2)
     config = ServeConfig(
-        log_url=log_url, socket_path=socket_path or str(data_dir() / "kvledger.sock"), tcp=_address(tcp, "--tcp"),
-        token=token, http=_address(http, "--http"), max_frame=max_frame, subscriber_buffer=subscriber_buffer,
-        snapshot_every=snapshot_every, allow_remote=allow_remote, audit_tokens=audit_tokens, ingest_vllm=ingest_vllm,
-        metrics_token=metrics_token, metrics_engine_labels=metrics_engine_labels, max_tier_slots=max_tier_slots,
-        max_tiers=max_tiers, max_pool_blocks=max_pool_blocks, max_owners_per_engine=max_owners_per_engine, credentials=credentials, socket_uids=list(socket_uid),
-        frame_timeout=frame_timeout, free_errors=free_errors,
+        log_url=log_url,
+        socket_path=socket_path or str(data_dir() / "kvledger.sock"),
+        tcp=_address(tcp, "--tcp"),
+        token=token,
+        http=_address(http, "--http"),
+        max_frame=max_frame,
+        subscriber_buffer=subscriber_buffer,
+        snapshot_every=snapshot_every,
+        allow_remote=allow_remote,
+        audit_tokens=audit_tokens,
+        ingest_vllm=ingest_vllm,
+        metrics_token=metrics_token,
+        metrics_engine_labels=metrics_engine_labels,
+        max_tier_slots=max_tier_slots,
+        max_tiers=max_tiers,
+        max_pool_blocks=max_pool_blocks,
+        max_owners_per_engine=max_owners_per_engine,
+        credentials=credentials,
+        socket_uids=list(socket_uid),
+        frame_timeout=frame_timeout,
+        free_errors=free_errors,
     )
 
     def started(sidecar: Sidecar) -> None:
@@ -253,12 +381,28 @@ def serve(
 
 @app.command()
 def worker(
-    engine: str = typer.Option(..., "--engine", envvar="KVLEDGER_ENGINE", help="The engine whose decisions this worker executes."),
+    engine: str = typer.Option(
+        ..., "--engine", envvar="KVLEDGER_ENGINE", help="The engine whose decisions this worker executes."
+    ),
     rank: int = typer.Option(..., "--rank", envvar="KVLEDGER_RANK", help="The tensor-parallel rank this worker serves."),
-    socket_path: str | None = typer.Option(None, "--socket", envvar="KVLEDGER_SOCKET", help="The sidecar's Unix socket (default: kvledger.sock in the data directory)."),
-    tier: list[str] = typer.Option([], "--tier", help="NAME=host or NAME=disk:DIR (repeatable); tiers not named live in host memory."),
-    fsync: str = typer.Option("always", "--fsync", envvar="KVLEDGER_FSYNC", help="Disk tiers: always (file and directory before rename) or never."),
-    state_dir: str | None = typer.Option(None, "--state-dir", envvar="KVLEDGER_WORKER_STATE", help="Where the worker keeps its acknowledged sequence (default: the data directory)."),
+    socket_path: str | None = typer.Option(
+        None,
+        "--socket",
+        envvar="KVLEDGER_SOCKET",
+        help="The sidecar's Unix socket (default: kvledger.sock in the data directory).",
+    ),
+    tier: list[str] = typer.Option(
+        [], "--tier", help="NAME=host or NAME=disk:DIR (repeatable); tiers not named live in host memory."
+    ),
+    fsync: str = typer.Option(
+        "always", "--fsync", envvar="KVLEDGER_FSYNC", help="Disk tiers: always (file and directory before rename) or never."
+    ),
+    state_dir: str | None = typer.Option(
+        None,
+        "--state-dir",
+        envvar="KVLEDGER_WORKER_STATE",
+        help="Where the worker keeps its acknowledged sequence (default: the data directory).",
+    ),
 ) -> None:
     """Run a worker rank: execute the committed decisions (stores, loads, state copies) for it."""
     from pathlib import Path
@@ -294,13 +438,23 @@ def worker(
             raise typer.BadParameter(f"engine {engine!r} has no tiers {unknown} (it has {welcome.tiers})", param_hint="--tier")
         for name in welcome.tiers:
             where = configured.get(name, "host")
-            tiers[name] = DiskTier(name, Path(where[5:]) / f"rank-{rank}", device, fsync) if where.startswith("disk:") else HostTier(name, device)  # type: ignore[arg-type]
+            if where.startswith("disk:"):
+                tiers[name] = DiskTier(name, Path(where[5:]) / f"rank-{rank}", device, fsync)  # type: ignore[arg-type]
+            else:
+                tiers[name] = HostTier(name, device)
         state = Path(state_dir) if state_dir else data_dir()
         state.mkdir(parents=True, exist_ok=True)
-        runner = Worker(engine, rank, DevicePools(welcome.pools, device, welcome.kv_dtype or "uint8"), tiers,
-                        state / f"worker-{engine}-{rank}.json")
-        typer.echo(f"kvledger worker: engine {engine} rank {rank} on {device}, {welcome.kv_dtype} pools {[p.pool_id for p in welcome.pools]}, "
-                   f"tiers {sorted(tiers)}, resuming after sequence {runner.state.acked}")
+        runner = Worker(
+            engine,
+            rank,
+            DevicePools(welcome.pools, device, welcome.kv_dtype or "uint8"),
+            tiers,
+            state / f"worker-{engine}-{rank}.json",
+        )
+        typer.echo(
+            f"kvledger worker: engine {engine} rank {rank} on {device}, {welcome.kv_dtype} pools {[p.pool_id for p in welcome.pools]}, "
+            f"tiers {sorted(tiers)}, resuming after sequence {runner.state.acked}"
+        )
         await runner.run(client)
 
     try:
@@ -336,7 +490,11 @@ def simulate(
         if json_output:
             typer.echo(msgspec.json.encode(report).decode())
         else:
-            Console(width=200).print(workload_table(report, f"kvledger simulate: mixed workload, {engines} engines x {steps} steps, every protection on"))
+            Console(width=200).print(
+                workload_table(
+                    report, f"kvledger simulate: mixed workload, {engines} engines x {steps} steps, every protection on"
+                )
+            )
         if report.wrong_reads:
             typer.echo(f"kvledger simulate: {report.wrong_reads} wrong-KV reads with every protection on", err=True)
             raise typer.Exit(code=1)
@@ -353,11 +511,14 @@ def simulate(
             typer.echo(msgspec.json.encode(on).decode())
             typer.echo(msgspec.json.encode(off).decode())
     else:
-        Console(width=200).print(scenario_table(results, "kvledger simulate: wrong-KV reads counted from the bytes, protection off vs on"))
+        Console(width=200).print(
+            scenario_table(results, "kvledger simulate: wrong-KV reads counted from the bytes, protection off vs on")
+        )
     failed = not_holding(results)
     if failed:
         typer.echo(f"kvledger simulate: scenarios that did not hold (on > 0 or off == 0): {failed}", err=True)
         raise typer.Exit(code=1)
+
 
 if __name__ == "__main__":
     app()

@@ -30,7 +30,8 @@ import uuid_utils
 from anyio.abc import ByteStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from coordinator.commands import AnyCommand, DeclareEngine, ExternalKey, ReportRank
+from coordinator.core.commands import AnyCommand, DeclareEngine, ExternalKey, ReportRank
+from coordinator.core.routing import Decision
 from coordinator.sidecar import protocol as p
 from events import EngineReset, Event, TierSpec
 
@@ -111,17 +112,42 @@ async def _close_quietly(channel: _Channel) -> None:
             pass
 
 
-def _hello(role: p.Role, engine_id: str, token: str, *, rank: int = 0, declare: DeclareEngine | None = None,
-           incarnation: int = 0, tiers: Sequence[TierSpec] = (), takeover: bool = False) -> p.Hello:
-    return p.Hello(protocol=p.PROTOCOL_VERSION, role=role, engine_id=engine_id, rank=rank, token=token, declare=declare,
-                   incarnation=incarnation, tiers=list(tiers), takeover=takeover)
+def _hello(
+    role: p.Role,
+    engine_id: str,
+    token: str,
+    *,
+    rank: int = 0,
+    declare: DeclareEngine | None = None,
+    incarnation: int = 0,
+    tiers: Sequence[TierSpec] = (),
+    takeover: bool = False,
+) -> p.Hello:
+    return p.Hello(
+        protocol=p.PROTOCOL_VERSION,
+        role=role,
+        engine_id=engine_id,
+        rank=rank,
+        token=token,
+        declare=declare,
+        incarnation=incarnation,
+        tiers=list(tiers),
+        takeover=takeover,
+    )
 
 
 def _engine_hello(client: EngineClient | SyncEngineClient) -> p.Hello:
     """The first Hello declares the engine (and its tiers); a reconnect names its incarnation."""
     first = client.incarnation == 0
-    return _hello("engine", client.engine_id, client.address.token, declare=client.declare if first else None,
-                  incarnation=client.incarnation, tiers=client.tiers if first else (), takeover=first and client.takeover)
+    return _hello(
+        "engine",
+        client.engine_id,
+        client.address.token,
+        declare=client.declare if first else None,
+        incarnation=client.incarnation,
+        tiers=client.tiers if first else (),
+        takeover=first and client.takeover,
+    )
 
 
 def _welcomed(reply: p.ServerMessage) -> p.Welcome:
@@ -164,8 +190,15 @@ def _incarnation_after(reply: p.Message, engine_id: str, incarnation: int) -> in
 
 class EngineClient:
     def __init__(
-        self, address: Address, declare: DeclareEngine, *, tiers: Sequence[TierSpec] = (),
-        retry_for: float = 30.0, reply_timeout: float = 30.0, max_frame: int = p.DEFAULT_MAX_FRAME, takeover: bool = False,
+        self,
+        address: Address,
+        declare: DeclareEngine,
+        *,
+        tiers: Sequence[TierSpec] = (),
+        retry_for: float = 30.0,
+        reply_timeout: float = 30.0,
+        max_frame: int = p.DEFAULT_MAX_FRAME,
+        takeover: bool = False,
     ) -> None:
         self.address = address
         self.takeover = takeover
@@ -213,10 +246,14 @@ class EngineClient:
         self.welcome = reply
         self.reconnects += not first
         self._channel = channel
-        log.info("connected", engine=self.engine_id, incarnation=reply.incarnation, address=str(self.address), reconnect=not first)
+        log.info(
+            "connected", engine=self.engine_id, incarnation=reply.incarnation, address=str(self.address), reconnect=not first
+        )
         return reply
 
-    async def step(self, step: int, clock: float, commands: Sequence[AnyCommand], *, command_id: str | None = None) -> p.StepResult:
+    async def step(
+        self, step: int, clock: float, commands: Sequence[AnyCommand], *, command_id: str | None = None
+    ) -> p.StepResult:
         """Commit one scheduler step; safe through reconnects (the command id makes it exactly once)."""
         message = p.Step(step=step, clock=clock, commands=list(commands), command_id=command_id or uuid_utils.uuid7().hex)
         return await self._request(message, p.StepResult)
@@ -283,8 +320,9 @@ class EngineClient:
 class WorkerClient:
     """Decisions for one (engine, rank), in order, each once, across reconnects."""
 
-    def __init__(self, address: Address, engine_id: str, rank: int, *, retry_for: float = 30.0,
-                 max_frame: int = p.DEFAULT_MAX_FRAME) -> None:
+    def __init__(
+        self, address: Address, engine_id: str, rank: int, *, retry_for: float = 30.0, max_frame: int = p.DEFAULT_MAX_FRAME
+    ) -> None:
         self.address = address
         self.engine_id = engine_id
         self.rank = rank
@@ -317,7 +355,7 @@ class WorkerClient:
             raise
         return channel
 
-    async def decisions(self, from_seq: int | None = None) -> AsyncIterator[p.Decision]:
+    async def decisions(self, from_seq: int | None = None) -> AsyncIterator[Decision]:
         """Every committed decision for this rank after `from_seq` (default: the last one handed
         out), forever. Reconnects and resubscribes on its own."""
         if from_seq is not None:
@@ -339,8 +377,13 @@ class WorkerClient:
                     elif isinstance(message, p.Error):
                         if message.code not in (p.ErrorCode.SLOW_SUBSCRIBER, p.ErrorCode.STALE_INCARNATION):
                             raise SidecarError(message)
-                        log.warning("resubscribing", engine=self.engine_id, rank=self.rank, reason=message.code.value,
-                                    resume_from=message.resume_from)
+                        log.warning(
+                            "resubscribing",
+                            engine=self.engine_id,
+                            rank=self.rank,
+                            reason=message.code.value,
+                            resume_from=message.resume_from,
+                        )
                         break
             except (*_LOST, TimeoutError) as lost:
                 if deadline == math.inf:
@@ -392,12 +435,13 @@ class WorkerClient:
 
 
 class OperatorClient:
-    """An operator's connection: Execute of operator commands (coordinator.commands.OPERATOR_COMMANDS),
+    """An operator's connection: Execute of operator commands (coordinator.core.commands.OPERATOR_COMMANDS),
     each on a short connection of its own, retried with the same command id through a lost
     connection or a restarting sidecar (the id makes it exactly once)."""
 
-    def __init__(self, address: Address, *, retry_for: float = 30.0, reply_timeout: float = 30.0,
-                 max_frame: int = p.DEFAULT_MAX_FRAME) -> None:
+    def __init__(
+        self, address: Address, *, retry_for: float = 30.0, reply_timeout: float = 30.0, max_frame: int = p.DEFAULT_MAX_FRAME
+    ) -> None:
         self.address = address
         self.retry_for = retry_for
         self.reply_timeout = reply_timeout
@@ -479,8 +523,15 @@ class _BlockingRequester:
     """A request sent again, with the same command id, through lost connections until an answer
     comes or `retry_for` runs out (SidecarUnavailable); what the synchronous clients share."""
 
-    def __init__(self, address: Address, *, retry_for: float, reply_timeout: float, max_frame: int,
-                 retry: frozenset[p.ErrorCode] = RETRY_CODES) -> None:
+    def __init__(
+        self,
+        address: Address,
+        *,
+        retry_for: float,
+        reply_timeout: float,
+        max_frame: int,
+        retry: frozenset[p.ErrorCode] = RETRY_CODES,
+    ) -> None:
         self.address = address
         self.retry = retry
         self.retry_for = retry_for
@@ -502,8 +553,13 @@ class _BlockingRequester:
         self.connections += 1
         return welcome
 
-    def request(self, message: p.Message, expected: type[R], hello: Callable[[], p.Hello],
-                welcomed: Callable[[p.Welcome], None] = lambda _: None) -> R:
+    def request(
+        self,
+        message: p.Message,
+        expected: type[R],
+        hello: Callable[[], p.Hello],
+        welcomed: Callable[[p.Welcome], None] = lambda _: None,
+    ) -> R:
         deadline = time.monotonic() + self.retry_for
         delay = 0.05
         while True:
@@ -543,8 +599,15 @@ class SyncEngineClient:
     on a plain blocking socket. Not thread-safe: one caller at a time, as a scheduler is."""
 
     def __init__(
-        self, address: Address, declare: DeclareEngine, *, tiers: Sequence[TierSpec] = (),
-        retry_for: float = 30.0, reply_timeout: float = 30.0, max_frame: int = p.DEFAULT_MAX_FRAME, takeover: bool = False,
+        self,
+        address: Address,
+        declare: DeclareEngine,
+        *,
+        tiers: Sequence[TierSpec] = (),
+        retry_for: float = 30.0,
+        reply_timeout: float = 30.0,
+        max_frame: int = p.DEFAULT_MAX_FRAME,
+        takeover: bool = False,
     ) -> None:
         self.address = address
         self.takeover = takeover
@@ -564,7 +627,9 @@ class SyncEngineClient:
         first = self.incarnation == 0
         self.incarnation = welcome.incarnation
         self.welcome = welcome
-        log.info("connected", engine=self.engine_id, incarnation=welcome.incarnation, address=str(self.address), reconnect=not first)
+        log.info(
+            "connected", engine=self.engine_id, incarnation=welcome.incarnation, address=str(self.address), reconnect=not first
+        )
 
     @property
     def reconnects(self) -> int:
@@ -610,13 +675,22 @@ class SyncWorkerClient:
     opened at the first report and kept open, on a blocking socket; through a lost connection a
     report is sent again with the same command id (the sidecar counts it once, I4)."""
 
-    def __init__(self, address: Address, engine_id: str, rank: int, *, retry_for: float = 30.0,
-                 reply_timeout: float = 30.0, max_frame: int = p.DEFAULT_MAX_FRAME) -> None:
+    def __init__(
+        self,
+        address: Address,
+        engine_id: str,
+        rank: int,
+        *,
+        retry_for: float = 30.0,
+        reply_timeout: float = 30.0,
+        max_frame: int = p.DEFAULT_MAX_FRAME,
+    ) -> None:
         self.address = address
         self.engine_id = engine_id
         self.rank = rank
-        self._requester = _BlockingRequester(address, retry_for=retry_for, reply_timeout=reply_timeout, max_frame=max_frame,
-                                             retry=WORKER_RETRY_CODES)
+        self._requester = _BlockingRequester(
+            address, retry_for=retry_for, reply_timeout=reply_timeout, max_frame=max_frame, retry=WORKER_RETRY_CODES
+        )
 
     @property
     def connections(self) -> int:
@@ -627,17 +701,23 @@ class SyncWorkerClient:
         """What the report committed (RankReported; with the last rank, the job's end)."""
         message = p.Report(report=report, command_id=command_id or uuid_utils.uuid7().hex)
         committed = self._requester.request(
-            message, p.Committed, lambda: _hello("worker", self.engine_id, self.address.token, rank=self.rank))
+            message, p.Committed, lambda: _hello("worker", self.engine_id, self.address.token, rank=self.rank)
+        )
         return list(committed.events)
 
     def report_all(self, reports: Sequence[tuple[ReportRank, str]]) -> list[list[Event]]:
         """Several (report, command id) in one round trip, committed together; what each committed."""
         results: list[list[Event]] = []
         for start in range(0, len(reports), p.MAX_COMMANDS):  # the sidecar refuses a larger Reports
-            message = p.Reports(reports=[p.Report(report=report, command_id=command_id)
-                                         for report, command_id in reports[start : start + p.MAX_COMMANDS]])
+            message = p.Reports(
+                reports=[
+                    p.Report(report=report, command_id=command_id)
+                    for report, command_id in reports[start : start + p.MAX_COMMANDS]
+                ]
+            )
             committed = self._requester.request(
-                message, p.ReportsCommitted, lambda: _hello("worker", self.engine_id, self.address.token, rank=self.rank))
+                message, p.ReportsCommitted, lambda: _hello("worker", self.engine_id, self.address.token, rank=self.rank)
+            )
             results += [list(result.events) for result in committed.results]
         return results
 

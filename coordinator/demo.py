@@ -12,7 +12,8 @@ from collections.abc import Callable
 import blake3
 import msgspec
 
-from coordinator.commands import (
+from coordinator.core import CoordinatorCore
+from coordinator.core.commands import (
     AllocateBlocks,
     AllocateEncoderEntry,
     AnyCommand,
@@ -35,10 +36,9 @@ from coordinator.commands import (
     StartStore,
     command_tag,
 )
-from coordinator.core import CoordinatorCore
-from coordinator.describe import describe
-from coordinator.state import state_digest
-from coordinator.projector import project
+from coordinator.core.describe import describe
+from coordinator.core.projector import project
+from coordinator.core.state import state_digest
 from events import (
     BlockRef,
     BlocksAllocated,
@@ -117,7 +117,14 @@ def run_demo() -> DemoResult:
         engine_id = getattr(command, "engine_id", "")
         engine = core.state.engines.get(engine_id)
         rows.append(
-            Row(engine_id or "-", max(engine.step, 0) if engine else 0, label, _verdict(events), "; ".join(describe(e) for e in events), shows)
+            Row(
+                engine_id or "-",
+                max(engine.step, 0) if engine else 0,
+                label,
+                _verdict(events),
+                "; ".join(describe(e) for e in events),
+                shows,
+            )
         )
         return events
 
@@ -132,7 +139,9 @@ def run_demo() -> DemoResult:
     def first(events: list[Event], kind: type[Event]) -> Event:
         return next(e for e in events if isinstance(e, kind))
 
-    def report(job_id: int, keys: list[bytes], shows: str = "", checksum: Callable[[bytes, int], bytes] = honest_checksum) -> None:
+    def report(
+        job_id: int, keys: list[bytes], shows: str = "", checksum: Callable[[bytes, int], bytes] = honest_checksum
+    ) -> None:
         for rank in (1, 0):  # ranks report in any order
             do(ReportRank(job_id=job_id, rank=rank, ok=True, checksums=[checksum(k, rank) for k in keys]), shows)
 
@@ -141,7 +150,16 @@ def run_demo() -> DemoResult:
         PoolSpec(pool_id=STATE, kind="state", num_blocks=6, block_size=8, bytes_per_block=64),
     ]
     do(DeclareTier(spec=TierSpec(name="host", num_slots=16, bytes_per_slot=64)))
-    do(DeclareEngine(engine_id="pod-a", namespace=_namespace("tenant-a"), pools=pools, world_size=2, tiers=["host"], encoder_cache_tokens=32))
+    do(
+        DeclareEngine(
+            engine_id="pod-a",
+            namespace=_namespace("tenant-a"),
+            pools=pools,
+            world_size=2,
+            tiers=["host"],
+            encoder_cache_tokens=32,
+        )
+    )
     prompt = list(range(100, 116))  # 16 tokens: 4 attention blocks, 2 state blocks
 
     # Step 1: request A computes its prompt and starts an async store (seed 000).
@@ -182,8 +200,15 @@ def run_demo() -> DemoResult:
     old = BlockRef(dest[0].pool_id, dest[0].block_id, dest[0].generation - 1)
     do(FreeBlocks(engine_id="pod-a", owner_id=owner_c, blocks=[old]), "I1 stale generation")
     load = first(
-        do(StartLoad(engine_id="pod-a", tier="host", items=[LoadRequest(keys[0], dest[0]), LoadRequest(keys[0], dest[1])], lease_seconds=5.0),
-           "I11 duplicate key, two destinations"),
+        do(
+            StartLoad(
+                engine_id="pod-a",
+                tier="host",
+                items=[LoadRequest(keys[0], dest[0]), LoadRequest(keys[0], dest[1])],
+                lease_seconds=5.0,
+            ),
+            "I11 duplicate key, two destinations",
+        ),
         LoadJobStarted,
     )
     assert isinstance(load, LoadJobStarted)
@@ -203,8 +228,12 @@ def run_demo() -> DemoResult:
     new_step(6.0)
     states = first(do(AllocateBlocks(engine_id="pod-a", owner_id=owner_c, pool_id=STATE, count=2)), BlocksAllocated).blocks  # type: ignore[attr-defined]
     s1, s2 = states
-    do(PlanStateCopy(engine_id="pod-a", pool_id=STATE, moves=[Move(s1, 8, s1, 0, 48), Move(s2, 0, s1, 56, 8), Move(s1, 0, s2, 0, 8)]),
-       "I15 memmove + dependency order")
+    do(
+        PlanStateCopy(
+            engine_id="pod-a", pool_id=STATE, moves=[Move(s1, 8, s1, 0, 48), Move(s2, 0, s1, 56, 8), Move(s1, 0, s2, 0, 8)]
+        ),
+        "I15 memmove + dependency order",
+    )
     do(PlanStateCopy(engine_id="pod-a", pool_id=STATE, moves=[Move(BlockRef(STATE, 0, 0), 0, s2, 8, 8)]), "I2 no copy from null")
     end_step()
 

@@ -50,8 +50,8 @@ import uvicorn
 from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped]
 from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
 
-from coordinator.audit.queries import AuditError
 from coordinator.audit.api import TokenFileError, Tokens, load_tokens
+from coordinator.audit.queries import AuditError
 from coordinator.audit.store import IndexProgress, indexed_seq, sync_index
 from coordinator.fleet_http import FleetHealth, fleet_app
 from events.log import LogError, LogUnavailable, SqlEventLog, is_outage, mask, normalize, open_log
@@ -102,7 +102,9 @@ def check_state_store(url: str, what: str) -> None:
     except Exception:  # noqa: BLE001 - normalize's ValueError or SQLAlchemy's ArgumentError: not a database URL
         backend = ""
     if backend not in ("postgresql", "sqlite"):
-        raise FleetError(f"{what} {mask(url)!r} is not a PostgreSQL or SQLite database (postgresql://..., sqlite:///PATH or a file path)")
+        raise FleetError(
+            f"{what} {mask(url)!r} is not a PostgreSQL or SQLite database (postgresql://..., sqlite:///PATH or a file path)"
+        )
 
 
 async def require_topic(target: KafkaTarget) -> None:
@@ -118,7 +120,9 @@ async def require_topic(target: KafkaTarget) -> None:
     finally:
         await admin.close()
     if target.topic not in topics:
-        raise LogUnavailable(f"no topic {target.topic!r} on {','.join(target.bootstrap)}: no Kafka log there (nothing is created)")
+        raise LogUnavailable(
+            f"no topic {target.topic!r} on {','.join(target.bootstrap)}: no Kafka log there (nothing is created)"
+        )
 
 
 def quiet_kafka_client() -> None:
@@ -180,8 +184,13 @@ def database_outage(error: BaseException) -> bool:
 
 
 async def run_fleet(
-    url: str, *, stop: anyio.Event, batch: int = DEFAULT_BATCH, poll_s: float = DEFAULT_POLL_S,
-    on_progress: Callable[[IndexProgress], None] | None = None, until_idle: bool = False,
+    url: str,
+    *,
+    stop: anyio.Event,
+    batch: int = DEFAULT_BATCH,
+    poll_s: float = DEFAULT_POLL_S,
+    on_progress: Callable[[IndexProgress], None] | None = None,
+    until_idle: bool = False,
     health: FleetHealth | None = None,
 ) -> int:
     """Index the Kafka log at `url` (state store included, see fleet_url) into its state store
@@ -222,8 +231,14 @@ async def run_fleet(
                     health.progressed(done, head)
                     rate = (done - first) / elapsed if elapsed > 0 else 0.0
                     progress = FleetProgress(done, head, sum(r.rows for r in rows[-1:]), rate)
-                    log.info("fleet_indexed", indexed_seq=done, head=head, behind=max(head - done, 0), rows=progress.rows,
-                             events_per_s=round(rate))
+                    log.info(
+                        "fleet_indexed",
+                        indexed_seq=done,
+                        head=head,
+                        behind=max(head - done, 0),
+                        rows=progress.rows,
+                        events_per_s=round(rate),
+                    )
                     if on_progress is not None:
                         on_progress(progress)
                     continue
@@ -271,8 +286,7 @@ async def _close_quietly(event_log: SqlEventLog) -> None:
             log.warning("fleet_close_failed", error=one_line(error))
 
 
-async def _serve(url: str, batch: int, poll_s: float, http: tuple[str, int] | None = None,
-                 tokens: Tokens | None = None) -> int:
+async def _serve(url: str, batch: int, poll_s: float, http: tuple[str, int] | None = None, tokens: Tokens | None = None) -> int:
     """run_fleet until SIGTERM or SIGINT (the first stops after the batch in flight, a second at
     once), with the HTTP side on `http` if given."""
     stop = anyio.Event()
@@ -304,8 +318,13 @@ async def _serve(url: str, batch: int, poll_s: float, http: tuple[str, int] | No
     return done
 
 
-async def _serve_http(health: FleetHealth, tokens: Tokens | None, address: tuple[str, int], *,
-                      task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+async def _serve_http(
+    health: FleetHealth,
+    tokens: Tokens | None,
+    address: tuple[str, int],
+    *,
+    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
     from coordinator.sidecar.server import _HttpServer
 
     host, port = address
@@ -329,12 +348,31 @@ async def _serve_http(health: FleetHealth, tokens: Tokens | None, address: tuple
 
 
 def fleet_command(
-    log_url: str | None = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="The fleet's Kafka log: kafka://HOST:PORT/TOPIC."),
-    db: str | None = typer.Option(None, "--db", envvar="KVLEDGER_FLEET_DB", help="The audit index's database: postgresql://... (or a SQLite file); it becomes the log's ?state= store."),
+    log_url: str | None = typer.Option(
+        None, "--log", envvar="KVLEDGER_LOG", help="The fleet's Kafka log: kafka://HOST:PORT/TOPIC."
+    ),
+    db: str | None = typer.Option(
+        None,
+        "--db",
+        envvar="KVLEDGER_FLEET_DB",
+        help="The audit index's database: postgresql://... (or a SQLite file); it becomes the log's ?state= store.",
+    ),
     batch: int = typer.Option(DEFAULT_BATCH, "--batch", min=1, max=1_000_000, help="Events indexed per transaction."),
-    poll: float = typer.Option(DEFAULT_POLL_S, "--poll", min=0.01, max=3600.0, help="Seconds between looks at the topic's head once caught up."),
-    http: str = typer.Option("off", "--http", envvar="KVLEDGER_FLEET_HTTP", help="HOST:PORT for the fleet-wide audit API under /audit/, /metrics, /healthz and /readyz; 'off' (default) serves none."),
-    audit_tokens: str | None = typer.Option(None, "--audit-tokens", envvar="KVLEDGER_AUDIT_TOKENS", help="Tokens file of the HTTP audit API (as `kvledger serve --audit-tokens`); without it /audit/ answers 401."),
+    poll: float = typer.Option(
+        DEFAULT_POLL_S, "--poll", min=0.01, max=3600.0, help="Seconds between looks at the topic's head once caught up."
+    ),
+    http: str = typer.Option(
+        "off",
+        "--http",
+        envvar="KVLEDGER_FLEET_HTTP",
+        help="HOST:PORT for the fleet-wide audit API under /audit/, /metrics, /healthz and /readyz; 'off' (default) serves none.",
+    ),
+    audit_tokens: str | None = typer.Option(
+        None,
+        "--audit-tokens",
+        envvar="KVLEDGER_AUDIT_TOKENS",
+        help="Tokens file of the HTTP audit API (as `kvledger serve --audit-tokens`); without it /audit/ answers 401.",
+    ),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow --http on a non-loopback address."),
 ) -> None:
     """Index every engine's stream of a Kafka log into one audit database, exactly once, and keep

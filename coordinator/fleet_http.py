@@ -40,11 +40,13 @@ class FleetHealth:
     def __post_init__(self) -> None:
         self._indexed = Gauge("kvledger_fleet_indexed_seq", "The global sequence the audit index holds.", registry=self.registry)
         self._head = Gauge("kvledger_fleet_log_head_seq", "The topic's head, as last seen.", registry=self.registry)
-        self._behind = Gauge("kvledger_fleet_behind_events", "Events on the topic not yet in the audit index.",
-                             registry=self.registry)
+        self._behind = Gauge(
+            "kvledger_fleet_behind_events", "Events on the topic not yet in the audit index.", registry=self.registry
+        )
         self._ready = Gauge("kvledger_fleet_ready", "1 while the service is ready (see /readyz).", registry=self.registry)
-        self._outages = Counter("kvledger_fleet_outages", "Outages the service retried, by what failed.", ["what"],
-                                registry=self.registry)
+        self._outages = Counter(
+            "kvledger_fleet_outages", "Outages the service retried, by what failed.", ["what"], registry=self.registry
+        )
 
     def progressed(self, indexed_seq: int, head: int) -> None:
         self.indexed_seq, self.head = indexed_seq, max(head, indexed_seq)
@@ -85,9 +87,15 @@ class _CurrentLogAudit:
         if event_log is None:
             # No reason here: this answers before any token is checked (the reason, which may name
             # the backend, is on /readyz for whoever operates the service).
-            response = JSONResponse({"error": "unavailable", "parameter": None,
-                                     "detail": "the fleet service has no open log now (see /readyz); retry"},
-                                    status_code=503, headers={"Retry-After": "1"})
+            response = JSONResponse(
+                {
+                    "error": "unavailable",
+                    "parameter": None,
+                    "detail": "the fleet service has no open log now (see /readyz); retry",
+                },
+                status_code=503,
+                headers={"Retry-After": "1"},
+            )
             await response(scope, receive, send)
             return
         if self._bound is None or self._bound[0] is not event_log:
@@ -104,12 +112,16 @@ def fleet_app(health: FleetHealth, tokens: Tokens | None) -> Starlette:
 
     async def readyz(_: Request) -> Response:
         ready, reason = health.readiness()
-        return JSONResponse({"ready": ready, "reason": reason, "indexed_seq": health.indexed_seq, "head": health.head},
-                            status_code=200 if ready else 503)
+        return JSONResponse(
+            {"ready": ready, "reason": reason, "indexed_seq": health.indexed_seq, "head": health.head},
+            status_code=200 if ready else 503,
+        )
 
-    return Starlette(routes=[
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/healthz", healthz, methods=["GET"]),
-        Route("/readyz", readyz, methods=["GET"]),
-        AuditMount(_CurrentLogAudit(health, tokens)),
-    ])
+    return Starlette(
+        routes=[
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
+            AuditMount(_CurrentLogAudit(health, tokens)),
+        ]
+    )

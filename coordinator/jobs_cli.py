@@ -23,7 +23,7 @@ import msgspec
 import typer
 import uuid_utils
 
-from coordinator.commands import AnyCommand, ReleaseFencedRank
+from coordinator.core.commands import AnyCommand, ReleaseFencedRank
 from coordinator.namespace_cli import COMMAND_ID, JSON, LOG, SOCKET, TCP, TOKEN, Recorded, RecordError, _record, _run, _target
 from events import Event, FencedRankReleased, Refused
 
@@ -33,13 +33,26 @@ jobs_app = typer.Typer(help="Operator actions on jobs: release a dead worker's r
 def _released(command: AnyCommand, events: Sequence[Event], first_seq: int, last_seq: int, duplicate: bool) -> Recorded:
     refused = next((e for e in events if isinstance(e, Refused)), None)
     if refused is not None:
-        return Recorded(command="release_fenced_rank", refused=True, reason=str(refused.reason), detail=refused.detail,
-                        first_seq=first_seq, last_seq=last_seq, duplicate=duplicate)
+        return Recorded(
+            command="release_fenced_rank",
+            refused=True,
+            reason=str(refused.reason),
+            detail=refused.detail,
+            first_seq=first_seq,
+            last_seq=last_seq,
+            duplicate=duplicate,
+        )
     released = next((e for e in events if isinstance(e, FencedRankReleased)), None)
     if released is None:
         raise RecordError(f"release_fenced_rank committed no release: {[type(e).__name__ for e in events]}")
-    return Recorded(command="release_fenced_rank", refused=False, first_seq=first_seq, last_seq=last_seq,
-                    duplicate=duplicate, released_jobs=len(released.job_ids))
+    return Recorded(
+        command="release_fenced_rank",
+        refused=False,
+        first_seq=first_seq,
+        last_seq=last_seq,
+        duplicate=duplicate,
+        released_jobs=len(released.job_ids),
+    )
 
 
 @jobs_app.command("release")
@@ -47,8 +60,12 @@ def release(
     engine: str = typer.Option(..., "--engine", help="The engine whose fenced jobs wait on the rank."),
     rank: int = typer.Option(..., "--rank", help="The rank whose worker is gone."),
     reason: str = typer.Option(..., "--reason", help="Why you know it is gone: the audit record of this release."),
-    log_url: str | None = LOG, socket_path: str | None = SOCKET, tcp: str | None = TCP, token: str = TOKEN,
-    command_id: str | None = COMMAND_ID, json_output: bool = JSON,
+    log_url: str | None = LOG,
+    socket_path: str | None = SOCKET,
+    tcp: str | None = TCP,
+    token: str = TOKEN,
+    command_id: str | None = COMMAND_ID,
+    json_output: bool = JSON,
 ) -> None:
     """Release one rank of an engine's fenced jobs: its worker is gone, so what they hold goes (I16)."""
     target = _target(log_url, socket_path, tcp, token)
@@ -62,8 +79,10 @@ def release(
         typer.echo(msgspec.json.encode(recorded).decode())
     elif not recorded.refused:
         again = " (already recorded: this command id was committed before)" if recorded.duplicate else ""
-        typer.echo(f"released rank {rank} of {engine}: {recorded.released_jobs} fenced jobs let go, "
-                   f"at seq {recorded.first_seq}..{recorded.last_seq}{again}")
+        typer.echo(
+            f"released rank {rank} of {engine}: {recorded.released_jobs} fenced jobs let go, "
+            f"at seq {recorded.first_seq}..{recorded.last_seq}{again}"
+        )
     if recorded.refused:
         typer.echo(f"kvledger jobs release: refused ({recorded.reason}): {recorded.detail}", err=True)
         raise typer.Exit(code=1)

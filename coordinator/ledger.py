@@ -26,15 +26,25 @@ import msgspec
 import structlog
 import uuid_utils
 
-from coordinator.commands import AnyCommand, BeginStep, DecideNamespace, DeclareTier, EndStep, ReleaseNamespace, ReportRank
 from coordinator.core import CoordinatorCore
-from coordinator.decider import END_OF_STEP_NOTICES
-from coordinator.projector import read_effects
-from coordinator.protections import Protection
+from coordinator.core.commands import AnyCommand, BeginStep, DecideNamespace, DeclareTier, EndStep, ReleaseNamespace, ReportRank
+from coordinator.core.decider import END_OF_STEP_NOTICES
+from coordinator.core.projector import read_effects
+from coordinator.core.protections import Protection
+from coordinator.core.state import State
 from coordinator.recovery import decode, make_snapshot, recover
-from coordinator.state import State
 from events import Event, EventCodec, NoticeDropped, StepBegan, StepEnded
-from events.log import AppendBatch, AppendRejected, AppendResult, EventLog, LogError, LogUnavailable, PendingEvent, Snapshot, is_outage
+from events.log import (
+    AppendBatch,
+    AppendRejected,
+    AppendResult,
+    EventLog,
+    LogError,
+    LogUnavailable,
+    PendingEvent,
+    Snapshot,
+    is_outage,
+)
 
 log = structlog.get_logger("kvledger.ledger")
 
@@ -92,7 +102,7 @@ class Single(msgspec.Struct, frozen=True, kw_only=True):
 class Recorded(msgspec.Struct, frozen=True, kw_only=True):
     """Events already decided outside any step, appended for the audit: the answers of reads
     (a lookup on the sidecar's read path). They are records, not state: folding them changes
-    nothing (coordinator/projector.py), so they may land in any later group."""
+    nothing (coordinator/core/projector.py), so they may land in any later group."""
 
     stream_id: str
     events: list[Event]
@@ -109,6 +119,8 @@ def content_digest(tx: Submission) -> bytes:
     Kept with the id in the log, so a retry with other content is told apart from a retry."""
     content = (tx.engine_id, tx.step, tx.clock, list(tx.commands)) if isinstance(tx, Step) else tx.command
     return blake3.blake3(_digest_encoder.encode(content)).digest(16)
+
+
 Transaction = Submission | Recorded
 
 
@@ -132,9 +144,15 @@ class DecidedGroup:
 
     __slots__ = ("transactions", "batches", "decided", "first_of", "done", "epoch", "keys", "engines")
 
-    def __init__(self, transactions: Sequence[Transaction], batches: list[AppendBatch],
-                 decided: list[tuple[int, str, list[Event], StepCommit | None]], first_of: dict[str, int],
-                 done: dict[str, AppendResult], epoch: int) -> None:
+    def __init__(
+        self,
+        transactions: Sequence[Transaction],
+        batches: list[AppendBatch],
+        decided: list[tuple[int, str, list[Event], StepCommit | None]],
+        first_of: dict[str, int],
+        done: dict[str, AppendResult],
+        epoch: int,
+    ) -> None:
         self.transactions = transactions
         self.batches = batches
         self.decided = decided
@@ -149,14 +167,20 @@ class DecidedGroup:
 
 class Ledger:
     def __init__(
-        self, event_log: EventLog, codec: EventCodec, state: State, last_seq: int,
-        versions: dict[str, int], snapshot_every: int, protections_off: frozenset[Protection] = frozenset(),
+        self,
+        event_log: EventLog,
+        codec: EventCodec,
+        state: State,
+        last_seq: int,
+        versions: dict[str, int],
+        snapshot_every: int,
+        protections_off: frozenset[Protection] = frozenset(),
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.log = event_log
         self.codec = codec
         self.protections_off = protections_off
-        """Empty except in the simulator's fault scenarios (coordinator.protections)."""
+        """Empty except in the simulator's fault scenarios (coordinator.core.protections)."""
         self.core = CoordinatorCore(state, keep_events=False, protections_off=protections_off)
         self.last_seq = last_seq
         """The last global sequence the log took (committed): what readers may be shown."""
@@ -190,8 +214,13 @@ class Ledger:
 
     @classmethod
     async def open(
-        cls, event_log: EventLog, *, snapshot_every: int = 1000, codec: EventCodec | None = None,
-        protections_off: frozenset[Protection] = frozenset(), clock: Callable[[], float] = time.time,
+        cls,
+        event_log: EventLog,
+        *,
+        snapshot_every: int = 1000,
+        codec: EventCodec | None = None,
+        protections_off: frozenset[Protection] = frozenset(),
+        clock: Callable[[], float] = time.time,
     ) -> Ledger:
         """Recover the state (newest valid snapshot + tail) and get ready to append."""
         codec = codec or EventCodec()
@@ -335,8 +364,10 @@ class Ledger:
                 await self._rebuild("stale_after_failed_rebuild")
             except Exception as error:
                 if is_outage(error):
-                    raise LogUnavailable(f"{self.log.url} is unreachable while the state is rebuilt from it: "
-                                         f"{type(error).__name__}: {error}".splitlines()[0]) from error
+                    raise LogUnavailable(
+                        f"{self.log.url} is unreachable while the state is rebuilt from it: "
+                        f"{type(error).__name__}: {error}".splitlines()[0]
+                    ) from error
                 raise
 
     async def _append(self, group: DecidedGroup) -> tuple[list[StepCommit | Commit], Snapshot | None]:
@@ -378,8 +409,11 @@ class Ledger:
                 original = group.done.get(tx.command_id)
                 earlier = results[group.first_of[tx.command_id]] if original is None else None
                 retried = await self._retried(tx, original, earlier)
-                first_digest = original.digest if original is not None else \
-                    content_digest(_submission(group.transactions[group.first_of[tx.command_id]]))
+                first_digest = (
+                    original.digest
+                    if original is not None
+                    else content_digest(_submission(group.transactions[group.first_of[tx.command_id]]))
+                )
                 if first_digest is not None and first_digest != content_digest(tx):
                     retried = _reused(retried)
                 results[index] = retried
@@ -452,9 +486,15 @@ class Ledger:
             except Exception as error:
                 raise DecideFailed(index, error) from error
             version = expected.get(stream, 0)
-            batches.append(AppendBatch(stream_id=stream, expected_version=version,
-                                       events=self._pending_events(events, step, now), command_id=command_id,
-                                       digest=None if command_id is None or isinstance(tx, Recorded) else content_digest(tx)))
+            batches.append(
+                AppendBatch(
+                    stream_id=stream,
+                    expected_version=version,
+                    events=self._pending_events(events, step, now),
+                    command_id=command_id,
+                    digest=None if command_id is None or isinstance(tx, Recorded) else content_digest(tx),
+                )
+            )
             expected[stream] = version + len(events)
             decided.append((index, stream, events, detail))
         return batches, decided, first_of
@@ -466,8 +506,16 @@ class Ledger:
         pending = []
         for event in events:
             event_type, version, payload = encode(event)
-            pending.append(PendingEvent(event_id=uuid_utils.uuid7().hex, step=step, recorded_at=now,
-                                        event_type=event_type, schema_version=version, payload=payload))
+            pending.append(
+                PendingEvent(
+                    event_id=uuid_utils.uuid7().hex,
+                    step=step,
+                    recorded_at=now,
+                    event_type=event_type,
+                    schema_version=version,
+                    payload=payload,
+                )
+            )
         return pending
 
     async def _retried(
@@ -479,11 +527,14 @@ class Ledger:
             commit = msgspec.structs.replace(commit, duplicate=True)
             return msgspec.structs.replace(same_group, commit=commit) if isinstance(same_group, StepCommit) else commit
         assert original is not None
-        stored = await self.log.read(original.first_seq - 1, original.last_seq - original.first_seq + 1) if original.last_seq else []
+        stored = (
+            await self.log.read(original.first_seq - 1, original.last_seq - original.first_seq + 1) if original.last_seq else []
+        )
         events = [decode(self.codec, s) for s in stored]
         log.info("command_retried", command_id=tx.command_id, stream=original.stream_id, first_seq=original.first_seq)
-        commit = Commit(events=events, stream_id=original.stream_id, first_seq=original.first_seq,
-                        last_seq=original.last_seq, duplicate=True)
+        commit = Commit(
+            events=events, stream_id=original.stream_id, first_seq=original.first_seq, last_seq=original.last_seq, duplicate=True
+        )
         return split_step(commit) if isinstance(tx, Step) else commit
 
     async def _rebuild(self, reason: str) -> None:
@@ -529,8 +580,10 @@ def _outages_retried(url: str) -> Iterator[None]:
         raise
     except Exception as error:
         if is_outage(error):
-            raise LogUnavailable(f"{url} is unreachable: {type(error).__name__}: {error}".splitlines()[0]
-                                 + ": it may or may not be committed; retry it with the same command ids") from error
+            raise LogUnavailable(
+                f"{url} is unreachable: {type(error).__name__}: {error}".splitlines()[0]
+                + ": it may or may not be committed; retry it with the same command ids"
+            ) from error
         raise
 
 
@@ -569,11 +622,11 @@ def split_step(commit: Commit) -> StepCommit:
     while end > len(began) and not isinstance(events[end - 1], StepEnded):
         end -= 1
     if end == len(began):  # no StepEnded
-        return StepCommit(commit=commit, began=began, results=[events[len(began):]], ended=[])
+        return StepCommit(commit=commit, began=began, results=[events[len(began) :]], ended=[])
     start = end - 1  # StepEnded, and the notices its reconciliation dropped just before it
     while start > len(began) and _dropped_at_end_of_step(events[start - 1]):
         start -= 1
-    return StepCommit(commit=commit, began=began, results=[events[len(began):start]], ended=events[start:end])
+    return StepCommit(commit=commit, began=began, results=[events[len(began) : start]], ended=events[start:end])
 
 
 def _dropped_at_end_of_step(event: Event) -> bool:

@@ -31,7 +31,7 @@ import structlog
 import typer
 import uuid_utils
 
-from coordinator.commands import AnyCommand, DecideNamespace, ReleaseNamespace
+from coordinator.core.commands import AnyCommand, DecideNamespace, ReleaseNamespace
 from events import Event, KeyEvicted, KeyQuarantined, NamespaceDecided, NamespaceReleased, Refused
 
 namespace_app = typer.Typer(
@@ -39,10 +39,21 @@ namespace_app = typer.Typer(
     no_args_is_help=True,
 )
 
-LOG = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="Record directly on this log (SQLite path or URL, or PostgreSQL URL) when no sidecar serves it.")
+LOG = typer.Option(
+    None,
+    "--log",
+    envvar="KVLEDGER_LOG",
+    help="Record directly on this log (SQLite path or URL, or PostgreSQL URL) when no sidecar serves it.",
+)
 SOCKET = typer.Option(None, "--socket", envvar="KVLEDGER_SOCKET", help="Record through the sidecar on this Unix socket.")
 TCP = typer.Option(None, "--tcp", envvar="KVLEDGER_TCP", help="Record through the sidecar at TCP HOST:PORT (needs --token).")
-TOKEN = typer.Option("", "--token", envvar="KVLEDGER_TOKEN", help="The sidecar's shared secret (TCP), or a token of its --credentials (TCP or socket).", show_default=False)
+TOKEN = typer.Option(
+    "",
+    "--token",
+    envvar="KVLEDGER_TOKEN",
+    help="The sidecar's shared secret (TCP), or a token of its --credentials (TCP or socket).",
+    show_default=False,
+)
 COMMAND_ID = typer.Option(None, "--command-id", help="Make a retry exactly once: the same id returns the committed result.")
 JSON = typer.Option(False, "--json", help="Print JSON instead of text.")
 
@@ -181,8 +192,9 @@ class RecordError(Exception):
 Summary = Callable[[AnyCommand, Sequence[Event], int, int, bool], "Recorded"]
 
 
-async def _record(target: _Target, commands: Sequence[AnyCommand], command_ids: Sequence[str],
-                  summary: Summary | None = None) -> list[Recorded]:
+async def _record(
+    target: _Target, commands: Sequence[AnyCommand], command_ids: Sequence[str], summary: Summary | None = None
+) -> list[Recorded]:
     """Record each command in order and say what it came to (`summary`: what a decision looks
     like; by default a namespace decision's)."""
     if target.via_sidecar:
@@ -190,12 +202,16 @@ async def _record(target: _Target, commands: Sequence[AnyCommand], command_ids: 
     return await _on_the_log(target.log_url, commands, command_ids, summary or _summary)
 
 
-async def _through_sidecar(target: _Target, commands: Sequence[AnyCommand], command_ids: Sequence[str],
-                           summary: Summary) -> list[Recorded]:
+async def _through_sidecar(
+    target: _Target, commands: Sequence[AnyCommand], command_ids: Sequence[str], summary: Summary
+) -> list[Recorded]:
     from coordinator.client import Address, OperatorClient, SidecarError, SidecarUnavailable
 
-    address = Address(socket_path=target.socket_path, token=target.token) if target.socket_path else \
-        Address(tcp=target.tcp, token=target.token)
+    address = (
+        Address(socket_path=target.socket_path, token=target.token)
+        if target.socket_path
+        else Address(tcp=target.tcp, token=target.token)
+    )
     client = OperatorClient(address, retry_for=10.0)
     recorded = []
     for command, command_id in zip(commands, command_ids, strict=True):
@@ -207,8 +223,9 @@ async def _through_sidecar(target: _Target, commands: Sequence[AnyCommand], comm
     return recorded
 
 
-async def _on_the_log(log_url: str | None, commands: Sequence[AnyCommand], command_ids: Sequence[str],
-                      summary: Summary) -> list[Recorded]:
+async def _on_the_log(
+    log_url: str | None, commands: Sequence[AnyCommand], command_ids: Sequence[str], summary: Summary
+) -> list[Recorded]:
     from coordinator.audit.cli import open_existing
     from coordinator.ledger import Ledger
     from events.log import data_dir
@@ -240,13 +257,21 @@ def _summary(command: AnyCommand, events: Sequence[Event], first_seq: int, last_
     assert isinstance(tag, str)
     refused = next((e for e in events if isinstance(e, Refused)), None)
     if refused is not None:
-        return Recorded(command=tag, refused=True, reason=str(refused.reason), detail=refused.detail,
-                        first_seq=first_seq, last_seq=last_seq, duplicate=duplicate)
+        return Recorded(
+            command=tag,
+            refused=True,
+            reason=str(refused.reason),
+            detail=refused.detail,
+            first_seq=first_seq,
+            last_seq=last_seq,
+            duplicate=duplicate,
+        )
     affected = sum(isinstance(e, (KeyQuarantined, KeyEvicted)) for e in events)
     if not any(isinstance(e, (NamespaceDecided, NamespaceReleased)) for e in events):
         raise RecordError(f"{tag} committed no decision: {[type(e).__name__ for e in events]}")
-    return Recorded(command=tag, refused=False, first_seq=first_seq, last_seq=last_seq, duplicate=duplicate,
-                    affected_keys=affected)
+    return Recorded(
+        command=tag, refused=False, first_seq=first_seq, last_seq=last_seq, duplicate=duplicate, affected_keys=affected
+    )
 
 
 T = TypeVar("T")
@@ -259,8 +284,11 @@ def _run(command: str, main: Callable[[], Awaitable[T]], group: str = "namespace
     from events.log import LogError
 
     saved = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-                        logger_factory=structlog.PrintLoggerFactory(sys.stderr), cache_logger_on_first_use=False)
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=False,
+    )
     try:
         return anyio.run(main)
     except (RecordError, LogError) as error:
@@ -277,17 +305,30 @@ def _run(command: str, main: Callable[[], Awaitable[T]], group: str = "namespace
 def decide(
     from_namespace: str = typer.Option(..., "--from", help="Namespace A, in hex (as `kvledger audit namespaces` lists it)."),
     to_namespace: str = typer.Option(..., "--to", help="Namespace B, in hex."),
-    outcome: Outcome = typer.Option(..., "--outcome", help="new: B shares nothing with A. compatible: B may treat A's keys as "
-                                    "equivalent (needs --evidence). clear: quarantine every key of A."),
+    outcome: Outcome = typer.Option(
+        ...,
+        "--outcome",
+        help="new: B shares nothing with A. compatible: B may treat A's keys as "
+        "equivalent (needs --evidence). clear: quarantine every key of A.",
+    ),
     reason: str = typer.Option(..., "--reason", help="Why: the audit record of this decision."),
-    evidence: str = typer.Option("", "--evidence", help="RUN_ID of the verification run that compared cached and uncached outputs (required for compatible)."),
-    log_url: str | None = LOG, socket_path: str | None = SOCKET, tcp: str | None = TCP, token: str = TOKEN,
-    command_id: str | None = COMMAND_ID, json_output: bool = JSON,
+    evidence: str = typer.Option(
+        "",
+        "--evidence",
+        help="RUN_ID of the verification run that compared cached and uncached outputs (required for compatible).",
+    ),
+    log_url: str | None = LOG,
+    socket_path: str | None = SOCKET,
+    tcp: str | None = TCP,
+    token: str = TOKEN,
+    command_id: str | None = COMMAND_ID,
+    json_output: bool = JSON,
 ) -> None:
     """Record a release decision from namespace A to namespace B (seed 003)."""
     target = _target(log_url, socket_path, tcp, token)
-    command = DecideNamespace(from_namespace=from_namespace, to_namespace=to_namespace, outcome=outcome.value,
-                              reason=reason, evidence=evidence)
+    command = DecideNamespace(
+        from_namespace=from_namespace, to_namespace=to_namespace, outcome=outcome.value, reason=reason, evidence=evidence
+    )
 
     async def main() -> list[Recorded]:
         return await _record(target, [command], [command_id or uuid_utils.uuid7().hex])
@@ -298,8 +339,10 @@ def decide(
     elif not recorded.refused:
         cleared = f"; {recorded.affected_keys} keys of {from_namespace} quarantined" if outcome is Outcome.clear else ""
         again = " (already recorded: this command id was committed before)" if recorded.duplicate else ""
-        typer.echo(f"decided {outcome.value}: {from_namespace} -> {to_namespace}{cleared}, "
-                   f"at seq {recorded.first_seq}..{recorded.last_seq}{again}")
+        typer.echo(
+            f"decided {outcome.value}: {from_namespace} -> {to_namespace}{cleared}, "
+            f"at seq {recorded.first_seq}..{recorded.last_seq}{again}"
+        )
     if recorded.refused:
         typer.echo(f"kvledger namespace decide: refused ({recorded.reason}): {recorded.detail}", err=True)
         raise typer.Exit(code=1)
@@ -307,12 +350,18 @@ def decide(
 
 @namespace_app.command("gc")
 def gc(
-    older_than: str = typer.Option(..., "--older-than", help="Release namespaces whose last use is older than this: 7d, 12h, 30m, 1d12h..."),
+    older_than: str = typer.Option(
+        ..., "--older-than", help="Release namespaces whose last use is older than this: 7d, 12h, 30m, 1d12h..."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="List what would be released; record nothing."),
     tenant: str | None = typer.Option(None, "--tenant", help="Only this tenant's namespaces."),
     now: str | None = typer.Option(None, "--now", help="Judge ages at this time (ISO 8601 or epoch seconds; default: now)."),
-    log_url: str | None = LOG, socket_path: str | None = SOCKET, tcp: str | None = TCP, token: str = TOKEN,
-    command_id: str | None = COMMAND_ID, json_output: bool = JSON,
+    log_url: str | None = LOG,
+    socket_path: str | None = SOCKET,
+    tcp: str | None = TCP,
+    token: str = TOKEN,
+    command_id: str | None = COMMAND_ID,
+    json_output: bool = JSON,
 ) -> None:
     """Release abandoned namespaces: evict every key of each namespace last used (published or
     loaded, by the audit index) longer ago than --older-than."""
@@ -337,8 +386,15 @@ def gc(
         finally:
             await event_log.close()
         candidates = [
-            Candidate(namespace_id=e.namespace_id, tenant=e.tenant, model_id=e.model_id, keys=e.keys, bytes=e.bytes,
-                      last_used_at=e.last_used_at, idle_seconds=at - e.last_used_at)
+            Candidate(
+                namespace_id=e.namespace_id,
+                tenant=e.tenant,
+                model_id=e.model_id,
+                keys=e.keys,
+                bytes=e.bytes,
+                last_used_at=e.last_used_at,
+                idle_seconds=at - e.last_used_at,
+            )
             for e in inventory
             # A namespace with no live key has nothing to release (a released one stays so).
             if e.keys > 0 and e.last_used_at is not None and at - e.last_used_at > seconds
@@ -346,8 +402,10 @@ def gc(
         if dry_run or not candidates:
             return GcReport(now=at, older_than_seconds=seconds, dry_run=dry_run, candidates=candidates)
         commands: list[AnyCommand] = [
-            ReleaseNamespace(namespace=c.namespace_id,
-                             reason=f"kvledger namespace gc: last used {_iso(c.last_used_at)}, older than {older_than}")
+            ReleaseNamespace(
+                namespace=c.namespace_id,
+                reason=f"kvledger namespace gc: last used {_iso(c.last_used_at)}, older than {older_than}",
+            )
             for c in candidates
         ]
         released = await _record(target, commands, [f"{batch}/{c.namespace_id}" for c in candidates])
@@ -361,8 +419,10 @@ def gc(
         typer.echo(f"{len(report.candidates)} namespaces last used more than {older_than} before {_iso(at)}")
         outcomes: list[Recorded | None] = list(report.released) if report.released else [None] * len(report.candidates)
         for candidate, outcome in zip(report.candidates, outcomes, strict=True):
-            line = (f"{candidate.namespace_id} tenant {candidate.tenant} model {candidate.model_id}: {candidate.keys} keys, "
-                    f"{candidate.bytes:,} bytes, last used {_iso(candidate.last_used_at)}")
+            line = (
+                f"{candidate.namespace_id} tenant {candidate.tenant} model {candidate.model_id}: {candidate.keys} keys, "
+                f"{candidate.bytes:,} bytes, last used {_iso(candidate.last_used_at)}"
+            )
             if outcome is None:
                 typer.echo(f"{verb} {line}")
             elif outcome.refused:
@@ -375,4 +435,3 @@ def gc(
 
 def _iso(epoch: float) -> str:
     return dt.datetime.fromtimestamp(epoch, dt.UTC).isoformat(timespec="seconds")
-

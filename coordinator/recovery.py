@@ -14,8 +14,8 @@ import blake3
 import msgspec
 import structlog
 
-from coordinator.projector import project
-from coordinator.state import SNAPSHOT_SCHEMA_VERSION, State, decode_state, encode_state, state_digest
+from coordinator.core.projector import project
+from coordinator.core.state import SNAPSHOT_SCHEMA_VERSION, State, decode_state, encode_state, state_digest
 from events import Event, EventCodec, EventDecodeError
 from events.log import EventLog, Snapshot, StoredEvent, StoredStep
 

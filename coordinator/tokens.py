@@ -58,7 +58,8 @@ def check_token(token: str, *, path: Path, option: str, position: int) -> None:
     if len(token) < MIN_TOKEN_LENGTH or not TOKEN_SYNTAX.fullmatch(token):
         raise TokenFileError(
             f"{option} {path}: token {position} must be at least {MIN_TOKEN_LENGTH} characters of "
-            "A-Z a-z 0-9 - . _ ~ + / (then any '='), e.g. from `openssl rand -hex 32`")
+            "A-Z a-z 0-9 - . _ ~ + / (then any '='), e.g. from `openssl rand -hex 32`"
+        )
 
 
 def _digest(token: str) -> bytes:

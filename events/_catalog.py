@@ -61,7 +61,7 @@ class EngineReset(Event, frozen=True, tag="engine_reset"):
     reason: str
     keep_pins: bool = True
     """Slots that fenced jobs still pin stay pinned. False only in a simulator run with the
-    fencing protection off (coordinator.protections): the naive reset frees everything."""
+    fencing protection off (coordinator.core.protections): the naive reset frees everything."""
 
 
 # --- steps ---------------------------------------------------------------------------------
@@ -178,7 +178,7 @@ class StoreJobStarted(Event, frozen=True, tag="store_job_started"):
     already_published: list[bytes] = []
     """Keys the command asked for that the tier already holds: an idempotent skip (I10)."""
     pinned: bool = True
-    """False only in a simulator run with the pins protection off (coordinator.protections):
+    """False only in a simulator run with the pins protection off (coordinator.core.protections):
     recorded, so replay and forensics see the store ran unprotected."""
 
 
@@ -442,7 +442,7 @@ class ObservedEventsMissed(Event, frozen=True, tag="observed_events_missed"):
 
 class ExternalItem(msgspec.Struct, frozen=True, array_like=True):
     """One block of an external job: the engine's own key for it, the tier key kvledger made of
-    that key in the engine's namespace (coordinator/_external.py, `external_key`: I8, I9), and the
+    that key in the engine's namespace (coordinator/core/external.py, `external_key`: I8, I9), and the
     tier slot. The device block is the engine's: kvledger never names it."""
 
     pool_id: int
@@ -571,6 +571,7 @@ def event_tag(event_type: type[Event]) -> str:
     tag = event_type.__struct_config__.tag
     assert isinstance(tag, str)
     return tag
+
 
 AnyEvent = (
     NamespaceRegistered

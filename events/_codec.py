@@ -60,17 +60,14 @@ class EventCodec:
         payload = self._encoder.encode(event)
         return event_tag(event_type), event_type.schema_version, payload
 
-    def decode(
-        self, event_type: str, schema_version: int, payload: bytes, position: int | None = None
-    ) -> Event:
+    def decode(self, event_type: str, schema_version: int, payload: bytes, position: int | None = None) -> Event:
         """Decode one stored event; `position` (a global sequence) goes into any error."""
         current = self._types.get(event_type)
         if current is None:
             raise UnknownEventType(event_type, position)
         if schema_version > current.schema_version:
             raise EventDecodeError(
-                f"written by a newer schema (v{schema_version}, this code reads up to "
-                f"v{current.schema_version})",
+                f"written by a newer schema (v{schema_version}, this code reads up to v{current.schema_version})",
                 event_type=event_type,
                 position=position,
             )
@@ -81,16 +78,12 @@ class EventCodec:
             for version in range(schema_version, current.schema_version):
                 upcaster = self._upcasters.get((event_type, version))
                 if upcaster is None:
-                    raise EventDecodeError(
-                        f"no upcaster from v{version}", event_type=event_type, position=position
-                    )
+                    raise EventDecodeError(f"no upcaster from v{version}", event_type=event_type, position=position)
                 fields = upcaster(fields)
             fields["type"] = event_type
             return msgspec.convert(fields, current)
         except msgspec.DecodeError as exc:  # covers ValidationError
-            raise EventDecodeError(
-                f"corrupt payload ({exc})", event_type=event_type, position=position
-            ) from exc
+            raise EventDecodeError(f"corrupt payload ({exc})", event_type=event_type, position=position) from exc
 
     def all_current(self, schemas: str) -> bool:
         """True when every "type@version" in a step's comma-joined `schemas` is a type this code

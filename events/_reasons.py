@@ -22,7 +22,7 @@ class Reason(enum.StrEnum):
     STEP_ALREADY_OPEN = "step_already_open"
     STEP_NOT_ADVANCING = "step_not_advancing"
     CLOCK_REGRESSED = "clock_regressed"
-    STEP_JUMP = "step_jump"  # a step number or clock that leaps past its bound (coordinator/_checks.py)
+    STEP_JUMP = "step_jump"  # a step number or clock that leaps past its bound (coordinator/core/checks.py)
     NAMESPACE_MISMATCH = "namespace_mismatch"
     POOL_LAYOUT_CHANGED = "pool_layout_changed"
     TIER_SPEC_CHANGED = "tier_spec_changed"
@@ -57,7 +57,7 @@ class Reason(enum.StrEnum):
     CROSS_TENANT = "cross_tenant"  # I9: a release decision never relates two tenants' namespaces
     NAMESPACE_IN_USE = "namespace_in_use"  # I12: a release never evicts a key a load holds
     NAMESPACE_CLEARED = "namespace_cleared"  # seed 003: a deliberate cache clearing quarantines its keys
-    # observed engines (vLLM's KV events, coordinator/_observe.py)
+    # observed engines (vLLM's KV events, coordinator/core/observe.py)
     MALFORMED_EVENT = "malformed_event"  # a frame or an event that could not be decoded
     UNKNOWN_EVENT_TYPE = "unknown_event_type"  # an event type this kvledger does not know
     BROKEN_PARENT_CHAIN = "broken_parent_chain"  # a block stored under a parent that is not stored

@@ -54,7 +54,7 @@ class TierSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 class NamespaceSpec(msgspec.Struct, frozen=True, kw_only=True):
     """What makes computed state comparable (seed 003). `namespace_id` is a digest of the
-    canonical encoding of every field; see coordinator.keys."""
+    canonical encoding of every field; see coordinator.core.keys."""
 
     model_id: str
     weights_revision: str

@@ -1,7 +1,7 @@
 """Ordered state copies on a device pool (I15): run a `plan_copies` plan on a real tensor.
 
 A batch of moves means *parallel assignment*: every move reads the content as it was before the
-batch. coordinator.copy_plan.plan_copies turns such a batch into ordered `batches` of CopyOps
+batch. coordinator.core.copy_plan.plan_copies turns such a batch into ordered `batches` of CopyOps
 (chains in dependency order, cycles broken by a first batch that saves sources to scratch);
 this module executes that plan on a pool.
 
@@ -48,7 +48,7 @@ from typing import cast
 
 import torch
 
-from coordinator.copy_plan import PlannedMove, overlapping_destinations, plan_copies
+from coordinator.core.copy_plan import PlannedMove, overlapping_destinations, plan_copies
 from events import BlockRef, CopyOp, Region
 
 __all__ = ["CopyError", "apply_moves", "execute_plan", "validate_plan"]
@@ -77,8 +77,12 @@ class _Batch:
     __slots__ = ("src", "dst", "length", "src_scratch", "dst_scratch")
 
     def __init__(
-        self, src: torch.Tensor, dst: torch.Tensor, length: torch.Tensor,
-        src_scratch: torch.Tensor | None, dst_scratch: torch.Tensor | None,
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        length: torch.Tensor,
+        src_scratch: torch.Tensor | None,
+        dst_scratch: torch.Tensor | None,
     ) -> None:
         self.src = src
         self.dst = dst
@@ -102,9 +106,7 @@ def _check_pool(pool: torch.Tensor) -> None:
         raise CopyError("bad_pool", f"pool of shape {tuple(pool.shape)} has no usable block")
 
 
-def _region_problem(
-    region: Region, num_blocks: int, bytes_per_block: int, scratch_bytes: int
-) -> tuple[str, str] | None:
+def _region_problem(region: Region, num_blocks: int, bytes_per_block: int, scratch_bytes: int) -> tuple[str, str] | None:
     """(reason, description) of what is wrong with one region, or None."""
     block = region.block
     if block is None:
@@ -140,22 +142,29 @@ def _first_problem(
             if problem is not None:
                 reason, what = problem
                 return CopyError(
-                    reason, f"batch {batch_index} op {index} ({_describe(op)}): {side} {what}",
-                    batch=batch_index, op=index,
+                    reason,
+                    f"batch {batch_index} op {index} ({_describe(op)}): {side} {what}",
+                    batch=batch_index,
+                    op=index,
                 )
         if op.src.length != op.dst.length:
             return CopyError(
                 "size_mismatch",
-                f"batch {batch_index} op {index} ({_describe(op)}): src has {op.src.length} bytes, "
-                f"dst {op.dst.length}",
-                batch=batch_index, op=index,
+                f"batch {batch_index} op {index} ({_describe(op)}): src has {op.src.length} bytes, dst {op.dst.length}",
+                batch=batch_index,
+                op=index,
             )
     raise AssertionError("the vectorised check and the per-op check disagree")  # pragma: no cover
 
 
 def _extract(
-    batch_index: int, batch: Sequence[CopyOp], num_blocks: int, bytes_per_block: int, scratch_bytes: int,
-    pool_ids: set[int], check_overlap: bool = True,
+    batch_index: int,
+    batch: Sequence[CopyOp],
+    num_blocks: int,
+    bytes_per_block: int,
+    scratch_bytes: int,
+    pool_ids: set[int],
+    check_overlap: bool = True,
 ) -> _Batch:
     """Check one batch and turn it into unified byte addresses. A few list comprehensions
     read the ops' fields; every check after that is vectorised over the batch. The per-op walk
@@ -188,7 +197,8 @@ def _extract(
     pool_ids.update({b.pool_id for b in refs if b is not None})
     if len(pool_ids) > 1:
         raise CopyError(
-            "mixed_pools", f"batch {batch_index}: the plan names pools {sorted(pool_ids)}; one tensor is one pool",
+            "mixed_pools",
+            f"batch {batch_index}: the plan names pools {sorted(pool_ids)}; one tensor is one pool",
             batch=batch_index,
         )
     address = ids * bytes_per_block + offsets
@@ -204,19 +214,26 @@ def _extract(
             a, b = sorted((int(order[k]), int(order[k + 1])))
             raise CopyError(
                 "overlapping_destinations",
-                f"batch {batch_index} ops {a} ({_describe(batch[a])}) and {b} ({_describe(batch[b])}) "
-                "write the same bytes",
-                batch=batch_index, op=b,
+                f"batch {batch_index} ops {a} ({_describe(batch[a])}) and {b} ({_describe(batch[b])}) write the same bytes",
+                batch=batch_index,
+                op=b,
             )
     return _Batch(
-        address[:n], address[n:], lengths[:n],
-        None if scratch is None else scratch[:n], None if scratch is None else scratch[n:],
+        address[:n],
+        address[n:],
+        lengths[:n],
+        None if scratch is None else scratch[:n],
+        None if scratch is None else scratch[n:],
     )
 
 
 def _validate(
-    pool: torch.Tensor, batches: Sequence[Sequence[CopyOp]], scratch_bytes: int, *,
-    pool_id: int | None = None, check_overlap: bool = True,
+    pool: torch.Tensor,
+    batches: Sequence[Sequence[CopyOp]],
+    scratch_bytes: int,
+    *,
+    pool_id: int | None = None,
+    check_overlap: bool = True,
 ) -> list[_Batch]:
     _check_pool(pool)
     if scratch_bytes < 0:
@@ -292,9 +309,7 @@ def _groups(batch: _Batch, bytes_per_block: int) -> list[tuple[int, torch.Tensor
     kept, rest = ranked[: _MAX_GROUPS - 1], ranked[_MAX_GROUPS - 1 :]
     if len(rest) == 1:
         kept, rest = ranked, []
-    groups: list[tuple[int, torch.Tensor | None]] = [
-        (int(values[g]), torch.nonzero(inverse == g).flatten()) for g in kept
-    ]
+    groups: list[tuple[int, torch.Tensor | None]] = [(int(values[g]), torch.nonzero(inverse == g).flatten()) for g in kept]
     if rest:
         unit = math.gcd(*(int(values[g]) for g in rest))
         groups.append((unit, torch.nonzero(torch.isin(inverse, torch.tensor(rest))).flatten()))
@@ -308,8 +323,13 @@ class _Gathered:
     __slots__ = ("unit", "pool_rows", "scratch_rows", "order", "counts", "values")
 
     def __init__(
-        self, unit: int, pool_rows: torch.Tensor, scratch_rows: torch.Tensor | None, order: torch.Tensor,
-        counts: torch.Tensor, values: torch.Tensor,
+        self,
+        unit: int,
+        pool_rows: torch.Tensor,
+        scratch_rows: torch.Tensor | None,
+        order: torch.Tensor,
+        counts: torch.Tensor,
+        values: torch.Tensor,
     ) -> None:
         self.unit = unit
         self.pool_rows = pool_rows
@@ -422,9 +442,7 @@ def apply_moves(pool: torch.Tensor, moves: Sequence[tuple[BlockRef, int, BlockRe
     clash = overlapping_destinations(planned)
     if clash is not None:
         first, second = clash
-        raise CopyError(
-            "overlapping_destinations", f"moves {first} and {second} write the same bytes", op=second
-        )
+        raise CopyError("overlapping_destinations", f"moves {first} and {second} write the same bytes", op=second)
     batches, scratch_bytes = plan_copies(planned)
     execute_plan(pool, batches, scratch_bytes)
     return len(batches), scratch_bytes

@@ -91,8 +91,10 @@ class SlotTier:
     def write(self, key: bytes, data: torch.Tensor, *, slot: int) -> bytes:
         self._check_slot(slot)
         if data.numel() * data.element_size() > self.bytes_per_slot:
-            raise TierError("size_mismatch", f"{data.numel() * data.element_size()} bytes do not fit a slot of "
-                                             f"{self.bytes_per_slot} in tier {self.name!r}")
+            raise TierError(
+                "size_mismatch",
+                f"{data.numel() * data.element_size()} bytes do not fit a slot of {self.bytes_per_slot} in tier {self.name!r}",
+            )
         buffer = host_buffer(data.numel() * data.element_size(), self.device)
         buffer.copy_(data.reshape(-1).view(torch.uint8))
         self._slots[slot] = (key, buffer)
@@ -105,8 +107,10 @@ class SlotTier:
             raise TierError("missing", f"slot {slot} of tier {self.name!r} was never written (reading key {key.hex()})")
         written_for, data = found
         if data.numel() != nbytes:
-            raise TierError("size_mismatch", f"slot {slot} holds {data.numel()} bytes (written for key "
-                                             f"{written_for.hex()}), expected {nbytes}")
+            raise TierError(
+                "size_mismatch",
+                f"slot {slot} holds {data.numel()} bytes (written for key {written_for.hex()}), expected {nbytes}",
+            )
         copy = host_buffer(nbytes, self.device)
         copy.copy_(data)
         return copy
@@ -165,4 +169,3 @@ class DiskTier:
 
     def delete(self, key: bytes) -> None:
         self.path(key).unlink(missing_ok=True)
-

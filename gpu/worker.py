@@ -31,9 +31,9 @@ import structlog
 import torch
 
 from coordinator.client import WorkerClient
-from coordinator.commands import ReportRank
-from coordinator.protections import Protection
-from coordinator.sidecar.protocol import Decision
+from coordinator.core.commands import ReportRank
+from coordinator.core.protections import Protection
+from coordinator.core.routing import Decision
 from events import LoadJobStarted, StateCopyPlanned, StoreJobStarted
 from gpu.checksum import checksum
 from gpu.copies import CopyError, execute_plan
@@ -58,11 +58,17 @@ class WorkerState(msgspec.Struct, frozen=True):
 
 class Worker:
     def __init__(
-        self, engine_id: str, rank: int, pools: DevicePools, tiers: dict[str, Tier], state_path: Path | None = None,
-        *, protections_off: frozenset[Protection] = frozenset(),
+        self,
+        engine_id: str,
+        rank: int,
+        pools: DevicePools,
+        tiers: dict[str, Tier],
+        state_path: Path | None = None,
+        *,
+        protections_off: frozenset[Protection] = frozenset(),
     ) -> None:
         self.protections_off = protections_off
-        """Empty except in the simulator's fault scenarios (coordinator.protections)."""
+        """Empty except in the simulator's fault scenarios (coordinator.core.protections)."""
         self.engine_id = engine_id
         self.rank = rank
         self.pools = pools
@@ -88,8 +94,9 @@ class Worker:
                     checksums = []
         except _Failed as failed:
             log.warning("job_failed_here", job_id=event.job_id, rank=self.rank, reason=failed.reason, error=str(failed))
-            return ReportRank(job_id=event.job_id, rank=self.rank, ok=False, checksums=failed.checksums,
-                              error=f"{failed.reason}: {failed}")
+            return ReportRank(
+                job_id=event.job_id, rank=self.rank, ok=False, checksums=failed.checksums, error=f"{failed.reason}: {failed}"
+            )
         except (TransferError, TierError, CopyError) as error:
             reason = getattr(error, "reason", type(error).__name__)
             log.warning("job_failed_here", job_id=event.job_id, rank=self.rank, reason=reason, error=str(error))
@@ -115,13 +122,17 @@ class Worker:
         # whatever the slot holds is copied, and its checksum reported as read.
         verify = Protection.CHECKSUMS not in self.protections_off
         mismatched = [
-            item.key.hex() for item in event.items
+            item.key.hex()
+            for item in event.items
             if verify and len(item.checksums) > self.rank and read[item.key][1] != item.checksums[self.rank]
         ]
         if mismatched:
             # Nothing is copied from bytes that are not what was published.
-            raise _Failed("checksum_mismatch", f"keys {sorted(set(mismatched))} differ from their published checksums",
-                          [read[item.key][1] for item in event.items])
+            raise _Failed(
+                "checksum_mismatch",
+                f"keys {sorted(set(mismatched))} differ from their published checksums",
+                [read[item.key][1] for item in event.items],
+            )
         if Protection.LOAD_DEDUPE in self.protections_off:
             return self._load_naively(event, destinations, read)
         verified = []
@@ -132,8 +143,11 @@ class Worker:
         for item, dest in zip(event.items, destinations, strict=True):
             landed = checksum(dest)  # every destination, duplicates included (I11)
             if landed != read[item.key][1]:
-                raise _Failed("verify_failed", f"destination {item.dest} does not hold key {item.key.hex()}",
-                              [checksum(d) for d in destinations])
+                raise _Failed(
+                    "verify_failed",
+                    f"destination {item.dest} does not hold key {item.key.hex()}",
+                    [checksum(d) for d in destinations],
+                )
             verified.append(landed)
         return verified
 
@@ -177,8 +191,15 @@ class Worker:
         # The command id makes a re-sent report return the committed one.
         committed = await client.report(pending.report, command_id=f"report/{self.engine_id}/{self.rank}/{pending.seq}")
         self._save(WorkerState(acked=pending.seq))
-        log.info("reported", engine=self.engine_id, rank=self.rank, seq=pending.seq, job_id=pending.report.job_id,
-                 ok=pending.report.ok, duplicate=committed.duplicate)
+        log.info(
+            "reported",
+            engine=self.engine_id,
+            rank=self.rank,
+            seq=pending.seq,
+            job_id=pending.report.job_id,
+            ok=pending.report.ok,
+            duplicate=committed.duplicate,
+        )
 
     def _load_state(self) -> WorkerState:
         if self.state_path is None or not self.state_path.exists():

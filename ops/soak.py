@@ -89,7 +89,7 @@ from rich.table import Table  # noqa: E402
 
 from coordinator.audit.verify_run import VerifyReport, verify_log  # noqa: E402
 from coordinator.client import Address, EngineClient, SidecarError, SidecarUnavailable, WorkerClient  # noqa: E402
-from coordinator.commands import AnyCommand, DeclareEngine, ReportRank  # noqa: E402
+from coordinator.core.commands import AnyCommand, DeclareEngine, ReportRank  # noqa: E402
 from coordinator.recovery import decode_step, stored_steps  # noqa: E402
 from coordinator.sidecar import protocol as p  # noqa: E402
 from coordinator.sidecar.admission import scoped  # noqa: E402
@@ -173,10 +173,19 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True):
 
 def plan_faults(options: SoakOptions, rng: random.Random) -> list[Fault]:
     """The forced kills first (from `first_fault` s), then random ones, in time order."""
-    faults = [Fault(at=options.first_fault + index * 0.1, kind="serve", down=rng.uniform(0.0, 1.0))
-              for index in range(options.forced_serve_kills)]
-    faults += [Fault(at=options.first_fault / 2 + index, kind="worker", engine=rng.randrange(options.engines),
-                     rank=rng.randrange(options.world_size)) for index in range(options.forced_worker_kills)]
+    faults = [
+        Fault(at=options.first_fault + index * 0.1, kind="serve", down=rng.uniform(0.0, 1.0))
+        for index in range(options.forced_serve_kills)
+    ]
+    faults += [
+        Fault(
+            at=options.first_fault / 2 + index,
+            kind="worker",
+            engine=rng.randrange(options.engines),
+            rank=rng.randrange(options.world_size),
+        )
+        for index in range(options.forced_worker_kills)
+    ]
     if options.serve_kill_every > 0:
         at = options.first_fault
         while (at := at + rng.expovariate(1 / options.serve_kill_every)) < options.seconds * (1 - options.quiet_tail):
@@ -184,8 +193,9 @@ def plan_faults(options: SoakOptions, rng: random.Random) -> list[Fault]:
     if options.worker_kill_every > 0:
         at = options.first_fault
         while (at := at + rng.expovariate(1 / options.worker_kill_every)) < options.seconds - 2:
-            faults.append(Fault(at=at, kind="worker", engine=rng.randrange(options.engines),
-                                rank=rng.randrange(options.world_size)))
+            faults.append(
+                Fault(at=at, kind="worker", engine=rng.randrange(options.engines), rank=rng.randrange(options.world_size))
+            )
     return sorted(faults, key=lambda fault: fault.at)
 
 
@@ -242,13 +252,23 @@ class SoakClient(EngineClient):
                     raise
                 console.log(f"[yellow]{self.engine_id}: {error}; sending it again")
 
-    async def step(self, step: int, clock: float, commands: Sequence[AnyCommand], *,
-                   command_id: str | None = None) -> p.StepResult:
+    async def step(
+        self, step: int, clock: float, commands: Sequence[AnyCommand], *, command_id: str | None = None
+    ) -> p.StepResult:
         command_id = command_id or uuid_utils.uuid7().hex
         result = await self._persist(lambda: EngineClient.step(self, step, clock, commands, command_id=command_id))
-        self.book.acked(Ack(command_id=scoped(self.engine_id, "step", command_id), kind="step", engine_id=self.engine_id,
-                            step=step, first_seq=result.first_seq, last_seq=result.last_seq,
-                            segment=self.book.segment), result.duplicate)
+        self.book.acked(
+            Ack(
+                command_id=scoped(self.engine_id, "step", command_id),
+                kind="step",
+                engine_id=self.engine_id,
+                step=step,
+                first_seq=result.first_seq,
+                last_seq=result.last_seq,
+                segment=self.book.segment,
+            ),
+            result.duplicate,
+        )
         events: list[Event] = [event for group in result.results for event in group]
         self._follow_incarnation(events)
         if not result.duplicate:
@@ -265,9 +285,17 @@ class SoakClient(EngineClient):
     async def execute(self, command: AnyCommand, *, command_id: str | None = None) -> p.Committed:
         command_id = command_id or uuid_utils.uuid7().hex
         committed = await self._persist(lambda: EngineClient.execute(self, command, command_id=command_id))
-        self.book.acked(Ack(command_id=scoped(self.engine_id, "execute", command_id), kind="execute", engine_id=self.engine_id,
-                            first_seq=committed.first_seq, last_seq=committed.last_seq, segment=self.book.segment),
-                        committed.duplicate)
+        self.book.acked(
+            Ack(
+                command_id=scoped(self.engine_id, "execute", command_id),
+                kind="execute",
+                engine_id=self.engine_id,
+                first_seq=committed.first_seq,
+                last_seq=committed.last_seq,
+                segment=self.book.segment,
+            ),
+            committed.duplicate,
+        )
         self._follow_incarnation(committed.events)
         return committed
 
@@ -296,9 +324,17 @@ class RecordingWorkerClient(WorkerClient):
     async def report(self, report: ReportRank, *, command_id: str | None = None) -> p.Committed:
         command_id = command_id or uuid_utils.uuid7().hex
         committed = await super().report(report, command_id=command_id)
-        self.book.acked(Ack(command_id=scoped(self.engine_id, "report", command_id), kind="report", engine_id=self.engine_id,
-                            first_seq=committed.first_seq, last_seq=committed.last_seq, segment=self.book.segment),
-                        committed.duplicate)
+        self.book.acked(
+            Ack(
+                command_id=scoped(self.engine_id, "report", command_id),
+                kind="report",
+                engine_id=self.engine_id,
+                first_seq=committed.first_seq,
+                last_seq=committed.last_seq,
+                segment=self.book.segment,
+            ),
+            committed.duplicate,
+        )
         self.engine.reported(report.job_id, report.rank, committed.events)
         return committed
 
@@ -363,11 +399,17 @@ class SoakSimulation(Simulation):
         for engine in self.engines:
             await engine.client.aclose()
 
-    async def engine(self, engine_id: str, namespace: NamespaceSpec, pools: Sequence[PoolSpec], *,
-                     encoder_cache_tokens: int = 0) -> SoakEngine:
-        declare = DeclareEngine(engine_id=engine_id, namespace=namespace, pools=list(pools),
-                                world_size=namespace.tensor_parallel_size, tiers=[self.tier_spec.name],
-                                encoder_cache_tokens=encoder_cache_tokens)
+    async def engine(
+        self, engine_id: str, namespace: NamespaceSpec, pools: Sequence[PoolSpec], *, encoder_cache_tokens: int = 0
+    ) -> SoakEngine:
+        declare = DeclareEngine(
+            engine_id=engine_id,
+            namespace=namespace,
+            pools=list(pools),
+            world_size=namespace.tensor_parallel_size,
+            tiers=[self.tier_spec.name],
+            encoder_cache_tokens=encoder_cache_tokens,
+        )
         engine = SoakEngine(self, declare)
         await engine.client.connect()
         assert engine.client.welcome is not None
@@ -412,8 +454,7 @@ class ServeProcess:
     def __init__(self, directory: Path, socket: Path, log_url: str) -> None:
         self.socket = socket
         self.output = directory / "serve.log"
-        self.args = [sys.executable, "-m", "coordinator.cli", "serve", "--socket", str(socket), "--log", log_url,
-                     "--http", "off"]
+        self.args = [sys.executable, "-m", "coordinator.cli", "serve", "--socket", str(socket), "--log", log_url, "--http", "off"]
         self.env = {**os.environ, "KVLEDGER_DATA_DIR": str(directory), "KVLEDGER_LOG_LEVEL": "warning"}
         self.process: Process | None = None
         self.starts = 0
@@ -425,8 +466,9 @@ class ServeProcess:
         await anyio.Path(self.socket).unlink(missing_ok=True)
         output: IO[bytes] = await anyio.to_thread.run_sync(lambda: open(self.output, "ab"))  # noqa: SIM115
         try:
-            self.process = await anyio.open_process(self.args, stdin=subprocess.DEVNULL, stdout=output, stderr=output,
-                                                    cwd=ROOT, env=self.env)
+            self.process = await anyio.open_process(
+                self.args, stdin=subprocess.DEVNULL, stdout=output, stderr=output, cwd=ROOT, env=self.env
+            )
         finally:
             output.close()
         with anyio.fail_after(timeout):
@@ -545,8 +587,11 @@ async def _drive(run: _Run, workload: Workload, engine_load: WorkloadEngine, ind
     iteration = 0
     while run.elapsed() < seconds:
         elapsed = run.elapsed()
-        if index == 0 and not workload.stats.resets and elapsed >= seconds / 2 and (
-            engine_load.in_flight(loads=False) or elapsed >= seconds * 3 / 4
+        if (
+            index == 0
+            and not workload.stats.resets
+            and elapsed >= seconds / 2
+            and (engine_load.in_flight(loads=False) or elapsed >= seconds * 3 / 4)
         ):
             await engine_load.reset()
         workload.arrive(engine_load)
@@ -574,14 +619,18 @@ async def _faults(run: _Run, plan: Sequence[Fault]) -> None:
                     return
                 await anyio.sleep(0.01)
         if waiting.cancelled_caught:
-            run.book.problems.append(f"engines committed fewer than {run.options.steps_between_kills} steps in "
-                                     f"{LOAD_TIMEOUT:g} s after restart {run.book.segment}")
+            run.book.problems.append(
+                f"engines committed fewer than {run.options.steps_between_kills} steps in "
+                f"{LOAD_TIMEOUT:g} s after restart {run.book.segment}"
+            )
             return
         with anyio.CancelScope(shield=True):
             await _sample_once(run)  # every segment has its samples, however short it was
             await run.serve.kill()
             run.book.serve_kills += 1
-            console.log(f"serve SIGKILLed at {run.elapsed():.1f} s (segment {run.book.segment}); restarting in {fault.down:.2f} s")
+            console.log(
+                f"serve SIGKILLed at {run.elapsed():.1f} s (segment {run.book.segment}); restarting in {fault.down:.2f} s"
+            )
             await anyio.sleep(fault.down)
             await run.serve.start()
             run.book.segment = run.serve.starts - 1
@@ -615,8 +664,10 @@ async def _progress(run: _Run) -> None:
         book = run.book
         steps = sum(book.segment_steps.values())
         rss = f"{run.samples[-1].mb:.1f} MB" if run.samples else "-"
-        console.log(f"{run.elapsed():.0f} s: {steps:,} steps, {book.serve_kills} serve kills, "
-                    f"{book.worker_kills} worker kills, serve RSS {rss}")
+        console.log(
+            f"{run.elapsed():.0f} s: {steps:,} steps, {book.serve_kills} serve kills, "
+            f"{book.worker_kills} worker kills, serve RSS {rss}"
+        )
 
 
 async def _prepare_log(options: SoakOptions, directory: Path) -> str:
@@ -628,8 +679,9 @@ async def _prepare_log(options: SoakOptions, directory: Path) -> str:
         return str(path)
     if not options.log.startswith(POSTGRESQL):
         raise ValueError(f"--log {mask(options.log)}: the soak runs on SQLite (the default) or PostgreSQL only")
-    await anyio.run_process([sys.executable, "-m", "coordinator.cli", "db", "upgrade", "--log", options.log],
-                            cwd=ROOT, check=True)
+    await anyio.run_process(
+        [sys.executable, "-m", "coordinator.cli", "db", "upgrade", "--log", options.log], cwd=ROOT, check=True
+    )
     event_log = await open_log(options.log)
     try:
         head = await event_log.head()
@@ -650,9 +702,11 @@ async def soak(options: SoakOptions) -> SoakReport:
     log_url = await _prepare_log(options, directory)
     rng = random.Random(options.seed)
     plan = plan_faults(options, random.Random(rng.random()))
-    console.log(f"soak: seed {options.seed}, {options.engines} engines, {options.seconds:g} s, log {shown(log_url)}, "
-                f"{sum(f.kind == 'serve' for f in plan)} serve kills and {sum(f.kind == 'worker' for f in plan)} "
-                f"worker kills planned; files in {directory}")
+    console.log(
+        f"soak: seed {options.seed}, {options.engines} engines, {options.seconds:g} s, log {shown(log_url)}, "
+        f"{sum(f.kind == 'serve' for f in plan)} serve kills and {sum(f.kind == 'worker' for f in plan)} "
+        f"worker kills planned; files in {directory}"
+    )
     serve = ServeProcess(directory, socket_dir / "s.sock", log_url)
     book = Book()
     try:
@@ -688,40 +742,69 @@ async def soak(options: SoakOptions) -> SoakReport:
         shutil.rmtree(socket_dir, ignore_errors=True)
     await anyio.Path(directory / "rss.json").write_bytes(msgspec.json.encode(run.samples))
     stats, tally = workload.stats, sim.tally
-    segments = rss_segments(run.samples, warmup=options.warmup, limit_mb=options.rss_limit_mb,
-                            limit_pct=options.rss_limit_pct)
+    segments = rss_segments(run.samples, warmup=options.warmup, limit_mb=options.rss_limit_mb, limit_pct=options.rss_limit_pct)
     causes = {"reset"} if stats.resets else set()
     causes |= {"serve kill"} if book.serve_kills else set()
     causes |= {"worker kill"} if book.worker_kills else set()
     checks = [
         check_commits(book.acks, found, facts, verified.head),
-        Check("kvledger verify finds nothing", verified.ok,
-              f"{verified.events_checked:,} events checked, {verified.violation_count} violations"
-              + (f" {verified.by_invariant()}" if verified.violation_count else "")
-              + f", replay {'agrees' if verified.replay.ok else 'DISAGREES'}"),
-        Check("zero wrong-KV reads", tally.wrong_reads == 0 and tally.loads_checked > 0,
-              f"{tally.wrong_reads} wrong of {tally.loads_checked:,} loaded blocks and images checked against recompute, "
-              f"{stats.blocks_verified:,} held blocks re-checked"),
+        Check(
+            "kvledger verify finds nothing",
+            verified.ok,
+            f"{verified.events_checked:,} events checked, {verified.violation_count} violations"
+            + (f" {verified.by_invariant()}" if verified.violation_count else "")
+            + f", replay {'agrees' if verified.replay.ok else 'DISAGREES'}",
+        ),
+        Check(
+            "zero wrong-KV reads",
+            tally.wrong_reads == 0 and tally.loads_checked > 0,
+            f"{tally.wrong_reads} wrong of {tally.loads_checked:,} loaded blocks and images checked against recompute, "
+            f"{stats.blocks_verified:,} held blocks re-checked",
+        ),
         check_memory(segments, warmup=options.warmup, limit_mb=options.rss_limit_mb, limit_pct=options.rss_limit_pct),
         check_refusals(facts.refusals, causes),
-        Check("engines and workers rode through", not book.problems and serve_exit == 0,
-              "; ".join(book.problems[:3]) if book.problems else
-              f"{reconnects} engine reconnects, {book.unavailable} SidecarUnavailable sent again, "
-              f"{book.duplicate_replies} replies answered from the log, {book.regrouped} retried steps regrouped, "
-              f"{book.incarnations_followed} reset incarnations followed by the soak's client (EngineClient does not); "
-              f"final SIGTERM exit {serve_exit}"),
+        Check(
+            "engines and workers rode through",
+            not book.problems and serve_exit == 0,
+            "; ".join(book.problems[:3])
+            if book.problems
+            else f"{reconnects} engine reconnects, {book.unavailable} SidecarUnavailable sent again, "
+            f"{book.duplicate_replies} replies answered from the log, {book.regrouped} retried steps regrouped, "
+            f"{book.incarnations_followed} reset incarnations followed by the soak's client (EngineClient does not); "
+            f"final SIGTERM exit {serve_exit}",
+        ),
     ]
     return SoakReport(
-        seed=options.seed, seconds=round(seconds, 1), engines=options.engines, log=shown(log_url),
-        directory=str(directory), serve_kills=book.serve_kills, serve_restarts=book.serve_restarts,
-        worker_kills=book.worker_kills, steps=sum(1 for a in book.acks if a.kind == "step"),
-        steps_after_restart=sum(1 for a in book.acks if a.kind == "step" and a.segment > 0), events=verified.head,
-        requests=stats.requests, finished=stats.finished, hits=stats.hits, cross_engine_hits=stats.cross_engine_hits,
-        loads_checked=tally.loads_checked, wrong_reads=tally.wrong_reads, preemptions=stats.preemptions,
-        evictions=stats.evictions, resets=stats.resets, reconnects=reconnects, unavailable=book.unavailable,
-        duplicate_replies=book.duplicate_replies, regrouped=book.regrouped, serve_exit=serve_exit,
-        verify_violations=verified.violation_count, refusals=dict(sorted(facts.refusals.items())), segments=segments,
-        checks=checks, problems=book.problems,
+        seed=options.seed,
+        seconds=round(seconds, 1),
+        engines=options.engines,
+        log=shown(log_url),
+        directory=str(directory),
+        serve_kills=book.serve_kills,
+        serve_restarts=book.serve_restarts,
+        worker_kills=book.worker_kills,
+        steps=sum(1 for a in book.acks if a.kind == "step"),
+        steps_after_restart=sum(1 for a in book.acks if a.kind == "step" and a.segment > 0),
+        events=verified.head,
+        requests=stats.requests,
+        finished=stats.finished,
+        hits=stats.hits,
+        cross_engine_hits=stats.cross_engine_hits,
+        loads_checked=tally.loads_checked,
+        wrong_reads=tally.wrong_reads,
+        preemptions=stats.preemptions,
+        evictions=stats.evictions,
+        resets=stats.resets,
+        reconnects=reconnects,
+        unavailable=book.unavailable,
+        duplicate_replies=book.duplicate_replies,
+        regrouped=book.regrouped,
+        serve_exit=serve_exit,
+        verify_violations=verified.violation_count,
+        refusals=dict(sorted(facts.refusals.items())),
+        segments=segments,
+        checks=checks,
+        problems=book.problems,
     )
 
 
@@ -777,10 +860,14 @@ def tables(report: SoakReport) -> list[Table]:
         memory.add_column(column, justify="right")
     for segment in report.segments:
         memory.add_row(
-            str(segment.segment), f"{segment.seconds:g}", str(segment.samples),
-            f"{segment.start_mb:.1f}" if segment.judged else "-", f"{segment.end_mb:.1f}" if segment.judged else "-",
+            str(segment.segment),
+            f"{segment.seconds:g}",
+            str(segment.samples),
+            f"{segment.start_mb:.1f}" if segment.judged else "-",
+            f"{segment.end_mb:.1f}" if segment.judged else "-",
             f"{segment.growth_mb:+.1f} ({segment.growth_pct:+.1f}%)" if segment.judged else "too short",
-            f"{segment.peak_mb:.1f}", ("yes" if segment.flat else "[bold red]NO[/]") if segment.judged else "-",
+            f"{segment.peak_mb:.1f}",
+            ("yes" if segment.flat else "[bold red]NO[/]") if segment.judged else "-",
         )
     refusals = Table(title="refusals in the log, by kind")
     for column in ("kind", "count", "explained by"):
@@ -802,8 +889,10 @@ def run_soak(options: SoakOptions) -> SoakReport:
     """`soak` in its own event loop, with the library's logs at errors only (restored after): the
     clients' retry warnings during each restart would drown the progress lines."""
     saved = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR),
-                        logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
     try:
         return anyio.run(soak, options)
     finally:
@@ -834,12 +923,22 @@ def parse(argv: Sequence[str] | None) -> SoakOptions:
     if args.log is not None and not args.log.startswith(POSTGRESQL):
         parser.error(f"--log {mask(args.log)}: the soak runs on SQLite (the default) or PostgreSQL only")
     return SoakOptions(
-        seconds=args.seconds, engines=args.engines, seed=args.seed if args.seed is not None else random.randrange(1 << 31),
-        log=args.log, directory=args.keep, serve_kill_every=args.serve_kill_every,
-        worker_kill_every=args.worker_kill_every, forced_serve_kills=args.forced_serve_kills,
-        forced_worker_kills=args.forced_worker_kills, first_fault=args.first_fault, quiet_tail=args.quiet_tail,
-        steps_between_kills=args.steps_between_kills, warmup=args.warmup, rss_every=args.rss_every,
-        rss_limit_mb=args.rss_limit_mb, rss_limit_pct=args.rss_limit_pct,
+        seconds=args.seconds,
+        engines=args.engines,
+        seed=args.seed if args.seed is not None else random.randrange(1 << 31),
+        log=args.log,
+        directory=args.keep,
+        serve_kill_every=args.serve_kill_every,
+        worker_kill_every=args.worker_kill_every,
+        forced_serve_kills=args.forced_serve_kills,
+        forced_worker_kills=args.forced_worker_kills,
+        first_fault=args.first_fault,
+        quiet_tail=args.quiet_tail,
+        steps_between_kills=args.steps_between_kills,
+        warmup=args.warmup,
+        rss_every=args.rss_every,
+        rss_limit_mb=args.rss_limit_mb,
+        rss_limit_pct=args.rss_limit_pct,
     )
 
 
@@ -852,8 +951,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = run_soak(dataclasses.replace(options, directory=directory))
     except Exception as error:  # noqa: BLE001 - any end of the run is reported with its seed and files
         console.print_exception()
-        console.print(f"[bold red]soak did not finish[/]: {type(error).__name__}: {error}; seed {options.seed} "
-                      f"(repeat with --seed {options.seed}); files in {directory}")
+        console.print(
+            f"[bold red]soak did not finish[/]: {type(error).__name__}: {error}; seed {options.seed} "
+            f"(repeat with --seed {options.seed}); files in {directory}"
+        )
         return 1
     print_report(report, Console(width=160))
     console.log(f"soak took {time.perf_counter() - started:.0f} s in all")

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 
-from coordinator.commands import (
+from coordinator.core.commands import (
     AllocateBlocks,
     AllocateEncoderEntry,
     AnyCommand,
@@ -99,7 +99,7 @@ _OUTCOME: dict[type[Command], type[Event]] = {
     StartStore: StoreJobStarted,
     StartLoad: LoadJobStarted,
 }
-"""The event that closes each command's accepted outcome (coordinator/decider.py, _jobs.py)."""
+"""The event that closes each command's accepted outcome (coordinator/core/decider.py, jobs.py)."""
 _BEFORE_OUTCOME: dict[type[Command], tuple[type[Event], ...]] = {
     FinishOwner: (BlocksReleased,),
     StartStore: (KeyEvicted,),
@@ -156,7 +156,7 @@ def regroup(commands: Sequence[AnyCommand], events: Sequence[Event]) -> list[lis
 
 
 def refusal_kind(event: Event) -> str | None:
-    """"Type:reason" of a refusal, a dropped notice, a failed job, a quarantined key or a fenced
+    """ "Type:reason" of a refusal, a dropped notice, a failed job, a quarantined key or a fenced
     job's late report (as coordinator.simulator.harness.Tally counts them); None otherwise."""
     if isinstance(event, Refused | NoticeDropped | JobFailed | KeyQuarantined):
         return f"{type(event).__name__}:{event.reason}"
@@ -246,9 +246,11 @@ def check_commits(acks: Sequence[Ack], found: Mapping[str, AppendResult], facts:
         problems.append(f"acknowledged ranges overlap: {overlapping[:3]}")
     kinds = Counter(ack.kind for ack in acks)
     if not problems:
-        detail = (f"{len(told):,} acknowledged commands ({kinds['step']:,} steps, {kinds['report']:,} reports, "
-                  f"{kinds['execute']:,} executes) each once at its position; sequence 1..{head:,} contiguous, "
-                  f"{len(facts.event_ids):,} event ids unique")
+        detail = (
+            f"{len(told):,} acknowledged commands ({kinds['step']:,} steps, {kinds['report']:,} reports, "
+            f"{kinds['execute']:,} executes) each once at its position; sequence 1..{head:,} contiguous, "
+            f"{len(facts.event_ids):,} event ids unique"
+        )
         return Check("no committed event lost or duplicated", True, detail)
     more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
     return Check("no committed event lost or duplicated", False, "; ".join(problems[:5]) + more)
@@ -282,8 +284,9 @@ class Segment(msgspec.Struct, frozen=True, kw_only=True):
     flat: bool
 
 
-def rss_segments(samples: Sequence[RssSample], *, warmup: float, limit_mb: float, limit_pct: float,
-                 min_samples: int = 8) -> list[Segment]:
+def rss_segments(
+    samples: Sequence[RssSample], *, warmup: float, limit_mb: float, limit_pct: float, min_samples: int = 8
+) -> list[Segment]:
     """Per restart segment: growth after warm-up, start and end each a median of a quarter of the
     samples (one sample's allocator noise moves neither). Flat: growth within the larger limit."""
     segments = []
@@ -296,11 +299,20 @@ def rss_segments(samples: Sequence[RssSample], *, warmup: float, limit_mb: float
         end = statistics.median(after[-quarter:]) if after else 0.0
         growth = end - start
         flat = not judged or growth <= max(limit_mb, start * limit_pct / 100)
-        segments.append(Segment(
-            segment=number, seconds=round(mine[-1].since_start, 1), samples=len(mine), judged=judged,
-            start_mb=round(start, 1), end_mb=round(end, 1), peak_mb=round(max(s.mb for s in mine), 1),
-            growth_mb=round(growth, 1), growth_pct=round(100 * growth / start, 1) if start else 0.0, flat=flat,
-        ))
+        segments.append(
+            Segment(
+                segment=number,
+                seconds=round(mine[-1].since_start, 1),
+                samples=len(mine),
+                judged=judged,
+                start_mb=round(start, 1),
+                end_mb=round(end, 1),
+                peak_mb=round(max(s.mb for s in mine), 1),
+                growth_mb=round(growth, 1),
+                growth_pct=round(100 * growth / start, 1) if start else 0.0,
+                flat=flat,
+            )
+        )
     return segments
 
 
@@ -313,8 +325,10 @@ def check_memory(segments: Sequence[Segment], *, warmup: float, limit_mb: float,
     if not judged:
         return Check(name, False, f"no segment ran long enough after warm-up to judge ({limit})")
     worst = max(judged, key=lambda s: s.growth_mb)
-    detail = (f"{len(judged)} of {len(segments)} segments judged; largest growth {worst.growth_mb:+.1f} MB "
-              f"({worst.growth_pct:+.1f}%) in segment {worst.segment}; {limit}")
+    detail = (
+        f"{len(judged)} of {len(segments)} segments judged; largest growth {worst.growth_mb:+.1f} MB "
+        f"({worst.growth_pct:+.1f}%) in segment {worst.segment}; {limit}"
+    )
     if grown:
         detail = f"segments {[s.segment for s in grown]} grew past the limit; " + detail
     return Check(name, not grown, detail)
@@ -332,24 +346,27 @@ class Explanation(msgspec.Struct, frozen=True):
 EXPLAINED: dict[str, Explanation] = {
     # The workload's own pressure (seen in `kvledger simulate --engines 3` with no fault at all).
     "NoticeDropped:reallocated_in_step": Explanation(
-        "workload", "a block freed and allocated again in one step: the end of step drops its freed notice (I14)"),
+        "workload", "a block freed and allocated again in one step: the end of step drops its freed notice (I14)"
+    ),
     "Refused:pool_exhausted": Explanation(
-        "workload", "the scheduler counts a block a store still pins as free and asks for one too many"),
-    "Refused:key_not_published": Explanation(
-        "workload", "a key left the tier between the engine's lookup and its load"),
-    "Refused:tier_full": Explanation(
-        "workload", "every tier slot was pinned by a store or leased by a load at that moment"),
-    "Refused:encoder_cache_full": Explanation(
-        "workload", "the encoder cache held other images' entries"),
+        "workload", "the scheduler counts a block a store still pins as free and asks for one too many"
+    ),
+    "Refused:key_not_published": Explanation("workload", "a key left the tier between the engine's lookup and its load"),
+    "Refused:tier_full": Explanation("workload", "every tier slot was pinned by a store or leased by a load at that moment"),
+    "Refused:encoder_cache_full": Explanation("workload", "the encoder cache held other images' entries"),
     "FencedRankDone:late_report": Explanation(
-        "reset", "the cache reset fenced a store in flight; its late report is dropped (I16)"),
+        "reset", "the cache reset fenced a store in flight; its late report is dropped (I16)"
+    ),
     # What a fault explains: only when that fault happened.
     "NoticeDropped:stale_job": Explanation(
-        "worker kill", "a restarted worker re-sent a report for a job that had ended meanwhile"),
+        "worker kill", "a restarted worker re-sent a report for a job that had ended meanwhile"
+    ),
     "NoticeDropped:duplicate_report": Explanation(
-        "worker kill", "a restarted worker reported a (job, rank) again under another command id"),
+        "worker kill", "a restarted worker reported a (job, rank) again under another command id"
+    ),
     "JobFailed:lease_expired": Explanation(
-        "serve kill", "a load finished after its lease: the restart held the worker's report back"),
+        "serve kill", "a load finished after its lease: the restart held the worker's report back"
+    ),
 }
 """Every refusal kind the soak accepts, with the cause that must have happened for it. Anything
 else (a checksum mismatch, a quarantined key, a conflicting report, a stale generation...) is a
@@ -360,8 +377,7 @@ def check_refusals(refusals: Mapping[str, int], causes: Iterable[str]) -> Check:
     """(5) Every kind of refusal in the log is explained by the workload or by a fault that happened."""
     happened = {"workload", *causes}
     unexplained = {
-        kind: count for kind, count in sorted(refusals.items())
-        if kind not in EXPLAINED or EXPLAINED[kind].cause not in happened
+        kind: count for kind, count in sorted(refusals.items()) if kind not in EXPLAINED or EXPLAINED[kind].cause not in happened
     }
     name = "refusals only of kinds the workload or the faults explain"
     total = sum(refusals.values())

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from coordinator.commands import (
+from coordinator.core import CoordinatorCore
+from coordinator.core.commands import (
     AllocateBlocks,
     BeginStep,
     DeclareEngine,
@@ -15,9 +16,8 @@ from coordinator.commands import (
     StartOwner,
     StartStore,
 )
-from coordinator.core import CoordinatorCore
-from coordinator.projector import project
-from coordinator.state import State, encode_state
+from coordinator.core.projector import project
+from coordinator.core.state import State, encode_state
 from events import (
     BlockRef,
     BlocksAllocated,
@@ -53,7 +53,9 @@ def namespace(tenant: str = "tenant-a", block_sizes: tuple[int, ...] = (BLOCK,),
 
 
 def attention_pool(pool_id: int = 0, num_blocks: int = 16, managed: bool = True) -> PoolSpec:
-    return PoolSpec(pool_id=pool_id, kind="attention", num_blocks=num_blocks, block_size=BLOCK, bytes_per_block=64, managed=managed)
+    return PoolSpec(
+        pool_id=pool_id, kind="attention", num_blocks=num_blocks, block_size=BLOCK, bytes_per_block=64, managed=managed
+    )
 
 
 def state_pool(pool_id: int = 1, num_blocks: int = 8) -> PoolSpec:
@@ -117,12 +119,20 @@ def allocate(core: CoordinatorCore, owner_id: int, count: int, pool_id: int = 0,
 
 
 def compute(
-    core: CoordinatorCore, owner_id: int, blocks: list[BlockRef], tokens: Sequence[int],
-    parent_key: bytes | None = None, engine_id: str = ENGINE,
+    core: CoordinatorCore,
+    owner_id: int,
+    blocks: list[BlockRef],
+    tokens: Sequence[int],
+    parent_key: bytes | None = None,
+    engine_id: str = ENGINE,
 ) -> list[bytes]:
     from events import BlocksComputed
 
-    event = ok(core.execute(MarkComputed(engine_id=engine_id, owner_id=owner_id, blocks=blocks, token_ids=list(tokens), parent_key=parent_key)))[0]
+    event = ok(
+        core.execute(
+            MarkComputed(engine_id=engine_id, owner_id=owner_id, blocks=blocks, token_ids=list(tokens), parent_key=parent_key)
+        )
+    )[0]
     assert isinstance(event, BlocksComputed)
     return [c.key for c in event.blocks]
 
@@ -139,12 +149,12 @@ def checksum(key: bytes, rank: int) -> bytes:
     return b"sum:" + key[:6] + bytes([rank])
 
 
-def report_all(core: CoordinatorCore, job_id: int, items_keys: Sequence[bytes], world_size: int = 2, ok_: bool = True) -> list[Event]:
+def report_all(
+    core: CoordinatorCore, job_id: int, items_keys: Sequence[bytes], world_size: int = 2, ok_: bool = True
+) -> list[Event]:
     events: list[Event] = []
     for rank in range(world_size):
-        events += core.execute(
-            ReportRank(job_id=job_id, rank=rank, ok=ok_, checksums=[checksum(k, rank) for k in items_keys])
-        )
+        events += core.execute(ReportRank(job_id=job_id, rank=rank, ok=ok_, checksums=[checksum(k, rank) for k in items_keys]))
     return events
 
 

@@ -92,9 +92,19 @@ class KafkaBroker:
         with self.output.open("wb") as sink:
             try:
                 self.process = subprocess.Popen(
-                    [self.binary, "broker", "--listener-url", listener, "--advertised-listener-url", listener,
-                     "--storage-engine", "memory://tansu/"],
-                    stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    [
+                        self.binary,
+                        "broker",
+                        "--listener-url",
+                        listener,
+                        "--advertised-listener-url",
+                        listener,
+                        "--storage-engine",
+                        "memory://tansu/",
+                    ],
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
                 )
             except OSError as error:
                 raise BrokerUnavailable(f"cannot run {self.binary}: {error}") from error

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractAsyncContextManager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -17,8 +17,8 @@ import anyio
 from anyio.abc import ByteStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from coordinator.client import Address, EngineClient
-from coordinator.commands import AllocateBlocks, DeclareEngine, FinishOwner, MarkComputed, StartOwner, StartStore
+from coordinator.client import EngineClient
+from coordinator.core.commands import AllocateBlocks, DeclareEngine, FinishOwner, MarkComputed, StartOwner, StartStore
 from coordinator.sidecar import protocol as p
 from coordinator.sidecar.embedded import embedded_sidecar
 from coordinator.sidecar.server import Sidecar
@@ -30,11 +30,16 @@ ROOT = Path(__file__).resolve().parent.parent
 TIER_SPEC = TierSpec(name=b.TIER, num_slots=4096, bytes_per_slot=64)
 
 
-def declaration(engine_id: str, *, num_blocks: int = 256, world_size: int = 2, pools: list[PoolSpec] | None = None) -> DeclareEngine:
+def declaration(
+    engine_id: str, *, num_blocks: int = 256, world_size: int = 2, pools: list[PoolSpec] | None = None
+) -> DeclareEngine:
     pools = pools or [b.attention_pool(num_blocks=num_blocks)]
     return DeclareEngine(
-        engine_id=engine_id, namespace=b.namespace(block_sizes=tuple(x.block_size for x in pools), tp=world_size),
-        pools=pools, world_size=world_size, tiers=[b.TIER],
+        engine_id=engine_id,
+        namespace=b.namespace(block_sizes=tuple(x.block_size for x in pools), tp=world_size),
+        pools=pools,
+        world_size=world_size,
+        tiers=[b.TIER],
     )
 
 
@@ -69,11 +74,13 @@ class Engine:
         alloc = await self.step([AllocateBlocks(engine_id=engine_id, owner_id=owner, pool_id=0, count=blocks)])
         refs: list[BlockRef] = next(e for e in alloc.results[0] if isinstance(e, BlocksAllocated)).blocks
         tokens = [hash((engine_id, index, i)) % 50_000 for i in range(blocks * b.BLOCK)]
-        stored = await self.step([
-            MarkComputed(engine_id=engine_id, owner_id=owner, blocks=refs, token_ids=tokens),
-            StartStore(engine_id=engine_id, tier=b.TIER, blocks=refs),
-            FinishOwner(engine_id=engine_id, owner_id=owner),
-        ])
+        stored = await self.step(
+            [
+                MarkComputed(engine_id=engine_id, owner_id=owner, blocks=refs, token_ids=tokens),
+                StartStore(engine_id=engine_id, tier=b.TIER, blocks=refs),
+                FinishOwner(engine_id=engine_id, owner_id=owner),
+            ]
+        )
         [decision] = stored.decisions
         assert isinstance(decision.event, StoreJobStarted)
         return decision.event
@@ -127,8 +134,19 @@ class ServeProcess:
         self.socket = directory / "kvledger.sock"
         self.log_path = directory / "log.sqlite"
         self.stderr_path = directory / "serve.stderr"
-        self.args = [sys.executable, "-m", "coordinator.cli", "serve", "--socket", str(self.socket),
-                     "--log", str(self.log_path), "--http", "off", *extra]
+        self.args = [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "serve",
+            "--socket",
+            str(self.socket),
+            "--log",
+            str(self.log_path),
+            "--http",
+            "off",
+            *extra,
+        ]
         self.env = {**os.environ, "KVLEDGER_DATA_DIR": str(directory), **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
 

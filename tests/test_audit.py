@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 from coordinator.audit.queries import Audit, AuditError, NotFound, OutOfScope, parse_time
 from coordinator.audit.store import indexed_seq, sync_index
 from coordinator.cli import app
+from coordinator.core.state import State, state_digest
 from coordinator.recovery import decode, replay
 from coordinator.simulator.report import mixed_workload
-from coordinator.state import State, state_digest
 from events import EventCodec, OwnerStarted
 from events.log import SqlEventLog, open_log
 
@@ -49,8 +49,10 @@ def copy_of(golden: Path, tmp_path: Path) -> Path:
 async def step_ends(event_log: SqlEventLog, engine: str) -> list[tuple[int, int]]:
     """(step, last global sequence) of every step of `engine`, from the log itself."""
     async with event_log.engine.connect() as conn:
-        rows = await conn.execute(sa.text("SELECT step, last_seq FROM kvl_steps WHERE stream_id = :s AND step >= 0 "
-                                          "ORDER BY first_seq"), {"s": f"engine/{engine}"})
+        rows = await conn.execute(
+            sa.text("SELECT step, last_seq FROM kvl_steps WHERE stream_id = :s AND step >= 0 ORDER BY first_seq"),
+            {"s": f"engine/{engine}"},
+        )
         return [(int(r.step), int(r.last_seq)) for r in rows]
 
 
@@ -86,11 +88,17 @@ async def test_block_answers_match_the_replayed_state_at_step_ends(golden: Path,
                         assert answer.generation is not None and answer.generation.generation == generation
                         busy = pool.refs[block] > 0 or pool.pins[block] > 0
                         assert answer.status == ("held" if busy else "free"), (engine, pool_id, block, seq)
-                        holders = {o.owner_id for o in state.owners.values()
-                                   if o.engine_id == engine and o.blocks.get(pool_id, {}).get(block) == generation}
+                        holders = {
+                            o.owner_id
+                            for o in state.owners.values()
+                            if o.engine_id == engine and o.blocks.get(pool_id, {}).get(block) == generation
+                        }
                         owner = answer.owner
-                        if owner is not None and (owner.finished_seq is None or owner.finished_seq > seq) \
-                                and state.owners.get(owner.owner_id) is not None:
+                        if (
+                            owner is not None
+                            and (owner.finished_seq is None or owner.finished_seq > seq)
+                            and state.owners.get(owner.owner_id) is not None
+                        ):
                             assert owner.owner_id in holders, (engine, pool_id, block, seq, holders)
                         pinned = any(job.pinned_then for job in answer.jobs)
                         assert pinned == (pool.pins[block] > 0), (engine, pool_id, block, seq, answer.jobs)
@@ -188,8 +196,10 @@ async def test_tenant_scope_hides_other_tenants(golden: Path, tmp_path: Path) ->
 async def test_indexing_is_exactly_once_in_pieces_and_concurrently(golden: Path, tmp_path: Path) -> None:
     async def counts(log: SqlEventLog) -> dict[str, int]:
         async with log.engine.connect() as conn:
-            return {name: int((await conn.execute(sa.text(f"SELECT count(*) FROM kvl_audit_{name}"))).scalar() or 0)
-                    for name in ("slots", "owners", "jobs", "keys", "refusals", "engines", "steps")}
+            return {
+                name: int((await conn.execute(sa.text(f"SELECT count(*) FROM kvl_audit_{name}"))).scalar() or 0)
+                for name in ("slots", "owners", "jobs", "keys", "refusals", "engines", "steps")
+            }
 
     (tmp_path / "a").mkdir()
     whole = await open_log(str(copy_of(golden, tmp_path / "a")))
@@ -321,7 +331,9 @@ def test_cli_verify_passes_a_clean_log_and_fails_an_incident_with_its_evidence(g
     assert result.exit_code == 0, result.output
     assert "0 violations" in result.output and "equals the full replay" in result.output
     (tmp_path / "off").mkdir()
-    off = anyio.run(lambda: run_scenario(SCENARIOS["preempt-during-async-store"], protection_on=False, directory=tmp_path / "off"))
+    off = anyio.run(
+        lambda: run_scenario(SCENARIOS["preempt-during-async-store"], protection_on=False, directory=tmp_path / "off")
+    )
     result = runner.invoke(app, ["verify", "--log", off.log, "--json"])
     assert result.exit_code == 1, result.output
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -331,8 +343,9 @@ def test_cli_verify_passes_a_clean_log_and_fails_an_incident_with_its_evidence(g
     assert result.exit_code == 1 and "Traceback" not in result.output
 
 
-async def test_long_lists_are_capped_newest_first_with_their_totals(golden: Path, tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_long_lists_are_capped_newest_first_with_their_totals(
+    golden: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from coordinator.audit import queries
 
     event_log = await open_log(str(copy_of(golden, tmp_path)))
@@ -340,8 +353,13 @@ async def test_long_lists_are_capped_newest_first_with_their_totals(golden: Path
         await sync_index(event_log)
         audit = Audit(event_log)
         async with event_log.engine.connect() as conn:
-            hot = (await conn.execute(sa.text("SELECT key, count(*) AS n FROM kvl_audit_keys WHERE kind = 'loaded' "
-                                              "GROUP BY key ORDER BY n DESC LIMIT 1"))).first()
+            hot = (
+                await conn.execute(
+                    sa.text(
+                        "SELECT key, count(*) AS n FROM kvl_audit_keys WHERE kind = 'loaded' GROUP BY key ORDER BY n DESC LIMIT 1"
+                    )
+                )
+            ).first()
         assert hot is not None and hot.n >= 3
         full = await audit.key(bytes(hot.key).hex())
         monkeypatch.setattr(queries, "LIST_LIMIT", 2)
@@ -356,15 +374,18 @@ async def test_long_lists_are_capped_newest_first_with_their_totals(golden: Path
 # --- odd input on the command line: one line and an exit code, never a traceback ------------------
 
 
-@pytest.mark.parametrize(("args", "says"), [
-    (["audit", "block", "0", "5", "--engine", "wl-0", "--at-time", "-1e12"], "expected a time between 0001-01-01"),
-    (["audit", "block", "0", "5", "--engine", "wl-0", "--at-time", "1e300"], "expected a time between 0001-01-01"),
-    (["audit", "block", "0", "5", "--engine", "wl-0", "--at-time", "0001-01-01T00:00:00+01:00"], "expected a time between"),
-    (["audit", "block", "0", "5", "--engine", "wl-0", "--at-time", "nan"], "expected a finite time"),
-    (["audit", "block", "0", "5", "--engine", "wl-0", "--at-time", "inf"], "expected a finite time"),
-    (["audit", "refusals", "--since", "-inf"], "expected a finite time"),
-    (["replay", "--until-time", "-1e12"], "expected a time between"),
-])
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["audit", "block", "0", "5", "--engine", "wl-0", "--at-time", "-1e12"], "expected a time between 0001-01-01"),
+        (["audit", "block", "0", "5", "--engine", "wl-0", "--at-time", "1e300"], "expected a time between 0001-01-01"),
+        (["audit", "block", "0", "5", "--engine", "wl-0", "--at-time", "0001-01-01T00:00:00+01:00"], "expected a time between"),
+        (["audit", "block", "0", "5", "--engine", "wl-0", "--at-time", "nan"], "expected a finite time"),
+        (["audit", "block", "0", "5", "--engine", "wl-0", "--at-time", "inf"], "expected a finite time"),
+        (["audit", "refusals", "--since", "-inf"], "expected a finite time"),
+        (["replay", "--until-time", "-1e12"], "expected a time between"),
+    ],
+)
 def test_cli_times_no_datetime_can_show_are_bad_input(golden: Path, tmp_path: Path, args: list[str], says: str) -> None:
     result = CliRunner().invoke(app, [*args, "--log", str(copy_of(golden, tmp_path))])
     assert result.exit_code == 2, (args, result.output)
@@ -372,21 +393,26 @@ def test_cli_times_no_datetime_can_show_are_bad_input(golden: Path, tmp_path: Pa
     assert len(result.stderr.strip().splitlines()) == 1 and isinstance(result.exception, SystemExit)
 
 
-@pytest.mark.parametrize(("args", "says"), [
-    (["audit", "block", "0", "99999999999999999999", "--engine", "wl-0"], "2147483647"),
-    (["audit", "block", "2147483648", "1", "--engine", "wl-0"], "2147483647"),
-    (["audit", "history", "0", "2147483648", "--engine", "wl-0"], "2147483647"),
-    (["audit", "block", "0", "5", "--engine", "wl-0", "--at-step", "1e20"], "--at-step"),
-    (["audit", "block", "0", "5", "--engine", "wl-0", "--at-step", "99999999999999999999"], "9223372036854775807"),
-    (["audit", "block", "0", "5", "--engine", "wl-0", "--at-seq", "9223372036854775808"], "9223372036854775807"),
-    (["audit", "refusals", "--since-seq", "99999999999999999999"], "9223372036854775807"),
-    (["audit", "refusals", "--limit", "99999999999999999999"], "9223372036854775807"),
-    (["replay", "--until-seq", "99999999999999999999"], "9223372036854775807"),
-    (["replay", "--until-step", "99999999999999999999", "--engine", "wl-0"], "9223372036854775807"),
-    (["export", "--after-seq", "99999999999999999999"], "9223372036854775807"),
-    (["audit", "timeline", "0", "--steps", "1:99999999999999999999", "--engine", "wl-0", "--out", "{tmp}/t.png"],
-     "a step is at most 9223372036854775807"),
-])
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["audit", "block", "0", "99999999999999999999", "--engine", "wl-0"], "2147483647"),
+        (["audit", "block", "2147483648", "1", "--engine", "wl-0"], "2147483647"),
+        (["audit", "history", "0", "2147483648", "--engine", "wl-0"], "2147483647"),
+        (["audit", "block", "0", "5", "--engine", "wl-0", "--at-step", "1e20"], "--at-step"),
+        (["audit", "block", "0", "5", "--engine", "wl-0", "--at-step", "99999999999999999999"], "9223372036854775807"),
+        (["audit", "block", "0", "5", "--engine", "wl-0", "--at-seq", "9223372036854775808"], "9223372036854775807"),
+        (["audit", "refusals", "--since-seq", "99999999999999999999"], "9223372036854775807"),
+        (["audit", "refusals", "--limit", "99999999999999999999"], "9223372036854775807"),
+        (["replay", "--until-seq", "99999999999999999999"], "9223372036854775807"),
+        (["replay", "--until-step", "99999999999999999999", "--engine", "wl-0"], "9223372036854775807"),
+        (["export", "--after-seq", "99999999999999999999"], "9223372036854775807"),
+        (
+            ["audit", "timeline", "0", "--steps", "1:99999999999999999999", "--engine", "wl-0", "--out", "{tmp}/t.png"],
+            "a step is at most 9223372036854775807",
+        ),
+    ],
+)
 def test_cli_numbers_past_what_a_log_holds_are_bad_input(golden: Path, tmp_path: Path, args: list[str], says: str) -> None:
     """Typer bounds them (a sequence or step is a BIGINT, a pool or block an INTEGER): before,
     SQLite raised OverflowError and the command printed a traceback."""
@@ -400,8 +426,10 @@ def test_cli_numbers_past_what_a_log_holds_are_bad_input(golden: Path, tmp_path:
 def test_cli_replay_and_export_check_the_output_directory_first(golden: Path, tmp_path: Path) -> None:
     log = str(copy_of(golden, tmp_path))
     runner = CliRunner()
-    for args in (["replay", "--out", str(tmp_path / "missing" / "state.json")],
-                 ["export", "--out", str(tmp_path / "missing" / "events.jsonl")]):
+    for args in (
+        ["replay", "--out", str(tmp_path / "missing" / "state.json")],
+        ["export", "--out", str(tmp_path / "missing" / "events.jsonl")],
+    ):
         result = runner.invoke(app, [*args, "--log", log])
         assert result.exit_code == 2, result.output
         assert "does not exist" in result.stderr and str(tmp_path / "missing") in result.stderr
@@ -420,28 +448,35 @@ def test_cli_replay_and_export_check_the_output_directory_first(golden: Path, tm
 async def test_a_store_decided_without_its_pin_is_not_shown_as_pinning(tmp_path: Path) -> None:
     """With the PINS protection off (a simulator run of seed 000), a store is decided with
     pinned=False: `audit block` must not claim it pinned the slot while in flight."""
-    from coordinator.commands import AllocateBlocks, MarkComputed, StartOwner, StartStore
+    from coordinator.core.commands import AllocateBlocks, MarkComputed, StartOwner, StartStore
+    from coordinator.core.protections import Protection
     from coordinator.ledger import Ledger
-    from coordinator.protections import Protection
     from events import BlocksAllocated, StoreJobStarted
     from tests import builders as b
     from tests.sidecar_kit import TIER_SPEC, declaration
 
     event_log = await open_log(str(tmp_path / "unpinned.sqlite"))
     try:
+
         async def stored_while_in_flight(off: frozenset[Protection], engine: str) -> tuple[StoreJobStarted, int]:
             ledger = await Ledger.open(event_log, protections_off=off)
-            from coordinator.commands import DeclareTier
+            from coordinator.core.commands import DeclareTier
+
             await ledger.execute(DeclareTier(spec=TIER_SPEC))
             await ledger.execute(declaration(engine))
             commit = await ledger.run_step(engine, 1, 1.0, [StartOwner(engine_id=engine, req_id="r")])
             owner = next(e for e in commit.events if isinstance(e, OwnerStarted)).owner_id
             commit = await ledger.run_step(engine, 2, 2.0, [AllocateBlocks(engine_id=engine, owner_id=owner, pool_id=0, count=1)])
             blocks = next(e for e in commit.events if isinstance(e, BlocksAllocated)).blocks
-            commit = await ledger.run_step(engine, 3, 3.0, [
-                MarkComputed(engine_id=engine, owner_id=owner, blocks=blocks, token_ids=list(range(b.BLOCK))),
-                StartStore(engine_id=engine, tier=b.TIER, blocks=blocks),
-            ])
+            commit = await ledger.run_step(
+                engine,
+                3,
+                3.0,
+                [
+                    MarkComputed(engine_id=engine, owner_id=owner, blocks=blocks, token_ids=list(range(b.BLOCK))),
+                    StartStore(engine_id=engine, tier=b.TIER, blocks=blocks),
+                ],
+            )
             job = next(e for e in commit.events if isinstance(e, StoreJobStarted))
             assert job.pinned == (Protection.PINS not in off)
             return job, commit.last_seq
@@ -450,7 +485,10 @@ async def test_a_store_decided_without_its_pin_is_not_shown_as_pinning(tmp_path:
         unpinned_job, unpinned_at = await stored_while_in_flight(frozenset({Protection.PINS}), "unpinned")
         await sync_index(event_log)
         audit = Audit(event_log)
-        for engine, job, seq, expected in (("pinned", pinned_job, pinned_at, True), ("unpinned", unpinned_job, unpinned_at, False)):
+        for engine, job, seq, expected in (
+            ("pinned", pinned_job, pinned_at, True),
+            ("unpinned", unpinned_job, unpinned_at, False),
+        ):
             source = job.items[0].source
             answer = await audit.block(engine, source.pool_id, source.block_id, seq)
             [touch] = [j for j in answer.jobs if j.job_id == job.job_id]

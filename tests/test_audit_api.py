@@ -32,7 +32,7 @@ from typer.testing import CliRunner
 from coordinator.audit.api import INDEXED_SEQ_HEADER, TokenFileError, Tokens, load_tokens
 from coordinator.audit.queries import Audit
 from coordinator.cli import app as cli
-from coordinator.commands import AllocateBlocks, DeclareTier, StartOwner
+from coordinator.core.commands import AllocateBlocks, DeclareTier, StartOwner
 from coordinator.sidecar.server import ConfigError, ServeConfig, Sidecar, check_config
 from coordinator.simulator.harness import Simulation
 from coordinator.simulator.scenarios import admit, attention, load_prefix, namespace, produce, prompt
@@ -77,8 +77,9 @@ async def _tell(directory: Path) -> Story:
         owner = await admit(b, "b-2")
         assert not await load_prefix(b, owner, [item.key for item in stored_a.items], tokens_a)
         await a.step([AllocateBlocks(engine_id="pod-a", owner_id=987_654, pool_id=0, count=1)])
-    return Story(directory, stored_a.items[0].source, stored_a.items[0].key.hex(), stored_b.items[0].source,
-                 stored_b.items[0].key.hex())
+    return Story(
+        directory, stored_a.items[0].source, stored_a.items[0].key.hex(), stored_b.items[0].source, stored_b.items[0].key.hex()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +93,9 @@ class Served:
     log: SqlEventLog
     base: str
 
-    async def get(self, path: str, token: str | None = None, *, method: str = "GET",
-                  headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
+    async def get(
+        self, path: str, token: str | None = None, *, method: str = "GET", headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, str], Any]:
         """(status, headers with lower-case names, the JSON body or None)."""
         sent = {**(headers or {}), **({"Authorization": f"Bearer {token}"} if token is not None else {})}
 
@@ -167,9 +169,11 @@ async def test_every_route_answers_what_the_audit_queries_answer(served: Served,
     # Each way of naming the point in time.
     allocated = body["generation"]["allocated_seq"]
     step = body["generation"]["allocated_step"]
-    for query, seq in ((f"at_seq={allocated}", allocated),
-                       (f"at_step={step}", await audit.resolve("pod-a", at_step=step)),
-                       (f"at_time={body['at']['recorded_at']}", await audit.resolve("pod-a", at_time=body["at"]["recorded_at"]))):
+    for query, seq in (
+        (f"at_seq={allocated}", allocated),
+        (f"at_step={step}", await audit.resolve("pod-a", at_step=step)),
+        (f"at_time={body['at']['recorded_at']}", await audit.resolve("pod-a", at_time=body["at"]["recorded_at"])),
+    ):
         status, _, at = await served.get(f"/audit/block/{slot(story.a_block)}?engine=pod-a&{query}", OPERATOR)
         assert status == 200 and at == builtins(await audit.block("pod-a", pool, block, seq)), query
     iso = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(math.ceil(body["at"]["recorded_at"])))
@@ -215,8 +219,10 @@ async def test_a_tenant_token_reads_its_tenant_and_another_tenants_things_read_a
     only the token's tenant."""
     mine = Audit(served.log, tenant="tenant-a")
     status, _, body = await served.get(f"/audit/block/{slot(story.a_block)}?engine=pod-a", TENANT_A)
-    assert (status, body) == (200, builtins(await mine.block("pod-a", story.a_block.pool_id, story.a_block.block_id,
-                                                            await served.log.head())))
+    assert (status, body) == (
+        200,
+        builtins(await mine.block("pod-a", story.a_block.pool_id, story.a_block.block_id, await served.log.head())),
+    )
     status, _, body = await served.get(f"/audit/key/{story.a_key}", TENANT_A)
     assert status == 200 and body["tenant"] == "tenant-a"
 
@@ -225,9 +231,10 @@ async def test_a_tenant_token_reads_its_tenant_and_another_tenants_things_read_a
         f"/audit/block/{slot(story.b_block)}?engine=pod-b": f"/audit/block/{slot(story.b_block)}?engine=pod-x",
         f"/audit/history/{slot(story.b_block)}?engine=pod-b": f"/audit/history/{slot(story.b_block)}?engine=pod-x",
         f"/audit/block/{slot(story.b_block)}?engine=pod-b&at_step=999999":  # scope before existence
-            f"/audit/block/{slot(story.b_block)}?engine=pod-x&at_step=999999",
+        f"/audit/block/{slot(story.b_block)}?engine=pod-x&at_step=999999",
         f"/audit/key/{story.b_key}": f"/audit/key/{absent_key}",
-        "/audit/request/b-1": "/audit/request/nobody-1", "/audit/request/b-2": "/audit/request/nobody-2",
+        "/audit/request/b-1": "/audit/request/nobody-1",
+        "/audit/request/b-2": "/audit/request/nobody-2",
     }
     for path, absent in theirs.items():
         status, _, body = await served.get(path, TENANT_A)
@@ -328,8 +335,11 @@ def test_tokens_files_in_json_or_toml_and_what_is_refused(tmp_path: Path) -> Non
 def test_serve_refuses_to_start_with_a_bad_tokens_file(tmp_path: Path) -> None:
     bad = tmp_path / "tokens.json"
     bad.write_text(json.dumps({"tiny-secret": {"tenant": "t"}}))
-    result = CliRunner().invoke(cli, ["serve", "--socket", str(tmp_path / "s.sock"), "--log", str(tmp_path / "log.sqlite"),
-                                      "--http", "off"], env={"KVLEDGER_AUDIT_TOKENS": str(bad)})
+    result = CliRunner().invoke(
+        cli,
+        ["serve", "--socket", str(tmp_path / "s.sock"), "--log", str(tmp_path / "log.sqlite"), "--http", "off"],
+        env={"KVLEDGER_AUDIT_TOKENS": str(bad)},
+    )
     assert result.exit_code == 2 and "--audit-tokens" in result.stderr and "tiny-secret" not in result.stderr
 
 
@@ -371,9 +381,16 @@ async def test_a_malformed_query_is_422_naming_the_parameter_and_nothing_else(se
 
 
 async def test_what_the_log_does_not_hold_is_404(served: Served) -> None:
-    for path in ("/audit/block/0/1?engine=pod-z", "/audit/history/0/1?engine=pod-z", "/audit/key/" + "00" * 32,
-                 "/audit/request/never-ran", "/audit/block/0/1?engine=pod-a&at_step=999999",
-                 "/audit/block/0/1?engine=pod-a&at_time=1.0", "/audit/no-such-route", "/audit/block//1"):
+    for path in (
+        "/audit/block/0/1?engine=pod-z",
+        "/audit/history/0/1?engine=pod-z",
+        "/audit/key/" + "00" * 32,
+        "/audit/request/never-ran",
+        "/audit/block/0/1?engine=pod-a&at_step=999999",
+        "/audit/block/0/1?engine=pod-a&at_time=1.0",
+        "/audit/no-such-route",
+        "/audit/block//1",
+    ):
         status, headers, body = await served.get(path, OPERATOR)
         assert status == 404 and body["error"] == "not_found" and set(body) == ERROR_FIELDS, (path, body)
         assert headers["content-type"] == "application/json"
@@ -484,10 +501,22 @@ def _conforms(instance: Any, schema: dict[str, Any], components: dict[str, Any],
 async def test_the_openapi_schema_lists_every_route_and_the_answers_conform_to_it(served: Served, story: Story) -> None:
     status, _, schema = await served.get("/audit/openapi.json")  # no token needed: no data in it
     assert status == 200 and schema["openapi"] == "3.1.0"
-    assert set(schema["paths"]) == {"/audit/block/{pool}/{block}", "/audit/history/{pool}/{block}", "/audit/key/{key}",
-                                    "/audit/request/{req_id}", "/audit/refusals", "/audit/namespaces", "/audit/openapi.json"}
-    assert schema["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer", "description": schema[
-        "components"]["securitySchemes"]["bearer"]["description"]}} and schema["security"] == [{"bearer": []}]
+    assert set(schema["paths"]) == {
+        "/audit/block/{pool}/{block}",
+        "/audit/history/{pool}/{block}",
+        "/audit/key/{key}",
+        "/audit/request/{req_id}",
+        "/audit/refusals",
+        "/audit/namespaces",
+        "/audit/openapi.json",
+    }
+    assert schema["components"]["securitySchemes"] == {
+        "bearer": {
+            "type": "http",
+            "scheme": "bearer",
+            "description": schema["components"]["securitySchemes"]["bearer"]["description"],
+        }
+    } and schema["security"] == [{"bearer": []}]
     components = schema["components"]["schemas"]
     refs = re.findall(r'"\$ref": "#/components/schemas/(\w+)"', json.dumps(schema))
     assert refs and set(refs) <= set(components)
@@ -522,17 +551,29 @@ async def test_the_openapi_schema_lists_every_route_and_the_answers_conform_to_i
             assert not header["required"] or name.lower() in headers, (path, name)
 
     # Every parameter the schema declares is one the server takes.
-    values = {"pool": "0", "block": "1", "engine": "pod-a", "at_seq": "1", "at_step": "1", "at_time": "2030-01-01T00:00:00Z",
-              "key": story.a_key, "req_id": "a-1", "since_seq": "0", "since_time": "0", "limit": "5"}
+    values = {
+        "pool": "0",
+        "block": "1",
+        "engine": "pod-a",
+        "at_seq": "1",
+        "at_step": "1",
+        "at_time": "2030-01-01T00:00:00Z",
+        "key": story.a_key,
+        "req_id": "a-1",
+        "since_seq": "0",
+        "since_time": "0",
+        "limit": "5",
+    }
     for path, item in schema["paths"].items():
         parameters = item["get"].get("parameters", [])
         url = re.sub(r"\{(\w+)\}", lambda m: values[m.group(1)], path)
         for parameter in (p for p in parameters if p["in"] == "query"):
-            status, _, body = await served.get(f"{url}?{parameter['name']}={values[parameter['name']]}"
-                                               + ("&engine=pod-a" if parameter["name"] != "engine" and "pool" in path else ""),
-                                               OPERATOR)
+            status, _, body = await served.get(
+                f"{url}?{parameter['name']}={values[parameter['name']]}"
+                + ("&engine=pod-a" if parameter["name"] != "engine" and "pool" in path else ""),
+                OPERATOR,
+            )
             assert status == 200, (path, parameter["name"], body)
-
 
 
 # --- odd input: 404 or 422, never 500 -----------------------------------------------------------
@@ -542,10 +583,20 @@ async def _asgi_get(app: Any, target: str, token: str) -> tuple[int, Any]:
     """GET `target` (a percent-encoded path and query, as a client sends it) from an ASGI app in
     this process: (status, the JSON body)."""
     path, _, query = target.partition("?")
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
-             "path": urllib.parse.unquote(path), "raw_path": path.encode(), "query_string": query.encode(),
-             "root_path": "", "headers": [(b"host", b"test"), (b"authorization", f"Bearer {token}".encode())],
-             "client": ("127.0.0.1", 1), "server": ("test", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": urllib.parse.unquote(path),
+        "raw_path": path.encode(),
+        "query_string": query.encode(),
+        "root_path": "",
+        "headers": [(b"host", b"test"), (b"authorization", f"Bearer {token}".encode())],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
@@ -610,7 +661,11 @@ async def test_odd_input_is_404_or_422_never_500_on_each_backend(event_log: SqlE
 
 
 async def test_odd_input_over_real_http(served: Served) -> None:
-    for path, parameter in (("/audit/request/%00", "req_id"), ("/audit/block/0/1?engine=pod-a&at_time=-1e12", "at_time"),
-                            ("/audit/block/0/1?engine=pod-a%0A", "engine"), ("/audit/history/4294967296/1?engine=pod-a", "pool")):
+    for path, parameter in (
+        ("/audit/request/%00", "req_id"),
+        ("/audit/block/0/1?engine=pod-a&at_time=-1e12", "at_time"),
+        ("/audit/block/0/1?engine=pod-a%0A", "engine"),
+        ("/audit/history/4294967296/1?engine=pod-a", "pool"),
+    ):
         status, _, body = await served.get(path, OPERATOR)
         assert status == 422 and body["parameter"] == parameter, (path, body)

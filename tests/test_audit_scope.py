@@ -13,7 +13,7 @@ import pytest
 from coordinator.audit import queries
 from coordinator.audit.queries import Audit, OutOfScope
 from coordinator.audit.store import sync_index
-from coordinator.commands import (
+from coordinator.core.commands import (
     AllocateBlocks,
     DeclareEngine,
     DeclareTier,
@@ -77,8 +77,9 @@ class Kit:
         job = next(e for e in events if isinstance(e, StoreJobStarted))
         for rank in (0, 1):
             self.clock.now += 1.0
-            await self.ledger.execute(ReportRank(job_id=job.job_id, rank=rank, ok=True,
-                                                 checksums=[b.checksum(i.key, rank) for i in job.items]))
+            await self.ledger.execute(
+                ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items])
+            )
         return job
 
 
@@ -94,8 +95,13 @@ async def kit(log_url: str, tiers: tuple[str, ...] = (b.TIER,), tier_slots: int 
 
 
 def declare(engine: str, tenant: str, tiers: tuple[str, ...] = (b.TIER,)) -> DeclareEngine:
-    return DeclareEngine(engine_id=engine, namespace=b.namespace(tenant=tenant), pools=[b.attention_pool(num_blocks=16)],
-                         world_size=2, tiers=list(tiers))
+    return DeclareEngine(
+        engine_id=engine,
+        namespace=b.namespace(tenant=tenant),
+        pools=[b.attention_pool(num_blocks=16)],
+        world_size=2,
+        tiers=list(tiers),
+    )
 
 
 async def test_I9_audit_reads_follow_the_declaration_in_force_when_an_engine_changes_tenant(log_url: str) -> None:
@@ -198,12 +204,16 @@ async def test_at_time_counts_appends_made_outside_a_step(log_url: str) -> None:
         await k.log.close()
 
 
-async def test_history_of_a_busy_slot_keeps_the_newest_generations_with_a_total(log_url: str,
-                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_history_of_a_busy_slot_keeps_the_newest_generations_with_a_total(
+    log_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     k = await kit(log_url)
     try:
-        await k.ledger.execute(DeclareEngine(engine_id="e", namespace=b.namespace(), world_size=2, tiers=[b.TIER],
-                                             pools=[b.attention_pool(num_blocks=2)]))  # one usable slot
+        await k.ledger.execute(
+            DeclareEngine(
+                engine_id="e", namespace=b.namespace(), world_size=2, tiers=[b.TIER], pools=[b.attention_pool(num_blocks=2)]
+            )
+        )  # one usable slot
         for index in range(7):
             owner = await k.owner("e", f"r{index}")
             await k.allocate("e", owner, 1)
@@ -220,8 +230,9 @@ async def test_history_of_a_busy_slot_keeps_the_newest_generations_with_a_total(
 
 
 @pytest.mark.parametrize("list_limit", [queries.LIST_LIMIT, 2])
-async def test_I9_an_observed_hash_answers_each_tenant_with_its_own_rows_only(log_url: str, list_limit: int,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_I9_an_observed_hash_answers_each_tenant_with_its_own_rows_only(
+    log_url: str, list_limit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An observed engine restarted under another tenant's namespace: the hash's rows, clears,
     gaps and total each belong to the tenant whose incarnation recorded them. The restart is
     both tenants': it ends the first one's residencies and begins the second's incarnation.
@@ -240,9 +251,13 @@ async def test_I9_an_observed_hash_answers_each_tenant_with_its_own_rows_only(lo
     def kv(kind: Literal["stored", "removed", "cleared"]) -> ObservedKvEvent:
         if kind == "cleared":
             return ObservedKvEvent(kind="cleared", type_name="AllBlocksCleared")
-        return ObservedKvEvent(kind=kind, type_name=f"Block{kind.title()}", block_hashes=[block_hash],
-                               token_ids=list(range(b.BLOCK)) if kind == "stored" else [],
-                               block_size=b.BLOCK if kind == "stored" else 0)
+        return ObservedKvEvent(
+            kind=kind,
+            type_name=f"Block{kind.title()}",
+            block_hashes=[block_hash],
+            token_ids=list(range(b.BLOCK)) if kind == "stored" else [],
+            block_size=b.BLOCK if kind == "stored" else 0,
+        )
 
     try:
         await k.ledger.execute(seen("tenant-a", "first_seen"))

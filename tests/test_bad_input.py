@@ -3,7 +3,7 @@
 Each test sends one bad command to the real core and checks that:
 
 * the answer is a single `Refused` (or `NoticeDropped` for the notices FreeBlocks,
-  FreeEncoderEntry and ReportRank, coordinator.commands.NOTICES) with the specific reason;
+  FreeEncoderEntry and ReportRank, coordinator.core.commands.NOTICES) with the specific reason;
 * its detail names the thing that failed (the pool, block, job, rank, engine, field...);
 * the state is unchanged (compared without `last_event`, which every event bumps) and the
   refusal is recorded in the log (I1: refused and dropped commands are visible to forensics);
@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import msgspec
 import pytest
 
-from coordinator.commands import (
-    command_tag,
+from coordinator.core import CoordinatorCore
+from coordinator.core.checks import MAX_CLOCK_JUMP, MAX_STEP_JUMP
+from coordinator.core.commands import (
     NOTICES,
     AllocateBlocks,
     AllocateEncoderEntry,
@@ -42,9 +43,8 @@ from coordinator.commands import (
     StartLoad,
     StartOwner,
     StartStore,
+    command_tag,
 )
-from coordinator._checks import MAX_CLOCK_JUMP, MAX_STEP_JUMP
-from coordinator.core import CoordinatorCore
 from events import (
     BlockRef,
     BlocksAllocated,
@@ -56,7 +56,6 @@ from events import (
     Refused,
 )
 from tests.builders import (
-    state_bytes,
     ENGINE,
     TIER,
     allocate,
@@ -70,6 +69,7 @@ from tests.builders import (
     owner,
     publish,
     start_store,
+    state_bytes,
     state_pool,
 )
 
@@ -109,8 +109,6 @@ class World:
 
     def valid_block_in(self, pool_id: int) -> BlockRef:
         return self.recycled_now if pool_id == REPORTED else self.published_block
-
-
 
 
 def assert_rejected(core: CoordinatorCore, command: AnyCommand, reason: Reason, *names: str) -> Refused | NoticeDropped:
@@ -173,17 +171,13 @@ def world() -> World:
 
 def reported_allocate(core: CoordinatorCore, owner_id: int, block_id: int) -> list[BlockRef]:
     [event] = ok(
-        core.execute(
-            AllocateBlocks(engine_id=ENGINE, owner_id=owner_id, pool_id=REPORTED, count=1, block_ids=[block_id])
-        )
+        core.execute(AllocateBlocks(engine_id=ENGINE, owner_id=owner_id, pool_id=REPORTED, count=1, block_ids=[block_id]))
     )
     assert isinstance(event, BlocksAllocated)
     return event.blocks
 
 
-def declare(
-    engine_id: str = "engine-b", pool_specs: list[PoolSpec] | None = None, **namespace_fields: object
-) -> DeclareEngine:
+def declare(engine_id: str = "engine-b", pool_specs: list[PoolSpec] | None = None, **namespace_fields: object) -> DeclareEngine:
     """DeclareEngine whose namespace agrees with its pools unless told otherwise."""
     pool_specs = pools() if pool_specs is None else pool_specs
     fields: dict[str, object] = {"block_sizes": tuple(p.block_size for p in pool_specs)}
@@ -205,9 +199,7 @@ BlockCommand = Callable[[World, BlockRef], AnyCommand]
 BLOCK_COMMANDS: dict[str, BlockCommand] = {
     "free_blocks": lambda w, ref: FreeBlocks(engine_id=ENGINE, owner_id=w.owner_id, blocks=[ref]),
     "reuse_blocks": lambda w, ref: ReuseBlocks(engine_id=ENGINE, owner_id=w.owner_id, blocks=[ref]),
-    "mark_computed": lambda w, ref: MarkComputed(
-        engine_id=ENGINE, owner_id=w.owner_id, blocks=[ref], token_ids=[5, 6, 7, 8]
-    ),
+    "mark_computed": lambda w, ref: MarkComputed(engine_id=ENGINE, owner_id=w.owner_id, blocks=[ref], token_ids=[5, 6, 7, 8]),
     "start_store": lambda w, ref: StartStore(engine_id=ENGINE, tier=TIER, blocks=[ref]),
     "start_load": lambda w, ref: StartLoad(engine_id=ENGINE, tier=TIER, items=[LoadRequest(w.published_key, ref)]),
     "copy_source": lambda w, ref: PlanStateCopy(
@@ -245,9 +237,7 @@ ENGINE_COMMANDS: dict[str, Callable[[World, str], AnyCommand]] = {
     "allocate_blocks": lambda w, e: AllocateBlocks(engine_id=e, owner_id=w.owner_id, pool_id=ATTENTION, count=1),
     "reuse_blocks": lambda w, e: ReuseBlocks(engine_id=e, owner_id=w.owner_id, blocks=[w.published_block]),
     "free_blocks": lambda w, e: FreeBlocks(engine_id=e, owner_id=w.owner_id, blocks=[w.held[0]]),
-    "mark_computed": lambda w, e: MarkComputed(
-        engine_id=e, owner_id=w.owner_id, blocks=[w.held[0]], token_ids=[5, 6, 7, 8]
-    ),
+    "mark_computed": lambda w, e: MarkComputed(engine_id=e, owner_id=w.owner_id, blocks=[w.held[0]], token_ids=[5, 6, 7, 8]),
     "lookup_prefix": lambda w, e: LookupPrefix(engine_id=e, tier=TIER, token_ids=[1, 2, 3, 4]),
     "start_store": lambda w, e: StartStore(engine_id=e, tier=TIER, blocks=[w.published_block]),
     "start_load": lambda w, e: StartLoad(engine_id=e, tier=TIER, items=[LoadRequest(w.published_key, w.held[1])]),
@@ -406,7 +396,9 @@ def test_declare_engine_with_a_pool_of_bad_size(world: World, num_blocks: int) -
     """A usable pool has the null block and at least one more, and a bounded size."""
     bad = [msgspec.structs.replace(attention_pool(ATTENTION), num_blocks=num_blocks)]
     assert_rejected(world.core, declare(pool_specs=bad), Reason.INVALID_COUNT, f"pool {ATTENTION}")
-    [declared] = [e for e in keeps_serving(world.core, declare(pool_specs=[attention_pool(ATTENTION)])) if isinstance(e, EngineDeclared)]
+    [declared] = [
+        e for e in keeps_serving(world.core, declare(pool_specs=[attention_pool(ATTENTION)])) if isinstance(e, EngineDeclared)
+    ]
     assert (declared.engine_id, declared.incarnation) == ("engine-b", 1)
 
 
@@ -450,7 +442,13 @@ def test_step_number_that_does_not_advance(world: World, behind: int) -> None:
     end(world.core)
     current = world.core.state.engines[ENGINE].step
     step = current - behind
-    assert_rejected(world.core, BeginStep(engine_id=ENGINE, step=step, clock=CLOCK), Reason.STEP_NOT_ADVANCING, f"step {step}", f"step {current}")
+    assert_rejected(
+        world.core,
+        BeginStep(engine_id=ENGINE, step=step, clock=CLOCK),
+        Reason.STEP_NOT_ADVANCING,
+        f"step {step}",
+        f"step {current}",
+    )
     keeps_serving(world.core, BeginStep(engine_id=ENGINE, step=current + 1, clock=CLOCK))
 
 
@@ -473,7 +471,9 @@ def test_step_or_clock_that_leaps_past_its_bound(world: World, leap: str) -> Non
 
 def test_begin_step_while_one_is_open(world: World) -> None:
     current = world.core.state.engines[ENGINE].step
-    assert_rejected(world.core, BeginStep(engine_id=ENGINE, step=current + 1, clock=CLOCK), Reason.STEP_ALREADY_OPEN, f"step {current}")
+    assert_rejected(
+        world.core, BeginStep(engine_id=ENGINE, step=current + 1, clock=CLOCK), Reason.STEP_ALREADY_OPEN, f"step {current}"
+    )
     keeps_serving(world.core, EndStep(engine_id=ENGINE))
 
 
@@ -481,7 +481,9 @@ def test_begin_step_while_one_is_open(world: World) -> None:
 def test_clock_that_goes_backwards(world: World, clock: float) -> None:
     end(world.core)
     step = world.core.state.engines[ENGINE].step + 1
-    assert_rejected(world.core, BeginStep(engine_id=ENGINE, step=step, clock=clock), Reason.CLOCK_REGRESSED, f"clock {clock}", str(CLOCK))
+    assert_rejected(
+        world.core, BeginStep(engine_id=ENGINE, step=step, clock=clock), Reason.CLOCK_REGRESSED, f"clock {clock}", str(CLOCK)
+    )
     keeps_serving(world.core, BeginStep(engine_id=ENGINE, step=step, clock=CLOCK))  # standing still is fine
 
 
@@ -505,9 +507,7 @@ def test_namespace_with_an_empty_weights_revision(world: World, engine_id: str) 
 
 @pytest.mark.parametrize("block_sizes", [(4,), (8, 4, 4), (4, 8, 16), (4, 8, 4, 4)])
 def test_block_sizes_that_disagree_with_the_namespace(world: World, block_sizes: tuple[int, ...]) -> None:
-    assert_rejected(
-        world.core, declare(block_sizes=block_sizes), Reason.NAMESPACE_MISMATCH, "block sizes", str(block_sizes)
-    )
+    assert_rejected(world.core, declare(block_sizes=block_sizes), Reason.NAMESPACE_MISMATCH, "block sizes", str(block_sizes))
     keeps_serving(world.core, declare())
 
 
@@ -535,9 +535,9 @@ def test_redeclare_with_another_pool_layout(world: World, change: str) -> None:
 def test_a_pool_id_the_log_cannot_hold_is_refused_by_the_core_itself() -> None:
     """Not only at the sidecar's door (coordinator/sidecar/admission.py): an in-process Ledger or
     the simulator goes straight to the decider, and the audit index holds 32-bit pool ids."""
-    from coordinator._checks import MAX_POOL_ID
-    from coordinator.commands import DeclareEngine
     from coordinator.core import CoordinatorCore
+    from coordinator.core.checks import MAX_POOL_ID
+    from coordinator.core.commands import DeclareEngine
     from events import Reason, Refused
     from tests import builders as b
 
@@ -548,6 +548,7 @@ def test_a_pool_id_the_log_cannot_hold_is_refused_by_the_core_itself() -> None:
         assert isinstance(refused, Refused) and refused.reason == Reason.INVALID_ARGUMENT and str(pool_id) in refused.detail
         assert "e" not in core.state.engines
     core = CoordinatorCore()
-    [declared, *_] = core.execute(DeclareEngine(engine_id="e", namespace=b.namespace(), pools=[b.attention_pool(pool_id=MAX_POOL_ID)],
-                                                world_size=2))
+    [declared, *_] = core.execute(
+        DeclareEngine(engine_id="e", namespace=b.namespace(), pools=[b.attention_pool(pool_id=MAX_POOL_ID)], world_size=2)
+    )
     assert not isinstance(declared, Refused)

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
 import sqlite3
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner

@@ -14,7 +14,7 @@ from tests import builders as b
 
 def _sample_events() -> list[Event]:
     """Real events from a run that touches every kind of decision."""
-    from coordinator.commands import ResetCache, StartLoad, LoadRequest, PlanStateCopy, Move, LookupPrefix
+    from coordinator.core.commands import LoadRequest, LookupPrefix, Move, PlanStateCopy, ResetCache, StartLoad
 
     core = b.new_core([b.attention_pool(), b.state_pool()], encoder_cache_tokens=8)
     b.begin(core)

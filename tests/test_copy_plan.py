@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.copy_plan import (
+from coordinator.core.copy_plan import (
     PlannedMove,
     overlapping_destinations,
     parallel_assignment_on_bytes,
@@ -89,8 +88,11 @@ def _move_sets(draw: st.DrawFn) -> list[PlannedMove]:
     for _ in range(draw(st.integers(1, 8))):
         length = draw(st.integers(1, 16))
         move = _move(
-            draw(st.integers(1, 4)), draw(st.integers(0, SIZE - length)),
-            draw(st.integers(1, 4)), draw(st.integers(0, SIZE - length)), length,
+            draw(st.integers(1, 4)),
+            draw(st.integers(0, SIZE - length)),
+            draw(st.integers(1, 4)),
+            draw(st.integers(0, SIZE - length)),
+            length,
         )
         if overlapping_destinations([*moves, move]) is None:
             moves.append(move)
@@ -107,8 +109,11 @@ def test_I15_any_batch_equals_parallel_assignment(moves: list[PlannedMove]) -> N
             for writer in batch:
                 if reader is not writer and reader.src.block is not None and writer.dst.block is not None:
                     same = reader.src.block.block_id == writer.dst.block.block_id
-                    assert not (same and reader.src.offset < writer.dst.offset + writer.dst.length
-                                and writer.dst.offset < reader.src.offset + reader.src.length)
+                    assert not (
+                        same
+                        and reader.src.offset < writer.dst.offset + writer.dst.length
+                        and writer.dst.offset < reader.src.offset + reader.src.length
+                    )
 
 
 def test_I15_a_move_downstream_of_a_cycle_does_not_loop() -> None:

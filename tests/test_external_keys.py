@@ -1,4 +1,4 @@
-"""External keys (coordinator/_external.py): an engine that owns its device blocks and names its own
+"""External keys (coordinator/core/external.py): an engine that owns its device blocks and names its own
 keys (vLLM's offloading manager) still gets every tier decision from kvledger, under I5, I8-I10,
 I12, I13, I17 and I18. On the real pure core, no fakes."""
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from coordinator.commands import (
+from coordinator.core import CoordinatorCore
+from coordinator.core.commands import (
     DeclareEngine,
     ExternalKey,
     LoadExternal,
@@ -17,11 +18,10 @@ from coordinator.commands import (
     ReportRank,
     StoreExternal,
 )
-from coordinator.completion import complete
-from coordinator.core import CoordinatorCore
-from coordinator._external import external_key
-from coordinator.keys import namespace_id
-from coordinator.protections import Protection, switched_off
+from coordinator.core.completion import complete
+from coordinator.core.external import external_key
+from coordinator.core.keys import namespace_id
+from coordinator.core.protections import Protection, switched_off
 from events import (
     Event,
     ExternalKeysLookedUp,
@@ -51,11 +51,11 @@ def refs(*numbers: int) -> list[ExternalKey]:
     return [ExternalKey(0, vllm_key(n)) for n in numbers]
 
 
-def core_with(tier_slots: int = 8, engine_id: str = ENGINE, core: CoordinatorCore | None = None,
-              **namespace_fields: object) -> CoordinatorCore:
+def core_with(
+    tier_slots: int = 8, engine_id: str = ENGINE, core: CoordinatorCore | None = None, **namespace_fields: object
+) -> CoordinatorCore:
     """An engine whose pool 0 is reported (vLLM owns its GPU blocks), in an open step."""
-    core = new_core([attention_pool(managed=False)], world_size=WORLD, tier_slots=tier_slots, engine_id=engine_id,
-                    core=core)
+    core = new_core([attention_pool(managed=False)], world_size=WORLD, tier_slots=tier_slots, engine_id=engine_id, core=core)
     begin(core, engine_id=engine_id)
     return core
 
@@ -71,10 +71,17 @@ def store(core: CoordinatorCore, *numbers: int, engine_id: str = ENGINE) -> Exte
     return job
 
 
-def report(core: CoordinatorCore, job: ExternalStoreStarted | ExternalLoadStarted, rank: int, *,
-           ok_: bool = True, checksums: list[bytes] | None = None) -> list[Event]:
-    return core.execute(ReportRank(job_id=job.job_id, rank=rank, ok=ok_,
-                                   checksums=sums(job, rank) if checksums is None else checksums))
+def report(
+    core: CoordinatorCore,
+    job: ExternalStoreStarted | ExternalLoadStarted,
+    rank: int,
+    *,
+    ok_: bool = True,
+    checksums: list[bytes] | None = None,
+) -> list[Event]:
+    return core.execute(
+        ReportRank(job_id=job.job_id, rank=rank, ok=ok_, checksums=sums(job, rank) if checksums is None else checksums)
+    )
 
 
 def publish(core: CoordinatorCore, *numbers: int, engine_id: str = ENGINE) -> ExternalStoreStarted:
@@ -110,8 +117,15 @@ def test_another_weights_revision_never_sees_the_key() -> None:
     """Two engines on one tier whose vLLM hashes are equal: only the same namespace loads (I9)."""
     core = core_with(engine_id="old-weights")
     publish(core, 1, engine_id="old-weights")
-    core.execute(DeclareEngine(engine_id="new-weights", namespace=namespace(tp=WORLD, weights_revision="sha256:9999"),
-                               pools=[attention_pool(managed=False)], world_size=WORLD, tiers=[TIER]))
+    core.execute(
+        DeclareEngine(
+            engine_id="new-weights",
+            namespace=namespace(tp=WORLD, weights_revision="sha256:9999"),
+            pools=[attention_pool(managed=False)],
+            world_size=WORLD,
+            tiers=[TIER],
+        )
+    )
     begin(core, engine_id="new-weights")
     assert loadable(core, 1, engine_id="old-weights") == [True]
     assert loadable(core, 1, engine_id="new-weights") == [False]
@@ -185,7 +199,9 @@ def test_a_load_carries_the_published_checksums_and_succeeds_when_they_match() -
     stored = publish(core, 1, 2)
     job = load(core, 2, 1)
     assert [item.checksums for item in job.items] == [
-        [sums(stored, rank)[1] for rank in range(WORLD)], [sums(stored, rank)[0] for rank in range(WORLD)]]
+        [sums(stored, rank)[1] for rank in range(WORLD)],
+        [sums(stored, rank)[0] for rank in range(WORLD)],
+    ]
     report(core, job, 0, checksums=[item.checksums[0] for item in job.items])
     events = report(core, job, 1, checksums=[item.checksums[1] for item in job.items])
     assert isinstance(events[-1], JobSucceeded)
@@ -232,23 +248,20 @@ def test_reports_are_counted_per_job_and_rank() -> None:
     core = core_with()
     job = store(core, 1)
     report(core, job, 0)
-    rejected(core, ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=sums(job, 0)), NoticeDropped,
-             Reason.DUPLICATE_REPORT)
+    rejected(core, ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=sums(job, 0)), NoticeDropped, Reason.DUPLICATE_REPORT)
     report(core, job, 1)
     rejected(core, ReportRank(job_id=job.job_id, rank=1, ok=True, checksums=sums(job, 1)), NoticeDropped, Reason.STALE_JOB)
 
 
 def test_bad_external_commands_are_refused_and_change_nothing() -> None:
     core = core_with()
-    rejected(core, StoreExternal(engine_id=ENGINE, tier=TIER, keys=[ExternalKey(7, vllm_key(1))]), Refused,
-             Reason.UNKNOWN_POOL)
+    rejected(core, StoreExternal(engine_id=ENGINE, tier=TIER, keys=[ExternalKey(7, vllm_key(1))]), Refused, Reason.UNKNOWN_POOL)
     rejected(core, StoreExternal(engine_id=ENGINE, tier=TIER, keys=[ExternalKey(0, b"")]), Refused, Reason.INVALID_ARGUMENT)
     rejected(core, StoreExternal(engine_id=ENGINE, tier="nowhere", keys=refs(1)), Refused, Reason.UNKNOWN_TIER)
     rejected(core, StoreExternal(engine_id=ENGINE, tier=TIER, keys=[]), Refused, Reason.INVALID_COUNT)
     rejected(core, LoadExternal(engine_id=ENGINE, tier=TIER, keys=refs(1)), Refused, Reason.KEY_NOT_PUBLISHED)
     publish(core, 1)
-    rejected(core, LoadExternal(engine_id=ENGINE, tier=TIER, keys=refs(1), lease_seconds=0), Refused,
-             Reason.INVALID_ARGUMENT)
+    rejected(core, LoadExternal(engine_id=ENGINE, tier=TIER, keys=refs(1), lease_seconds=0), Refused, Reason.INVALID_ARGUMENT)
     end(core)
     rejected(core, LookupExternal(engine_id=ENGINE, tier=TIER, keys=refs(1)), Refused, Reason.NO_OPEN_STEP)
 
@@ -263,17 +276,42 @@ def test_a_managed_pool_is_not_external() -> None:
 def test_hello_with_another_hash_algorithm_or_block_size_is_refused_naming_both() -> None:
     core = new_core([attention_pool(managed=False)], world_size=WORLD)
     declared = namespace(tp=WORLD, hash_algorithm="vllm:sha256")
-    events = core.execute(DeclareEngine(engine_id="vllm-1", namespace=declared, pools=[attention_pool(managed=False)],
-                                        world_size=WORLD, tiers=[TIER], key_hash_algorithm="vllm:xxhash"))
+    events = core.execute(
+        DeclareEngine(
+            engine_id="vllm-1",
+            namespace=declared,
+            pools=[attention_pool(managed=False)],
+            world_size=WORLD,
+            tiers=[TIER],
+            key_hash_algorithm="vllm:xxhash",
+        )
+    )
     assert [type(e) for e in events] == [Refused]
     assert isinstance(events[0], Refused) and events[0].reason is Reason.NAMESPACE_MISMATCH
     assert "'vllm:xxhash'" in events[0].detail and "'vllm:sha256'" in events[0].detail
-    events = core.execute(DeclareEngine(engine_id="vllm-1", namespace=namespace(tp=WORLD, block_sizes=(32,)),
-                                        pools=[attention_pool(managed=False)], world_size=WORLD, tiers=[TIER]))
+    events = core.execute(
+        DeclareEngine(
+            engine_id="vllm-1",
+            namespace=namespace(tp=WORLD, block_sizes=(32,)),
+            pools=[attention_pool(managed=False)],
+            world_size=WORLD,
+            tiers=[TIER],
+        )
+    )
     assert isinstance(events[0], Refused) and events[0].reason is Reason.NAMESPACE_MISMATCH
     assert "(4,)" in events[0].detail and "(32,)" in events[0].detail
-    ok(core.execute(DeclareEngine(engine_id="vllm-1", namespace=declared, pools=[attention_pool(managed=False)],
-                                  world_size=WORLD, tiers=[TIER], key_hash_algorithm="vllm:sha256")))
+    ok(
+        core.execute(
+            DeclareEngine(
+                engine_id="vllm-1",
+                namespace=declared,
+                pools=[attention_pool(managed=False)],
+                world_size=WORLD,
+                tiers=[TIER],
+                key_hash_algorithm="vllm:sha256",
+            )
+        )
+    )
 
 
 @pytest.mark.anyio
@@ -282,7 +320,7 @@ async def test_audit_key_shows_an_external_keys_store_and_load(tmp_path: Path, a
     came from (with the engine's own key, as there is no kvledger slot to name) and each load."""
     from coordinator.audit.queries import Audit
     from coordinator.audit.store import sync_index
-    from coordinator.commands import DeclareTier
+    from coordinator.core.commands import DeclareTier
     from coordinator.ledger import Ledger
     from events import TierSpec
     from events.log import SqlEventLog, open_log
@@ -291,13 +329,22 @@ async def test_audit_key_shows_an_external_keys_store_and_load(tmp_path: Path, a
     try:
         ledger = await Ledger.open(event_log)
         await ledger.execute(DeclareTier(spec=TierSpec(name=TIER, num_slots=8, bytes_per_slot=64)))
-        await ledger.execute(DeclareEngine(engine_id=ENGINE, namespace=namespace(block_sizes=(4,), tp=WORLD),
-                                           pools=[attention_pool(managed=False)], world_size=WORLD, tiers=[TIER]))
+        await ledger.execute(
+            DeclareEngine(
+                engine_id=ENGINE,
+                namespace=namespace(block_sizes=(4,), tp=WORLD),
+                pools=[attention_pool(managed=False)],
+                world_size=WORLD,
+                tiers=[TIER],
+            )
+        )
         commit = await ledger.run_step(ENGINE, 1, 1.0, [StoreExternal(engine_id=ENGINE, tier=TIER, keys=refs(7))])
         (stored,) = [e for e in commit.events if isinstance(e, ExternalStoreStarted)]
         for rank in range(WORLD):
             await ledger.execute(ReportRank(job_id=stored.job_id, rank=rank, ok=True, checksums=sums(stored, rank)))
-        commit = await ledger.run_step(ENGINE, 2, 2.0, [LoadExternal(engine_id=ENGINE, tier=TIER, keys=refs(7), lease_seconds=30.0)])
+        commit = await ledger.run_step(
+            ENGINE, 2, 2.0, [LoadExternal(engine_id=ENGINE, tier=TIER, keys=refs(7), lease_seconds=30.0)]
+        )
         (loaded,) = [e for e in commit.events if isinstance(e, ExternalLoadStarted)]
         for rank in range(WORLD):
             await ledger.execute(ReportRank(job_id=loaded.job_id, rank=rank, ok=True, checksums=sums(loaded, rank)))
@@ -322,7 +369,7 @@ def anyio_backend() -> str:
 def test_an_engines_own_jobs_complete_as_kvledgers_do_under_every_protection_switch(off: Protection) -> None:
     """External jobs completed through a copy of the completion rule that ignored the LEASES and
     CHECKSUMS switches (and IDEMPOTENT_STORE), so a scenario switching one off saw vLLM's jobs
-    still protected. One completion path (coordinator/completion.py) now serves both kinds: with
+    still protected. One completion path (coordinator/core/completion.py) now serves both kinds: with
     the switch on the job is refused as kvledger's own would be, with it off it goes through."""
 
     def outcome(switched: frozenset[Protection]) -> list[type[Event]]:
@@ -333,8 +380,10 @@ def test_an_engines_own_jobs_complete_as_kvledgers_do_under_every_protection_swi
                 # The same key stored again with other bytes (the decider skips a key already
                 # there, so only the completion rule itself can be asked).
                 again = msgspec.structs.replace(first, job_id=first.job_id + 100)
-                differing = {rank: RankReported(job_id=again.job_id, rank=rank, ok=True, checksums=[b"other" + bytes([rank])])
-                             for rank in range(WORLD)}
+                differing = {
+                    rank: RankReported(job_id=again.job_id, rank=rank, ok=True, checksums=[b"other" + bytes([rank])])
+                    for rank in range(WORLD)
+                }
                 return [type(e) for e in complete(core.state, again, differing)]
             job = load(core, 1, lease_seconds=5.0)
             if off is Protection.LEASES:

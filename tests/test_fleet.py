@@ -33,17 +33,17 @@ import tests.builders as b
 from coordinator.audit.api import Grant, Tokens, audit_app
 from coordinator.audit.store import indexed_seq, sync_index
 from coordinator.cli import app
-from coordinator.commands import (
+from coordinator.core.commands import (
     AllocateBlocks,
     DeclareEngine,
     DeclareTier,
     FinishOwner,
+    LoadRequest,
     MarkComputed,
     ReportRank,
     StartLoad,
     StartOwner,
     StartStore,
-    LoadRequest,
 )
 from coordinator.fleet import fleet_url, open_fleet_log, run_fleet
 from coordinator.ledger import Ledger
@@ -64,8 +64,15 @@ AUDIT_TABLES = sorted(name for name in metadata.tables if name.startswith("kvl_a
 async def declare(ledger: Ledger, engine: str, *, tier: bool) -> None:
     if tier:
         await ledger.execute(DeclareTier(spec=TierSpec(name=b.TIER, num_slots=32, bytes_per_slot=64)))
-    await ledger.execute(DeclareEngine(engine_id=engine, namespace=b.namespace(block_sizes=(b.BLOCK,)),
-                                       pools=[b.attention_pool(num_blocks=12)], world_size=2, tiers=[b.TIER]))
+    await ledger.execute(
+        DeclareEngine(
+            engine_id=engine,
+            namespace=b.namespace(block_sizes=(b.BLOCK,)),
+            pools=[b.attention_pool(num_blocks=12)],
+            world_size=2,
+            tiers=[b.TIER],
+        )
+    )
 
 
 async def serve_and_store(ledger: Ledger, engine: str, index: int) -> list[bytes]:
@@ -74,16 +81,25 @@ async def serve_and_store(ledger: Ledger, engine: str, index: int) -> list[bytes
     clock = float(step)
     commit = await ledger.run_step(engine, step, clock, [StartOwner(engine_id=engine, req_id=f"{engine}-req-{index}")])
     owner = next(e for e in commit.events if isinstance(e, OwnerStarted)).owner_id
-    commit = await ledger.run_step(engine, step + 1, clock, [AllocateBlocks(engine_id=engine, owner_id=owner, pool_id=0, count=2)])
+    commit = await ledger.run_step(
+        engine, step + 1, clock, [AllocateBlocks(engine_id=engine, owner_id=owner, pool_id=0, count=2)]
+    )
     blocks = next(e for e in commit.events if isinstance(e, BlocksAllocated)).blocks
     tokens = [index * 100 + i for i in range(2 * b.BLOCK)]
-    commit = await ledger.run_step(engine, step + 2, clock, [
-        MarkComputed(engine_id=engine, owner_id=owner, blocks=blocks, token_ids=tokens),
-        StartStore(engine_id=engine, tier=b.TIER, blocks=blocks),
-    ])
+    commit = await ledger.run_step(
+        engine,
+        step + 2,
+        clock,
+        [
+            MarkComputed(engine_id=engine, owner_id=owner, blocks=blocks, token_ids=tokens),
+            StartStore(engine_id=engine, tier=b.TIER, blocks=blocks),
+        ],
+    )
     job = next(e for e in commit.events if isinstance(e, StoreJobStarted))
-    reports = [ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items])
-               for rank in (1, 0)]
+    reports = [
+        ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items])
+        for rank in (1, 0)
+    ]
     await ledger.run_step(engine, step + 3, clock, [*reports, FinishOwner(engine_id=engine, owner_id=owner)])
     return [item.key for item in job.items]
 
@@ -94,14 +110,25 @@ async def load(ledger: Ledger, engine: str, keys: list[bytes]) -> None:
     clock = float(step)
     commit = await ledger.run_step(engine, step, clock, [StartOwner(engine_id=engine, req_id=f"{engine}-loader")])
     owner = next(e for e in commit.events if isinstance(e, OwnerStarted)).owner_id
-    commit = await ledger.run_step(engine, step + 1, clock, [AllocateBlocks(engine_id=engine, owner_id=owner, pool_id=0, count=len(keys))])
+    commit = await ledger.run_step(
+        engine, step + 1, clock, [AllocateBlocks(engine_id=engine, owner_id=owner, pool_id=0, count=len(keys))]
+    )
     blocks = next(e for e in commit.events if isinstance(e, BlocksAllocated)).blocks
-    commit = await ledger.run_step(engine, step + 2, clock, [
-        StartLoad(engine_id=engine, tier=b.TIER, items=[LoadRequest(key, dest) for key, dest in zip(keys, blocks, strict=True)])
-    ])
+    commit = await ledger.run_step(
+        engine,
+        step + 2,
+        clock,
+        [
+            StartLoad(
+                engine_id=engine, tier=b.TIER, items=[LoadRequest(key, dest) for key, dest in zip(keys, blocks, strict=True)]
+            )
+        ],
+    )
     job = next(e for e in commit.events if isinstance(e, LoadJobStarted))
-    reports = [ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items])
-               for rank in (0, 1)]
+    reports = [
+        ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items])
+        for rank in (0, 1)
+    ]
     await ledger.run_step(engine, step + 3, clock, [*reports, FinishOwner(engine_id=engine, owner_id=owner)])
 
 
@@ -210,6 +237,7 @@ def test_the_service_indexes_every_stream_exactly_once_across_stops_and_restarts
         # 1. Cancelled mid-way, as a kill would: after the batch that passed 40 events.
         seen: list[int] = []
         async with anyio.create_task_group() as tasks:
+
             def cancel_mid_way(progress: object) -> None:
                 seen.append(progress.indexed_seq)  # type: ignore[attr-defined]
                 if progress.indexed_seq >= 40:  # type: ignore[attr-defined]
@@ -276,8 +304,16 @@ async def _http_get(url: str, path: str) -> Any:
     """GET `path` from the HTTP audit API served on the Kafka log `url` (its state store holds the index)."""
     event_log = await open_fleet_log(url)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(audit_app(event_log, Tokens({"op-token": Grant(tenant="*")})), host="127.0.0.1",
-                                           port=port, log_config=None, access_log=False, lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            audit_app(event_log, Tokens({"op-token": Grant(tenant="*")})),
+            host="127.0.0.1",
+            port=port,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+        )
+    )
 
     def get() -> Any:
         request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers={"Authorization": "Bearer op-token"})
@@ -318,8 +354,12 @@ def test_the_command_tails_and_stops_cleanly_on_sigterm(kafka_broker: KafkaBroke
     head = anyio.run(as_engine, writer_url, ENGINE_A, first)
     assert isinstance(head, int)
     env = {**os.environ, "KVLEDGER_LOG_LEVEL": "info"}
-    process = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "fleet", "--log", topic_url, "--db", pg_db,
-                                "--poll", "0.05", "--batch", "7"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "fleet", "--log", topic_url, "--db", pg_db, "--poll", "0.05", "--batch", "7"],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+    )
     try:
         assert _wait_for_checkpoint(pg_db, head) == head
         later = anyio.run(as_engine, writer_url, ENGINE_A, more)  # written while the service tails the topic
@@ -344,7 +384,9 @@ def test_the_command_tails_and_stops_cleanly_on_sigterm(kafka_broker: KafkaBroke
 
 
 def test_over_http_it_answers_fleet_wide_and_an_audit_database_outage_is_unready_retried_and_loses_nothing(
-    kafka_broker: KafkaBroker, two_pg_dbs: list[str], tmp_path: Path,
+    kafka_broker: KafkaBroker,
+    two_pg_dbs: list[str],
+    tmp_path: Path,
 ) -> None:
     """`kvledger fleet --http`: the audit API, /readyz and /metrics. Its connections to PostgreSQL
     pass through a proxy that the test cuts while an engine writes: the service stays up, says
@@ -375,9 +417,29 @@ def test_over_http_it_answers_fleet_wide_and_an_audit_database_outage_is_unready
     base = f"http://127.0.0.1:{port}"
     with TcpProxy((pg.hostname or "127.0.0.1", pg.port or 5432)) as proxy:
         proxied_db = urllib.parse.urlunsplit(pg._replace(netloc=f"{pg.username}@127.0.0.1:{proxy.port}"))
-        process = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "fleet", "--log", topic_url, "--db", proxied_db,
-                                    "--poll", "0.05", "--batch", "7", "--http", f"127.0.0.1:{port}", "--audit-tokens", str(tokens)],
-                                   stderr=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "KVLEDGER_LOG_LEVEL": "info"})
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "coordinator.cli",
+                "fleet",
+                "--log",
+                topic_url,
+                "--db",
+                proxied_db,
+                "--poll",
+                "0.05",
+                "--batch",
+                "7",
+                "--http",
+                f"127.0.0.1:{port}",
+                "--audit-tokens",
+                str(tokens),
+            ],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "KVLEDGER_LOG_LEVEL": "info"},
+        )
         try:
             ready = _wait_for_http(f"{base}/readyz", lambda status, body: status == 200 and body["indexed_seq"] == head, process)
             assert ready["reason"] == "ready"
@@ -477,8 +539,9 @@ async def _topics(broker: KafkaBroker) -> list[str]:
         await admin.close()
 
 
-def test_bad_input_is_one_line_and_never_creates_a_topic(kafka_broker: KafkaBroker, story: Story, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_input_is_one_line_and_never_creates_a_topic(
+    kafka_broker: KafkaBroker, story: Story, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("KVLEDGER_DATA_DIR", str(tmp_path / "data"))
     runner = CliRunner()
     state = str(tmp_path / "index.sqlite")
@@ -490,8 +553,11 @@ def test_bad_input_is_one_line_and_never_creates_a_topic(kafka_broker: KafkaBrok
         (["fleet", "--log", story.topic_url, "--db", "kafka://h/t"], 2, "is not a PostgreSQL or SQLite database"),
         (["fleet", "--log", str(tmp_path / "log.sqlite"), "--db", state], 2, "--log must be a Kafka log"),
         (["fleet", "--log", story.topic_url], 2, "name the audit index's database with --db"),
-        (["fleet", "--log", f"{story.topic_url}&state={urllib.parse.quote(state)}", "--db", str(tmp_path / "other.sqlite")],
-         2, "name different databases"),
+        (
+            ["fleet", "--log", f"{story.topic_url}&state={urllib.parse.quote(state)}", "--db", str(tmp_path / "other.sqlite")],
+            2,
+            "name different databases",
+        ),
         (["audit", "key", "00", "--log", f"{missing}&state={urllib.parse.quote(state)}"], 1, "no topic 'kvl-no-such-topic'"),
         (["audit", "refusals", "--log", story.topic_url], 2, "names no state store for the audit index"),
         (["audit", "key", "00", "--log", f"{story.topic_url}&state=mysql://u@h/db"], 2, "is not a PostgreSQL or SQLite database"),
@@ -501,8 +567,11 @@ def test_bad_input_is_one_line_and_never_creates_a_topic(kafka_broker: KafkaBrok
     cases += [
         (["fleet", "--log", story.topic_url, "--db", state, "--http", "0.0.0.0:9470"], 2, "is not a loopback address"),
         (["fleet", "--log", story.topic_url, "--db", state, "--http", "nowhere"], 2, "is not HOST:PORT"),
-        (["fleet", "--log", story.topic_url, "--db", state, "--http", "127.0.0.1:9470", "--audit-tokens", str(bad_tokens)],
-         2, "must be at least 16 characters"),
+        (
+            ["fleet", "--log", story.topic_url, "--db", state, "--http", "127.0.0.1:9470", "--audit-tokens", str(bad_tokens)],
+            2,
+            "must be at least 16 characters",
+        ),
     ]
     require_postgres()
     behind = _new_pg_database()  # a PostgreSQL database nobody upgraded: the operator runs `kvledger db upgrade`

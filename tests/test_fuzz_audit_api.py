@@ -179,7 +179,9 @@ def test_fuzz_audit_api(case: Case[Any], audited: Audited) -> None:
             assert status in (401, 404, 405), where  # 404/405: the routing's, before any route
             assert isinstance(body, dict) and set(body) <= ERROR_FIELDS, where
             if status == 401:
-                assert body["error"] == "unauthorized" and response.headers.get("www-authenticate", [""])[0].startswith("Bearer "), where
+                assert body["error"] == "unauthorized" and response.headers.get("www-authenticate", [""])[0].startswith(
+                    "Bearer "
+                ), where
         elif caller == "tenant-a":
             # An answer may echo what the caller sent (a 404 names the key asked for, tenant-b's or
             # nobody's alike), never anything else of tenant-b's.
@@ -281,7 +283,9 @@ def test_a_null_point_is_refused_not_answered_at_the_head(audited: Audited, poin
     silently answer at the head. Now it is a 422 naming the parameter."""
     pool, block = audited.story.a_block.pool_id, audited.story.a_block.block_id
     with asgi.get_client(APP) as client:  # type: ignore[arg-type]  # Starlette takes a wider scope type
-        answer = client.get(f"{MOUNT}/block/{pool}/{block}?engine=pod-a&{point}=null", headers={"Authorization": f"Bearer {OPERATOR}"})
+        answer = client.get(
+            f"{MOUNT}/block/{pool}/{block}?engine=pod-a&{point}=null", headers={"Authorization": f"Bearer {OPERATOR}"}
+        )
     assert answer.status_code == 422 and answer.json()["parameter"] == point, answer.text
 
 
@@ -296,5 +300,7 @@ def test_the_schema_says_the_range_of_a_time_in_seconds(audited: Audited, operat
     assert (seconds["minimum"], seconds["maximum"]) == (EARLIEST, LATEST)
     query = f"?{parameter}={LATEST + 1}" + ("&engine=pod-a" if operation == "block" else "")
     with asgi.get_client(APP) as client:  # type: ignore[arg-type]  # Starlette takes a wider scope type
-        answer = client.get(path.replace("{pool}", "0").replace("{block}", "1") + query, headers={"Authorization": f"Bearer {OPERATOR}"})
+        answer = client.get(
+            path.replace("{pool}", "0").replace("{block}", "1") + query, headers={"Authorization": f"Bearer {OPERATOR}"}
+        )
     assert answer.status_code == 422 and answer.json()["parameter"] == parameter, answer.text

@@ -14,7 +14,7 @@ deadline. It checks:
   with a code and a reason; nothing follows a fatal Error; every whole frame gets its one reply
   (a Subscribe none) unless a fatal Error ends the connection first;
 * a frame answered only by Errors changed nothing: the log's head and the state digest
-  (coordinator.state.state_digest) are as before. REFUSED is the exception the protocol names: a
+  (coordinator.core.state.state_digest) are as before. REFUSED is the exception the protocol names: a
   refused declaration is recorded (I1), so only `Refused` events may have been appended;
 * fuzz-a's connections (its engine's, its workers') never change fuzz-b's engine or jobs (I9);
 * a retried step is answered as the step it committed, never as another;
@@ -23,7 +23,7 @@ deadline. It checks:
   fine after every example.
 
 Inputs: raw bytes; frames holding random bytes, random msgpack, or messages built from the real
-protocol's msgspec types (protocol.ClientMessage and coordinator.commands, walked with
+protocol's msgspec types (protocol.ClientMessage and coordinator.core.commands, walked with
 msgspec.inspect) with values at the edges (negative, 2**31, 2**63, 2**64-1, NaN, long strings),
 as they are or with one thing wrong (a field of another type, a field missing, an unknown field,
 an unknown tag); truncated frames; a length over --max-frame; huge lists; reports naming the
@@ -57,11 +57,11 @@ from structlog.testing import capture_logs
 
 from coordinator.audit.store import sync_index
 from coordinator.client import Address, EngineClient, SidecarError, WorkerClient
-from coordinator.commands import AllocateBlocks, EndStep, ReportRank, StartOwner
+from coordinator.core.commands import AllocateBlocks, EndStep, ReportRank, StartOwner
+from coordinator.core.state import state_digest
 from coordinator.sidecar import protocol as p
 from coordinator.sidecar.admission import MAX_POOL_ID
 from coordinator.sidecar.server import Sidecar
-from coordinator.state import state_digest
 from events import BlocksAllocated, EventCodec, OwnerStarted, Refused, StepBegan, TierSpec
 from events.log import EventLog, SqlEventLog, open_log, upgrade_log
 from tests import builders as b
@@ -70,7 +70,10 @@ from tests.sidecar_kit import TIER_SPEC, Engine, RawConnection, declaration, sid
 
 EXAMPLES = int(os.environ.get("KVLEDGER_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(
-    max_examples=EXAMPLES, deadline=None, derandomize=False, print_blob=True,
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=False,
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
 )
 MAX_FRAME = 1 << 20
@@ -166,7 +169,8 @@ class Target:
         self.bystander_step += 1
         step = self.bystander_step
         result: p.StepResult = self.run(
-            lambda: self.bystander.step(step, float(step), [StartOwner(engine_id=BYSTANDER, req_id=f"r{step}")]))
+            lambda: self.bystander.step(step, float(step), [StartOwner(engine_id=BYSTANDER, req_id=f"r{step}")])
+        )
         return result
 
 
@@ -204,8 +208,9 @@ def _serve(url: str, directory: Path, socket_path: Path) -> Iterator[Target]:
         try:
             # The fuzzer is one client sending thousands of refused frames: none of them is slowed
             # down (Sidecar._slow_down; tests/test_hostile_clients.py shows that it is).
-            with portal.wrap_async_context_manager(sidecar_on(event_log, socket_path, max_frame=MAX_FRAME,
-                                                              free_errors=1 << 30)) as sidecar:
+            with portal.wrap_async_context_manager(
+                sidecar_on(event_log, socket_path, max_frame=MAX_FRAME, free_errors=1 << 30)
+            ) as sidecar:
                 bystander = EngineClient(Address(socket_path=str(socket_path)), declaration(BYSTANDER), tiers=[TIER_SPEC])
                 portal.call(bystander.connect)
                 try:
@@ -225,7 +230,9 @@ async def _prepare(socket_path: Path) -> None:
         async with EngineClient(address, declaration(engine_id), tiers=[TIER_SPEC]) as client:
             job = await Engine(client).request(0)
             worker = WorkerClient(address, engine_id, 0)
-            await worker.report(ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=[b.checksum(i.key, 0) for i in job.items]))
+            await worker.report(
+                ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=[b.checksum(i.key, 0) for i in job.items])
+            )
 
 
 # --- the checks ---------------------------------------------------------------------------------------
@@ -260,8 +267,9 @@ def check_exchange(
         fatal = bool(errors) and errors[-1].fatal and answers[-1] is errors[-1]
         assert len(answers) <= payload.frames, f"{len(answers)} replies to {payload.frames} frames: {answers}"
         if not fatal:
-            assert len(answers) >= payload.frames - payload.subscribes, \
+            assert len(answers) >= payload.frames - payload.subscribes, (
                 f"{payload.frames} frames got {len(answers)} replies, with no fatal error: {answers}"
+            )
     assert not [e for e in errors if e.code == p.ErrorCode.COMMIT_FAILED], f"input made an append fail: {errors}"
     for reply in answers:  # a retry is answered as the step it committed, never as another
         if isinstance(reply, p.StepResult) and reply.duplicate:
@@ -283,7 +291,10 @@ def check_exchange(
 def fuzz(target: Target, opening: p.Hello | None, payload: Payload) -> Exchange:
     with capture_logs() as logs:
         exchange: Exchange = target.run(target.exchange, opening, payload.data)
-        event(f"{payload.label}: " + ", ".join(sorted({r.code.value if isinstance(r, p.Error) else type(r).__name__ for r in exchange.replies})))
+        event(
+            f"{payload.label}: "
+            + ", ".join(sorted({r.code.value if isinstance(r, p.Error) else type(r).__name__ for r in exchange.replies}))
+        )
         check_exchange(target, opening, payload, exchange, logs)
     return exchange
 
@@ -301,7 +312,9 @@ COMMAND_IDS = st.one_of(st.sampled_from(("dup-1", "dup-2", "dup-3")), TEXT)
 SMALL_IDS = st.one_of(*[st.integers(0, 2)] * 3, INTS)
 """Ids the prepared state holds (its jobs, owners, ranks, pools and generations are 0..2) or any."""
 BY_FIELD_NAME: dict[str, st.SearchStrategy[Any]] = {
-    "engine_id": ENGINE_IDS, "command_id": COMMAND_IDS, "tier": st.one_of(st.just(b.TIER), TEXT),
+    "engine_id": ENGINE_IDS,
+    "command_id": COMMAND_IDS,
+    "tier": st.one_of(st.just(b.TIER), TEXT),
     "protocol": st.one_of(st.just(p.PROTOCOL_VERSION), INTS),
     **dict.fromkeys(("job_id", "owner_id", "rank", "pool_id", "generation", "block_id"), SMALL_IDS),
 }
@@ -445,7 +458,12 @@ def _huge() -> list[Payload]:
         p.Lookup(tier=b.TIER, token_bytes=b"\x07" * 7),
         p.Lookup(tier=b.TIER, token_ids=[7] * 8, token_bytes=b"\x07" * 8),
         p.Step(step=2**40, clock=1.0, commands=[EndStep(engine_id=engine)] * 20_000, command_id="huge-1"),
-        p.Step(step=2**41, clock=1.0, commands=[StartOwner(engine_id=engine, req_id=str(i)) for i in range(5_000)], command_id="huge-2"),
+        p.Step(
+            step=2**41,
+            clock=1.0,
+            commands=[StartOwner(engine_id=engine, req_id=str(i)) for i in range(5_000)],
+            command_id="huge-2",
+        ),
         p.Report(report=ReportRank(job_id=1, rank=1, ok=True, checksums=[b"\x00" * 16] * 40_000)),
         p.Subscribe(from_seq=2**63 - 1),
     ]
@@ -453,8 +471,13 @@ def _huge() -> list[Payload]:
 
 
 REPORTS_AT_JOBS = st.builds(
-    lambda job_id, rank, ok, checksums: _encode(p.Report(report=ReportRank(job_id=job_id, rank=rank, ok=ok, checksums=checksums))),
-    st.sampled_from((1, 2)), st.sampled_from((0, 1, 2)), st.booleans(), st.lists(st.binary(min_size=16, max_size=16), max_size=3),
+    lambda job_id, rank, ok, checksums: _encode(
+        p.Report(report=ReportRank(job_id=job_id, rank=rank, ok=ok, checksums=checksums))
+    ),
+    st.sampled_from((1, 2)),
+    st.sampled_from((0, 1, 2)),
+    st.booleans(),
+    st.lists(st.binary(min_size=16, max_size=16), max_size=3),
 )
 """Reports naming the prepared jobs (fuzz-a's is 1, fuzz-b's 2), from any rank."""
 PAYLOADS = st.one_of(
@@ -529,8 +552,9 @@ async def test_a_refused_hello_declares_none_of_its_tiers(event_log: EventLog, t
         head = await event_log.head()
         raw = await RawConnection.open(sock)
         try:
-            reply = await raw.hello(role="engine", engine_id="pod-x", tiers=tiers,
-                                    declare=None if refused == "no declaration" else declare)
+            reply = await raw.hello(
+                role="engine", engine_id="pod-x", tiers=tiers, declare=None if refused == "no declaration" else declare
+            )
         finally:
             await raw.aclose()
         assert isinstance(reply, p.Error)
@@ -550,8 +574,12 @@ async def test_a_hello_whose_own_tiers_disagree_is_refused_whole(event_log: Even
     async with sidecar_on(event_log, sock) as sidecar:
         raw = await RawConnection.open(sock)
         try:
-            reply = await raw.hello(role="engine", engine_id="pod-x", declare=declaration("pod-x"),
-                                    tiers=[NEW_TIER, msgspec.structs.replace(NEW_TIER, num_slots=32)])
+            reply = await raw.hello(
+                role="engine",
+                engine_id="pod-x",
+                declare=declaration("pod-x"),
+                tiers=[NEW_TIER, msgspec.structs.replace(NEW_TIER, num_slots=32)],
+            )
         finally:
             await raw.aclose()
         assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.INVALID_MESSAGE and "new-tier" in reply.message, reply
@@ -575,8 +603,11 @@ async def test_a_step_number_beyond_the_logs_64_bit_column_is_invalid_and_commit
             raw = await RawConnection.open(sock)
             try:
                 await raw.hello(role="engine", engine_id="pod-a", incarnation=client.incarnation)
-                await raw.send_bytes(_framed(msgspec.msgpack.encode(
-                    {"msg": "step", "step": step, "clock": 2.0, "commands": [], "command_id": "big"})))
+                await raw.send_bytes(
+                    _framed(
+                        msgspec.msgpack.encode({"msg": "step", "step": step, "clock": 2.0, "commands": [], "command_id": "big"})
+                    )
+                )
                 reply = await raw.receive()
             finally:
                 await raw.aclose()
@@ -648,7 +679,9 @@ async def test_a_pool_id_the_audit_index_cannot_hold_is_refused_and_the_index_ke
             assert refused.value.code == p.ErrorCode.INVALID_MESSAGE
             started = await client.step(1, 1.0, [StartOwner(engine_id="pod-y", req_id="r")])
             owner = next(e for e in started.results[0] if isinstance(e, OwnerStarted)).owner_id
-            allocated = await client.step(2, 2.0, [AllocateBlocks(engine_id="pod-y", owner_id=owner, pool_id=MAX_POOL_ID, count=1)])
+            allocated = await client.step(
+                2, 2.0, [AllocateBlocks(engine_id="pod-y", owner_id=owner, pool_id=MAX_POOL_ID, count=1)]
+            )
             assert isinstance(allocated.results[0][0], BlocksAllocated)
         assert isinstance(event_log, SqlEventLog)
         assert await sync_index(event_log) == sidecar.ledger.last_seq
@@ -698,5 +731,6 @@ async def test_another_engines_connection_cannot_report_this_engines_job(event_l
         assert await _mark(sidecar, event_log) == before
         for rank in (0, 1):
             committed = await WorkerClient(address, "pod-a", rank).report(
-                ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items]))
+                ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items])
+            )
         assert [type(e).__name__ for e in committed.events][-1] == "JobSucceeded"

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.copy_plan import PlannedMove, overlapping_destinations, plan_copies
+from coordinator.core.copy_plan import PlannedMove, overlapping_destinations, plan_copies
 from events import BlockRef, CopyOp, Region
 from gpu.copies import CopyError, apply_moves, execute_plan, validate_plan
 
@@ -118,9 +118,7 @@ def test_I15_one_source_copied_to_several_destinations() -> None:
 
 def test_I15_disjoint_moves_run_as_one_batch() -> None:
     moves = [_move(1 + (i % 5), 8 * (i // 5), 1 + ((i + 2) % 5), 8 * (i // 5) + 4, 4) for i in range(35)]
-    assert overlapping_destinations(
-        [PlannedMove(Region(s, so, n), Region(d, do, n)) for s, so, d, do, n in moves]
-    ) is None
+    assert overlapping_destinations([PlannedMove(Region(s, so, n), Region(d, do, n)) for s, so, d, do, n in moves]) is None
     pool = _pool()
     original = pool.clone()
     batches, scratch = apply_moves(pool, moves)
@@ -173,8 +171,10 @@ def test_I15_one_batch_with_many_row_units() -> None:
 
 def test_I15_cycles_through_scratch_with_mixed_units() -> None:
     moves = [
-        _move(1, 0, 2, 0, 64), _move(2, 0, 1, 0, 64),  # swap of whole blocks
-        _move(3, 1, 4, 3, 5), _move(4, 3, 3, 1, 5),  # swap of odd byte ranges
+        _move(1, 0, 2, 0, 64),
+        _move(2, 0, 1, 0, 64),  # swap of whole blocks
+        _move(3, 1, 4, 3, 5),
+        _move(4, 3, 3, 1, 5),  # swap of odd byte ranges
         _move(5, 8, 5, 0, 56),  # shift
     ]
     _, scratch = _apply(moves)
@@ -254,8 +254,16 @@ def test_a_batch_is_itself_a_parallel_assignment() -> None:
     """Even a batch whose ops are not independent reads only the state before the batch."""
     pool = _pool()
     original = pool.clone()
-    execute_plan(pool, [[CopyOp(Region(_ref(1), 0, 8), Region(_ref(2), 0, 8), False),
-                         CopyOp(Region(_ref(2), 0, 8), Region(_ref(3), 0, 8), False)]], 0)
+    execute_plan(
+        pool,
+        [
+            [
+                CopyOp(Region(_ref(1), 0, 8), Region(_ref(2), 0, 8), False),
+                CopyOp(Region(_ref(2), 0, 8), Region(_ref(3), 0, 8), False),
+            ]
+        ],
+        0,
+    )
     expected = original.clone()
     expected[2, 0:8] = original[1, 0:8]
     expected[3, 0:8] = original[2, 0:8]
@@ -313,8 +321,7 @@ def test_bad_plan_raises_and_changes_nothing(bad: CopyOp, reason: str, needle: s
         ([_move(1, 0, 2, 0, -1)], "out_of_bounds"),
         ([_move(0, 0, 0, 0, 8)], "null_block"),  # an exact self-copy does not hide a bad block
         ([_move(1, 0, 2, 0, 8), _move(3, 0, 2, 4, 8)], "overlapping_destinations"),
-        ([_move(1, 0, 2, 0, 8), _move(2, 0, 1, 0, 8), _move(3, 0, 3, 2, 8), _move(4, 0, 3, 9, 4)],
-         "overlapping_destinations"),
+        ([_move(1, 0, 2, 0, 8), _move(2, 0, 1, 0, 8), _move(3, 0, 3, 2, 8), _move(4, 0, 3, 9, 4)], "overlapping_destinations"),
     ],
 )
 def test_bad_moves_raise_and_change_nothing(moves: list[Move], reason: str) -> None:

@@ -17,9 +17,18 @@ import pytest
 import torch
 
 from coordinator.client import Address, EngineClient, WorkerClient
-from coordinator.commands import AllocateBlocks, LoadRequest, MarkComputed, Move, PlanStateCopy, StartLoad, StartOwner, StartStore
-from coordinator.protections import Protection
-from coordinator.sidecar import protocol as p
+from coordinator.core.commands import (
+    AllocateBlocks,
+    LoadRequest,
+    MarkComputed,
+    Move,
+    PlanStateCopy,
+    StartLoad,
+    StartOwner,
+    StartStore,
+)
+from coordinator.core.protections import Protection
+from coordinator.core.routing import Decision
 from events import (
     BlockRef,
     BlocksAllocated,
@@ -73,10 +82,11 @@ class Rig:
 
     async def run_workers(self, decisions: int, workers: list[Worker] | None = None) -> None:
         """Let each worker execute `decisions` more decisions, then stop."""
+
         async def one(worker: Worker) -> None:
             target = len(worker.executed) + decisions
             client = WorkerClient(self.address, "pod-a", worker.rank)
-            stop: Callable[[p.Decision], bool] = lambda _: len(worker.executed) >= target  # noqa: E731
+            stop: Callable[[Decision], bool] = lambda _: len(worker.executed) >= target  # noqa: E731
             await worker.run(client, stop_after=stop)
 
         with anyio.fail_after(30):
@@ -103,10 +113,12 @@ async def stored_keys(rig: Rig, tokens: list[int]) -> tuple[StoreJobStarted, lis
     owner = await rig.owner("producer")
     blocks = await rig.allocate(owner, len(tokens) // b.BLOCK)
     rig.fill(blocks)
-    result = await rig.engine.step([
-        MarkComputed(engine_id="pod-a", owner_id=owner, blocks=blocks, token_ids=tokens),
-        StartStore(engine_id="pod-a", tier=b.TIER, blocks=blocks),
-    ])
+    result = await rig.engine.step(
+        [
+            MarkComputed(engine_id="pod-a", owner_id=owner, blocks=blocks, token_ids=tokens),
+            StartStore(engine_id="pod-a", tier=b.TIER, blocks=blocks),
+        ]
+    )
     [decision] = result.decisions
     assert isinstance(decision.event, StoreJobStarted)
     await rig.run_workers(1)
@@ -122,9 +134,9 @@ async def load_at(rig: Rig, keys: list[bytes]) -> tuple[LoadJobStarted, list[Blo
     """A load decision, its destinations and its global sequence."""
     owner = await rig.owner(f"consumer-{len(rig.engine.results)}")
     dests = await rig.allocate(owner, len(keys))
-    result = await rig.engine.step([
-        StartLoad(engine_id="pod-a", tier=b.TIER, items=[LoadRequest(key, dest) for key, dest in zip(keys, dests, strict=True)])
-    ])
+    result = await rig.engine.step(
+        [StartLoad(engine_id="pod-a", tier=b.TIER, items=[LoadRequest(key, dest) for key, dest in zip(keys, dests, strict=True)])]
+    )
     [decision] = result.decisions
     assert isinstance(decision.event, LoadJobStarted)
     return decision.event, dests, decision.seq
@@ -132,17 +144,19 @@ async def load_at(rig: Rig, keys: list[bytes]) -> tuple[LoadJobStarted, list[Blo
 
 async def job_outcome(event_log: EventLog, job_id: int) -> list[object]:
     from coordinator.recovery import decode
-
     from events import EventCodec
 
     codec = EventCodec()
     return [
-        e for e in (decode(codec, s) for s in await event_log.read(0, 100_000))
+        e
+        for e in (decode(codec, s) for s in await event_log.read(0, 100_000))
         if isinstance(e, JobSucceeded | JobFailed | KeyQuarantined) and e.job_id == job_id
     ]
 
 
-async def test_I11_I13_a_stored_block_loads_back_byte_for_byte_into_every_destination(event_log: EventLog, tmp_path: Path) -> None:
+async def test_I11_I13_a_stored_block_loads_back_byte_for_byte_into_every_destination(
+    event_log: EventLog, tmp_path: Path
+) -> None:
     async with sidecar_on(event_log, tmp_path / "s.sock"):
         rig = Rig(tmp_path / "s.sock", tmp_path)
         async with rig.client:
@@ -165,7 +179,9 @@ async def test_I11_I13_a_stored_block_loads_back_byte_for_byte_into_every_destin
                     assert torch.equal(worker.pools.block(dest), pattern(source.block_id, worker.rank))
 
 
-async def test_I13_a_flipped_byte_in_a_tier_file_fails_the_load_and_the_key_is_quarantined(event_log: EventLog, tmp_path: Path) -> None:
+async def test_I13_a_flipped_byte_in_a_tier_file_fails_the_load_and_the_key_is_quarantined(
+    event_log: EventLog, tmp_path: Path
+) -> None:
     async with sidecar_on(event_log, tmp_path / "s.sock"):
         rig = Rig(tmp_path / "s.sock", tmp_path)
         async with rig.client:
@@ -218,23 +234,44 @@ def test_decisions_naming_the_null_block_or_a_block_outside_the_pool_are_failed_
     worker = Worker("pod-a", 0, DevicePools(specs, CPU), {b.TIER: HostTier(b.TIER, CPU)})
     before = worker.pools.pool(0).clone()
     for block_id, reason in ((0, "null_block"), (32, "unknown_block"), (10_000, "unknown_block")):
-        event = StoreJobStarted(job_id=1, engine_id="pod-a", incarnation=1, tier=b.TIER, world_size=2,
-                                items=[StoreItem(BlockRef(0, 3, 1), b"k" * 16, 0, 1), StoreItem(BlockRef(0, block_id, 1), b"j" * 16, 1, 1)])
+        event = StoreJobStarted(
+            job_id=1,
+            engine_id="pod-a",
+            incarnation=1,
+            tier=b.TIER,
+            world_size=2,
+            items=[StoreItem(BlockRef(0, 3, 1), b"k" * 16, 0, 1), StoreItem(BlockRef(0, block_id, 1), b"j" * 16, 1, 1)],
+        )
         report = worker.execute(event)
         assert not report.ok and report.error.startswith(reason), report
         with pytest.raises(TierError, match="missing"):  # nothing stored: the bad item was found before any write
             worker.tiers[b.TIER].read(b"k" * 16, BLOCK_BYTES, slot=0)
-        load = LoadJobStarted(job_id=2, engine_id="pod-a", incarnation=1, tier=b.TIER, world_size=2,
-                              items=[LoadItem(b"k" * 16, 0, 1, BlockRef(0, block_id, 1))], lease_expires_at=10.0)
+        load = LoadJobStarted(
+            job_id=2,
+            engine_id="pod-a",
+            incarnation=1,
+            tier=b.TIER,
+            world_size=2,
+            items=[LoadItem(b"k" * 16, 0, 1, BlockRef(0, block_id, 1))],
+            lease_expires_at=10.0,
+        )
         report = worker.execute(load)
         assert not report.ok and report.error.startswith(reason)
-    unknown_tier = StoreJobStarted(job_id=3, engine_id="pod-a", incarnation=1, tier="nvme", world_size=2,
-                                   items=[StoreItem(BlockRef(0, 3, 1), b"k" * 16, 0, 1)])
+    unknown_tier = StoreJobStarted(
+        job_id=3,
+        engine_id="pod-a",
+        incarnation=1,
+        tier="nvme",
+        world_size=2,
+        items=[StoreItem(BlockRef(0, 3, 1), b"k" * 16, 0, 1)],
+    )
     assert worker.execute(unknown_tier).error.startswith("unknown_tier")
     assert torch.equal(worker.pools.pool(0), before)
 
 
-async def test_I15_a_state_copy_decision_runs_on_the_pool_tensors_with_parallel_assignment(event_log: EventLog, tmp_path: Path) -> None:
+async def test_I15_a_state_copy_decision_runs_on_the_pool_tensors_with_parallel_assignment(
+    event_log: EventLog, tmp_path: Path
+) -> None:
     async with sidecar_on(event_log, tmp_path / "s.sock"):
         rig = Rig(tmp_path / "s.sock", tmp_path)
         async with rig.client:
@@ -251,8 +288,9 @@ async def test_I15_a_state_copy_decision_runs_on_the_pool_tensors_with_parallel_
             for worker, original in zip(rig.workers, originals, strict=True):
                 expected = original.clone()
                 for move in moves:  # parallel assignment, from the untouched snapshot
-                    expected[move.dst.block_id, move.dst_offset : move.dst_offset + move.length] = (
-                        original[move.src.block_id, move.src_offset : move.src_offset + move.length])
+                    expected[move.dst.block_id, move.dst_offset : move.dst_offset + move.length] = original[
+                        move.src.block_id, move.src_offset : move.src_offset + move.length
+                    ]
                 assert torch.equal(worker.pools.pool(0), expected)
 
 
@@ -282,7 +320,9 @@ async def test_a_restarted_worker_resumes_after_its_acknowledged_decision_and_ex
             assert again.state.pending is None and again.state.acked == again.executed[-1]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: stores and loads on the transfer stream after the compute stream")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: stores and loads on the transfer stream after the compute stream"
+)
 def test_on_cuda_a_store_reads_what_the_compute_stream_wrote(tmp_path: Path) -> None:
     device = torch.device("cuda")
     specs = pools_spec()
@@ -291,8 +331,11 @@ def test_on_cuda_a_store_reads_what_the_compute_stream_wrote(tmp_path: Path) -> 
     big = torch.randn(4096, 4096, device=device)
     (big @ big).sum()  # keep the compute stream busy
     worker.pools.block(ref).copy_(pattern(5, 0).to(device), non_blocking=True)
-    report = worker.execute(StoreJobStarted(job_id=1, engine_id="pod-a", incarnation=1, tier=b.TIER, world_size=1,
-                                            items=[StoreItem(ref, b"k" * 16, 0, 1)]))
+    report = worker.execute(
+        StoreJobStarted(
+            job_id=1, engine_id="pod-a", incarnation=1, tier=b.TIER, world_size=1, items=[StoreItem(ref, b"k" * 16, 0, 1)]
+        )
+    )
     assert report.ok and report.checksums == [checksum(pattern(5, 0))]
 
 
@@ -307,22 +350,43 @@ def test_kvledger_worker_processes_store_for_a_served_engine(tmp_path: Path) -> 
     with serve_process(tmp_path) as server:
         workers: list[subprocess.Popen[bytes]] = []
         try:
+
             async def scenario() -> None:
                 rig = Rig(server.socket, tmp_path)
                 async with rig.client:
                     for rank in range(WORLD):
-                        workers.append(subprocess.Popen(
-                            [sys.executable, "-m", "coordinator.cli", "worker", "--engine", "pod-a", "--rank", str(rank),
-                             "--socket", str(server.socket), "--tier", f"{b.TIER}=disk:{tmp_path / 'tier'}",
-                             "--state-dir", str(tmp_path / "state")],
-                            cwd=ROOT, env=server.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                        ))
+                        workers.append(
+                            subprocess.Popen(
+                                [
+                                    sys.executable,
+                                    "-m",
+                                    "coordinator.cli",
+                                    "worker",
+                                    "--engine",
+                                    "pod-a",
+                                    "--rank",
+                                    str(rank),
+                                    "--socket",
+                                    str(server.socket),
+                                    "--tier",
+                                    f"{b.TIER}=disk:{tmp_path / 'tier'}",
+                                    "--state-dir",
+                                    str(tmp_path / "state"),
+                                ],
+                                cwd=ROOT,
+                                env=server.env,
+                                stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE,
+                            )
+                        )
                     owner = await rig.owner("producer")
                     blocks = await rig.allocate(owner, 2)
-                    result = await rig.engine.step([
-                        MarkComputed(engine_id="pod-a", owner_id=owner, blocks=blocks, token_ids=list(range(2 * b.BLOCK))),
-                        StartStore(engine_id="pod-a", tier=b.TIER, blocks=blocks),
-                    ])
+                    result = await rig.engine.step(
+                        [
+                            MarkComputed(engine_id="pod-a", owner_id=owner, blocks=blocks, token_ids=list(range(2 * b.BLOCK))),
+                            StartStore(engine_id="pod-a", tier=b.TIER, blocks=blocks),
+                        ]
+                    )
                     [decision] = result.decisions
                     with anyio.fail_after(60):
                         while True:  # the published keys appear once both ranks reported
@@ -354,8 +418,16 @@ def test_pools_are_typed_from_the_declaration_and_transfers_move_their_bytes() -
     assert pools.pool(0).shape == (32, BLOCK_BYTES) and pools.pool(0).dtype == torch.uint8
     typed[3] = torch.linspace(-1, 1, BLOCK_BYTES // 2, dtype=torch.bfloat16)  # the engine's kernel writes KV
     worker = Worker("pod-a", 0, pools, {b.TIER: HostTier(b.TIER, CPU)})
-    report = worker.execute(StoreJobStarted(job_id=1, engine_id="pod-a", incarnation=1, tier=b.TIER, world_size=1,
-                                            items=[StoreItem(BlockRef(0, 3, 1), b"k" * 16, 0, 1)]))
+    report = worker.execute(
+        StoreJobStarted(
+            job_id=1,
+            engine_id="pod-a",
+            incarnation=1,
+            tier=b.TIER,
+            world_size=1,
+            items=[StoreItem(BlockRef(0, 3, 1), b"k" * 16, 0, 1)],
+        )
+    )
     assert report.ok and report.checksums == [checksum(typed[3].view(torch.uint8))]
     with pytest.raises(ValueError, match="float64"):
         DevicePools(spec, CPU, "float64")
@@ -370,14 +442,37 @@ def _store_then_reuse_the_slot(worker: Worker) -> LoadJobStarted:
     tier = worker.tiers[b.TIER]
     worker.pools.block(BlockRef(0, 3, 1)).copy_(pattern(3, 0))
     worker.pools.block(BlockRef(0, 4, 1)).copy_(pattern(4, 0))
-    stored = worker.execute(StoreJobStarted(job_id=1, engine_id="pod-a", incarnation=1, tier=b.TIER, world_size=1,
-                                            items=[StoreItem(BlockRef(0, 3, 1), b"a" * 16, 0, 1)]))
+    stored = worker.execute(
+        StoreJobStarted(
+            job_id=1,
+            engine_id="pod-a",
+            incarnation=1,
+            tier=b.TIER,
+            world_size=1,
+            items=[StoreItem(BlockRef(0, 3, 1), b"a" * 16, 0, 1)],
+        )
+    )
     assert stored.ok and torch.equal(tier.read(b"a" * 16, BLOCK_BYTES, slot=0), pattern(3, 0))
-    reused = worker.execute(StoreJobStarted(job_id=2, engine_id="pod-a", incarnation=1, tier=b.TIER, world_size=1,
-                                            items=[StoreItem(BlockRef(0, 4, 1), b"b" * 16, 0, 2)]))
+    reused = worker.execute(
+        StoreJobStarted(
+            job_id=2,
+            engine_id="pod-a",
+            incarnation=1,
+            tier=b.TIER,
+            world_size=1,
+            items=[StoreItem(BlockRef(0, 4, 1), b"b" * 16, 0, 2)],
+        )
+    )
     assert reused.ok
-    return LoadJobStarted(job_id=3, engine_id="pod-a", incarnation=1, tier=b.TIER, world_size=1,
-                          items=[LoadItem(b"a" * 16, 0, 1, BlockRef(0, 5, 1), stored.checksums)], lease_expires_at=10.0)
+    return LoadJobStarted(
+        job_id=3,
+        engine_id="pod-a",
+        incarnation=1,
+        tier=b.TIER,
+        world_size=1,
+        items=[LoadItem(b"a" * 16, 0, 1, BlockRef(0, 5, 1), stored.checksums)],
+        lease_expires_at=10.0,
+    )
 
 
 def test_I13_a_slot_tier_read_of_a_reused_slot_returns_the_new_keys_bytes_and_the_checksum_catches_it() -> None:
@@ -395,8 +490,13 @@ def test_I13_a_slot_tier_read_of_a_reused_slot_returns_the_new_keys_bytes_and_th
 
 def test_I13_off_the_worker_copies_whatever_the_slot_holds_and_reports_success() -> None:
     """Checksums off (MOONCAKE_STORE_CHECKSUM unset, seed 002): the same stale read lands."""
-    worker = Worker("pod-a", 0, DevicePools(pools_spec(), CPU), {b.TIER: SlotTier(b.TIER, CPU, 4, BLOCK_BYTES)},
-                    protections_off=frozenset({Protection.CHECKSUMS}))
+    worker = Worker(
+        "pod-a",
+        0,
+        DevicePools(pools_spec(), CPU),
+        {b.TIER: SlotTier(b.TIER, CPU, 4, BLOCK_BYTES)},
+        protections_off=frozenset({Protection.CHECKSUMS}),
+    )
     report = worker.execute(_store_then_reuse_the_slot(worker))
     assert report.ok and report.checksums == [checksum(pattern(4, 0))]
     assert torch.equal(worker.pools.block(BlockRef(0, 5, 1)), pattern(4, 0))

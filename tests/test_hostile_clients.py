@@ -17,9 +17,9 @@ import msgspec
 import pytest
 
 from coordinator.client import Address, EngineClient, SidecarError, WorkerClient
-from coordinator.commands import BeginStep, EndStep, ExternalKey, FinishOwner, ReportRank, StartOwner, StartStore
+from coordinator.core.commands import BeginStep, EndStep, ExternalKey, FinishOwner, ReportRank, StartOwner, StartStore
 from coordinator.sidecar import protocol as p
-from events import BlocksAllocated, OwnerStarted, PrefixLookedUp, RankReported, StepBegan, StoreJobStarted
+from events import OwnerStarted, PrefixLookedUp, RankReported, StepBegan
 from events.log import EventLog
 from tests import builders as b
 from tests.sidecar_kit import TIER_SPEC, Engine, RawConnection, declaration, sidecar_on
@@ -54,8 +54,9 @@ async def test_a_step_id_reused_by_an_execute_or_a_report_is_another_command(eve
         executed = await client.execute(StartOwner(engine_id="pod-a", req_id="r2"), command_id="shared-id")
         assert not executed.duplicate and executed.first_seq > step.last_seq  # decided (refused: no step is open)
         worker = WorkerClient(Address(socket_path=str(sock)), "pod-a", 0)
-        reported = await worker.report(ReportRank(job_id=job.job_id, rank=0, ok=True,
-                                                  checksums=[b"\x01" * 16] * len(job.items)), command_id="shared-id")
+        reported = await worker.report(
+            ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=[b"\x01" * 16] * len(job.items)), command_id="shared-id"
+        )
         assert not reported.duplicate
         assert [(e.job_id, e.rank) for e in reported.events if isinstance(e, RankReported)] == [(job.job_id, 0)]
         await worker.aclose()
@@ -83,11 +84,14 @@ async def test_a_report_id_reused_for_another_job_or_rank_is_refused(event_log: 
         engine = Engine(client)
         jobs = [await engine.request(index) for index in range(2)]
         worker = WorkerClient(Address(socket_path=str(sock)), "pod-a", 0)
-        await worker.report(ReportRank(job_id=jobs[0].job_id, rank=0, ok=True, checksums=[b"\x01" * 16] * len(jobs[0].items)),
-                            command_id="rep")
+        await worker.report(
+            ReportRank(job_id=jobs[0].job_id, rank=0, ok=True, checksums=[b"\x01" * 16] * len(jobs[0].items)), command_id="rep"
+        )
         with pytest.raises(SidecarError) as reused:
-            await worker.report(ReportRank(job_id=jobs[1].job_id, rank=0, ok=True,
-                                           checksums=[b"\x01" * 16] * len(jobs[1].items)), command_id="rep")
+            await worker.report(
+                ReportRank(job_id=jobs[1].job_id, rank=0, ok=True, checksums=[b"\x01" * 16] * len(jobs[1].items)),
+                command_id="rep",
+            )
         assert reused.value.code is p.ErrorCode.COMMAND_ID_REUSED
         assert f"job {jobs[0].job_id} rank 0" in str(reused.value)
         await worker.aclose()
@@ -105,8 +109,9 @@ async def test_a_step_or_an_execute_carrying_step_control_commands_is_refused_wh
         head = await event_log.head()
         raw = await RawConnection.open(sock)
         assert isinstance(await raw.hello(role="engine", engine_id="pod-a", incarnation=client.incarnation), p.Welcome)
-        await raw.send(p.Step(step=2, clock=2.0, commands=[StartOwner(engine_id="pod-a", req_id="r"), control],
-                              command_id="two-steps"))
+        await raw.send(
+            p.Step(step=2, clock=2.0, commands=[StartOwner(engine_id="pod-a", req_id="r"), control], command_id="two-steps")
+        )
         refused = await raw.receive()
         assert isinstance(refused, p.Error) and refused.code is p.ErrorCode.INVALID_MESSAGE
         assert type(control).__name__ in refused.message
@@ -126,7 +131,7 @@ def _written_log(directory: Path) -> Path:
     """A small real log, closed (no -wal, -shm or lock file beside it)."""
     import anyio
 
-    from coordinator.commands import DeclareTier
+    from coordinator.core.commands import DeclareTier
     from coordinator.ledger import Ledger
     from events import TierSpec
     from events.log import open_log
@@ -206,7 +211,7 @@ async def test_a_declaring_hello_for_a_connected_engine_is_refused_unless_it_say
     `takeover` it is a deliberate act, recorded on EngineDeclared, and the old connection's next
     message (its ResetCache here, which would have fenced the new incarnation's jobs) is refused
     `stale_incarnation` and the connection closed."""
-    from coordinator.commands import ResetCache
+    from coordinator.core.commands import ResetCache
     from events import EngineDeclared
 
     sock = tmp_path / "s.sock"
@@ -236,8 +241,11 @@ async def test_a_declaring_hello_for_a_connected_engine_is_refused_unless_it_say
     await sync_index(event_log)
     e = t.audit_engines.c
     async with event_log.engine.connect() as conn:
-        rows = (await conn.execute(sa.select(e.incarnation, e.detail).where(e.engine == "pod-a", e.kind == "declared")
-                                   .order_by(e.seq))).all()
+        rows = (
+            await conn.execute(
+                sa.select(e.incarnation, e.detail).where(e.engine == "pod-a", e.kind == "declared").order_by(e.seq)
+            )
+        ).all()
     assert [tuple(row) for row in rows] == [(1, ""), (2, "takeover")]
 
 
@@ -255,7 +263,7 @@ async def test_an_engines_reset_fences_its_old_workers_which_say_hello_again_and
     """A worker connection bound to the old incarnation is refused at its next message; the
     worker client says Hello again (the new incarnation) and sends its report again, which the
     decider takes as what it now is (a fenced job's rank, I16), never silently lost."""
-    from coordinator.commands import ResetCache
+    from coordinator.core.commands import ResetCache
     from events import FencedRankDone
 
     sock = tmp_path / "s.sock"
@@ -279,7 +287,7 @@ async def test_a_lookup_of_too_many_token_ids_is_refused_at_once_and_others_are_
 ) -> None:
     """A Lookup had no cap on its token ids: one 16 MiB frame held every engine for 17-20 s. The
     bound is in the message's type, so the frame is refused before its token ids are decoded."""
-    from coordinator._checks import MAX_EXTRA_KEYS, MAX_LOOKUP_TOKENS
+    from coordinator.core.checks import MAX_EXTRA_KEYS, MAX_LOOKUP_TOKENS
 
     sock = tmp_path / "s.sock"
     async with sidecar_on(event_log, sock), _client(sock, "pod-a") as client, _client(sock, "pod-b") as bystander:
@@ -305,8 +313,11 @@ async def test_a_client_flooding_refused_requests_slows_only_itself(event_log: E
 
     sock = tmp_path / "s.sock"
     flood, free = 12, 2
-    async with sidecar_on(event_log, sock, free_errors=free), _client(sock, "pod-a") as flooder, \
-            _client(sock, "pod-b") as bystander:
+    async with (
+        sidecar_on(event_log, sock, free_errors=free),
+        _client(sock, "pod-a") as flooder,
+        _client(sock, "pod-b") as bystander,
+    ):
         flood_ended: list[float] = []
         steps_ended: list[float] = []
 
@@ -341,7 +352,9 @@ async def test_a_lookup_packs_its_token_ids_and_hits_as_the_listed_one(event_log
         engine = Engine(client)
         job = await engine.request(0)
         for rank in (0, 1):
-            await client.report(ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items]))
+            await client.report(
+                ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items])
+            )
         tokens = [hash(("pod-a", 0, i)) % 50_000 for i in range(2 * b.BLOCK)]  # what request(0) computed
         listed = await client._request(p.Lookup(tier=TIER_SPEC.name, token_ids=tokens), p.LookupResult)
         packed_bytes = b"".join(token.to_bytes(p.TOKEN_BYTES, "little") for token in tokens)
@@ -351,8 +364,10 @@ async def test_a_lookup_packs_its_token_ids_and_hits_as_the_listed_one(event_log
         long = tokens + list(range(p.MAX_LISTED_TOKENS))  # the client packs it: the same prefix hits
         hit = (await client.lookup(TIER_SPEC.name, long)).answer
         assert isinstance(hit, PrefixLookedUp) and hit.boundary == 2 * b.BLOCK
-        for wrong, why in ((p.Lookup(tier=TIER_SPEC.name, token_ids=tokens, token_bytes=packed_bytes), "not both"),
-                           (p.Lookup(tier=TIER_SPEC.name, token_bytes=packed_bytes[:-1]), "not a multiple of 4")):
+        for wrong, why in (
+            (p.Lookup(tier=TIER_SPEC.name, token_ids=tokens, token_bytes=packed_bytes), "not both"),
+            (p.Lookup(tier=TIER_SPEC.name, token_bytes=packed_bytes[:-1]), "not a multiple of 4"),
+        ):
             with pytest.raises(SidecarError, match=why):
                 await client._request(wrong, p.LookupResult)
         await engine.step([])  # still served
@@ -362,7 +377,7 @@ async def test_a_frame_over_the_default_request_bound_is_refused_unread(event_lo
     """A 14 MiB Step of token ids decoded for ~150 ms with the GIL held, and every engine's steps
     waited. By default the sidecar takes frames of at most 1.25 MiB (`serve --max-frame`): a larger
     one is refused from its header, its connection closed; the packed longest Lookup fits."""
-    from coordinator._checks import MAX_LOOKUP_TOKENS
+    from coordinator.core.checks import MAX_LOOKUP_TOKENS
 
     sock = tmp_path / "s.sock"
     async with sidecar_on(event_log, sock), _client(sock, "pod-a") as client, _client(sock, "pod-b") as bystander:
@@ -395,7 +410,7 @@ def test_a_frame_over_a_list_bound_is_refused_before_its_items_are_decoded() -> 
     refuses before it decodes an item, so an over-bound frame costs nothing to refuse."""
     import tracemalloc
 
-    body = p.frame(p.Lookup(tier="t", token_ids=[1 << 30] * 4_000_000))[p.HEADER_BYTES:]
+    body = p.frame(p.Lookup(tier="t", token_ids=[1 << 30] * 4_000_000))[p.HEADER_BYTES :]
     tracemalloc.start()
     try:
         with pytest.raises(p.FrameError, match="at most 65,536 token ids"):
@@ -404,11 +419,13 @@ def test_a_frame_over_a_list_bound_is_refused_before_its_items_are_decoded() -> 
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, f"refusing took {peak:,} bytes (decoding the 4M token ids takes ~140 MB)"
-    for message in (p.Step(step=1, clock=1.0, commands=[FinishOwner(engine_id="e", owner_id=1)] * (p.MAX_COMMANDS + 1), command_id="s"),
-                    p.Reports(reports=[p.Report(report=ReportRank(job_id=1, rank=0, ok=True))] * (p.MAX_COMMANDS + 1)),
-                    p.LookupKeys(tier="t", keys=[ExternalKey(pool_id=0, engine_key=b"k")] * ((1 << 16) + 1))):
+    for message in (
+        p.Step(step=1, clock=1.0, commands=[FinishOwner(engine_id="e", owner_id=1)] * (p.MAX_COMMANDS + 1), command_id="s"),
+        p.Reports(reports=[p.Report(report=ReportRank(job_id=1, rank=0, ok=True))] * (p.MAX_COMMANDS + 1)),
+        p.LookupKeys(tier="t", keys=[ExternalKey(pool_id=0, engine_key=b"k")] * ((1 << 16) + 1)),
+    ):
         with pytest.raises(p.FrameError, match="holds at most"):
-            p.decode_client(p.frame(message)[p.HEADER_BYTES:])
+            p.decode_client(p.frame(message)[p.HEADER_BYTES :])
 
 
 # --- /metrics ----------------------------------------------------------------------------------
@@ -449,7 +466,7 @@ async def test_tiers_beyond_the_sidecars_budget_are_refused_naming_the_budget(ev
     80-byte message added ~1.3 GB of RSS, and every restart rebuilt it from the log)."""
     import msgspec
 
-    from coordinator.commands import DeclareTier
+    from coordinator.core.commands import DeclareTier
     from events import TierSpec
 
     sock = tmp_path / "s.sock"
@@ -480,7 +497,7 @@ async def test_a_poisoned_step_is_refused_and_a_new_incarnation_starts_its_steps
     """A Step numbered 2**63-1 (or at clock 1e18) was accepted, and every later step of the engine
     was refused, even after it was declared again. Now a step leaps at most MAX_STEP_JUMP (a clock
     MAX_CLOCK_JUMP), and a new incarnation starts its steps and clock afresh."""
-    from coordinator._checks import MAX_STEP_JUMP
+    from coordinator.core.checks import MAX_STEP_JUMP
     from events import Refused
 
     sock = tmp_path / "s.sock"
@@ -510,8 +527,12 @@ def _credentials_file(tmp_path: Path, text: str) -> str:
     return str(path)
 
 
-ENGINE_TOKEN, WORKER_TOKEN, TENANT_TOKEN, OPERATOR_TOKEN = ("engine-a-" + "e" * 16, "worker-a-" + "w" * 16,
-                                                             "tenant-b-" + "t" * 16, "operator-" + "o" * 16)
+ENGINE_TOKEN, WORKER_TOKEN, TENANT_TOKEN, OPERATOR_TOKEN = (
+    "engine-a-" + "e" * 16,
+    "worker-a-" + "w" * 16,
+    "tenant-b-" + "t" * 16,
+    "operator-" + "o" * 16,
+)
 CREDENTIALS = f'''
 [[credentials]]
 name = "pod-a engine"
@@ -554,8 +575,11 @@ async def test_a_credential_takes_only_its_roles_for_its_engines_or_its_tenants(
 
         async def refused(client: EngineClient | WorkerClient, *words: str) -> None:
             with pytest.raises(SidecarError) as caught:
-                await (client.connect() if isinstance(client, EngineClient) else client.report(
-                    ReportRank(job_id=1, rank=0, ok=True, checksums=[])))
+                await (
+                    client.connect()
+                    if isinstance(client, EngineClient)
+                    else client.report(ReportRank(job_id=1, rank=0, ok=True, checksums=[]))
+                )
             assert caught.value.code is p.ErrorCode.UNAUTHORIZED, caught.value
             for word in words:
                 assert word in str(caught.value), (word, caught.value)
@@ -583,11 +607,16 @@ async def test_a_credential_takes_only_its_roles_for_its_engines_or_its_tenants(
             await engine.step(50, 50.0, [])  # the engine was never taken over
             assert sidecar.ledger.state.engines["pod-a"].incarnation == 1
     with pytest.raises(ConfigError, match="exactly one of token and uid"):
-        check_config(ServeConfig(socket_path=str(sock), credentials=_credentials_file(
-            tmp_path, '[[credentials]]\nroles = ["observer"]\n')))
+        check_config(
+            ServeConfig(socket_path=str(sock), credentials=_credentials_file(tmp_path, '[[credentials]]\nroles = ["observer"]\n'))
+        )
     with pytest.raises(ConfigError, match="engines"):
-        check_config(ServeConfig(socket_path=str(sock), credentials=_credentials_file(
-            tmp_path, f'[[credentials]]\ntoken = "{ENGINE_TOKEN}"\nroles = ["worker"]\n')))
+        check_config(
+            ServeConfig(
+                socket_path=str(sock),
+                credentials=_credentials_file(tmp_path, f'[[credentials]]\ntoken = "{ENGINE_TOKEN}"\nroles = ["worker"]\n'),
+            )
+        )
     with pytest.raises(ConfigError, match="both given"):
         check_config(ServeConfig(socket_path=str(sock), token="t", credentials=_credentials_file(tmp_path, CREDENTIALS)))
 
@@ -595,7 +624,7 @@ async def test_a_credential_takes_only_its_roles_for_its_engines_or_its_tenants(
 _UNIX_PEER = r"""
 import os, sys
 from coordinator.client import Address, SidecarError, SyncWorkerClient
-from coordinator.commands import ReportRank
+from coordinator.core.commands import ReportRank
 os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[2]))
 worker = SyncWorkerClient(Address(socket_path=sys.argv[1]), sys.argv[3], 0, retry_for=2)
 try:
@@ -621,14 +650,21 @@ async def test_the_unix_socket_checks_the_peers_uid_against_its_credentials(even
     with tempfile.TemporaryDirectory() as folder:
         os.chmod(folder, 0o755)
         sock = Path(folder) / "s.sock"
-        text = f'[[credentials]]\nuid = {allowed}\nroles = ["worker"]\nengines = ["pod-a"]\n' \
-               f'[[credentials]]\nuid = 0\nroles = ["engine"]\nengines = ["*"]\n'
+        text = (
+            f'[[credentials]]\nuid = {allowed}\nroles = ["worker"]\nengines = ["pod-a"]\n'
+            f'[[credentials]]\nuid = 0\nroles = ["engine"]\nengines = ["*"]\n'
+        )
         async with sidecar_on(event_log, sock, credentials=_credentials_file(Path(folder), text)), _client(sock, "pod-a"):
             assert sock.stat().st_mode & 0o777 == 0o666  # other uids may connect: the peer uid is the check
 
             def peer(uid: int, engine: str) -> str:
-                done = subprocess.run([sys.executable, "-c", _UNIX_PEER, str(sock), str(uid), engine], capture_output=True,
-                                      text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
+                done = subprocess.run(
+                    [sys.executable, "-c", _UNIX_PEER, str(sock), str(uid), engine],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                    cwd=Path(__file__).resolve().parent.parent,
+                )
                 return (done.stdout.strip() or done.stderr.strip()).splitlines()[-1]  # its answer, after its log lines
 
             assert await anyio.to_thread.run_sync(peer, allowed, "pod-a") == "ok"
@@ -723,8 +759,7 @@ async def test_a_command_id_is_a_duplicate_only_for_the_same_content_even_across
                 await client.execute(StartStore(engine_id="pod-a", tier="another-tier", blocks=[]), command_id="e")
             assert other_execute.value.code is p.ErrorCode.COMMAND_ID_REUSED
             assert (await client.step(1, 1.0, first_commands, command_id="s")).duplicate  # the same: its answer
-            assert (await client.execute(StartStore(engine_id="pod-a", tier=TIER_SPEC.name, blocks=[]),
-                                         command_id="e")).duplicate
+            assert (await client.execute(StartStore(engine_id="pod-a", tier=TIER_SPEC.name, blocks=[]), command_id="e")).duplicate
             assert await event_log.head() == head
 
 
@@ -736,9 +771,9 @@ async def test_two_reports_with_one_command_id_in_one_batch_are_refused_unless_t
         job = await Engine(client).request(0)
         ok = ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=[b"\x01" * 16] * len(job.items))
         failed = ReportRank(job_id=job.job_id, rank=0, ok=False, checksums=[])
-        from coordinator.client import SyncWorkerClient
-
         import anyio
+
+        from coordinator.client import SyncWorkerClient
 
         worker = SyncWorkerClient(Address(socket_path=str(sock)), "pod-a", 0, retry_for=5)
         try:
@@ -758,8 +793,15 @@ def test_a_group_takes_a_small_step_before_other_engines_large_ones_and_keeps_ea
     from coordinator.sidecar.committer import MAX_GROUP_WORK, _Waiter, take_fairly
 
     def step(engine: str, commands: int, command_id: str) -> _Waiter:
-        return _Waiter(Step(engine_id=engine, step=1, clock=1.0, command_id=command_id,
-                            commands=[StartOwner(engine_id=engine, req_id=str(i)) for i in range(commands)]))
+        return _Waiter(
+            Step(
+                engine_id=engine,
+                step=1,
+                clock=1.0,
+                command_id=command_id,
+                commands=[StartOwner(engine_id=engine, req_id=str(i)) for i in range(commands)],
+            )
+        )
 
     big = [step(f"mallory-{i}", MAX_GROUP_WORK, f"big-{i}") for i in range(4)]
     small = step("legit", 32, "small")
@@ -779,11 +821,11 @@ def test_a_group_takes_a_small_step_before_other_engines_large_ones_and_keeps_ea
 def test_a_long_lookup_that_misses_hashes_only_up_to_its_first_unloadable_block(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Lookup of 262,144 token ids hashed all 16,384 (here 65,536) blocks and summed them, on the
     event loop, even when its first block missed: ~100 ms for every other engine to wait."""
-    from coordinator import _jobs
-    from coordinator._checks import MAX_LOOKUP_TOKENS
-    from coordinator.commands import DeclareTier, LookupPrefix
     from coordinator.core import CoordinatorCore
-    from coordinator.decider import lookup
+    from coordinator.core import jobs as _jobs
+    from coordinator.core.checks import MAX_LOOKUP_TOKENS
+    from coordinator.core.commands import DeclareTier, LookupPrefix
+    from coordinator.core.decider import lookup
     from events import PrefixLookedUp
 
     core = CoordinatorCore()

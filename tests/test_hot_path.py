@@ -27,13 +27,12 @@ import anyio
 import pytest
 
 from coordinator.client import Address, EngineClient, SidecarError, SyncWorkerClient, WorkerClient
-from coordinator.commands import ExternalKey, ReportRank, StoreExternal
+from coordinator.core.commands import ExternalKey, ReportRank, StoreExternal
 from coordinator.ledger import DecidedGroup, Transaction
 from coordinator.recovery import decode
 from coordinator.sidecar import committer as committer_module
 from coordinator.sidecar import protocol as p
 from coordinator.sidecar.admission import scoped
-from coordinator.sidecar.server import Sidecar
 from events import Event, EventCodec, ExternalKeysLookedUp, ExternalStoreStarted, KeyPublished, RankReported, StepBegan
 from events.log import AppendBatch, AppendResult, EventLog, LogUnavailable
 from tests import builders as b
@@ -45,8 +44,9 @@ POOL = b.attention_pool(managed=False)
 
 
 def _client(sock: Path, engine_id: str) -> EngineClient:
-    return EngineClient(Address(socket_path=str(sock)), declaration(engine_id, pools=[POOL], world_size=1),
-                        tiers=[TIER_SPEC], retry_for=5)
+    return EngineClient(
+        Address(socket_path=str(sock)), declaration(engine_id, pools=[POOL], world_size=1), tiers=[TIER_SPEC], retry_for=5
+    )
 
 
 def _key(n: int) -> ExternalKey:
@@ -131,6 +131,7 @@ async def test_a_lookup_during_a_log_outage_is_answered_and_recorded_when_the_lo
 
             await _wait_for(tried)  # the records were offered to the log, and offered again
             assert sidecar.metrics.registry.get_sample_value("kvledger_lookup_records_pending") == 3
+
         async def all_recorded() -> bool:
             return len([e for _, e in await _logged(event_log) if isinstance(e, ExternalKeysLookedUp)]) == 3
 
@@ -219,7 +220,9 @@ async def test_a_group_decided_while_the_previous_append_fails_is_never_shown(
         logged = await _logged(event_log)
         b_steps = [seq for seq, e in logged if isinstance(e, StepBegan) and e.engine_id == "vllm-b" and e.step == 2]
         assert b_steps == [reply.first_seq]
-        assert sum(1 for group in decided for tx in group if getattr(tx, "command_id", None) == scoped("vllm-b", "step", "b-2")) == 2
+        assert (
+            sum(1 for group in decided for tx in group if getattr(tx, "command_id", None) == scoped("vllm-b", "step", "b-2")) == 2
+        )
         # The worker's report was refused once (COMMIT_FAILED), sent again with its command id, and counts once.
         assert [e for e in reported[0] if isinstance(e, KeyPublished)]
         assert len([e for _, e in logged if isinstance(e, RankReported) and e.job_id == job.job_id]) == 1
@@ -326,11 +329,20 @@ async def test_a_worker_reports_every_job_on_one_connection(event_log: EventLog,
 def _session(sock: Path) -> Any:
     from coordinator.vllm.offload_client import EngineFacts, LedgerSession, OffloadSettings
 
-    settings = OffloadSettings(socket=str(sock), namespace={
-        "weights_revision": "sha256:1", "tokenizer_digest": "sha256:2", "tenant": "t", "block_sizes": [16],
-        "hash_algorithm": "vllm:sha256"}, tier_slots=64)
-    facts = EngineFacts(vllm_engine_id="e1", model="m", dtype="bfloat16", groups=[(0, 16)], bytes_per_block=64,
-                        hash_algorithm="sha256")
+    settings = OffloadSettings(
+        socket=str(sock),
+        namespace={
+            "weights_revision": "sha256:1",
+            "tokenizer_digest": "sha256:2",
+            "tenant": "t",
+            "block_sizes": [16],
+            "hash_algorithm": "vllm:sha256",
+        },
+        tier_slots=64,
+    )
+    facts = EngineFacts(
+        vllm_engine_id="e1", model="m", dtype="bfloat16", groups=[(0, 16)], bytes_per_block=64, hash_algorithm="sha256"
+    )
     return LedgerSession(settings, facts, retry_for=5)
 
 
@@ -365,8 +377,11 @@ async def test_the_vllm_session_asks_a_chain_once_per_pass_and_commits_a_pass_as
         assert len(lookups[0].engine_keys) == 6  # one question for the chain
         worker = WorkerClient(Address(socket_path=str(sock)), session.engine_id, 0)
         for pending in (stored, other):
-            await worker.report(ReportRank(job_id=pending.job.job_id, rank=0, ok=True,
-                                           checksums=[b.checksum(item.key, 0) for item in pending.job.items]))
+            await worker.report(
+                ReportRank(
+                    job_id=pending.job.job_id, rank=0, ok=True, checksums=[b.checksum(item.key, 0) for item in pending.job.items]
+                )
+            )
         await worker.aclose()
 
         def second_pass() -> tuple[list[bool], Any]:

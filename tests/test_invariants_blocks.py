@@ -6,7 +6,8 @@ the folded state. Tier-side invariants (I5-I13) live in test_invariants_tiers.py
 
 from __future__ import annotations
 
-from coordinator.commands import (
+from coordinator.core import CoordinatorCore
+from coordinator.core.commands import (
     AllocateBlocks,
     AllocateEncoderEntry,
     DeclareEngine,
@@ -26,16 +27,15 @@ from coordinator.commands import (
     StartOwner,
     StartStore,
 )
-from coordinator.copy_plan import parallel_assignment_on_bytes, run_plan_on_bytes
-from coordinator.core import CoordinatorCore
-from coordinator.projector import project
-from coordinator.state import SlotStatus, decode_state, encode_state
+from coordinator.core.copy_plan import parallel_assignment_on_bytes, run_plan_on_bytes
+from coordinator.core.projector import project
+from coordinator.core.state import SlotStatus, decode_state, encode_state
 from events import (
-    FencedRankDone,
     BlockRef,
     BlocksAllocated,
     BlocksReused,
     EngineReset,
+    FencedRankDone,
     JobFenced,
     JobSucceeded,
     KeyEvicted,
@@ -48,7 +48,6 @@ from events import (
     Refused,
     StateCopyPlanned,
     StepEnded,
-    StoreJobStarted,
 )
 from tests.builders import (
     ENGINE,
@@ -729,12 +728,12 @@ def test_I18_snapshot_plus_tail_equals_a_full_replay() -> None:
 
 
 def test_compacting_a_free_list_keeps_its_order_and_the_snapshot_bytes() -> None:
-    """coordinator.state.removed rebuilds a dict-as-ordered-set after many removals from its
+    """coordinator.core.state.removed rebuilds a dict-as-ordered-set after many removals from its
     front (CPython's holes made each allocation walk them). The rebuild must change nothing a
     replay or a snapshot can see: the same slots in the same order, the same encoded bytes."""
     import msgspec
 
-    from coordinator.state import PoolState, removed
+    from coordinator.core.state import PoolState, removed
 
     pool = PoolState.new(attention_pool(num_blocks=5000))
     expected = list(pool.free)

@@ -11,11 +11,11 @@ import subprocess
 import sys
 from typing import TypeVar
 
-from coordinator.commands import DeclareEngine, LoadRequest, LookupPrefix, ReportRank, StartLoad, StartStore
 from coordinator.core import CoordinatorCore
-from coordinator.protections import Protection
-from coordinator.keys import chain_keys, content_key, namespace_id
-from coordinator.state import SlotStatus
+from coordinator.core.commands import DeclareEngine, LoadRequest, LookupPrefix, ReportRank, StartLoad, StartStore
+from coordinator.core.keys import chain_keys, content_key, namespace_id
+from coordinator.core.protections import Protection
+from coordinator.core.state import SlotStatus
 from events import (
     BlockRef,
     Event,
@@ -245,13 +245,17 @@ def test_I8_another_namespace_gives_other_keys() -> None:
 def test_I8_content_keys_agree_across_processes() -> None:
     """The chain seed is fixed: another interpreter (another hash seed) computes the same bytes."""
     script = (
-        "from coordinator.keys import content_key, namespace_id; from tests.builders import namespace; "
+        "from coordinator.core.keys import content_key, namespace_id; from tests.builders import namespace; "
         "ns = namespace_id(namespace()); "
         "print(ns.hex(), content_key(ns, bytes(range(16)), [1, 2, 3, 4], ['lora:a']).hex())"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env,
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
     ns = namespace_id(namespace())

@@ -26,9 +26,9 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # type: ignore[import-u
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic  # type: ignore[import-untyped]
 from structlog.testing import capture_logs
 
+from coordinator.core.state import encode_state
 from coordinator.ledger import Ledger
 from coordinator.recovery import replay
-from coordinator.state import encode_state
 from events import EventCodec
 from events.log import (
     AppendBatch,
@@ -44,11 +44,10 @@ from events.log import (
     StoredEvent,
     WriterFenced,
     WrongExpectedVersion,
+    _kafka,
     open_log,
 )
-from events.log import _kafka
 from events.log._contract import pack_step
-from events.log._kafka_target import parse_kafka_url
 from events.log._kafka_fold import (
     FORMAT_HEADER,
     KIND_HEADER,
@@ -59,6 +58,7 @@ from events.log._kafka_fold import (
     encode_append,
     encode_claim,
 )
+from events.log._kafka_target import parse_kafka_url
 from tests.conftest import KAFKA_FETCH_WAIT_MS
 from tests.kafka_kit import KafkaBroker
 from tests.test_ledger import _declare, _serve_request
@@ -72,8 +72,14 @@ Record = tuple[bytes, list[tuple[str, bytes]]]
 
 
 def pending(event_id: str) -> PendingEvent:
-    return PendingEvent(event_id=event_id, step=1, recorded_at=1.5, event_type="kafka_test_event", schema_version=1,
-                        payload=f"payload of {event_id}".encode() + b"\x00\xff")
+    return PendingEvent(
+        event_id=event_id,
+        step=1,
+        recorded_at=1.5,
+        event_type="kafka_test_event",
+        schema_version=1,
+        payload=f"payload of {event_id}".encode() + b"\x00\xff",
+    )
 
 
 def part(stream: str, epoch: int, expected: int, ids: Sequence[str], command_id: str | None = None) -> StepPart:
@@ -109,15 +115,17 @@ def test_a_claim_takes_a_stream_only_above_its_epoch() -> None:
 
 
 def test_a_fenced_writers_record_is_dropped_by_the_fold_and_takes_no_sequence() -> None:
-    fold = fold_all([
-        claim_record("old", s=1),
-        append_record("old", part("s", 1, 0, ["a", "b"])),
-        claim_record("new", s=2),
-        append_record("old", part("s", 1, 2, ["zombie"])),  # right version, fenced epoch
-        append_record("new", part("s", 1, 2, ["wrong-epoch"])),  # the new writer must use its own epoch
-        append_record("new", part("s", 2, 2, ["c"])),
-        append_record("stranger", part("u", 0, 0, ["unclaimed"])),  # never claimed "u"
-    ])
+    fold = fold_all(
+        [
+            claim_record("old", s=1),
+            append_record("old", part("s", 1, 0, ["a", "b"])),
+            claim_record("new", s=2),
+            append_record("old", part("s", 1, 2, ["zombie"])),  # right version, fenced epoch
+            append_record("new", part("s", 1, 2, ["wrong-epoch"])),  # the new writer must use its own epoch
+            append_record("new", part("s", 2, 2, ["c"])),
+            append_record("stranger", part("u", 0, 0, ["unclaimed"])),  # never claimed "u"
+        ]
+    )
     assert event_ids(fold) == ["a", "b", "c"]
     assert [event.global_seq for step in fold.steps for event in step.events()] == [1, 2, 3]
     assert fold.versions == {"s": 3} and fold.head == 3
@@ -166,7 +174,9 @@ def test_foreign_and_garbled_records_are_skipped_and_another_format_fails_closed
     assert fold.fold(1, [], b"written by another tool") is not None
     assert fold.fold(2, [(FORMAT_HEADER, b"1"), (KIND_HEADER, b"append")], b"\xc1 not msgpack") is not None
     good = part("s", 1, 0, ["a"])
-    short = StepPart(good.stream_id, good.epoch, good.expected_version, None, 1, 1.5, good.schemas, good.header, good.payload[:-1])
+    short = StepPart(
+        good.stream_id, good.epoch, good.expected_version, None, 1, 1.5, good.schemas, good.header, good.payload[:-1]
+    )
     value, headers = encode_append(AppendRecord("garbled", "w", [short]))
     assert "disagree" in (fold.fold(3, headers, value) or "")
     value, headers = append_record("w", good)
@@ -189,7 +199,11 @@ def test_the_kafka_log_reads_and_writes_every_event_through_the_topic() -> None:
 def test_kafka_urls() -> None:
     target = parse_kafka_url("kafka://b1:9093,b2/events.prod?replication_factor=3&state=/var/kvl/state.sqlite")
     assert (target.bootstrap, target.topic, target.state_url, target.replication_factor) == (
-        ["b1:9093", "b2:9092"], "events.prod", "/var/kvl/state.sqlite", 3)
+        ["b1:9093", "b2:9092"],
+        "events.prod",
+        "/var/kvl/state.sqlite",
+        3,
+    )
     for bad in ("kafka://host:9092/", "kafka://host:9092/t?partitions=4", "kafka://u:pw@host/t", "kafka://h/t?state=kafka://h/u"):
         with pytest.raises(ValueError) as refused:
             parse_kafka_url(bad)
@@ -286,13 +300,16 @@ async def test_a_second_writer_fences_the_first(kafka_log: KafkaEventLog, kafka_
 
 async def test_a_zombie_writers_late_record_is_dropped_by_every_reader(kafka_url: str) -> None:
     """A record the old writer sent before it was fenced lands after the new writer's claim."""
-    await produce(kafka_url, [
-        claim_record("old", s=1),
-        append_record("old", part("s", 1, 0, ["a"])),
-        claim_record("new", s=2),
-        append_record("old", part("s", 1, 1, ["zombie"])),
-        append_record("new", part("s", 2, 1, ["b"])),
-    ])
+    await produce(
+        kafka_url,
+        [
+            claim_record("old", s=1),
+            append_record("old", part("s", 1, 0, ["a"])),
+            claim_record("new", s=2),
+            append_record("old", part("s", 1, 1, ["zombie"])),
+            append_record("new", part("s", 2, 1, ["b"])),
+        ],
+    )
     event_log = await open_log(kafka_url)
     try:
         stored = await event_log.read()
@@ -313,7 +330,8 @@ async def test_a_record_stored_twice_is_applied_once(kafka_log: KafkaEventLog, k
     assert [e.event_id for e in await everything(kafka_log)] == ["a", "b"]
     assert await kafka_log.stream_versions() == {"s": 2}
     assert (await kafka_log.find_commands(["cmd-1"]))["cmd-1"] == AppendResult(
-        stream_id="s", first_seq=1, last_seq=2, stream_version=2, duplicate=True)
+        stream_id="s", first_seq=1, last_seq=2, stream_version=2, duplicate=True
+    )
     # A retry of the command through the log is answered from the topic, and appends nothing.
     [retried] = await kafka_log.append([step("s", 0, ["a", "b"], command_id="cmd-1")])
     assert retried.duplicate and (retried.first_seq, retried.last_seq) == (1, 2)
@@ -358,10 +376,14 @@ async def test_records_written_at_once_by_several_producers_reach_every_tailing_
             tg.start_soon(append_and_ask_heads)
             async with anyio.create_task_group() as writers:
                 for n in range(producers):
-                    writers.start_soon(produce, kafka_url, [
-                        claim_record(f"w{n}", **{f"s{n}": 1}),
-                        *(append_record(f"w{n}", part(f"s{n}", 1, index, [f"s{n}-{index}"])) for index in range(steps)),
-                    ])
+                    writers.start_soon(
+                        produce,
+                        kafka_url,
+                        [
+                            claim_record(f"w{n}", **{f"s{n}": 1}),
+                            *(append_record(f"w{n}", part(f"s{n}", 1, index, [f"s{n}-{index}"])) for index in range(steps)),
+                        ],
+                    )
             written.set()
         for reader in readers:
             assert await reader.stream_versions() == {"own": own, **{f"s{n}": steps for n in range(producers)}}

@@ -26,7 +26,7 @@ import anyio
 import pytest
 
 from coordinator.client import Address, EngineClient, SidecarError, SidecarUnavailable
-from coordinator.commands import StartOwner
+from coordinator.core.commands import StartOwner
 from events import EventCodec, OwnerStarted, StepBegan
 from events.log import open_log
 from events.log._kafka_target import parse_kafka_url
@@ -74,16 +74,18 @@ class Served:
 
 
 def client_for(served: Served) -> EngineClient:
-    return EngineClient(Address(socket_path=str(served.server.socket)), declaration("pod-a"), tiers=[TIER_SPEC],
-                        retry_for=0.3, reply_timeout=30)
+    return EngineClient(
+        Address(socket_path=str(served.server.socket)), declaration("pod-a"), tiers=[TIER_SPEC], retry_for=0.3, reply_timeout=30
+    )
 
 
 async def step(client: EngineClient, number: int) -> tuple[int, int] | str:
     """Step `number` (its command id is its own, so a retry is answered from the log): its
     positions, or the error it was refused with."""
     try:
-        result = await client.step(number, float(number), [StartOwner(engine_id="pod-a", req_id=f"r{number}")],
-                                   command_id=f"step-{number}")
+        result = await client.step(
+            number, float(number), [StartOwner(engine_id="pod-a", req_id=f"r{number}")], command_id=f"step-{number}"
+        )
     except (SidecarError, SidecarUnavailable) as error:
         return str(error)
     return result.first_seq, result.last_seq
@@ -162,8 +164,14 @@ def test_a_broker_killed_and_restarted_empty_fails_the_sidecar_closed_naming_the
         anyio.run(run)
         served.server.kill()  # SIGKILL: nothing is saved at shutdown
         # A restarted sidecar on the same topic and state store refuses the topic that lost its history.
-        restarted = subprocess.run([*served.server.args[:-4], "--log", served.url, "--http", "off"], cwd=ROOT,
-                                   env=served.server.env, capture_output=True, text=True, timeout=60)
+        restarted = subprocess.run(
+            [*served.server.args[:-4], "--log", served.url, "--http", "off"],
+            cwd=ROOT,
+            env=served.server.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert restarted.returncode == 1, restarted.stderr[-2000:]
         last = restarted.stderr.strip().splitlines()[-1]
         assert "kvledger serve: " in last and "lost its history" in last, last
@@ -218,12 +226,17 @@ def test_a_briefly_unreachable_broker_makes_the_sidecar_unready_then_it_recovers
             finally:
                 await reader.close()
             codec = EventCodec()
-            began = [(s.global_seq, codec.decode(s.event_type, s.schema_version, s.payload)) for s in stored
-                     if s.stream_id == "engine/pod-a" and s.event_type == "step_began"]
+            began = [
+                (s.global_seq, codec.decode(s.event_type, s.schema_version, s.payload))
+                for s in stored
+                if s.stream_id == "engine/pod-a" and s.event_type == "step_began"
+            ]
             steps = [event.step for _, event in began if isinstance(event, StepBegan)]
             assert steps == list(range(1, 11)), f"steps in the log: {steps}"
             first_seqs = dict(zip(steps, (seq for seq, _ in began), strict=True))
-            assert {number: first for number, (first, _) in committed.items()} == first_seqs, "an answer is not where the log has it"
+            assert {number: first for number, (first, _) in committed.items()} == first_seqs, (
+                "an answer is not where the log has it"
+            )
             owners = [codec.decode(s.event_type, s.schema_version, s.payload) for s in stored if s.event_type == "owner_started"]
             assert sorted(e.req_id for e in owners if isinstance(e, OwnerStarted)) == sorted(f"r{n}" for n in range(1, 11))
 
@@ -241,9 +254,7 @@ def test_the_request_timeout_is_a_url_parameter() -> None:
         parse_kafka_url("kafka://b1:9092/kvl-events?request_timeout_ms=5")
 
 
-def test_an_idle_sidecar_reports_a_paused_broker_unready_and_recovers_without_a_step(
-    tmp_path: Path, broker: KafkaBroker
-) -> None:
+def test_an_idle_sidecar_reports_a_paused_broker_unready_and_recovers_without_a_step(tmp_path: Path, broker: KafkaBroker) -> None:
     """No engine steps while the broker is paused: the sidecar's own look at the log (every
     2 s) is what turns /readyz to 503, naming the log, and back to 200 once the broker answers."""
     served = Served(tmp_path, broker)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from coordinator.keys import (
+from coordinator.core.keys import (
     KEY_BYTES,
     canonical_namespace,
     chain_keys,

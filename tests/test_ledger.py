@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 from structlog.testing import capture_logs
 
-from coordinator.commands import (
+from coordinator.core.commands import (
     AllocateBlocks,
     DeclareEngine,
     DeclareTier,
@@ -19,9 +19,9 @@ from coordinator.commands import (
     StartOwner,
     StartStore,
 )
+from coordinator.core.state import encode_state
 from coordinator.ledger import Ledger, Step, StepCommit
 from coordinator.recovery import make_snapshot, recover, replay
-from coordinator.state import encode_state
 from events import BlocksAllocated, EventCodec, OwnerStarted, Reason, Refused, StoreJobStarted, TierSpec
 from events.log import AppendBatch, EventLog, PendingEvent, Snapshot, WrongExpectedVersion
 from tests import builders as b
@@ -44,13 +44,20 @@ async def _serve_request(ledger: Ledger, index: int, clock: float) -> None:
     step = engine.step + 1
     commit = await ledger.run_step(ENGINE, step, clock, [StartOwner(engine_id=ENGINE, req_id=f"req-{index}")])
     owner = next(e for e in commit.events if isinstance(e, OwnerStarted)).owner_id
-    commit = await ledger.run_step(ENGINE, step + 1, clock + 0.1, [AllocateBlocks(engine_id=ENGINE, owner_id=owner, pool_id=0, count=2)])
+    commit = await ledger.run_step(
+        ENGINE, step + 1, clock + 0.1, [AllocateBlocks(engine_id=ENGINE, owner_id=owner, pool_id=0, count=2)]
+    )
     blocks = next(e for e in commit.events if isinstance(e, BlocksAllocated)).blocks
     tokens = [index * 100 + i for i in range(2 * b.BLOCK)]
-    commit = await ledger.run_step(ENGINE, step + 2, clock + 0.2, [
-        MarkComputed(engine_id=ENGINE, owner_id=owner, blocks=blocks, token_ids=tokens),
-        StartStore(engine_id=ENGINE, tier=b.TIER, blocks=blocks),
-    ])
+    commit = await ledger.run_step(
+        ENGINE,
+        step + 2,
+        clock + 0.2,
+        [
+            MarkComputed(engine_id=ENGINE, owner_id=owner, blocks=blocks, token_ids=tokens),
+            StartStore(engine_id=ENGINE, tier=b.TIER, blocks=blocks),
+        ],
+    )
     job = next(e for e in commit.events if isinstance(e, StoreJobStarted))
     reports = [
         ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items])
@@ -109,9 +116,17 @@ async def test_a_failed_append_leaves_the_state_equal_to_the_log(event_log: Even
     await ledger.run_step(ENGINE, 1, 1.0, [StartOwner(engine_id=ENGINE, req_id="r")])
     # Another writer takes the next version of this engine's stream.
     stream = f"engine/{ENGINE}"
-    intruder = PendingEvent(event_id="intruder", step=9, recorded_at=0.0, event_type="refused", schema_version=1,
-                            payload=EventCodec().encode(Refused(engine_id=ENGINE, command="x", reason=Reason.INVALID_ARGUMENT, detail="x"))[2])
-    await event_log.append([AppendBatch(stream_id=stream, expected_version=await event_log.stream_version(stream), events=[intruder])])
+    intruder = PendingEvent(
+        event_id="intruder",
+        step=9,
+        recorded_at=0.0,
+        event_type="refused",
+        schema_version=1,
+        payload=EventCodec().encode(Refused(engine_id=ENGINE, command="x", reason=Reason.INVALID_ARGUMENT, detail="x"))[2],
+    )
+    await event_log.append(
+        [AppendBatch(stream_id=stream, expected_version=await event_log.stream_version(stream), events=[intruder])]
+    )
     with pytest.raises(WrongExpectedVersion):
         await ledger.run_step(ENGINE, 2, 2.0, [StartOwner(engine_id=ENGINE, req_id="lost")])
     full, _ = await replay(event_log, EventCodec())
@@ -164,7 +179,9 @@ async def test_sqlite_work_never_runs_on_the_event_loop(tmp_path: pytest.TempPat
     await event_log.close()
 
 
-async def test_a_snapshot_being_written_does_not_hold_up_the_next_step(event_log: EventLog, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_snapshot_being_written_does_not_hold_up_the_next_step(
+    event_log: EventLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The state is encoded under the ledger's lock, but written to the log after it: a slow
     snapshot write (held open here) does not stop the next step from committing."""
     ledger = await Ledger.open(event_log, snapshot_every=1)
@@ -213,19 +230,37 @@ async def test_a_retried_step_gives_back_its_end_of_step_notices_with_its_end(ev
     retried step found it there: "1 events left after the last command")."""
     ledger = await Ledger.open(event_log)
     await ledger.execute(DeclareTier(spec=TierSpec(name=b.TIER, num_slots=8, bytes_per_slot=64)))
-    await ledger.execute(DeclareEngine(engine_id=ENGINE, namespace=b.namespace(block_sizes=(b.BLOCK,)),
-                                       pools=[b.attention_pool(num_blocks=2)], world_size=2, tiers=[b.TIER]))
-    commit = await ledger.run_step(ENGINE, 1, 1.0, [StartOwner(engine_id=ENGINE, req_id="a"), StartOwner(engine_id=ENGINE, req_id="b")])
+    await ledger.execute(
+        DeclareEngine(
+            engine_id=ENGINE,
+            namespace=b.namespace(block_sizes=(b.BLOCK,)),
+            pools=[b.attention_pool(num_blocks=2)],
+            world_size=2,
+            tiers=[b.TIER],
+        )
+    )
+    commit = await ledger.run_step(
+        ENGINE, 1, 1.0, [StartOwner(engine_id=ENGINE, req_id="a"), StartOwner(engine_id=ENGINE, req_id="b")]
+    )
     first, second = [e.owner_id for e in commit.events if isinstance(e, OwnerStarted)]
     commit = await ledger.run_step(ENGINE, 2, 2.0, [AllocateBlocks(engine_id=ENGINE, owner_id=first, pool_id=0, count=1)])
     [old] = next(e for e in commit.events if isinstance(e, BlocksAllocated)).blocks
-    step = Step(engine_id=ENGINE, step=3, clock=3.0, command_id="step-3", commands=[
-        FreeBlocks(engine_id=ENGINE, owner_id=first, blocks=[old]),
-        AllocateBlocks(engine_id=ENGINE, owner_id=second, pool_id=0, count=1)])
+    step = Step(
+        engine_id=ENGINE,
+        step=3,
+        clock=3.0,
+        command_id="step-3",
+        commands=[
+            FreeBlocks(engine_id=ENGINE, owner_id=first, blocks=[old]),
+            AllocateBlocks(engine_id=ENGINE, owner_id=second, pool_id=0, count=1),
+        ],
+    )
     [original] = await ledger.commit_group([step])
     [retried] = await ledger.commit_group([step])
     assert isinstance(original, StepCommit) and isinstance(retried, StepCommit) and retried.commit.duplicate
     assert [(type(e).__name__, getattr(e, "notice", "")) for e in original.ended] == [
-        ("NoticeDropped", "block_freed"), ("StepEnded", "")]
+        ("NoticeDropped", "block_freed"),
+        ("StepEnded", ""),
+    ]
     assert retried.began == original.began and retried.ended == original.ended
     assert retried.results == [[e for group in original.results for e in group]]

@@ -62,12 +62,13 @@ from events.log import (
     Snapshot,
     StoredEvent,
     WrongExpectedVersion,
+    _kafka,
+    _sql,
     normalize,
     open_log,
     schema_revision,
     upgrade_log,
 )
-from events.log import _kafka, _sql
 from events.log._kafka_target import parse_kafka_url
 from tests._log_writer import EVENT_TYPE, append_steps, event_id_for, payload_for
 from tests.conftest import CONTRACT_BACKENDS, log_url_for
@@ -84,6 +85,7 @@ def log_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 def sql_url(log_url: str) -> str:
     """The SQL database behind a log: itself, or a Kafka log's state store."""
     return parse_kafka_url(log_url).state_url if log_url.startswith("kafka://") else log_url
+
 
 ROOT = Path(__file__).resolve().parent.parent
 FALLBACK_S = 30.0
@@ -165,7 +167,9 @@ def assert_rejected(error: Exception) -> None:
     )
 
 
-def assert_stored_as_appended(stored: Sequence[StoredEvent], stream: str, first_version: int, appended: Sequence[PendingEvent]) -> None:
+def assert_stored_as_appended(
+    stored: Sequence[StoredEvent], stream: str, first_version: int, appended: Sequence[PendingEvent]
+) -> None:
     assert len(stored) == len(appended)
     for offset, (got, sent) in enumerate(zip(stored, appended)):
         assert (got.stream_id, got.stream_version) == (stream, first_version + offset)
@@ -454,8 +458,7 @@ async def test_event_ids_are_unique_across_streams(event_log: EventLog) -> None:
 # --- concurrency ------------------------------------------------------------------------------------
 
 
-async def test_tail_wakes_promptly_on_an_append_in_this_process(event_log: EventLog,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_tail_wakes_promptly_on_an_append_in_this_process(event_log: EventLog, monkeypatch: pytest.MonkeyPatch) -> None:
     """An append in this process wakes its tail itself. The fallbacks (the SQL poll, the Kafka
     idle check) are put off to 30 s here, so a tail that waited for one of them fails the bound
     by a wide margin, and a slow, loaded machine does not."""
@@ -544,8 +547,10 @@ async def test_writers_in_tasks_and_processes_while_a_reader_tails(event_log: Ev
     async def progress() -> str:
         """How far the reader and each writer got, for a failure message."""
         last_commits = {
-            stream: ([line for line in b"".join(chunks).decode(errors="replace").splitlines()
-                      if line.startswith("committed ")] or ["nothing committed"])[-1]
+            stream: (
+                [line for line in b"".join(chunks).decode(errors="replace").splitlines() if line.startswith("committed ")]
+                or ["nothing committed"]
+            )[-1]
             for stream, chunks in printed.items()
         }
         head = "no answer within 10 s"
@@ -554,8 +559,10 @@ async def test_writers_in_tasks_and_processes_while_a_reader_tails(event_log: Ev
                 head = str(await event_log.head())
             except LogError as error:
                 head = f"{type(error).__name__}: {error}"
-        return (f"the reader saw {len(seen)} of {total} events; the log's head: {head}; writer processes ready: "
-                f"{sorted(ready)}, their last commits: {last_commits}; writer tasks finished: {sorted(finished)}")
+        return (
+            f"the reader saw {len(seen)} of {total} events; the log's head: {head}; writer processes ready: "
+            f"{sorted(ready)}, their last commits: {last_commits}; writer tasks finished: {sorted(finished)}"
+        )
 
     reader_done = anyio.Event()
     stalled: str | None = None
@@ -611,10 +618,14 @@ async def dead_writer_settled(log_url: str) -> None:
         with anyio.fail_after(30):
             while True:
                 async with engine.connect() as conn:
-                    busy = (await conn.execute(sa.text(
-                        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                        "AND backend_type = 'client backend' AND pid <> pg_backend_pid() AND state IS DISTINCT FROM 'idle'"
-                    ))).scalar()
+                    busy = (
+                        await conn.execute(
+                            sa.text(
+                                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                                "AND backend_type = 'client backend' AND pid <> pg_backend_pid() AND state IS DISTINCT FROM 'idle'"
+                            )
+                        )
+                    ).scalar()
                 if not busy:
                     return
                 await anyio.sleep(0.05)
@@ -791,7 +802,13 @@ async def test_snapshots_are_listed_newest_first(event_log: EventLog) -> None:
     assert await event_log.snapshots() == []
 
     def snapshot(seq: int, tag: bytes) -> Snapshot:
-        return Snapshot(global_seq=seq, schema_version=3, digest=f"digest-{seq}-{tag.decode()}", state=b"\x00state\xff" + tag, created_at=1000.0 + seq)
+        return Snapshot(
+            global_seq=seq,
+            schema_version=3,
+            digest=f"digest-{seq}-{tag.decode()}",
+            state=b"\x00state\xff" + tag,
+            created_at=1000.0 + seq,
+        )
 
     saved = [snapshot(5, b"a"), snapshot(10, b"b"), snapshot(7, b"c"), snapshot(10, b"d"), snapshot(1, b"e")]
     for item in saved:
@@ -812,11 +829,17 @@ async def test_a_corrupt_payload_names_its_global_sequence_and_forensic_replay_s
 
     def encoded(event: TierDeclared, event_id: str) -> PendingEvent:
         event_type, schema_version, payload = codec.encode(event)
-        return PendingEvent(event_id=event_id, step=1, recorded_at=1.0, event_type=event_type, schema_version=schema_version, payload=payload)
+        return PendingEvent(
+            event_id=event_id, step=1, recorded_at=1.0, event_type=event_type, schema_version=schema_version, payload=payload
+        )
 
     names = [f"tier-{n}" for n in range(12)]
-    good_before = [encoded(TierDeclared(spec=TierSpec(name=name, num_slots=4, bytes_per_slot=64)), f"good-{name}") for name in names[:11]]
-    corrupt = PendingEvent(event_id="corrupt", step=1, recorded_at=1.0, event_type="job_succeeded", schema_version=1, payload=b"\xc1\xc1")
+    good_before = [
+        encoded(TierDeclared(spec=TierSpec(name=name, num_slots=4, bytes_per_slot=64)), f"good-{name}") for name in names[:11]
+    ]
+    corrupt = PendingEvent(
+        event_id="corrupt", step=1, recorded_at=1.0, event_type="job_succeeded", schema_version=1, payload=b"\xc1\xc1"
+    )
     good_after = encoded(TierDeclared(spec=TierSpec(name="host", num_slots=4, bytes_per_slot=64)), "good-host")
     await event_log.append([batch("declarations", 0, good_before)])
     [bad] = await event_log.append([batch("engine", 0, [corrupt])])

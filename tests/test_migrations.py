@@ -10,16 +10,26 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import migrations
+from coordinator.core.projector import project
+from coordinator.core.state import state_digest
 from coordinator.recovery import replay
-from coordinator.state import state_digest
-from coordinator.projector import project
 from events import EventCodec
 from events.log import AppendBatch, PendingEvent, normalize, open_log, upgrade_log
 from tests.test_codec import _sample_events
 
 pytestmark = pytest.mark.anyio
 
-_COLUMNS = ("global_seq", "event_id", "stream_id", "stream_version", "step", "recorded_at", "event_type", "schema_version", "payload")
+_COLUMNS = (
+    "global_seq",
+    "event_id",
+    "stream_id",
+    "stream_version",
+    "step",
+    "recorded_at",
+    "event_type",
+    "schema_version",
+    "payload",
+)
 Row = tuple[int, str, str, int, int, float, str, int, bytes]
 
 
@@ -53,7 +63,9 @@ async def test_0002_moves_row_per_event_logs_into_steps_and_back_byte_for_byte(l
         migrations.upgrade(conn, "0001")
         conn.execute(events_0001.insert(), [dict(zip(_COLUMNS, row, strict=True)) for row in rows])
         streams = sa.table("kvl_streams", sa.column("stream_id"), sa.column("version"))
-        conn.execute(streams.insert(), [{"stream_id": s, "version": sum(r[2] == s for r in rows)} for s in ("engine/e", "tier/host")])
+        conn.execute(
+            streams.insert(), [{"stream_id": s, "version": sum(r[2] == s for r in rows)} for s in ("engine/e", "tier/host")]
+        )
 
     await _on_connection(log_url, write_0001)
     assert await upgrade_log(log_url) == migrations.head()
@@ -66,7 +78,9 @@ async def test_0002_moves_row_per_event_logs_into_steps_and_back_byte_for_byte(l
         assert state_digest(state) == state_digest(project(_sample_events()))
         # The upgraded log goes on: the next append continues the global sequence and the stream.
         engine_version = sum(r[2] == "engine/e" for r in rows)
-        new = PendingEvent(event_id="after-upgrade", step=99, recorded_at=2000.0, event_type=rows[0][6], schema_version=1, payload=rows[0][8])
+        new = PendingEvent(
+            event_id="after-upgrade", step=99, recorded_at=2000.0, event_type=rows[0][6], schema_version=1, payload=rows[0][8]
+        )
         [result] = await event_log.append([AppendBatch(stream_id="engine/e", expected_version=engine_version, events=[new])])
         assert (result.first_seq, result.stream_version) == (len(rows) + 1, engine_version + 1)
     finally:

@@ -22,7 +22,8 @@ from typer.testing import CliRunner
 from coordinator.audit.queries import Audit, OutOfScope
 from coordinator.audit.store import sync_index
 from coordinator.client import Address, EngineClient, OperatorClient, SidecarError
-from coordinator.commands import (
+from coordinator.core import CoordinatorCore
+from coordinator.core.commands import (
     AllocateBlocks,
     DecideNamespace,
     DeclareEngine,
@@ -38,8 +39,7 @@ from coordinator.commands import (
     StartOwner,
     StartStore,
 )
-from coordinator.core import CoordinatorCore
-from coordinator.keys import namespace_id
+from coordinator.core.keys import namespace_id
 from coordinator.ledger import NAMESPACE_STREAM, Ledger
 from coordinator.namespace_cli import namespace_app, parse_duration
 from coordinator.sidecar import protocol as p
@@ -101,13 +101,19 @@ def lookup(core: CoordinatorCore, engine_id: str, tokens: list[int] = TOKENS) ->
     return event
 
 
-def decide(outcome: str, source: bytes | str = A_ID, target: bytes | str = B_ID, evidence: str = "",
-           reason: str = "release 2027-01: new weights") -> DecideNamespace:
+def decide(
+    outcome: str,
+    source: bytes | str = A_ID,
+    target: bytes | str = B_ID,
+    evidence: str = "",
+    reason: str = "release 2027-01: new weights",
+) -> DecideNamespace:
     def text(value: bytes | str) -> str:
         return value.hex() if isinstance(value, bytes) else value
 
-    return DecideNamespace(from_namespace=text(source), to_namespace=text(target), outcome=outcome, reason=reason,
-                           evidence=evidence)
+    return DecideNamespace(
+        from_namespace=text(source), to_namespace=text(target), outcome=outcome, reason=reason, evidence=evidence
+    )
 
 
 def of_type(events: Sequence[Event], kind: type[Event]) -> list[Event]:
@@ -123,8 +129,9 @@ def test_new_records_the_decision_and_changes_nothing() -> None:
     b.publish(core, TOKENS, engine_id="engine-a")
     before = b.state_bytes(core)
     events = b.ok(core.execute(decide("new")))
-    assert events == [NamespaceDecided(from_namespace=A_ID, to_namespace=B_ID, outcome="new",
-                                       rationale="release 2027-01: new weights")]
+    assert events == [
+        NamespaceDecided(from_namespace=A_ID, to_namespace=B_ID, outcome="new", rationale="release 2027-01: new weights")
+    ]
     assert b.state_bytes(core) == before
     assert lookup(core, "engine-a").boundary == 8 and lookup(core, "engine-b").boundary == 0
     assert b.replay_matches(core)
@@ -161,13 +168,15 @@ def test_clear_quarantines_every_key_of_a_and_no_one_loads_them() -> None:
     decided, *quarantines = events
     assert isinstance(decided, NamespaceDecided) and decided.outcome == "clear" and decided.affected_keys == 2
     assert [(q.key, q.reason) for q in quarantines if isinstance(q, KeyQuarantined)] == [
-        (key, Reason.NAMESPACE_CLEARED) for key in a_keys]
+        (key, Reason.NAMESPACE_CLEARED) for key in a_keys
+    ]
     tier = core.state.tiers[b.TIER]
     assert all(tier.entry(0, key).quarantined for key in a_keys)  # type: ignore[union-attr]
     assert not any(tier.entry(0, key).quarantined for key in b_keys)  # type: ignore[union-attr]
     assert lookup(core, "engine-a").boundary == 0 and lookup(core, "engine-b").boundary == 8
-    b.rejected(core, StartLoad(engine_id="engine-a", tier=b.TIER, items=[LoadRequest(a_keys[1], dest2)]),
-               Refused, Reason.KEY_QUARANTINED)
+    b.rejected(
+        core, StartLoad(engine_id="engine-a", tier=b.TIER, items=[LoadRequest(a_keys[1], dest2)]), Refused, Reason.KEY_QUARANTINED
+    )
     reports = b.report_all(core, in_flight.job_id, [a_keys[0]])
     assert isinstance(reports[-1], JobFailed) and reports[-1].reason == Reason.KEY_QUARANTINED
     assert core.state.engines["engine-a"].pools[0].keys[dest.block_id] is None
@@ -190,8 +199,12 @@ def test_release_evicts_every_key_of_the_namespace_only() -> None:
     assert all(tier.entry(0, key) is None for key in a_keys) and all(tier.entry(0, key) for key in b_keys)
     assert len(tier.free) == free_before + 2
     dest = b.allocate(core, b.owner(core, "reader", engine_id="engine-a"), 1, engine_id="engine-a")[0]
-    b.rejected(core, StartLoad(engine_id="engine-a", tier=b.TIER, items=[LoadRequest(a_keys[0], dest)]),
-               Refused, Reason.KEY_NOT_PUBLISHED)
+    b.rejected(
+        core,
+        StartLoad(engine_id="engine-a", tier=b.TIER, items=[LoadRequest(a_keys[0], dest)]),
+        Refused,
+        Reason.KEY_NOT_PUBLISHED,
+    )
     assert lookup(core, "engine-a").boundary == 0 and lookup(core, "engine-b").boundary == 8
     b.end(core, "engine-a")  # the evictions happened outside any step: no removal notice is owed
     assert b.replay_matches(core)
@@ -201,8 +214,9 @@ def test_I12_release_never_evicts_a_key_under_a_live_lease() -> None:
     core = three_engines()
     a_keys = b.publish(core, TOKENS, engine_id="engine-a")
     dest = b.allocate(core, b.owner(core, "reader", engine_id="engine-a"), 1, engine_id="engine-a")[0]
-    [job] = b.ok(core.execute(StartLoad(engine_id="engine-a", tier=b.TIER, items=[LoadRequest(a_keys[0], dest)],
-                                        lease_seconds=5.0)))
+    [job] = b.ok(
+        core.execute(StartLoad(engine_id="engine-a", tier=b.TIER, items=[LoadRequest(a_keys[0], dest)], lease_seconds=5.0))
+    )
     assert isinstance(job, LoadJobStarted)
     refused = b.rejected(core, ReleaseNamespace(namespace=A_ID.hex(), reason="gc"), Refused, Reason.NAMESPACE_IN_USE)
     assert isinstance(refused, Refused) and str(job.job_id) in refused.detail
@@ -219,26 +233,30 @@ def test_I12_release_never_evicts_a_key_under_a_live_lease() -> None:
 # --- bad input: a typed refusal, the state unchanged --------------------------------------------------
 
 
-@pytest.mark.parametrize(("command", "reason"), [
-    (decide("new", source="zz" + A_ID.hex()[2:]), Reason.INVALID_ARGUMENT),  # bad hex
-    (decide("new", target="not hex"), Reason.INVALID_ARGUMENT),
-    (decide("new", source=""), Reason.INVALID_ARGUMENT),
-    (decide("new", source=bytes(16)), Reason.UNKNOWN_NAMESPACE),
-    (decide("new", target=A_ID.hex()[:-2]), Reason.UNKNOWN_NAMESPACE),
-    (decide("clear", source=bytes(16)), Reason.UNKNOWN_NAMESPACE),  # a clear of an unknown namespace
-    (decide("new", target=A_ID), Reason.INVALID_ARGUMENT),  # from == to
-    (decide("clear", target=A_ID.hex().upper()), Reason.INVALID_ARGUMENT),  # the same id, in capitals
-    (decide("compatible"), Reason.MISSING_EVIDENCE),
-    (decide("compatible", target=OTHER_ID, evidence="eval-run-1"), Reason.CROSS_TENANT),  # I9
-    (decide("new", target=OTHER_ID), Reason.CROSS_TENANT),
-    (decide("clear", target=OTHER_ID), Reason.CROSS_TENANT),
-    (decide("alias", evidence="eval-run-1"), Reason.INVALID_ARGUMENT),  # no such outcome
-    (decide("new", reason="  "), Reason.INVALID_ARGUMENT),  # a decision says why
-    (decide("compatible", evidence="x" * 256), Reason.INVALID_ARGUMENT),
-    (ReleaseNamespace(namespace=bytes(16).hex(), reason="gc"), Reason.UNKNOWN_NAMESPACE),
-    (ReleaseNamespace(namespace="0x12", reason="gc"), Reason.INVALID_ARGUMENT),
-    (ReleaseNamespace(namespace=A_ID.hex(), reason=""), Reason.INVALID_ARGUMENT),
-], ids=lambda value: getattr(value, "value", None) or "")
+@pytest.mark.parametrize(
+    ("command", "reason"),
+    [
+        (decide("new", source="zz" + A_ID.hex()[2:]), Reason.INVALID_ARGUMENT),  # bad hex
+        (decide("new", target="not hex"), Reason.INVALID_ARGUMENT),
+        (decide("new", source=""), Reason.INVALID_ARGUMENT),
+        (decide("new", source=bytes(16)), Reason.UNKNOWN_NAMESPACE),
+        (decide("new", target=A_ID.hex()[:-2]), Reason.UNKNOWN_NAMESPACE),
+        (decide("clear", source=bytes(16)), Reason.UNKNOWN_NAMESPACE),  # a clear of an unknown namespace
+        (decide("new", target=A_ID), Reason.INVALID_ARGUMENT),  # from == to
+        (decide("clear", target=A_ID.hex().upper()), Reason.INVALID_ARGUMENT),  # the same id, in capitals
+        (decide("compatible"), Reason.MISSING_EVIDENCE),
+        (decide("compatible", target=OTHER_ID, evidence="eval-run-1"), Reason.CROSS_TENANT),  # I9
+        (decide("new", target=OTHER_ID), Reason.CROSS_TENANT),
+        (decide("clear", target=OTHER_ID), Reason.CROSS_TENANT),
+        (decide("alias", evidence="eval-run-1"), Reason.INVALID_ARGUMENT),  # no such outcome
+        (decide("new", reason="  "), Reason.INVALID_ARGUMENT),  # a decision says why
+        (decide("compatible", evidence="x" * 256), Reason.INVALID_ARGUMENT),
+        (ReleaseNamespace(namespace=bytes(16).hex(), reason="gc"), Reason.UNKNOWN_NAMESPACE),
+        (ReleaseNamespace(namespace="0x12", reason="gc"), Reason.INVALID_ARGUMENT),
+        (ReleaseNamespace(namespace=A_ID.hex(), reason=""), Reason.INVALID_ARGUMENT),
+    ],
+    ids=lambda value: getattr(value, "value", None) or "",
+)
 def test_bad_input_is_refused_with_the_state_unchanged(command: DecideNamespace | ReleaseNamespace, reason: Reason) -> None:
     core = three_engines()
     b.publish(core, TOKENS, engine_id="engine-a")
@@ -256,8 +274,19 @@ def test_a_cross_tenant_refusal_names_no_tenant() -> None:
 # --- durations ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("text", "seconds"), [("7d", 7 * DAY), ("12h", 43_200), ("30m", 1800), ("45s", 45),
-                                               ("2w", 14 * DAY), ("1d12h", 1.5 * DAY), ("1.5h", 5400), (" 7D ", 7 * DAY)])
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("7d", 7 * DAY),
+        ("12h", 43_200),
+        ("30m", 1800),
+        ("45s", 45),
+        ("2w", 14 * DAY),
+        ("1d12h", 1.5 * DAY),
+        ("1.5h", 5400),
+        (" 7D ", 7 * DAY),
+    ],
+)
 def test_durations_parse(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
@@ -287,16 +316,24 @@ async def _publish(ledger: Ledger, engine_id: str, tokens: list[int]) -> list[by
     step, clock = engine.step + 1, engine.clock + 1.0
     commit = await ledger.run_step(engine_id, step, clock, [StartOwner(engine_id=engine_id, req_id=f"{engine_id}-req")])
     owner = next(e for e in commit.events if isinstance(e, OwnerStarted)).owner_id
-    commit = await ledger.run_step(engine_id, step + 1, clock, [AllocateBlocks(engine_id=engine_id, owner_id=owner, pool_id=0,
-                                                                              count=len(tokens) // b.BLOCK)])
+    commit = await ledger.run_step(
+        engine_id, step + 1, clock, [AllocateBlocks(engine_id=engine_id, owner_id=owner, pool_id=0, count=len(tokens) // b.BLOCK)]
+    )
     blocks = next(e for e in commit.events if isinstance(e, BlocksAllocated)).blocks
-    commit = await ledger.run_step(engine_id, step + 2, clock, [
-        MarkComputed(engine_id=engine_id, owner_id=owner, blocks=blocks, token_ids=tokens),
-        StartStore(engine_id=engine_id, tier=b.TIER, blocks=blocks),
-    ])
+    commit = await ledger.run_step(
+        engine_id,
+        step + 2,
+        clock,
+        [
+            MarkComputed(engine_id=engine_id, owner_id=owner, blocks=blocks, token_ids=tokens),
+            StartStore(engine_id=engine_id, tier=b.TIER, blocks=blocks),
+        ],
+    )
     job = next(e for e in commit.events if isinstance(e, StoreJobStarted))
-    reports = [ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items])
-               for rank in (0, 1)]
+    reports = [
+        ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items])
+        for rank in (0, 1)
+    ]
     await ledger.run_step(engine_id, step + 3, clock, [*reports, FinishOwner(engine_id=engine_id, owner_id=owner)])
     return [item.key for item in job.items]
 
@@ -312,7 +349,11 @@ async def _build_log(path: Path | str) -> dict[str, list[bytes]]:
         ledger = await Ledger.open(event_log, clock=clock)
         await ledger.execute(DeclareTier(spec=TierSpec(name=b.TIER, num_slots=16, bytes_per_slot=64)))
         keys = {}
-        for engine_id, namespace, at in (("engine-a", A, T0), ("engine-c", OTHER_TENANT, T0 + DAY), ("engine-b", B, T0 + 10 * DAY)):
+        for engine_id, namespace, at in (
+            ("engine-a", A, T0),
+            ("engine-c", OTHER_TENANT, T0 + DAY),
+            ("engine-b", B, T0 + 10 * DAY),
+        ):
             clock.now = at
             await ledger.execute(declaration(engine_id, namespace))
             keys[engine_id] = await _publish(ledger, engine_id, TOKENS)
@@ -384,23 +425,56 @@ def test_cli_decide_on_a_log_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     keys = anyio.run(_build_log, path)
     log = ["--log", str(path)]
 
-    missing = runner.invoke(namespace_app, ["decide", "--from", A_ID.hex(), "--to", B_ID.hex(), "--outcome", "compatible",
-                                            "--reason", "same tensors", *log])
+    missing = runner.invoke(
+        namespace_app,
+        ["decide", "--from", A_ID.hex(), "--to", B_ID.hex(), "--outcome", "compatible", "--reason", "same tensors", *log],
+    )
     assert missing.exit_code == 1 and "missing_evidence" in missing.stderr and "--evidence" in missing.stderr
-    unknown = runner.invoke(namespace_app, ["decide", "--from", bytes(16).hex(), "--to", B_ID.hex(), "--outcome", "clear",
-                                            "--reason", "r", *log])
+    unknown = runner.invoke(
+        namespace_app, ["decide", "--from", bytes(16).hex(), "--to", B_ID.hex(), "--outcome", "clear", "--reason", "r", *log]
+    )
     assert unknown.exit_code == 1 and "unknown_namespace" in unknown.stderr
-    typo = runner.invoke(namespace_app, ["decide", "--from", A_ID.hex(), "--to", B_ID.hex(), "--outcome", "alias",
-                                         "--reason", "r", *log])
+    typo = runner.invoke(
+        namespace_app, ["decide", "--from", A_ID.hex(), "--to", B_ID.hex(), "--outcome", "alias", "--reason", "r", *log]
+    )
     assert typo.exit_code == 2  # typer refuses the choice before anything is recorded
 
-    cleared = runner.invoke(namespace_app, ["decide", "--from", A_ID.hex(), "--to", B_ID.hex(), "--outcome", "clear",
-                                            "--reason", "weights changed under the same name", "--json", *log])
+    cleared = runner.invoke(
+        namespace_app,
+        [
+            "decide",
+            "--from",
+            A_ID.hex(),
+            "--to",
+            B_ID.hex(),
+            "--outcome",
+            "clear",
+            "--reason",
+            "weights changed under the same name",
+            "--json",
+            *log,
+        ],
+    )
     assert cleared.exit_code == 0, cleared.output
     answer = json.loads(cleared.stdout)
     assert answer["refused"] is False and answer["affected_keys"] == 2
-    text = runner.invoke(namespace_app, ["decide", "--from", B_ID.hex(), "--to", A_ID.hex(), "--outcome", "compatible",
-                                         "--reason", "same tensors", "--evidence", "eval-run-7", *log])
+    text = runner.invoke(
+        namespace_app,
+        [
+            "decide",
+            "--from",
+            B_ID.hex(),
+            "--to",
+            A_ID.hex(),
+            "--outcome",
+            "compatible",
+            "--reason",
+            "same tensors",
+            "--evidence",
+            "eval-run-7",
+            *log,
+        ],
+    )
     assert text.exit_code == 0 and "decided compatible" in text.stdout
 
     async def check() -> None:
@@ -445,7 +519,9 @@ def test_cli_gc_releases_only_the_old_namespaces(tmp_path: Path, monkeypatch: py
 
     again = runner.invoke(namespace_app, ["gc", "--older-than", "7d", *log])
     assert again.exit_code == 0 and again.stdout.startswith("0 namespaces"), "a released namespace has nothing left"
-    later = runner.invoke(namespace_app, ["gc", "--older-than", "1d", "--dry-run", "--log", str(path), "--now", str(T0 + 12 * DAY)])
+    later = runner.invoke(
+        namespace_app, ["gc", "--older-than", "1d", "--dry-run", "--log", str(path), "--now", str(T0 + 12 * DAY)]
+    )
     assert f"would release {B_ID.hex()}" in later.stdout
     bad = runner.invoke(namespace_app, ["gc", "--older-than", "a week", *log])
     assert bad.exit_code == 2 and "duration" in bad.output
@@ -484,12 +560,46 @@ async def test_decisions_through_the_sidecar(tmp_path: Path) -> None:
 
             env = {**os.environ, "KVLEDGER_DATA_DIR": str(tmp_path)}  # the sidecar is on the default socket
             cli = [sys.executable, "-c", "from coordinator.namespace_cli import namespace_app; namespace_app()"]
-            behind = await anyio.run_process([*cli, "decide", "--from", A_ID.hex(), "--to", B_ID.hex(), "--outcome", "clear",
-                                              "--reason", "r", "--log", str(path)], env=env, cwd=ROOT, check=False)
+            behind = await anyio.run_process(
+                [
+                    *cli,
+                    "decide",
+                    "--from",
+                    A_ID.hex(),
+                    "--to",
+                    B_ID.hex(),
+                    "--outcome",
+                    "clear",
+                    "--reason",
+                    "r",
+                    "--log",
+                    str(path),
+                ],
+                env=env,
+                cwd=ROOT,
+                check=False,
+            )
             assert behind.returncode == 1 and b"a sidecar answers" in behind.stderr
-            cleared = await anyio.run_process([*cli, "decide", "--from", A_ID.hex(), "--to", B_ID.hex(), "--outcome",
-                                               "clear", "--reason", "r", "--socket", str(socket_path), "--json"],
-                                              env=env, cwd=ROOT, check=False)
+            cleared = await anyio.run_process(
+                [
+                    *cli,
+                    "decide",
+                    "--from",
+                    A_ID.hex(),
+                    "--to",
+                    B_ID.hex(),
+                    "--outcome",
+                    "clear",
+                    "--reason",
+                    "r",
+                    "--socket",
+                    str(socket_path),
+                    "--json",
+                ],
+                env=env,
+                cwd=ROOT,
+                check=False,
+            )
             assert cleared.returncode == 0, cleared.stderr.decode()
             assert json.loads(cleared.stdout)["affected_keys"] == 2
             tier = sidecar.ledger.state.tiers[b.TIER]
@@ -500,8 +610,13 @@ async def test_decisions_through_the_sidecar(tmp_path: Path) -> None:
 
 def test_the_cli_runs_as_a_subprocess_module() -> None:
     """The sub-app imports on its own (the lead registers it in coordinator/cli.py)."""
-    out = subprocess.run([sys.executable, "-c", "from coordinator.namespace_cli import namespace_app; namespace_app()", "--help"],
-                         capture_output=True, text=True, cwd=ROOT, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", "from coordinator.namespace_cli import namespace_app; namespace_app()", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
     assert out.returncode == 0 and "decide" in out.stdout and "gc" in out.stdout
 
 
@@ -513,16 +628,20 @@ def test_cli_never_creates_a_log_where_none_was(tmp_path: Path, monkeypatch: pyt
     answer a missing log), and no new, empty log left there."""
     monkeypatch.setenv("KVLEDGER_DATA_DIR", str(tmp_path))  # no sidecar on the default socket
     typo = tmp_path / "typo" / "nolog.sqlite"
-    for args in (["decide", "--from", A_ID.hex(), "--to", B_ID.hex(), "--outcome", "new", "--reason", "r"],
-                 ["gc", "--older-than", "1d"], ["gc", "--older-than", "1d", "--dry-run"]):
+    for args in (
+        ["decide", "--from", A_ID.hex(), "--to", B_ID.hex(), "--outcome", "new", "--reason", "r"],
+        ["gc", "--older-than", "1d"],
+        ["gc", "--older-than", "1d", "--dry-run"],
+    ):
         result = runner.invoke(namespace_app, [*args, "--log", str(typo)])
         assert result.exit_code == 1, (args, result.output)
         assert f"no log at {typo}" in result.stderr and "Traceback" not in result.output
         assert len(result.stderr.strip().splitlines()) == 1
         assert not typo.exists() and not typo.parent.exists(), "no log (nor its directory) was created"
     # Nor on the default log, when there is none.
-    result = runner.invoke(namespace_app, ["decide", "--from", A_ID.hex(), "--to", B_ID.hex(), "--outcome", "new",
-                                           "--reason", "r"])
+    result = runner.invoke(
+        namespace_app, ["decide", "--from", A_ID.hex(), "--to", B_ID.hex(), "--outcome", "new", "--reason", "r"]
+    )
     assert result.exit_code == 1 and "no log at" in result.stderr, result.output
     assert not list(tmp_path.glob("*.sqlite*"))
 

@@ -1,4 +1,4 @@
-"""Observed engines on the pure core (coordinator/_observe.py): what vLLM says it stored and
+"""Observed engines on the pure core (coordinator/core/observe.py): what vLLM says it stored and
 removed is recorded per incarnation, medium and group; duplicates, impossible parent chains,
 unknown hashes and types, mismatched block sizes and unreadable frames are refusals that leave
 the state unchanged while the rest of the batch is recorded (I18 holds throughout)."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from coordinator.commands import ObservedKvEvent, ObserveEngine, ObserveGap, ObserveKvEvents, ObserveMalformed
 from coordinator.core import CoordinatorCore
-from coordinator.projector import project
-from coordinator.state import State, decode_state, encode_state, state_digest
+from coordinator.core.commands import ObservedKvEvent, ObserveEngine, ObserveGap, ObserveKvEvents, ObserveMalformed
+from coordinator.core.projector import project
+from coordinator.core.state import State, decode_state, encode_state, state_digest
 from events import (
     EngineObserved,
     Event,
@@ -32,14 +32,24 @@ A, B, C, D = (bytes([n]) * 32 for n in (0xA1, 0xB2, 0xC3, 0xD4))
 
 
 def observe(core: CoordinatorCore, reason: str = "first_seen", block_sizes: tuple[int, ...] = (BLOCK,)) -> list[Event]:
-    return core.execute(ObserveEngine(engine_id=ENGINE, namespace=b.namespace(block_sizes=block_sizes, tp=1),
-                                      source="test", reason=reason))
+    return core.execute(
+        ObserveEngine(engine_id=ENGINE, namespace=b.namespace(block_sizes=block_sizes, tp=1), source="test", reason=reason)
+    )
 
 
-def stored(*hashes: bytes, parent: bytes | None = None, medium: str = "GPU", group: int = 0,
-           block_size: int = BLOCK) -> ObservedKvEvent:
-    return ObservedKvEvent(kind="stored", type_name="BlockStored", medium=medium, group=group, block_hashes=list(hashes),
-                           parent_hash=parent, token_ids=list(range(block_size * len(hashes))), block_size=block_size)
+def stored(
+    *hashes: bytes, parent: bytes | None = None, medium: str = "GPU", group: int = 0, block_size: int = BLOCK
+) -> ObservedKvEvent:
+    return ObservedKvEvent(
+        kind="stored",
+        type_name="BlockStored",
+        medium=medium,
+        group=group,
+        block_hashes=list(hashes),
+        parent_hash=parent,
+        token_ids=list(range(block_size * len(hashes))),
+        block_size=block_size,
+    )
 
 
 def removed(*hashes: bytes, medium: str = "GPU", group: int = 0) -> ObservedKvEvent:
@@ -161,8 +171,14 @@ def test_an_unknown_event_type_is_refused_naming_it(core: CoordinatorCore) -> No
 
 
 def test_a_malformed_event_is_refused_and_the_rest_recorded(core: CoordinatorCore) -> None:
-    events = batch(core, 0, ObservedKvEvent(kind="malformed", type_name="BlockStored", detail="no block_hashes"),
-                   stored(A), stored(block_size=BLOCK), removed(bytes(200)))
+    events = batch(
+        core,
+        0,
+        ObservedKvEvent(kind="malformed", type_name="BlockStored", detail="no block_hashes"),
+        stored(A),
+        stored(block_size=BLOCK),
+        removed(bytes(200)),
+    )
     assert [r.reason for r in refusals(events)] == [Reason.MALFORMED_EVENT] * 3
     assert "no block_hashes" in refusals(events)[0].detail
     assert hashes(core) == [A]
@@ -184,9 +200,11 @@ def test_a_placeholder_without_tokens_passes_the_block_size_check(core: Coordina
 
 def test_events_of_an_engine_never_observed_are_refused() -> None:
     core = CoordinatorCore()
-    for command in (ObserveKvEvents(engine_id="nobody", seq=0, ts=0.0, dp_rank=None, events=[stored(A)]),
-                    ObserveGap(engine_id="nobody", first_seq=0, last_seq=3),
-                    ObserveMalformed(engine_id="nobody", seq=0, detail="x")):
+    for command in (
+        ObserveKvEvents(engine_id="nobody", seq=0, ts=0.0, dp_rank=None, events=[stored(A)]),
+        ObserveGap(engine_id="nobody", first_seq=0, last_seq=3),
+        ObserveMalformed(engine_id="nobody", seq=0, detail="x"),
+    ):
         [refusal] = core.execute(command)
         assert isinstance(refusal, Refused) and refusal.reason == Reason.UNKNOWN_ENGINE and "nobody" in refusal.detail
     assert core.state == State(last_event=3)
@@ -207,7 +225,11 @@ def test_a_malformed_frame_is_refused_and_its_batch_counts_as_missed_at_the_next
 def test_a_gap_replay_could_not_fill_is_recorded_from_the_first_batch_not_recorded(core: CoordinatorCore) -> None:
     batch(core, 0, stored(A))
     [missed] = core.execute(ObserveGap(engine_id=ENGINE, first_seq=3, last_seq=7, reason="replay buffer"))
-    assert isinstance(missed, ObservedEventsMissed) and (missed.first_seq, missed.last_seq, missed.reason) == (1, 7, "replay buffer")
+    assert isinstance(missed, ObservedEventsMissed) and (missed.first_seq, missed.last_seq, missed.reason) == (
+        1,
+        7,
+        "replay buffer",
+    )
     observed = core.state.observed[ENGINE]
     assert (observed.next_seq, observed.complete) == (8, False)
     [refusal] = core.execute(ObserveGap(engine_id=ENGINE, first_seq=2, last_seq=7))
@@ -230,7 +252,9 @@ def test_a_restart_is_a_new_incarnation_with_nothing_stored_and_checks_on_again(
 def test_bad_engine_declarations_are_refused(core: CoordinatorCore) -> None:
     [refusal] = core.execute(ObserveEngine(engine_id="", namespace=b.namespace(tp=1), source="s", reason="r"))
     assert isinstance(refusal, Refused) and refusal.reason == Reason.INVALID_ARGUMENT
-    [refusal] = core.execute(ObserveEngine(engine_id="x", namespace=b.namespace(tp=1, weights_revision=""), source="s", reason="r"))
+    [refusal] = core.execute(
+        ObserveEngine(engine_id="x", namespace=b.namespace(tp=1, weights_revision=""), source="s", reason="r")
+    )
     assert isinstance(refusal, Refused) and "weights_revision" in refusal.detail
 
 
@@ -270,12 +294,13 @@ def test_a_snapshot_without_observed_engines_still_decodes() -> None:
 def test_a_data_parallel_rank_the_audit_index_cannot_hold_is_refused(core: CoordinatorCore) -> None:
     """kvl_audit_observed.dp_rank is 32-bit: a frame naming rank 2**31 stopped every catch-up of
     the audit index on PostgreSQL (found in review). Refused, the state unchanged."""
-    from coordinator._observe import MAX_DP_RANK
+    from coordinator.core.observe import MAX_DP_RANK
 
     before = b.quiet_bytes(core.state)
     events = core.execute(ObserveKvEvents(engine_id=ENGINE, seq=0, ts=1.0, dp_rank=MAX_DP_RANK + 1, events=[stored(b"\x01" * 8)]))
     [refused] = refusals(events)
     assert refused.reason == Reason.INVALID_ARGUMENT and str(MAX_DP_RANK) in refused.detail
     assert b.quiet_bytes(core.state) == before
-    assert not refusals(core.execute(ObserveKvEvents(engine_id=ENGINE, seq=0, ts=1.0, dp_rank=MAX_DP_RANK,
-                                                     events=[stored(b"\x01" * 8)])))
+    assert not refusals(
+        core.execute(ObserveKvEvents(engine_id=ENGINE, seq=0, ts=1.0, dp_rank=MAX_DP_RANK, events=[stored(b"\x01" * 8)]))
+    )

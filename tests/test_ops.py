@@ -89,7 +89,7 @@ def kvledger_command(container: Manifest) -> list[str] | None:
 
 
 def by_command(spec: Manifest, *words: str) -> list[Manifest]:
-    return [c for c in containers(spec) if (kvledger_command(c) or [])[1:1 + len(words)] == list(words)]
+    return [c for c in containers(spec) if (kvledger_command(c) or [])[1 : 1 + len(words)] == list(words)]
 
 
 def engines(spec: Manifest) -> list[Manifest]:
@@ -294,7 +294,7 @@ def test_every_kvledger_command_line_and_variable_in_the_manifests_is_one_the_cl
             words = words[:2] if words[:1] == ["db"] else words[:1]
             command = cli_command(words)
             options = {opt for param in command.params for opt in param.opts}
-            for word in line[1 + len(words):]:
+            for word in line[1 + len(words) :]:
                 if word.startswith("--"):
                     assert word.split("=", 1)[0] in options, f"{name} {container['name']}: {word}"
             seen += 1
@@ -315,9 +315,16 @@ def unit(path: Path) -> configparser.RawConfigParser:
 def test_the_systemd_units_are_hardened(name: str) -> None:
     service = unit(DEPLOY / name)["Service"]
     assert service["User"] == "kvledger" and service["Group"] == "kvledger", "one user: the socket is mode 0600"
-    for key, value in {"ProtectSystem": "strict", "ProtectHome": "yes", "NoNewPrivileges": "yes", "PrivateTmp": "yes",
-                       "CapabilityBoundingSet": "", "RestrictSUIDSGID": "yes", "UMask": "0077",
-                       "SystemCallArchitectures": "native"}.items():
+    for key, value in {
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "NoNewPrivileges": "yes",
+        "PrivateTmp": "yes",
+        "CapabilityBoundingSet": "",
+        "RestrictSUIDSGID": "yes",
+        "UMask": "0077",
+        "SystemCallArchitectures": "native",
+    }.items():
         assert service[key] == value, f"{name}: {key}"
     assert "StateDirectory" in service and "Restart" in service
     assert service["ExecStart"].startswith("/opt/kvledger/.venv/bin/kvledger ")
@@ -343,9 +350,15 @@ def test_systemd_analyze_verify_finds_nothing_in_the_units(tmp_path: Path) -> No
         pytest.skip("systemd-analyze is not installed: the units were only parsed (test_the_systemd_units_are_hardened)")
     # verify insists that ExecStart's program exists: point it at this checkout's kvledger.
     for path in DEPLOY.glob("*.service"):
-        (tmp_path / path.name).write_text(path.read_text().replace("/opt/kvledger/.venv/bin/kvledger", str(ROOT / ".venv/bin/kvledger")))
-    result = subprocess.run([analyze, "verify", "--man=no", str(tmp_path / "kvledger.service"), str(tmp_path / "kvledger-worker@0.service")],
-                            capture_output=True, text=True, timeout=60)
+        (tmp_path / path.name).write_text(
+            path.read_text().replace("/opt/kvledger/.venv/bin/kvledger", str(ROOT / ".venv/bin/kvledger"))
+        )
+    result = subprocess.run(
+        [analyze, "verify", "--man=no", str(tmp_path / "kvledger.service"), str(tmp_path / "kvledger-worker@0.service")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0 and not result.stderr.strip() and not result.stdout.strip(), result.stderr + result.stdout
 
 
@@ -383,16 +396,21 @@ def test_promtool_unit_tests_the_alerts() -> None:
 def test_promtool_check_fails_a_broken_rule(tmp_path: Path) -> None:
     """The two checks above can fail."""
     broken = tmp_path / "broken.yml"
-    broken.write_text(RULES.read_text().replace("increase(kvledger_integrity_violations_total[5m]) > 0",
-                                                "increase(kvledger_integrity_violations_total[5m] > 0"))
+    broken.write_text(
+        RULES.read_text().replace(
+            "increase(kvledger_integrity_violations_total[5m]) > 0", "increase(kvledger_integrity_violations_total[5m] > 0"
+        )
+    )
     assert run_promtool("check", "rules", str(broken)).returncode != 0
 
 
 def test_every_dashboard_expression_parses(tmp_path: Path) -> None:
     """Grafana's variables replaced by values, each expression becomes a recording rule, and
     promtool parses the lot."""
-    rules = [{"record": f"kvledger_dashboard:expr_{index}", "expr": grafana_free(expr)}
-             for index, expr in enumerate(dashboard_expressions())]
+    rules = [
+        {"record": f"kvledger_dashboard:expr_{index}", "expr": grafana_free(expr)}
+        for index, expr in enumerate(dashboard_expressions())
+    ]
     path = tmp_path / "dashboard.rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     result = run_promtool("check", "rules", str(path))
@@ -403,8 +421,9 @@ def test_every_dashboard_expression_parses(tmp_path: Path) -> None:
 
 
 def grafana_free(expr: str) -> str:
-    return (expr.replace("$__rate_interval", "5m").replace("$__range", "1h").replace("$__interval", "1m")
-            .replace("$instance", ".*"))
+    return (
+        expr.replace("$__rate_interval", "5m").replace("$__range", "1h").replace("$__interval", "1m").replace("$instance", ".*")
+    )
 
 
 def walk_panels(panels: list[Manifest]) -> Iterator[Manifest]:
@@ -475,9 +494,16 @@ def test_every_metric_the_rules_use_is_exported_or_recorded(served: set[str]) ->
     rules = rule_documents()
     recorded = {rule["record"] for rule in rules if "record" in rule}
     used = names_in([rule["expr"] for rule in rules])
-    assert {"kvledger_ready", "kvledger_fleet_ready", "kvledger_integrity_violations_total", "kvledger_oldest_pin_seconds",
-            "kvledger_log_append_errors_total", "kvledger_lease_expiries_total", "kvledger_refusals_total",
-            "kvledger_step_seconds_bucket"} <= used
+    assert {
+        "kvledger_ready",
+        "kvledger_fleet_ready",
+        "kvledger_integrity_violations_total",
+        "kvledger_oldest_pin_seconds",
+        "kvledger_log_append_errors_total",
+        "kvledger_lease_expiries_total",
+        "kvledger_refusals_total",
+        "kvledger_step_seconds_bucket",
+    } <= used
     missing = sorted(name for name in used if name not in served and name not in recorded)
     assert not missing, f"the rules use metrics no kvledger process exports: {missing}"
     for name in recorded:

@@ -18,11 +18,30 @@ import anyio
 import pytest
 
 from coordinator.client import Address, EngineClient
-from coordinator.commands import AllocateBlocks, FinishOwner, LoadRequest, MarkComputed, ReportRank, StartLoad, StartOwner, StartStore
+from coordinator.core.commands import (
+    AllocateBlocks,
+    FinishOwner,
+    LoadRequest,
+    MarkComputed,
+    ReportRank,
+    StartLoad,
+    StartOwner,
+    StartStore,
+)
 from coordinator.sidecar import protocol as p
 from coordinator.sidecar.metrics import INTEGRITY_KINDS
 from coordinator.sidecar.server import Sidecar
-from events import BlockRef, BlocksAllocated, JobFailed, KeyQuarantined, LoadJobStarted, NoticeDropped, OwnerStarted, Reason, StoreJobStarted
+from events import (
+    BlockRef,
+    BlocksAllocated,
+    JobFailed,
+    KeyQuarantined,
+    LoadJobStarted,
+    NoticeDropped,
+    OwnerStarted,
+    Reason,
+    StoreJobStarted,
+)
 from events.log import EventLog, open_log
 from tests import builders as b
 from tests.sidecar_kit import TIER_SPEC, declaration, sidecar_on
@@ -74,8 +93,10 @@ class Driver:
         """A request computes `tokens` into blocks of its own and stores them: the store decision."""
         owner = await self.owner(req_id)
         blocks = await self.allocate(owner, len(tokens) // b.BLOCK)
-        result = await self.step(MarkComputed(engine_id=ENGINE, owner_id=owner, blocks=blocks, token_ids=tokens),
-                                 StartStore(engine_id=ENGINE, tier=b.TIER, blocks=blocks))
+        result = await self.step(
+            MarkComputed(engine_id=ENGINE, owner_id=owner, blocks=blocks, token_ids=tokens),
+            StartStore(engine_id=ENGINE, tier=b.TIER, blocks=blocks),
+        )
         [decision] = result.decisions
         assert isinstance(decision.event, StoreJobStarted)
         return decision.event
@@ -135,7 +156,8 @@ async def test_integrity_violations_count_a_store_conflict_a_load_checksum_misma
         await driver.report(third, 0, [b.checksum(third.items[0].key, 0)])
         answer = await driver.report(third, 0, [b"a different account of the same work"])
         assert [(type(e), e.reason) for e in answer.events if isinstance(e, NoticeDropped)] == [
-            (NoticeDropped, Reason.CONFLICTING_REPORT)], "a report is a notice: dropped and recorded"
+            (NoticeDropped, Reason.CONFLICTING_REPORT)
+        ], "a report is a notice: dropped and recorded"
         assert integrity(sidecar) == {"checksum_mismatch": 1.0, "store_conflict": 1.0, "conflicting_report": 1.0}
         assert sample(sidecar, "kvledger_refusals_total", kind="dropped", reason="conflicting_report") == 1.0
 
@@ -177,9 +199,11 @@ async def test_oldest_pin_seconds_grows_while_a_job_pins_and_drops_to_zero_when_
         owner = await driver.owner("r1")
         blocks = await driver.allocate(owner, 2)
         tokens = list(range(2 * b.BLOCK))
-        result = await driver.step(MarkComputed(engine_id=ENGINE, owner_id=owner, blocks=blocks, token_ids=tokens),
-                                   StartStore(engine_id=ENGINE, tier=b.TIER, blocks=blocks),
-                                   FinishOwner(engine_id=ENGINE, owner_id=owner))
+        result = await driver.step(
+            MarkComputed(engine_id=ENGINE, owner_id=owner, blocks=blocks, token_ids=tokens),
+            StartStore(engine_id=ENGINE, tier=b.TIER, blocks=blocks),
+            FinishOwner(engine_id=ENGINE, owner_id=owner),
+        )
         [decision] = result.decisions
         store = decision.event
         assert isinstance(store, StoreJobStarted)
@@ -195,12 +219,15 @@ async def test_oldest_pin_seconds_grows_while_a_job_pins_and_drops_to_zero_when_
     async with sidecar_on(sqlite_log, sock) as sidecar, engine_client(sock) as client:
         first_scrape = sample(sidecar, "kvledger_oldest_pin_seconds", engine=ENGINE)
         since_restart = time.monotonic() - restarted_at  # the job itself is older than this by >= 0.3 s
-        assert first_scrape is not None and first_scrape <= since_restart, \
+        assert first_scrape is not None and first_scrape <= since_restart, (
             "recovered: counted from this process's first look, not from before the restart"
+        )
         await anyio.sleep(0.2)
         later = sample(sidecar, "kvledger_oldest_pin_seconds", engine=ENGINE)
         assert later is not None and later >= first_scrape + 0.2
-        await client.report(ReportRank(job_id=store.job_id, rank=1, ok=True, checksums=[b.checksum(i.key, 1) for i in store.items]))
+        await client.report(
+            ReportRank(job_id=store.job_id, rank=1, ok=True, checksums=[b.checksum(i.key, 1) for i in store.items])
+        )
         assert sample(sidecar, "kvledger_pins", engine=ENGINE) == 0.0
         assert sample(sidecar, "kvledger_oldest_pin_seconds", engine=ENGINE) == 0.0
         assert sidecar.metrics.job_started == {}, "a finished job is forgotten"

@@ -12,7 +12,7 @@ import anyio
 import msgspec
 import pytest
 
-from coordinator.protections import Protection
+from coordinator.core.protections import Protection
 from coordinator.recovery import replay
 from coordinator.simulator.scenarios import SCENARIOS, Outcome, Scenario, run_scenario
 from events import Event, EventCodec, StateCopyPlanned, StoreJobStarted
@@ -88,13 +88,16 @@ def test_a_baseline_never_includes_the_protection_it_toggles_and_only_layered_sc
     assert set(SCENARIOS) == {p.value for p in Protection}, "one scenario per protection"
 
 
-@pytest.mark.parametrize(("name", "caught"), [
-    # The lease expired: r1's keys are evicted and their slots reused; the worker's checksum
-    # check finds r3's bytes and copies nothing.
-    ("lease-expiry-during-slow-load", "JobFailed:checksum_mismatch"),
-    # The lease is live: r1's keys stay, r3's store is refused and the load lands intact.
-    ("eviction-under-store-pressure", "Refused:tier_full"),
-])
+@pytest.mark.parametrize(
+    ("name", "caught"),
+    [
+        # The lease expired: r1's keys are evicted and their slots reused; the worker's checksum
+        # check finds r3's bytes and copies nothing.
+        ("lease-expiry-during-slow-load", "JobFailed:checksum_mismatch"),
+        # The lease is live: r1's keys stay, r3's store is refused and the load lands intact.
+        ("eviction-under-store-pressure", "Refused:tier_full"),
+    ],
+)
 @pytest.mark.parametrize("only_own_off", [True, False])
 def test_leases_and_checksums_are_layered_either_one_alone_prevents_the_wrong_read(
     name: str, caught: str, only_own_off: bool, tmp_path: Path
@@ -112,9 +115,22 @@ def test_leases_and_checksums_are_layered_either_one_alone_prevents_the_wrong_re
 
 def test_serve_refuses_to_start_with_protections_off(tmp_path: Path) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "serve", "--socket", str(tmp_path / "s.sock"), "--log", str(tmp_path / "l.sqlite"),
-         "--http", "off"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "serve",
+            "--socket",
+            str(tmp_path / "s.sock"),
+            "--log",
+            str(tmp_path / "l.sqlite"),
+            "--http",
+            "off",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={"PATH": "/usr/bin:/bin", "KVLEDGER_DATA_DIR": str(tmp_path), "KVLEDGER_PROTECTIONS_OFF": "pins"},
     )
     assert run.returncode == 2 and "only inside `kvledger simulate`" in run.stderr
@@ -124,7 +140,11 @@ def test_serve_refuses_to_start_with_protections_off(tmp_path: Path) -> None:
 def test_kvledger_simulate_prints_one_json_line_per_run_and_exits_0(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, "-m", "coordinator.cli", "simulate", "--json", "--scenario", "overlapping-state-copy"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "KVLEDGER_DATA_DIR": str(tmp_path)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "KVLEDGER_DATA_DIR": str(tmp_path)},
     )
     assert run.returncode == 0, run.stderr
     on, off = (msgspec.json.decode(line, type=Outcome) for line in run.stdout.splitlines())

@@ -19,13 +19,14 @@ import msgspec
 import pytest
 
 from coordinator.client import Address, EngineClient, SidecarError, SidecarUnavailable, WorkerClient
-from coordinator.commands import AllocateBlocks, Move, PlanStateCopy, ReportRank, StartOwner
+from coordinator.core.commands import AllocateBlocks, Move, PlanStateCopy, ReportRank, StartOwner
+from coordinator.core.routing import Decision
+from coordinator.core.state import state_digest
 from coordinator.ledger import Ledger
 from coordinator.recovery import replay
 from coordinator.sidecar import protocol as p
 from coordinator.sidecar.hub import SlowSubscriber, Subscription
 from coordinator.sidecar.server import ConfigError, ServeConfig, check_config
-from coordinator.state import state_digest
 from events import BlocksAllocated, EventCodec, KeyPublished, OwnerStarted, PrefixLookedUp, Refused, StepBegan, StoreJobStarted
 from events.log import AppendBatch, AppendResult, EventLog
 from tests import builders as b
@@ -49,7 +50,7 @@ async def test_several_engines_and_workers_at_once_each_worker_gets_its_decision
     requests = 6
     async with sidecar_on(event_log, sock) as sidecar:
         decided: dict[str, list[StoreJobStarted]] = {}
-        seen: dict[tuple[str, int], list[p.Decision]] = {}
+        seen: dict[tuple[str, int], list[Decision]] = {}
         published: list[KeyPublished] = []
 
         async def worker(engine_id: str, rank: int) -> None:
@@ -59,8 +60,9 @@ async def test_several_engines_and_workers_at_once_each_worker_gets_its_decision
                 got.append(decision)
                 assert isinstance(decision.event, StoreJobStarted)
                 job = decision.event
-                committed = await client.report(ReportRank(job_id=job.job_id, rank=rank, ok=True,
-                                                           checksums=[b.checksum(i.key, rank) for i in job.items]))
+                committed = await client.report(
+                    ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items])
+                )
                 published.extend(e for e in committed.events if isinstance(e, KeyPublished))
                 if len(got) == requests:
                     return
@@ -108,6 +110,7 @@ async def test_group_commit_puts_concurrent_steps_of_several_engines_in_one_appe
         for client in clients:
             await client.connect()
         try:
+
             async def run(client: EngineClient) -> None:
                 for step in range(1, 11):
                     await client.step(step, float(step), [StartOwner(engine_id=client.engine_id, req_id=f"r{step}")])
@@ -156,18 +159,21 @@ async def test_lookup_is_read_only_and_answers_from_committed_state(event_log: E
         before = await client.lookup(b.TIER, tokens)
         assert isinstance(before.answer, PrefixLookedUp) and before.answer.boundary == 0, "not published yet (I5)"
         for rank in (0, 1):
-            await client.report(ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items]))
+            await client.report(
+                ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items])
+            )
         head = await event_log.head()
         after = await client.lookup(b.TIER, tokens)
         assert isinstance(after.answer, PrefixLookedUp) and after.answer.boundary == 2 * b.BLOCK
         assert [k for hit in after.answer.hits for k in hit.keys] == [i.key for i in job.items]
         # A Lookup is answered at once, never waiting for the groups in flight: a key one of them
         # changed is not loadable (here: the second block's key, as if its report were in flight).
-        from coordinator.commands import LookupPrefix
-        from coordinator.decider import lookup
+        from coordinator.core.commands import LookupPrefix
+        from coordinator.core.decider import lookup
 
-        in_flight = lookup(sidecar.ledger.state, LookupPrefix(engine_id="pod-a", tier=b.TIER, token_ids=tokens),
-                           uncommitted={job.items[1].key})
+        in_flight = lookup(
+            sidecar.ledger.state, LookupPrefix(engine_id="pod-a", tier=b.TIER, token_ids=tokens), uncommitted={job.items[1].key}
+        )
         assert isinstance(in_flight, PrefixLookedUp) and in_flight.boundary == b.BLOCK
         unknown = await client.lookup("no-such-tier", tokens)
         assert isinstance(unknown.answer, Refused) and unknown.answer.reason == "unknown_tier"
@@ -192,7 +198,9 @@ async def test_a_reconnecting_engine_keeps_its_incarnation_and_its_jobs(event_lo
         with pytest.raises(SidecarError) as connected:
             await engine_client(sock, "pod-a").connect()
         assert connected.value.code is p.ErrorCode.ENGINE_CONNECTED and sidecar.ledger.state.engines["pod-a"].incarnation == 1
-        async with EngineClient(Address(socket_path=str(sock)), declaration("pod-a"), tiers=[TIER_SPEC], takeover=True) as restarted:
+        async with EngineClient(
+            Address(socket_path=str(sock)), declaration("pod-a"), tiers=[TIER_SPEC], takeover=True
+        ) as restarted:
             assert restarted.incarnation == 2
         assert job.job_id not in sidecar.ledger.state.jobs
         with pytest.raises(SidecarError) as stale:
@@ -204,7 +212,7 @@ async def test_a_reconnecting_engine_keeps_its_incarnation_and_its_jobs(event_lo
 async def test_after_a_cache_reset_the_engine_reconnects_as_its_new_incarnation(event_log: EventLog, tmp_path: Path) -> None:
     """ResetCache begins a new incarnation: the client follows it, so a later reconnect names it
     (it named the old one and was refused: found by the soak, after a reset and a serve restart)."""
-    from coordinator.commands import ResetCache
+    from coordinator.core.commands import ResetCache
 
     sock = tmp_path / "s.sock"
     async with sidecar_on(event_log, sock) as sidecar:
@@ -269,7 +277,7 @@ async def test_metrics_never_show_a_group_whose_append_is_in_flight(
 ) -> None:
     """A scrape while a step that starts a store job is being appended, and that append fails:
     the gauges come from the committed state, so the job never shows as in flight."""
-    from coordinator.commands import MarkComputed, StartStore
+    from coordinator.core.commands import MarkComputed, StartStore
     from events.log import LogUnavailable
 
     sock = tmp_path / "s.sock"
@@ -371,7 +379,9 @@ async def test_a_protocol_version_mismatch_is_refused_naming_both_versions(event
             await raw.aclose()
 
 
-async def test_an_engine_cannot_speak_for_another_and_nothing_of_its_step_is_committed(event_log: EventLog, tmp_path: Path) -> None:
+async def test_an_engine_cannot_speak_for_another_and_nothing_of_its_step_is_committed(
+    event_log: EventLog, tmp_path: Path
+) -> None:
     sock = tmp_path / "s.sock"
     async with sidecar_on(event_log, sock), engine_client(sock, "pod-a") as client:
         await client.step(1, 1.0, [])
@@ -407,7 +417,9 @@ async def test_tcp_needs_the_token_compared_whole_and_never_logs_it(event_log: E
                 with pytest.raises(SidecarError) as refused:
                     await client.connect()
                 assert refused.value.code == p.ErrorCode.UNAUTHORIZED
-            async with EngineClient(Address(tcp=sidecar.tcp_address, token=secret), declaration("pod-a"), tiers=[TIER_SPEC]) as ok:
+            async with EngineClient(
+                Address(tcp=sidecar.tcp_address, token=secret), declaration("pod-a"), tiers=[TIER_SPEC]
+            ) as ok:
                 assert not (await ok.step(1, 1.0, [])).duplicate
     assert secret not in repr(logs)
 
@@ -435,8 +447,10 @@ async def test_the_unix_socket_is_owner_only(event_log: EventLog, tmp_path: Path
 
 def test_a_full_subscription_buffer_cuts_off_with_the_sequence_to_resume_from() -> None:
     subscription = Subscription("pod-a", 0, from_seq=0, registered_at=0, capacity=3)
-    decisions = [p.Decision(seq, StoreJobStarted(job_id=seq, engine_id="pod-a", incarnation=1, tier="t", world_size=1, items=[]))
-                 for seq in range(1, 6)]
+    decisions = [
+        Decision(seq, StoreJobStarted(job_id=seq, engine_id="pod-a", incarnation=1, tier="t", world_size=1, items=[]))
+        for seq in range(1, 6)
+    ]
     subscription.offer(decisions[:2])
     subscription.delivered = 0
     subscription.offer(decisions[2:])  # 5 > 3: cut off, nothing more is buffered
@@ -481,7 +495,7 @@ async def test_a_slow_subscriber_is_cut_off_and_resumes_without_gaps_or_repeats(
                 moves = [Move(src, 2 * i, dst, 2 * i + 1, 1) for i in range(1000)]
                 result = await driver.step([PlanStateCopy(engine_id="pod-a", pool_id=0, moves=moves)])
                 copies += result.decisions
-        got: list[p.Decision] = []
+        got: list[Decision] = []
         cut: p.Error | None = None
         ended = False
         while cut is None and not ended:
@@ -503,7 +517,7 @@ async def test_a_slow_subscriber_is_cut_off_and_resumes_without_gaps_or_repeats(
         else:
             assert ended and cut is None
         worker = WorkerClient(Address(socket_path=str(sock)), "pod-a", 0)
-        rest: list[p.Decision] = []
+        rest: list[Decision] = []
         with anyio.fail_after(30):
             async for decision in worker.decisions(got[-1].seq if got else 0):
                 rest.append(decision)
@@ -533,12 +547,21 @@ async def test_metrics_health_and_readiness_over_http(event_log: EventLog, tmp_p
 
         status, text = await anyio.to_thread.run_sync(get, "/metrics")
         assert status == 200
-        for name in ("kvledger_step_seconds_bucket", "kvledger_events_appended_total", "kvledger_pins",
-                     "kvledger_draining_slots", "kvledger_published_keys", "kvledger_lease_expiries_total"):
+        for name in (
+            "kvledger_step_seconds_bucket",
+            "kvledger_events_appended_total",
+            "kvledger_pins",
+            "kvledger_draining_slots",
+            "kvledger_published_keys",
+            "kvledger_lease_expiries_total",
+        ):
             assert name in text, name
         assert 'kvledger_refusals_total{kind="refused",reason="unknown_owner"} 1.0' in text
         assert 'kvledger_pins{engine="pod-a"} 2.0' in text, "the store job pins its two source blocks (I3)"
-        assert await anyio.to_thread.run_sync(get, "/healthz") == (200, '{"alive":true,"global_seq":%d}' % sidecar.ledger.last_seq)
+        assert await anyio.to_thread.run_sync(get, "/healthz") == (
+            200,
+            f'{{"alive":true,"global_seq":{sidecar.ledger.last_seq}}}',
+        )
         status, body = await anyio.to_thread.run_sync(get, "/readyz")
         assert (status, msgspec.json.decode(body)) == (200, {"ready": True, "reason": "ready"})
         sidecar.draining = True
@@ -590,16 +613,28 @@ async def test_a_store_with_nothing_new_is_not_sent_to_workers(event_log: EventL
         driver = Engine(client)
         job = await driver.request(0)
         for rank in (0, 1):
-            await client.report(ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items]))
-        owner = next(e for e in (await driver.step([StartOwner(engine_id="pod-a", req_id="again")])).results[0]
-                     if isinstance(e, OwnerStarted)).owner_id
-        blocks = next(e for e in (await driver.step([AllocateBlocks(engine_id="pod-a", owner_id=owner, pool_id=0, count=2)])).results[0]
-                      if isinstance(e, BlocksAllocated)).blocks
-        from coordinator.commands import MarkComputed, StartStore
+            await client.report(
+                ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items])
+            )
+        owner = next(
+            e
+            for e in (await driver.step([StartOwner(engine_id="pod-a", req_id="again")])).results[0]
+            if isinstance(e, OwnerStarted)
+        ).owner_id
+        blocks = next(
+            e
+            for e in (await driver.step([AllocateBlocks(engine_id="pod-a", owner_id=owner, pool_id=0, count=2)])).results[0]
+            if isinstance(e, BlocksAllocated)
+        ).blocks
+        from coordinator.core.commands import MarkComputed, StartStore
 
         tokens = [hash(("pod-a", 0, i)) % 50_000 for i in range(2 * b.BLOCK)]
-        result = await driver.step([MarkComputed(engine_id="pod-a", owner_id=owner, blocks=blocks, token_ids=tokens),
-                                    StartStore(engine_id="pod-a", tier=b.TIER, blocks=blocks)])
+        result = await driver.step(
+            [
+                MarkComputed(engine_id="pod-a", owner_id=owner, blocks=blocks, token_ids=tokens),
+                StartStore(engine_id="pod-a", tier=b.TIER, blocks=blocks),
+            ]
+        )
         stored = [e for e in result.results[1] if isinstance(e, StoreJobStarted)]
         assert stored and not stored[0].items and stored[0].already_published == [i.key for i in job.items]
         assert result.decisions == []
@@ -672,9 +707,10 @@ async def test_a_failed_snapshot_fails_no_step_and_loses_no_decision(event_log: 
 
         sidecar.ledger.log.save_snapshot = full_disk  # type: ignore[method-assign]
         worker = WorkerClient(Address(socket_path=str(sock)), "pod-a", 0)
-        got: list[p.Decision] = []
+        got: list[Decision] = []
         try:
             async with anyio.create_task_group() as tg:
+
                 async def listen() -> None:
                     async for decision in worker.decisions(0):
                         got.append(decision)
@@ -727,8 +763,8 @@ async def test_a_transaction_the_core_fails_on_fails_alone_and_the_rest_of_its_g
 ) -> None:
     """A bug in the core on one transaction of a group: that one gets the error, the others are
     committed without it (they were failed with it before), and readiness is untouched."""
-    from coordinator import decider
-    from coordinator.commands import DeclareTier
+    from coordinator.core import decider
+    from coordinator.core.commands import DeclareTier
     from coordinator.ledger import Step
     from coordinator.sidecar.committer import Committer
     from coordinator.sidecar.hub import DecisionHub
@@ -748,11 +784,15 @@ async def test_a_transaction_the_core_fails_on_fails_alone_and_the_rest_of_its_g
         return real(state, command)  # type: ignore[arg-type]
 
     monkeypatch.setitem(decider._HANDLERS, StartOwner, buggy)  # type: ignore[misc]
-    committer = Committer(ledger, DecisionHub(ledger.log, ledger.codec, ledger.last_seq, 100), SidecarMetrics(lambda: ledger.state))
+    committer = Committer(
+        ledger, DecisionHub(ledger.log, ledger.codec, ledger.last_seq, 100), SidecarMetrics(lambda: ledger.state)
+    )
     outcomes: dict[str, object] = {}
 
     async def submit(engine: str, req_id: str) -> None:
-        tx = Step(engine_id=engine, step=1, clock=1.0, commands=[StartOwner(engine_id=engine, req_id=req_id)], command_id=f"{engine}-1")
+        tx = Step(
+            engine_id=engine, step=1, clock=1.0, commands=[StartOwner(engine_id=engine, req_id=req_id)], command_id=f"{engine}-1"
+        )
         try:
             outcomes[engine] = await committer.submit(tx)
         except ZeroDivisionError as error:
@@ -817,7 +857,9 @@ async def test_a_step_of_too_many_commands_is_refused_and_nothing_is_committed(e
         await client.step(1, 1.0, commands[:MAX_COMMANDS_PER_STEP])  # at the limit: taken
 
 
-async def test_a_failed_commit_tells_the_client_no_sql(event_log: EventLog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_failed_commit_tells_the_client_no_sql(
+    event_log: EventLog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import sqlalchemy as sa
 
     sock = tmp_path / "s.sock"
@@ -825,7 +867,9 @@ async def test_a_failed_commit_tells_the_client_no_sql(event_log: EventLog, tmp_
         client.retry_for = 0.1
 
         async def failing(batches: Sequence[AppendBatch]) -> list[AppendResult]:
-            raise sa.exc.IntegrityError("INSERT INTO kvl_steps (secret_column) VALUES (?)", ("tenant-a's-payload",), Exception("boom"))
+            raise sa.exc.IntegrityError(
+                "INSERT INTO kvl_steps (secret_column) VALUES (?)", ("tenant-a's-payload",), Exception("boom")
+            )
 
         monkeypatch.setattr(event_log, "append", failing)
         with pytest.raises((SidecarError, SidecarUnavailable)) as failed:
@@ -835,11 +879,13 @@ async def test_a_failed_commit_tells_the_client_no_sql(event_log: EventLog, tmp_
         assert "INSERT" not in text and "secret_column" not in text and "tenant-a's-payload" not in text, text
 
 
-async def test_a_slow_snapshot_write_holds_up_no_step_through_the_committer(event_log: EventLog, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_slow_snapshot_write_holds_up_no_step_through_the_committer(
+    event_log: EventLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The sidecar's committer writes due snapshots in a task of its own: with a snapshot due
     after every step and each write taking 3 s, steps are still answered at once (before, each
     waited for its own snapshot and the next for the one before: found in review)."""
-    from coordinator.commands import DeclareTier
+    from coordinator.core.commands import DeclareTier
     from coordinator.ledger import Step
     from coordinator.sidecar.committer import Committer
     from coordinator.sidecar.hub import DecisionHub
@@ -858,13 +904,22 @@ async def test_a_slow_snapshot_write_holds_up_no_step_through_the_committer(even
         writes.append(1)
 
     monkeypatch.setattr(event_log, "save_snapshot", slow_save)
-    committer = Committer(ledger, DecisionHub(ledger.log, ledger.codec, ledger.last_seq, 100), SidecarMetrics(lambda: ledger.state))
+    committer = Committer(
+        ledger, DecisionHub(ledger.log, ledger.codec, ledger.last_seq, 100), SidecarMetrics(lambda: ledger.state)
+    )
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(committer.run)
             for step in (1, 2, 3):
-                await committer.submit(Step(engine_id="pod-a", step=step, clock=float(step),
-                                            commands=[StartOwner(engine_id="pod-a", req_id=f"r{step}")], command_id=f"s{step}"))
+                await committer.submit(
+                    Step(
+                        engine_id="pod-a",
+                        step=step,
+                        clock=float(step),
+                        commands=[StartOwner(engine_id="pod-a", req_id=f"r{step}")],
+                        command_id=f"s{step}",
+                    )
+                )
             answered_before_any_write = not writes
             while not writes:  # the writes go on beside the steps
                 await anyio.sleep(0.05)

@@ -17,9 +17,9 @@ import zmq.asyncio
 
 from coordinator.audit.queries import Audit
 from coordinator.audit.store import sync_index
-from coordinator.commands import StartOwner
+from coordinator.core.commands import StartOwner
+from coordinator.core.state import state_digest
 from coordinator.recovery import replay
-from coordinator.state import state_digest
 from coordinator.vllm.sidecar_ingest import IngestFileError, load_ingest_file
 from events import EventCodec, ObservedBlocksRemoved, ObservedBlocksStored, Refused
 from events.log import EventLog, SqlEventLog
@@ -45,8 +45,12 @@ hash_algorithm = "vllm:sha256"
 
 def ingest_file(tmp_path: Path, *engines: tuple[str, str], extra: str = "") -> Path:
     path = tmp_path / "ingest.toml"
-    path.write_text("".join(f'[[engine]]\nengine_id = "{engine}"\nendpoint = "{endpoint}"\ntopic = "{TOPIC}"\n{extra}{NAMESPACE}'
-                            for engine, endpoint in engines))
+    path.write_text(
+        "".join(
+            f'[[engine]]\nengine_id = "{engine}"\nendpoint = "{endpoint}"\ntopic = "{TOPIC}"\n{extra}{NAMESPACE}'
+            for engine, endpoint in engines
+        )
+    )
     return path
 
 
@@ -94,17 +98,33 @@ async def test_the_sidecar_records_vllm_events_beside_engine_steps_in_one_log(ev
         context.destroy(linger=0)
 
 
-@pytest.mark.parametrize(("body", "says"), [
-    ('[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:1"\nport = 3\n' + NAMESPACE, "port"),
-    ('[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:1"\n', "namespace"),
-    ("engine = []\n", "no [[engine]] table"),
-    ('[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:1"\n' + NAMESPACE.replace(f"[{BLOCK}]", "[]")
-     + '[[engine]]\nengine_id = "b"\nendpoint = "tcp://127.0.0.1:2"\n' + NAMESPACE, "the namespace is not usable"),
-    ('[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:1"\n' + NAMESPACE
-     + '[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:2"\n' + NAMESPACE, "listed twice"),
-    ("[[engine]\n", "--ingest-vllm"),
-    ('[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:1"\nreplay = "127.0.0.1:5558"\n' + NAMESPACE, "is not a ZMQ endpoint"),
-])
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ('[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:1"\nport = 3\n' + NAMESPACE, "port"),
+        ('[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:1"\n', "namespace"),
+        ("engine = []\n", "no [[engine]] table"),
+        (
+            '[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:1"\n'
+            + NAMESPACE.replace(f"[{BLOCK}]", "[]")
+            + '[[engine]]\nengine_id = "b"\nendpoint = "tcp://127.0.0.1:2"\n'
+            + NAMESPACE,
+            "the namespace is not usable",
+        ),
+        (
+            '[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:1"\n'
+            + NAMESPACE
+            + '[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:2"\n'
+            + NAMESPACE,
+            "listed twice",
+        ),
+        ("[[engine]\n", "--ingest-vllm"),
+        (
+            '[[engine]]\nengine_id = "a"\nendpoint = "tcp://127.0.0.1:1"\nreplay = "127.0.0.1:5558"\n' + NAMESPACE,
+            "is not a ZMQ endpoint",
+        ),
+    ],
+)
 def test_a_bad_ingest_file_is_refused_naming_the_file_and_the_problem(tmp_path: Path, body: str, says: str) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(body)
@@ -116,9 +136,26 @@ def test_a_bad_ingest_file_is_refused_naming_the_file_and_the_problem(tmp_path: 
 def test_serve_with_a_bad_ingest_file_exits_2_with_one_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text('[[engine]]\nengine_id = "a"\n')
-    done = subprocess.run([sys.executable, "-m", "coordinator.cli", "serve", "--log", str(tmp_path / "log.sqlite"),
-                           "--socket", str(tmp_path / "s.sock"), "--http", "off", "--ingest-vllm", str(path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "serve",
+            "--log",
+            str(tmp_path / "log.sqlite"),
+            "--socket",
+            str(tmp_path / "s.sock"),
+            "--http",
+            "off",
+            "--ingest-vllm",
+            str(path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2, done.stderr
     [line] = [line for line in done.stderr.splitlines() if line.startswith("kvledger serve:")]
     assert str(path) in line and "endpoint" in line, line
@@ -131,9 +168,26 @@ def test_serve_whose_ingest_endpoint_is_taken_exits_2_naming_the_engine_and_endp
         taken.bind("tcp://127.0.0.1:*")
         endpoint = taken.getsockopt_string(zmq.LAST_ENDPOINT)
         path = ingest_file(tmp_path, ("vllm-0", endpoint))
-        done = subprocess.run([sys.executable, "-m", "coordinator.cli", "serve", "--log", str(tmp_path / "log.sqlite"),
-                               "--socket", str(tmp_path / "s.sock"), "--http", "off", "--ingest-vllm", str(path)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "coordinator.cli",
+                "serve",
+                "--log",
+                str(tmp_path / "log.sqlite"),
+                "--socket",
+                str(tmp_path / "s.sock"),
+                "--http",
+                "off",
+                "--ingest-vllm",
+                str(path),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         taken.close(linger=0)
         context.term()
@@ -195,7 +249,7 @@ async def test_a_batch_is_committed_whole_in_order_even_when_larger_than_a_group
     """Committer.submit_all with more transactions than a group holds, the first append failing:
     the retry with the same command ids records every batch in order (before, the second group
     committed, leaving a false gap, and the retried first group was refused as duplicates)."""
-    from coordinator.commands import ObserveEngine, ObservedKvEvent, ObserveKvEvents
+    from coordinator.core.commands import ObservedKvEvent, ObserveEngine, ObserveKvEvents
     from coordinator.ledger import Commit, Ledger, Single
     from coordinator.sidecar.committer import MAX_GROUP, Committer
     from coordinator.sidecar.hub import DecisionHub
@@ -218,9 +272,28 @@ async def test_a_batch_is_committed_whole_in_order_even_when_larger_than_a_group
 
         event_log.append = fails_once  # type: ignore[method-assign,assignment]
         count = MAX_GROUP + 6
-        txs = [Single(command=ObserveKvEvents(engine_id="v", seq=n, ts=1.0, dp_rank=None, events=[ObservedKvEvent(
-            kind="stored", medium="GPU", group=0, block_hashes=[n.to_bytes(8, "big")], token_ids=[1] * BLOCK, block_size=BLOCK)]),
-            command_id=f"ingest/run/{n}") for n in range(count)]
+        txs = [
+            Single(
+                command=ObserveKvEvents(
+                    engine_id="v",
+                    seq=n,
+                    ts=1.0,
+                    dp_rank=None,
+                    events=[
+                        ObservedKvEvent(
+                            kind="stored",
+                            medium="GPU",
+                            group=0,
+                            block_hashes=[n.to_bytes(8, "big")],
+                            token_ids=[1] * BLOCK,
+                            block_size=BLOCK,
+                        )
+                    ],
+                ),
+                command_id=f"ingest/run/{n}",
+            )
+            for n in range(count)
+        ]
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(committer.run)

@@ -17,9 +17,9 @@ import anyio
 import pytest
 
 from coordinator.client import Address, EngineClient, WorkerClient
-from coordinator.commands import StartOwner
+from coordinator.core.commands import StartOwner
+from coordinator.core.state import state_digest
 from coordinator.recovery import replay
-from coordinator.state import state_digest
 from events import EventCodec, OwnerStarted, StepBegan
 from events.log import open_log
 from tests.sidecar_kit import ROOT, TIER_SPEC, Engine, declaration, serve_process
@@ -49,24 +49,60 @@ def test_serve_prints_where_it_listens_and_logs_json_lines(tmp_path: Path) -> No
 
 def test_serve_refuses_tcp_without_a_token_in_one_line(tmp_path: Path) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "serve", "--socket", str(tmp_path / "s.sock"), "--log",
-         str(tmp_path / "log.sqlite"), "--tcp", "127.0.0.1:0", "--http", "off"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "KVLEDGER_DATA_DIR": str(tmp_path)},
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "serve",
+            "--socket",
+            str(tmp_path / "s.sock"),
+            "--log",
+            str(tmp_path / "log.sqlite"),
+            "--tcp",
+            "127.0.0.1:0",
+            "--http",
+            "off",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "KVLEDGER_DATA_DIR": str(tmp_path)},
     )
     assert run.returncode == 2
-    assert run.stderr.strip().splitlines()[-1] == "kvledger serve: --tcp needs a token (--token or KVLEDGER_TOKEN, or a token in --credentials): TCP clients must authenticate"
+    assert (
+        run.stderr.strip().splitlines()[-1]
+        == "kvledger serve: --tcp needs a token (--token or KVLEDGER_TOKEN, or a token in --credentials): TCP clients must authenticate"
+    )
 
 
 def test_serve_on_a_socket_path_that_is_a_regular_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
     taken = tmp_path / "not-a-socket"
     taken.write_text("an operator's file\n")
     run = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "serve", "--socket", str(taken), "--log", str(tmp_path / "log.sqlite"),
-         "--http", "off"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "KVLEDGER_DATA_DIR": str(tmp_path)},
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "serve",
+            "--socket",
+            str(taken),
+            "--log",
+            str(tmp_path / "log.sqlite"),
+            "--http",
+            "off",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "KVLEDGER_DATA_DIR": str(tmp_path)},
     )
     assert run.returncode == 2, run.stderr
-    assert run.stderr.strip().splitlines()[-1] == f"kvledger serve: --socket {taken} exists and is not a socket; refusing to replace it"
+    assert (
+        run.stderr.strip().splitlines()[-1]
+        == f"kvledger serve: --socket {taken} exists and is not a socket; refusing to replace it"
+    )
     assert "Traceback" not in run.stderr
     assert taken.read_text() == "an operator's file\n"
 
@@ -76,8 +112,9 @@ def test_sigterm_finishes_in_flight_steps_snapshots_and_exits_0(tmp_path: Path) 
         results = []
 
         async def steps_until_closed() -> None:
-            async with EngineClient(Address(socket_path=str(server.socket)), declaration("pod-a"), tiers=[TIER_SPEC],
-                                    retry_for=0.5) as client:
+            async with EngineClient(
+                Address(socket_path=str(server.socket)), declaration("pod-a"), tiers=[TIER_SPEC], retry_for=0.5
+            ) as client:
                 for step in range(1, 10_000):
                     try:
                         results.append(await client.step(step, float(step), [StartOwner(engine_id="pod-a", req_id=f"r{step}")]))
@@ -120,8 +157,9 @@ def test_sigkill_under_load_loses_nothing_committed_and_retries_commit_exactly_o
         clients: dict[str, EngineClient] = {}
 
         async def engine(engine_id: str) -> None:
-            client = EngineClient(Address(socket_path=str(server.socket)), declaration(engine_id, num_blocks=4096),
-                                  tiers=[TIER_SPEC], retry_for=60)
+            client = EngineClient(
+                Address(socket_path=str(server.socket)), declaration(engine_id, num_blocks=4096), tiers=[TIER_SPEC], retry_for=60
+            )
             clients[engine_id] = client
             driver = Engine(client)
             async with client:
@@ -175,8 +213,11 @@ def test_sigkill_under_load_loses_nothing_committed_and_retries_commit_exactly_o
             for engine_id, seen in answered.items():
                 steps_per_engine = 3 * requests[engine_id]
                 assert [step for step, _, _ in seen] == list(range(1, steps_per_engine + 1))
-                began = [(s.global_seq, codec.decode(s.event_type, s.schema_version, s.payload)) for s in stored
-                         if s.stream_id == f"engine/{engine_id}" and s.event_type == "step_began"]
+                began = [
+                    (s.global_seq, codec.decode(s.event_type, s.schema_version, s.payload))
+                    for s in stored
+                    if s.stream_id == f"engine/{engine_id}" and s.event_type == "step_began"
+                ]
                 steps = [e.step for _, e in began if isinstance(e, StepBegan)]
                 assert steps == list(range(1, steps_per_engine + 1)), f"{engine_id}: steps in the log {steps}"
                 first_seqs = {seq for seq, _ in began}
@@ -195,7 +236,6 @@ def test_sigkill_under_load_loses_nothing_committed_and_retries_commit_exactly_o
             await event_log.close()
 
     anyio.run(check)
-
 
 
 def test_the_sync_client_steps_looks_up_and_survives_a_sidecar_restart(tmp_path: Path) -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from coordinator.core.state import state_digest
 from coordinator.recovery import replay
 from coordinator.simulator.harness import Simulation
 from coordinator.simulator.workload import TIER_SLOTS, WorkloadReport, run_workload
-from coordinator.state import state_digest
 from events import EventCodec
 
 pytestmark = pytest.mark.anyio
@@ -40,8 +40,7 @@ async def run(directory: Path, *, seed: int = SEED, late_loads_at_reset: bool = 
     """One small run; inside it, the log replays to exactly the sidecar's live state (I18)."""
     directory.mkdir()
     async with Simulation(directory, frozenset(), tier_slots=TIER_SLOTS) as sim:
-        report = await run_workload(sim, engines=2, steps=STEPS, seed=seed, world_size=2,
-                                    late_loads_at_reset=late_loads_at_reset)
+        report = await run_workload(sim, engines=2, steps=STEPS, seed=seed, world_size=2, late_loads_at_reset=late_loads_at_reset)
         assert sim.log is not None and sim.sidecar is not None
         replayed, _ = await replay(sim.log, EventCodec())
         assert state_digest(replayed) == state_digest(sim.sidecar.ledger.state)

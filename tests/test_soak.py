@@ -15,7 +15,7 @@ import torch
 from rich.console import Console
 
 from coordinator.client import Address, EngineClient
-from coordinator.commands import (
+from coordinator.core.commands import (
     AllocateBlocks,
     AnyCommand,
     FinishOwner,
@@ -60,9 +60,18 @@ from tests.sidecar_kit import declaration
 @pytest.mark.timeout(150)
 def test_soak_with_two_serve_kills_and_a_worker_kill_passes_every_check(tmp_path: Path) -> None:
     options = soak.SoakOptions(
-        seconds=20, engines=2, seed=11, directory=tmp_path / "run", serve_kill_every=0, worker_kill_every=0,
-        forced_serve_kills=2, forced_worker_kills=1, first_fault=2.0, steps_between_kills=3,
-        warmup=3.0, rss_every=0.25,
+        seconds=20,
+        engines=2,
+        seed=11,
+        directory=tmp_path / "run",
+        serve_kill_every=0,
+        worker_kill_every=0,
+        forced_serve_kills=2,
+        forced_worker_kills=1,
+        first_fault=2.0,
+        steps_between_kills=3,
+        warmup=3.0,
+        rss_every=0.25,
     )
     report = soak.run_soak(options)
     out = io.StringIO()
@@ -70,8 +79,11 @@ def test_soak_with_two_serve_kills_and_a_worker_kill_passes_every_check(tmp_path
     failed = [check for check in report.checks if not check.passed]
     assert not failed, out.getvalue()
     assert [check.name for check in report.checks] == [
-        "no committed event lost or duplicated", "kvledger verify finds nothing", "zero wrong-KV reads",
-        "serve resident memory flat after warm-up", "refusals only of kinds the workload or the faults explain",
+        "no committed event lost or duplicated",
+        "kvledger verify finds nothing",
+        "zero wrong-KV reads",
+        "serve resident memory flat after warm-up",
+        "refusals only of kinds the workload or the faults explain",
         "engines and workers rode through",
     ]
     # The faults happened, and work went on after them: the checks above were not vacuous.
@@ -98,24 +110,33 @@ async def test_a_retried_step_is_regrouped_into_the_first_replys_groups(tmp_path
     socket = tmp_path / "s.sock"
     try:
         async with embedded_sidecar(event_log, socket):
-            async with EngineClient(Address(socket_path=str(socket)), declaration(engine_id, num_blocks=8),
-                                    tiers=[tier]) as client:
+            async with EngineClient(
+                Address(socket_path=str(socket)), declaration(engine_id, num_blocks=8), tiers=[tier]
+            ) as client:
                 started = await client.step(1, 0.1, [StartOwner(engine_id=engine_id, req_id=f"r{i}") for i in (1, 2)])
                 first, second = (e.owner_id for group in started.results for e in group if isinstance(e, OwnerStarted))
-                allocated = await client.step(2, 0.2, [AllocateBlocks(engine_id=engine_id, owner_id=owner, pool_id=0, count=2)
-                                                       for owner in (first, second)])
-                blocks: list[list[BlockRef]] = [e.blocks for group in allocated.results for e in group
-                                                if isinstance(e, BlocksAllocated)]
-                stored = await client.step(3, 0.3, [
-                    MarkComputed(engine_id=engine_id, owner_id=first, blocks=blocks[0], token_ids=list(range(2 * b.BLOCK))),
-                    StartStore(engine_id=engine_id, tier=b.TIER, blocks=blocks[0]),
-                ])
+                allocated = await client.step(
+                    2, 0.2, [AllocateBlocks(engine_id=engine_id, owner_id=owner, pool_id=0, count=2) for owner in (first, second)]
+                )
+                blocks: list[list[BlockRef]] = [
+                    e.blocks for group in allocated.results for e in group if isinstance(e, BlocksAllocated)
+                ]
+                stored = await client.step(
+                    3,
+                    0.3,
+                    [
+                        MarkComputed(engine_id=engine_id, owner_id=first, blocks=blocks[0], token_ids=list(range(2 * b.BLOCK))),
+                        StartStore(engine_id=engine_id, tier=b.TIER, blocks=blocks[0]),
+                    ],
+                )
                 job = next(e for e in stored.results[1] if isinstance(e, StoreJobStarted))
                 sums = [checksum(torch.zeros(64, dtype=torch.uint8))] * len(job.items)
                 for rank in (0, 1):
                     await client.report(ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=sums))
                 commands: list[AnyCommand] = [
-                    MarkComputed(engine_id=engine_id, owner_id=second, blocks=blocks[1], token_ids=list(range(100, 100 + 2 * b.BLOCK))),
+                    MarkComputed(
+                        engine_id=engine_id, owner_id=second, blocks=blocks[1], token_ids=list(range(100, 100 + 2 * b.BLOCK))
+                    ),
                     StartStore(engine_id=engine_id, tier=b.TIER, blocks=blocks[1]),  # evicts the first owner's keys
                     StartStore(engine_id=engine_id, tier=b.TIER, blocks=blocks[0]),  # every slot pinned: refused
                     FinishOwner(engine_id=engine_id, owner_id=first),
@@ -151,19 +172,23 @@ def _facts(events: list[tuple[str, Event]]) -> LogFacts:
 
 
 def _step(engine: str, step: int) -> list[tuple[str, Event]]:
-    return [(f"engine/{engine}", StepBegan(engine_id=engine, step=step, clock=0.0)),
-            (f"engine/{engine}", StepEnded(engine_id=engine, step=step, freed_blocks=[], freed_encoder_entries=[],
-                                           removed_keys=[]))]
+    return [
+        (f"engine/{engine}", StepBegan(engine_id=engine, step=step, clock=0.0)),
+        (f"engine/{engine}", StepEnded(engine_id=engine, step=step, freed_blocks=[], freed_encoder_entries=[], removed_keys=[])),
+    ]
 
 
 def _ack(step: int, first: int) -> Ack:
-    return Ack(command_id=f"e/step-{step}", kind="step", engine_id="e", step=step, first_seq=first, last_seq=first + 1,
-               segment=0)
+    return Ack(command_id=f"e/step-{step}", kind="step", engine_id="e", step=step, first_seq=first, last_seq=first + 1, segment=0)
 
 
 def _found(*acks: Ack) -> dict[str, AppendResult]:
-    return {a.command_id: AppendResult(stream_id="engine/e", first_seq=a.first_seq, last_seq=a.last_seq,
-                                       stream_version=a.last_seq, duplicate=True) for a in acks}
+    return {
+        a.command_id: AppendResult(
+            stream_id="engine/e", first_seq=a.first_seq, last_seq=a.last_seq, stream_version=a.last_seq, duplicate=True
+        )
+        for a in acks
+    }
 
 
 def test_commit_check_passes_a_clean_log_and_fails_a_lost_a_doubled_or_a_moved_step() -> None:
@@ -207,4 +232,3 @@ def test_fault_plan_is_seeded_and_puts_forced_kills_first() -> None:
     assert [f.kind for f in plan[:3]] == ["worker", "serve", "serve"]
     assert all(f.at < 75 for f in plan if f.kind == "serve")  # the quiet tail: no serve kill in the last quarter
     assert all(0 <= f.engine < 3 and 0 <= f.rank < 2 for f in plan)
-

@@ -40,8 +40,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from coordinator.commands import (
-    command_tag,
+from coordinator.core.commands import (
     NOTICES,
     AllocateBlocks,
     AllocateEncoderEntry,
@@ -63,17 +62,17 @@ from coordinator.commands import (
     StartLoad,
     StartOwner,
     StartStore,
+    command_tag,
 )
-from coordinator.keys import chain_keys
-from coordinator.projector import project
-from coordinator.state import (
+from coordinator.core.keys import chain_keys
+from coordinator.core.projector import project
+from coordinator.core.state import (
     EngineState,
     JobDecision,
     KeyEntry,
     OwnerState,
     PoolState,
     SlotStatus,
-    State,
     encode_state,
 )
 from events import (
@@ -88,9 +87,9 @@ from events import (
     EngineDeclared,
     EngineReset,
     Event,
+    FencedRankDone,
     JobFailed,
     JobFenced,
-    FencedRankDone,
     JobSucceeded,
     KeyEvicted,
     KeyPublished,
@@ -109,7 +108,6 @@ from events import (
     StoreJobStarted,
 )
 from tests.builders import (
-    quiet_bytes,
     ENGINE,
     TIER,
     allocate,
@@ -121,6 +119,7 @@ from tests.builders import (
     new_core,
     ok,
     owner,
+    quiet_bytes,
     state_pool,
 )
 
@@ -145,8 +144,6 @@ ENCODER_ENTRIES = ("img-a", "img-b", "img-c")
 WEIGHTS_REVISIONS = ("sha256:1111", "sha256:3333")
 """A restart may load other weights: the old namespace's keys stay published but are never
 hits nor loadable for the new one (I9; seed 003)."""
-
-
 
 
 @dataclass
@@ -175,8 +172,7 @@ class TrackedJob:
         if isinstance(self.decision, StateCopyPlanned):
             return True
         return all(
-            len(report.checksums) == len(self.decision.items) and all(report.checksums)
-            for report in self.reports.values()
+            len(report.checksums) == len(self.decision.items) and all(report.checksums) for report in self.reports.values()
         )
 
 
@@ -257,9 +253,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
             if isinstance(event, (StoreJobStarted, LoadJobStarted, StateCopyPlanned)):
                 assert event.job_id not in self.jobs, f"job id {event.job_id} reused (I4)"
                 job = TrackedJob(event)
-                empty = (
-                    not event.batches if isinstance(event, StateCopyPlanned) else not event.items
-                )
+                empty = not event.batches if isinstance(event, StateCopyPlanned) else not event.items
                 if empty:  # nothing to do: it succeeds at once and never pins anything
                     assert event.job_id in finished_at_once, events
                     job.status = "complete"
@@ -303,9 +297,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         events = self.execute(EndStep(engine_id=ENGINE))
         *dropped, ended = events
         assert isinstance(ended, StepEnded), events
-        assert all(
-            isinstance(d, NoticeDropped) and d.reason == Reason.REALLOCATED_IN_STEP for d in dropped
-        ), dropped
+        assert all(isinstance(d, NoticeDropped) and d.reason == Reason.REALLOCATED_IN_STEP for d in dropped), dropped
         # I14: the freed notices describe the state at the end of the step, once each.
         assert len(set(ended.freed_blocks)) == len(ended.freed_blocks), ended
         for ref in ended.freed_blocks:
@@ -433,9 +425,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         if not refs:
             return
         size = self.pool(pool_id).spec.block_size
-        blocks = data.draw(
-            st.lists(st.sampled_from(refs), min_size=1, max_size=min(len(refs), len(doc) // size), unique=True)
-        )
+        blocks = data.draw(st.lists(st.sampled_from(refs), min_size=1, max_size=min(len(refs), len(doc) // size), unique=True))
         self.compute(own, blocks, doc)
 
     @rule(
@@ -578,9 +568,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
             dests = self.try_allocate(self.pick_owner(data), pool_id, 1)
         # Held, draining or cached-free slots may be read (listed after the allocation above,
         # which may have recycled a cached-free one).
-        sources = [
-            pool.ref(b) for b in range(1, pool.spec.num_blocks) if pool.status(b) is not SlotStatus.FREE
-        ]
+        sources = [pool.ref(b) for b in range(1, pool.spec.num_blocks) if pool.status(b) is not SlotStatus.FREE]
         if not sources or not dests:
             return
         moves = []
@@ -903,9 +891,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         tier = self.core.state.tiers[TIER]
         # Blocks held but not computed: allocated, being loaded (I17) or written by a copy.
         uncomputed = [pool.ref(b) for b in range(1, pool.spec.num_blocks) if pool.refs[b] > 0 and pool.keys[b] is None]
-        foreign = [
-            key for key, entry in tier.entries.get(pool_id, {}).items() if entry.namespace_id != self.engine.namespace_id
-        ]
+        foreign = [key for key, entry in tier.entries.get(pool_id, {}).items() if entry.namespace_id != self.engine.namespace_id]
         loadable_into = [ref for ref in uncomputed if pool.pins[ref.block_id] == 0]
         if (
             (kind == "rank_out_of_range" and not self.open_job_ids())
@@ -1081,9 +1067,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 job = self.jobs[entry.source_job]
                 assert isinstance(job.decision, StoreJobStarted)
                 [(index, item)] = [
-                    (i, item)
-                    for i, item in enumerate(job.decision.items)
-                    if item.key == key and item.source.pool_id == pool_id
+                    (i, item) for i, item in enumerate(job.decision.items) if item.key == key and item.source.pool_id == pool_id
                 ]
                 assert item.source.block_id != 0, f"key {key.hex()} was stored from the null block (I2)"
                 assert (entry.tier_slot, entry.tier_generation) == (item.tier_slot, item.tier_generation)

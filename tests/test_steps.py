@@ -22,8 +22,14 @@ from tests.test_codec import _sample_events
 
 def pending(codec: EventCodec, event: Event, index: int) -> PendingEvent:
     event_type, version, payload = codec.encode(event)
-    return PendingEvent(event_id=f"id-{index}", step=100 + index, recorded_at=5.0 + index,
-                        event_type=event_type, schema_version=version, payload=payload)
+    return PendingEvent(
+        event_id=f"id-{index}",
+        step=100 + index,
+        recorded_at=5.0 + index,
+        event_type=event_type,
+        schema_version=version,
+        payload=payload,
+    )
 
 
 def stored_step(events: list[PendingEvent], first_seq: int = 41, first_version: int = 7) -> StoredStep:
@@ -40,14 +46,22 @@ def test_a_step_splits_back_into_its_events_byte_for_byte() -> None:
     assert [s.stream_version for s in stored] == list(range(7, 7 + len(appended)))
     for original, back in zip(appended, stored, strict=True):
         assert (back.event_id, back.step, back.recorded_at, back.event_type, back.schema_version, back.payload) == (
-            original.event_id, original.step, original.recorded_at, original.event_type, original.schema_version, original.payload)
+            original.event_id,
+            original.step,
+            original.recorded_at,
+            original.event_type,
+            original.schema_version,
+            original.payload,
+        )
         assert back.stream_id == "engine/e"
 
 
 def test_opaque_payloads_are_kept_as_written() -> None:
     """The log does not parse payloads: bytes that are not msgpack come back unchanged."""
-    raw = [PendingEvent(event_id=f"r{i}", step=1, recorded_at=0.0, event_type="x", schema_version=1, payload=data)
-           for i, data in enumerate([b"\x00\xff", b"", b"\xc1\xc1\xc1", b"plain"])]
+    raw = [
+        PendingEvent(event_id=f"r{i}", step=1, recorded_at=0.0, event_type="x", schema_version=1, payload=data)
+        for i, data in enumerate([b"\x00\xff", b"", b"\xc1\xc1\xc1", b"plain"])
+    ]
     assert [s.payload for s in stored_step(raw).events()] == [b"\x00\xff", b"", b"\xc1\xc1\xc1", b"plain"]
 
 
@@ -89,8 +103,14 @@ def test_an_old_schema_in_a_step_is_upcast_not_decoded_as_current() -> None:
     codec = EventCodec((*EVENT_TYPES, _PriceV2))
     codec.register_upcaster("price_set", 1, lambda f: {"amount": f.pop("cents") / 100, **f})
     current = pending(codec, _PriceV2(amount=1.0, currency="USD"), 0)
-    old = PendingEvent(event_id="old", step=1, recorded_at=0.0, event_type="price_set", schema_version=1,
-                       payload=msgspec.msgpack.encode({"type": "price_set", "cents": 1250}))
+    old = PendingEvent(
+        event_id="old",
+        step=1,
+        recorded_at=0.0,
+        event_type="price_set",
+        schema_version=1,
+        payload=msgspec.msgpack.encode({"type": "price_set", "cents": 1250}),
+    )
     step = stored_step([current, old])
     assert schemas_of([current, old]) == "price_set@1,price_set@2"
     assert not codec.all_current(step.schemas)
@@ -101,8 +121,9 @@ def test_a_corrupt_event_inside_a_step_is_named_by_its_global_sequence() -> None
     codec = EventCodec()
     sample = _sample_events()[:5]
     events = [pending(codec, event, index) for index, event in enumerate(sample)]
-    events[2] = PendingEvent(event_id="bad", step=1, recorded_at=0.0, event_type=events[2].event_type,
-                             schema_version=1, payload=b"\xc1\xc1")
+    events[2] = PendingEvent(
+        event_id="bad", step=1, recorded_at=0.0, event_type=events[2].event_type, schema_version=1, payload=b"\xc1\xc1"
+    )
     step = stored_step(events, first_seq=41)
     assert codec.all_current(step.schemas), "the schemas look current: only the bytes are bad"
     with pytest.raises(EventDecodeError) as refused:
@@ -116,8 +137,14 @@ def test_a_corrupt_event_inside_a_step_is_named_by_its_global_sequence() -> None
 def test_an_unknown_type_inside_a_step_is_refused_by_name() -> None:
     codec = EventCodec()
     good = pending(codec, _sample_events()[0], 0)
-    alien = PendingEvent(event_id="alien", step=1, recorded_at=0.0, event_type="block_teleported", schema_version=1,
-                         payload=msgspec.msgpack.encode({"type": "block_teleported"}))
+    alien = PendingEvent(
+        event_id="alien",
+        step=1,
+        recorded_at=0.0,
+        event_type="block_teleported",
+        schema_version=1,
+        payload=msgspec.msgpack.encode({"type": "block_teleported"}),
+    )
     step = stored_step([good, alien], first_seq=10)
     assert not codec.all_current(step.schemas)
     with pytest.raises(UnknownEventType) as refused:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 import shutil
 import threading
-from time import monotonic as _monotonic
 from collections.abc import Iterator
 from pathlib import Path
+from time import monotonic as _monotonic
 
 import anyio
 import pytest
@@ -83,8 +83,9 @@ async def log_facts(event_log: SqlEventLog) -> LogFacts:
             for stored in step.events():
                 event = decode(codec, stored)
                 if isinstance(event, BlocksAllocated):
-                    facts.allocations += [(stored.global_seq, b.pool_id, b.block_id, b.generation, event.owner_id)
-                                          for b in event.blocks]
+                    facts.allocations += [
+                        (stored.global_seq, b.pool_id, b.block_id, b.generation, event.owner_id) for b in event.blocks
+                    ]
                 elif isinstance(event, OwnerStarted):
                     facts.req_ids[event.owner_id] = event.req_id
                 elif isinstance(event, EngineReset):
@@ -166,8 +167,11 @@ async def test_a_narrow_range_is_the_wide_one_clipped(sim_log: SimLog) -> None:
     finally:
         await event_log.close()
     lo, hi = narrow.first_seq, narrow.last_seq
-    expected = {(b.block, b.generation, b.start_seq, b.end_seq if b.end_seq is not None and b.end_seq <= hi else None)
-                for b in wide.bars if b.start_seq <= hi and (b.end_seq is None or b.end_seq >= lo)}
+    expected = {
+        (b.block, b.generation, b.start_seq, b.end_seq if b.end_seq is not None and b.end_seq <= hi else None)
+        for b in wide.bars
+        if b.start_seq <= hi and (b.end_seq is None or b.end_seq >= lo)
+    }
     assert {(b.block, b.generation, b.start_seq, b.end_seq) for b in narrow.bars} == expected
     assert any(b.start_seq < lo and b.start_step == 25 for b in narrow.bars), "a hold from before the range"
     assert all(narrow.first_seq <= r.seq <= narrow.last_seq for r in narrow.refusals)
@@ -189,13 +193,27 @@ async def test_the_lane_cap_keeps_the_busiest_slots_and_says_so(sim_log: SimLog)
 def test_cached_content_taken_back_after_its_free_is_a_new_hold() -> None:
     """The fold on its own (pure): reuse of a freed, cached slot; a late row of an old generation."""
     rows = IndexRows(
-        engine="e", pool=1, steps=[StepSpan(1, 1, 10), StepSpan(2, 11, 20), StepSpan(3, 21, 30)],
-        first_seq=1, last_seq=30,
-        slots=[(4, 1, 2, "allocated", 7, None), (4, 1, 3, "computed", None, None), (4, 1, 5, "released", 7, None),
-               (4, 1, 10, "freed", None, None), (4, 1, 12, "reused", 8, None), (4, 1, 13, "reused", 9, None),
-               (4, 1, 15, "released", 8, None), (4, 2, 25, "allocated", 9, None), (4, 1, 26, "released", 9, None)],
-        resets=[], req_ids={7: "a", 8: "b"}, jobs=[], refusals=[(14, "refused", "start_store", "slot_pinned",
-                                                                   "block 2/4 is pinned by a job in flight")])
+        engine="e",
+        pool=1,
+        steps=[StepSpan(1, 1, 10), StepSpan(2, 11, 20), StepSpan(3, 21, 30)],
+        first_seq=1,
+        last_seq=30,
+        slots=[
+            (4, 1, 2, "allocated", 7, None),
+            (4, 1, 3, "computed", None, None),
+            (4, 1, 5, "released", 7, None),
+            (4, 1, 10, "freed", None, None),
+            (4, 1, 12, "reused", 8, None),
+            (4, 1, 13, "reused", 9, None),
+            (4, 1, 15, "released", 8, None),
+            (4, 2, 25, "allocated", 9, None),
+            (4, 1, 26, "released", 9, None),
+        ],
+        resets=[],
+        req_ids={7: "a", 8: "b"},
+        jobs=[],
+        refusals=[(14, "refused", "start_store", "slot_pinned", "block 2/4 is pinned by a job in flight")],
+    )
     timeline = build_timeline(rows)
     first, second, third = timeline.bars
     assert (first.start_seq, first.end_seq, first.ended_by, first.released_seq) == (2, 10, "freed", 5)
@@ -219,8 +237,9 @@ def test_steps_and_suffix_are_checked() -> None:
 
 
 @pytest.mark.anyio
-async def test_png_is_a_real_picture_drawn_off_the_event_loop(sim_log: SimLog, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_png_is_a_real_picture_drawn_off_the_event_loop(
+    sim_log: SimLog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """STYLE.md 10: matplotlib draws (seconds of CPU) in a worker thread, and the loop keeps ticking
     meanwhile. Not a timing bound: a C call inside matplotlib may hold the GIL for a while on a
     loaded machine (0.62 s was seen in CI), so the test asserts where the drawing ran and that the
@@ -315,16 +334,19 @@ def test_command_catches_the_index_up_and_draws(sim_log: SimLog, tmp_path: Path)
     assert indexed == head > 0
 
 
-@pytest.mark.parametrize(("args", "says"), [
-    (["0", "--steps", "12"], "not A:B"),
-    (["0", "--steps", "30:10"], "after the last"),
-    (["0", "--steps", "1:5", "--out", "{tmp}/x.svg"], ".png or .html"),
-    (["0", "--steps", "1:5", "--engine", "nope"], "engine 'nope' is not in the log"),
-    (["9", "--steps", "1:5"], "no pool 9"),
-    (["0", "--steps", "500:600"], "no steps in 500..600 (its steps: 1..40)"),
-    (["0", "--steps", "1:5", "--out", "{tmp}/missing/x.png"], "does not exist"),
-    (["0", "--steps", "1:5", "--log", "{tmp}/nothing.sqlite"], "there is no log at"),
-])
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["0", "--steps", "12"], "not A:B"),
+        (["0", "--steps", "30:10"], "after the last"),
+        (["0", "--steps", "1:5", "--out", "{tmp}/x.svg"], ".png or .html"),
+        (["0", "--steps", "1:5", "--engine", "nope"], "engine 'nope' is not in the log"),
+        (["9", "--steps", "1:5"], "no pool 9"),
+        (["0", "--steps", "500:600"], "no steps in 500..600 (its steps: 1..40)"),
+        (["0", "--steps", "1:5", "--out", "{tmp}/missing/x.png"], "does not exist"),
+        (["0", "--steps", "1:5", "--log", "{tmp}/nothing.sqlite"], "there is no log at"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_code_2(sim_log: SimLog, tmp_path: Path, args: list[str], says: str) -> None:
     base = {"--out": str(tmp_path / "x.png"), "--log": str(sim_log.indexed)}
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
@@ -347,7 +369,7 @@ async def _reuse_after_free_log(path: Path) -> dict[str, int]:
     (step 4: a cached free); "second" takes it back with ReuseBlocks (step 6: a prefix-cache hit,
     no new allocation, the same generation) and frees it (step 7); "third" takes it back (step 8).
     Returns each req_id's owner id."""
-    from coordinator.commands import (
+    from coordinator.core.commands import (
         AllocateBlocks,
         DeclareEngine,
         DeclareTier,
@@ -365,8 +387,9 @@ async def _reuse_after_free_log(path: Path) -> dict[str, int]:
     try:
         ledger = await Ledger.open(event_log, clock=lambda: 1000.0)
         await ledger.execute(DeclareTier(spec=TierSpec(name=b.TIER, num_slots=16, bytes_per_slot=64)))
-        await ledger.execute(DeclareEngine(engine_id="e", namespace=b.namespace(), pools=[b.attention_pool()], world_size=2,
-                                           tiers=[b.TIER]))
+        await ledger.execute(
+            DeclareEngine(engine_id="e", namespace=b.namespace(), pools=[b.attention_pool()], world_size=2, tiers=[b.TIER])
+        )
         owners: dict[str, int] = {}
 
         async def start(step: int, req_id: str) -> int:
@@ -378,9 +401,12 @@ async def _reuse_after_free_log(path: Path) -> dict[str, int]:
         commit = await ledger.run_step("e", 2, 2.0, [AllocateBlocks(engine_id="e", owner_id=first, pool_id=0, count=1)])
         [ref] = next(x for x in commit.events if isinstance(x, BlocksAllocated)).blocks
         assert ref.block_id == 1
-        await ledger.run_step("e", 3, 3.0, [MarkComputed(engine_id="e", owner_id=first, blocks=[ref], token_ids=list(range(b.BLOCK)))])
-        await ledger.run_step("e", 4, 4.0, [FreeBlocks(engine_id="e", owner_id=first, blocks=[ref]),
-                                            FinishOwner(engine_id="e", owner_id=first)])
+        await ledger.run_step(
+            "e", 3, 3.0, [MarkComputed(engine_id="e", owner_id=first, blocks=[ref], token_ids=list(range(b.BLOCK)))]
+        )
+        await ledger.run_step(
+            "e", 4, 4.0, [FreeBlocks(engine_id="e", owner_id=first, blocks=[ref]), FinishOwner(engine_id="e", owner_id=first)]
+        )
         second = await start(5, "second")
         await ledger.run_step("e", 6, 6.0, [ReuseBlocks(engine_id="e", owner_id=second, blocks=[ref])])
         await ledger.run_step("e", 7, 7.0, [FreeBlocks(engine_id="e", owner_id=second, blocks=[ref])])
@@ -405,7 +431,9 @@ async def test_a_reuse_of_a_cached_free_slot_is_a_new_hold_of_the_same_generatio
     event_log = await open_log(str(path))
     try:
         timeline = await load_timeline(event_log, pool=0, first_step=1, last_step=9)
-        bars = [(bar.generation, bar.req_id, bar.start_step, bar.end_step, bar.ended_by) for bar in timeline.bars if bar.block == 1]
+        bars = [
+            (bar.generation, bar.req_id, bar.start_step, bar.end_step, bar.ended_by) for bar in timeline.bars if bar.block == 1
+        ]
         assert bars == [(1, "first", 2, 4, "freed"), (1, "second", 6, 7, "freed"), (1, "third", 9, 9, "open")]
         assert [bar.owner_id for bar in timeline.bars if bar.block == 1] == [owners["first"], owners["second"], owners["third"]]
         # The state at the end of step 6 agrees: the second owner holds the slot.
@@ -413,14 +441,18 @@ async def test_a_reuse_of_a_cached_free_slot_is_a_new_hold_of_the_same_generatio
         state, _ = await replay(event_log, EventCodec(), until_seq=step_6.last_seq)
         holders = [o.owner_id for o in state.owners.values() if o.blocks.get(0, {}).get(1) == 1]
         assert holders == [owners["second"]] and state.engines["e"].pools[0].refs[1] == 1
-        held = [bar for bar in timeline.bars if bar.block == 1 and bar.start_seq <= step_6.last_seq
-                and (bar.end_seq is None or bar.end_seq > step_6.last_seq)]
+        held = [
+            bar
+            for bar in timeline.bars
+            if bar.block == 1 and bar.start_seq <= step_6.last_seq and (bar.end_seq is None or bar.end_seq > step_6.last_seq)
+        ]
         assert [bar.owner_id for bar in held] == holders
         # A range that begins after the first free still finds the reuse (it reads the generation
         # each slot held when the range began).
         narrow = await load_timeline(event_log, pool=0, first_step=6, last_step=8)
         assert [(bar.req_id, bar.start_step, bar.end_step, bar.ended_by) for bar in narrow.bars if bar.block == 1] == [
-            ("second", 6, 7, "freed")]
+            ("second", 6, 7, "freed")
+        ]
     finally:
         await event_log.close()
 
@@ -428,10 +460,13 @@ async def test_a_reuse_of_a_cached_free_slot_is_a_new_hold_of_the_same_generatio
 # --- odd input and the console ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("args", "says"), [
-    (["0", "--steps", "1:99999999999999999999"], "a step is at most 9223372036854775807"),
-    (["0", "--steps", "99999999999999999999:99999999999999999999"], "a step is at most"),
-])
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["0", "--steps", "1:99999999999999999999"], "a step is at most 9223372036854775807"),
+        (["0", "--steps", "99999999999999999999:99999999999999999999"], "a step is at most"),
+    ],
+)
 def test_steps_past_what_a_log_holds_are_bad_input(sim_log: SimLog, tmp_path: Path, args: list[str], says: str) -> None:
     result = runner.invoke(_app(), ["timeline", *args, "--out", str(tmp_path / "x.png"), "--log", str(sim_log.indexed)])
     assert result.exit_code == 2, (result.exception, result.output)
@@ -440,8 +475,10 @@ def test_steps_past_what_a_log_holds_are_bad_input(sim_log: SimLog, tmp_path: Pa
 
 
 def test_a_pool_past_what_a_log_holds_is_bad_input(sim_log: SimLog, tmp_path: Path) -> None:
-    result = runner.invoke(_app(), ["timeline", "99999999999999999999", "--steps", "1:5", "--out", str(tmp_path / "x.png"),
-                                    "--log", str(sim_log.indexed)])
+    result = runner.invoke(
+        _app(),
+        ["timeline", "99999999999999999999", "--steps", "1:5", "--out", str(tmp_path / "x.png"), "--log", str(sim_log.indexed)],
+    )
     assert result.exit_code == 2 and "2147483647" in result.output and "Traceback" not in result.output
 
 

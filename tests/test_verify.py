@@ -1,7 +1,7 @@
 """`verify`: replaying a log and checking every invariant it can show (coordinator/audit/verify.py).
 
 Unit tests drive the real pure core (tests/builders.py), with one protection switched off where
-the coordinator must be made to write the faulty event (coordinator/protections.py), or edit one
+the coordinator must be made to write the faulty event (coordinator/core/protections.py), or edit one
 event of an honest run where no protection produces the fault; each asserts the check fires with
 its invariant at the offending event's sequence, and stays quiet on the honest variant.
 
@@ -36,7 +36,8 @@ from hypothesis import strategies as st
 
 from coordinator.audit.verify import Verifier, copy_plan_problems
 from coordinator.audit.verify_run import VerifyProgress, VerifyReport, verify_log
-from coordinator.commands import (
+from coordinator.core import CoordinatorCore
+from coordinator.core.commands import (
     AllocateBlocks,
     AllocateEncoderEntry,
     EndStep,
@@ -53,13 +54,12 @@ from coordinator.commands import (
     StartLoad,
     StartStore,
 )
-from coordinator.copy_plan import PlannedMove, overlapping_destinations, plan_copies
-from coordinator.core import CoordinatorCore
-from coordinator.describe import describe
-from coordinator.protections import Protection
+from coordinator.core.copy_plan import PlannedMove, overlapping_destinations, plan_copies
+from coordinator.core.describe import describe
+from coordinator.core.protections import Protection
+from coordinator.core.state import state_digest
 from coordinator.simulator.report import mixed_workload
 from coordinator.simulator.scenarios import SCENARIOS, run_scenario
-from coordinator.state import state_digest
 from events import (
     BlockRef,
     BlocksAllocated,
@@ -136,8 +136,12 @@ def core_with(
     *off: Protection, pools: Sequence[PoolSpec] | None = None, tier_slots: int = 16, encoder_cache_tokens: int = 0
 ) -> CoordinatorCore:
     """A core (tests/builders.new_core) deciding with these protections off."""
-    return new_core(pools, tier_slots=tier_slots, encoder_cache_tokens=encoder_cache_tokens,
-                    core=CoordinatorCore(protections_off=frozenset(off)))
+    return new_core(
+        pools,
+        tier_slots=tier_slots,
+        encoder_cache_tokens=encoder_cache_tokens,
+        core=CoordinatorCore(protections_off=frozenset(off)),
+    )
 
 
 def off_unless(protection_on: bool, protection: Protection, *baseline: Protection) -> tuple[Protection, ...]:
@@ -147,15 +151,20 @@ def off_unless(protection_on: bool, protection: Protection, *baseline: Protectio
 
 def recorded(core: CoordinatorCore) -> set[str]:
     """What kvledger did instead, as the simulator's tally names it ("Refused:pool_exhausted")."""
-    return {f"{type(e).__name__}:{e.reason}" if not isinstance(e, FencedRankDone) else "FencedRankDone"
-            for e in core.events if isinstance(e, Refused | NoticeDropped | JobFailed | KeyQuarantined | FencedRankDone)}
+    return {
+        f"{type(e).__name__}:{e.reason}" if not isinstance(e, FencedRankDone) else "FencedRankDone"
+        for e in core.events
+        if isinstance(e, Refused | NoticeDropped | JobFailed | KeyQuarantined | FencedRankDone)
+    }
 
 
 def replaced(events: Sequence[Event], seq: int, event: Event) -> list[Event]:
     return [event if index == seq else e for index, e in enumerate(events, 1)]
 
 
-def computed(core: CoordinatorCore, tokens: list[int], req_id: str = "req", pool_id: int = 0) -> tuple[int, list[BlockRef], list[bytes]]:
+def computed(
+    core: CoordinatorCore, tokens: list[int], req_id: str = "req", pool_id: int = 0
+) -> tuple[int, list[BlockRef], list[bytes]]:
     size = core.state.engines[ENGINE].pools[pool_id].spec.block_size
     own = owner(core, req_id)
     blocks = allocate(core, own, len(tokens) // size, pool_id)
@@ -255,8 +264,11 @@ def test_I2_a_null_state_computed_stored_and_published_is_flagged_at_each_event(
             assert got == []
             assert "Refused:null_block" in recorded(core)
         else:
-            assert got == [("I2", seq_of(core.events, BlocksComputed)), ("I2", seq_of(core.events, StoreJobStarted)),
-                           ("I2", seq_of(core.events, KeyPublished))]
+            assert got == [
+                ("I2", seq_of(core.events, BlocksComputed)),
+                ("I2", seq_of(core.events, StoreJobStarted)),
+                ("I2", seq_of(core.events, KeyPublished)),
+            ]
 
 
 def test_I2_allocating_the_null_block_is_flagged() -> None:
@@ -323,9 +335,13 @@ def test_I16_an_unfenced_reset_and_the_old_jobs_late_results_are_flagged(protect
         return
     reports = [seq_of(events, RankReported, n) for n in (0, 1)]
     published = [seq_of(events, KeyPublished, n) for n in (0, 1)]
-    assert got == [("I16", seq_of(events, EngineReset)), ("I3", seq_of(events, BlocksAllocated, 1)),
-                   *(("I16", seq) for seq in reports), *(("I16", seq) for seq in published),
-                   ("I16", seq_of(events, JobSucceeded))]
+    assert got == [
+        ("I16", seq_of(events, EngineReset)),
+        ("I3", seq_of(events, BlocksAllocated, 1)),
+        *(("I16", seq) for seq in reports),
+        *(("I16", seq) for seq in published),
+        ("I16", seq_of(events, JobSucceeded)),
+    ]
 
 
 def test_I16_a_fenced_jobs_report_that_counts_is_flagged() -> None:
@@ -481,8 +497,9 @@ def test_I6_a_recorded_hit_missing_a_group_or_naming_an_unpublished_key_is_flagg
     at = len(core.events)
     attention_only = msgspec.structs.replace(looked, hits=[hit for hit in looked.hits if hit.pool_id == 0])
     assert found(replaced(core.events, at, attention_only)) == [("I6", at)]
-    forged = msgspec.structs.replace(looked, hits=[msgspec.structs.replace(looked.hits[0], keys=[b"unknown"] * 4),
-                                                   looked.hits[1]])
+    forged = msgspec.structs.replace(
+        looked, hits=[msgspec.structs.replace(looked.hits[0], keys=[b"unknown"] * 4), looked.hits[1]]
+    )
     assert found(replaced(core.events, at, forged)) == [("I6", at)] * 4
 
 
@@ -505,9 +522,15 @@ def test_I9_a_load_of_another_namespaces_key_is_flagged() -> None:
     [key] = publish(core, TOKENS[:4])
     begin(core, engine_id="engine-b")
     dest = allocate(core, owner(core, "b", "engine-b"), 1, engine_id="engine-b")[0]
-    foreign = LoadJobStarted(job_id=core.state.next_job_id, engine_id="engine-b", incarnation=1, tier=TIER, world_size=2,
-                             items=[LoadItem(key, 0, 1, dest, [checksum(key, 0), checksum(key, 1)])],
-                             lease_expires_at=30.0)
+    foreign = LoadJobStarted(
+        job_id=core.state.next_job_id,
+        engine_id="engine-b",
+        incarnation=1,
+        tier=TIER,
+        world_size=2,
+        items=[LoadItem(key, 0, 1, dest, [checksum(key, 0), checksum(key, 1)])],
+        lease_expires_at=30.0,
+    )
     events = [*core.events, foreign]
     assert found(events) == [("I9", len(events))]
 
@@ -552,8 +575,10 @@ def _move_sets(draw: st.DrawFn) -> list[PlannedMove]:
     moves: list[PlannedMove] = []
     for _ in range(draw(st.integers(1, 8))):
         length = draw(st.integers(1, 16))
-        move = PlannedMove(_region(draw(st.integers(1, 4)), draw(st.integers(0, 32 - length)), length),
-                           _region(draw(st.integers(1, 4)), draw(st.integers(0, 32 - length)), length))
+        move = PlannedMove(
+            _region(draw(st.integers(1, 4)), draw(st.integers(0, 32 - length)), length),
+            _region(draw(st.integers(1, 4)), draw(st.integers(0, 32 - length)), length),
+        )
         if overlapping_destinations([*moves, move]) is None:
             moves.append(move)
     return moves
@@ -630,8 +655,9 @@ def test_verify_log_streams_a_log_names_each_violation_and_skips_what_it_cannot_
     codec = EventCodec()
 
     def pending(index: int, event_type: str, payload: bytes) -> PendingEvent:
-        return PendingEvent(event_id=f"e{index}", step=1, recorded_at=0.0, event_type=event_type, schema_version=1,
-                            payload=payload)
+        return PendingEvent(
+            event_id=f"e{index}", step=1, recorded_at=0.0, event_type=event_type, schema_version=1, payload=payload
+        )
 
     rows = []
     for index, event in enumerate(core.events):

@@ -23,21 +23,21 @@ from typing import Any
 import anyio
 import msgspec
 import pytest
-from structlog.testing import capture_logs
 import sqlalchemy as sa
 import zmq
 import zmq.asyncio
+from structlog.testing import capture_logs
 from typer.testing import CliRunner
 
 from coordinator.audit.queries import Audit
 from coordinator.audit.store import sync_index
 from coordinator.audit.verify_run import verify_log
 from coordinator.cli import app
-from coordinator.commands import ObserveEngine
 from coordinator.core import CoordinatorCore
+from coordinator.core.commands import ObserveEngine
+from coordinator.core.state import state_digest
 from coordinator.ledger import Ledger
 from coordinator.recovery import decode, replay
-from coordinator.state import state_digest
 from coordinator.vllm.ingest import IngestConfig, Ingestor
 from coordinator.vllm.kv_events import DecodedBatch, Unreadable, decode_frames, decode_payload, hash_bytes
 from events import (
@@ -138,10 +138,21 @@ def h(n: int) -> bytes:
     return n.to_bytes(32, "big")
 
 
-def stored(*hashes: bytes, parent: bytes | None = None, size: int = BLOCK, medium: str | None = "GPU", group: int = 0) -> BlockStored:
-    return BlockStored(block_hashes=list(hashes), parent_block_hash=parent, token_ids=list(range(size * len(hashes))),
-                       block_size=size, lora_id=None, medium=medium, lora_name=None, group_idx=group,
-                       extra_keys=[None] * len(hashes), session_id="s-1")
+def stored(
+    *hashes: bytes, parent: bytes | None = None, size: int = BLOCK, medium: str | None = "GPU", group: int = 0
+) -> BlockStored:
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=parent,
+        token_ids=list(range(size * len(hashes))),
+        block_size=size,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        group_idx=group,
+        extra_keys=[None] * len(hashes),
+        session_id="s-1",
+    )
 
 
 def removed(*hashes: bytes, medium: str | None = "GPU", group: int = 0) -> BlockRemoved:
@@ -192,8 +203,9 @@ class FakeVllm:
         the way (it is still in the replay buffer)."""
         seq = self.seq
         self.seq += 1
-        payload = msgspec.msgpack.encode(EventBatch(ts=1_700_000_000.0 + seq if ts is None else ts, events=events,
-                                                    data_parallel_rank=dp_rank))
+        payload = msgspec.msgpack.encode(
+            EventBatch(ts=1_700_000_000.0 + seq if ts is None else ts, events=events, data_parallel_rank=dp_rank)
+        )
         self.buffer.append((seq, payload))
         if send:
             await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
@@ -265,8 +277,14 @@ async def running(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
     started: list[Harness] = []
     async with anyio.create_task_group() as tg:
 
-        async def start(*, replay: str | None = None, with_replay: bool = False, replay_timeout: float = 1.0,
-                        log_path: Path | str | None = None, block_sizes: tuple[int, ...] = (BLOCK,)) -> Harness:
+        async def start(
+            *,
+            replay: str | None = None,
+            with_replay: bool = False,
+            replay_timeout: float = 1.0,
+            log_path: Path | str | None = None,
+            block_sizes: tuple[int, ...] = (BLOCK,),
+        ) -> Harness:
             url = str(log_path or tmp_path / "log.sqlite")
             if url.startswith("postgresql"):
                 await upgrade_log(url)
@@ -277,8 +295,15 @@ async def running(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
             if with_replay:
                 replay = vllm.bind_replay()
                 tg.start_soon(vllm.serve_replay)
-            config = IngestConfig(endpoint="tcp://127.0.0.1:*", engine_id=ENGINE, namespace=namespace(block_sizes),
-                                  topic=TOPIC, replay=replay, replay_timeout=replay_timeout, retry_every=0.05)
+            config = IngestConfig(
+                endpoint="tcp://127.0.0.1:*",
+                engine_id=ENGINE,
+                namespace=namespace(block_sizes),
+                topic=TOPIC,
+                replay=replay,
+                replay_timeout=replay_timeout,
+                retry_every=0.05,
+            )
             harness = Harness(ledger, Ingestor(ledger, config), vllm, event_log)
             ready = anyio.Event()
 
@@ -311,14 +336,39 @@ async def running(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
 
 
 def test_both_encodings_decode_to_the_same_normalized_events() -> None:
-    new = msgspec.msgpack.encode(EventBatch(ts=5.0, events=[
-        BlockStored(block_hashes=[7, 2**64 - 1], parent_block_hash=-1, token_ids=[1, 2], block_size=1, lora_id=3,
-                    medium=None, lora_name="x", group_idx=None),
-        BlockRemoved(block_hashes=[7], medium="CPU"), AllBlocksCleared()], data_parallel_rank=2))
-    old = msgspec.msgpack.encode(EventBatch(ts=5.0, events=[
-        OldBlockStored(block_hashes=[7, 2**64 - 1], parent_block_hash=-1, token_ids=[1, 2], block_size=1, lora_id=3,
-                       medium=None),
-        OldBlockRemoved(block_hashes=[7], medium="CPU"), OldAllBlocksCleared()], data_parallel_rank=2))
+    new = msgspec.msgpack.encode(
+        EventBatch(
+            ts=5.0,
+            events=[
+                BlockStored(
+                    block_hashes=[7, 2**64 - 1],
+                    parent_block_hash=-1,
+                    token_ids=[1, 2],
+                    block_size=1,
+                    lora_id=3,
+                    medium=None,
+                    lora_name="x",
+                    group_idx=None,
+                ),
+                BlockRemoved(block_hashes=[7], medium="CPU"),
+                AllBlocksCleared(),
+            ],
+            data_parallel_rank=2,
+        )
+    )
+    old = msgspec.msgpack.encode(
+        EventBatch(
+            ts=5.0,
+            events=[
+                OldBlockStored(
+                    block_hashes=[7, 2**64 - 1], parent_block_hash=-1, token_ids=[1, 2], block_size=1, lora_id=3, medium=None
+                ),
+                OldBlockRemoved(block_hashes=[7], medium="CPU"),
+                OldAllBlocksCleared(),
+            ],
+            data_parallel_rank=2,
+        )
+    )
     decoded = [decode_payload(4, payload) for payload in (new, old)]
     assert isinstance(decoded[0], DecodedBatch) and decoded[0] == decoded[1]
     first, second, third = decoded[0].events
@@ -337,31 +387,60 @@ def test_int_hashes_become_8_byte_big_endian_twos_complement() -> None:
 
 
 def test_unknown_fields_and_a_batch_map_are_tolerated() -> None:
-    payload = msgspec.msgpack.encode({"ts": 1, "events": [
-        {"type": "BlockStored", "block_hashes": [b"\x01" * 32], "parent_block_hash": None, "token_ids": [1],
-         "block_size": 1, "lora_id": None, "medium": "GPU", "group_idx": 1, "a_field_from_the_future": [1, 2]},
-        ["BlockRemoved", [b"\x01" * 32], "GPU", 1, "LOCAL", "owner", "and more"]], "data_parallel_rank": None, "extra": 1})
+    payload = msgspec.msgpack.encode(
+        {
+            "ts": 1,
+            "events": [
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [b"\x01" * 32],
+                    "parent_block_hash": None,
+                    "token_ids": [1],
+                    "block_size": 1,
+                    "lora_id": None,
+                    "medium": "GPU",
+                    "group_idx": 1,
+                    "a_field_from_the_future": [1, 2],
+                },
+                ["BlockRemoved", [b"\x01" * 32], "GPU", 1, "LOCAL", "owner", "and more"],
+            ],
+            "data_parallel_rank": None,
+            "extra": 1,
+        }
+    )
     decoded = decode_payload(0, payload)
     assert isinstance(decoded, DecodedBatch)
     assert [(e.kind, e.group) for e in decoded.events] == [("stored", 1), ("removed", 1)]
 
 
-@pytest.mark.parametrize(("frames", "detail"), [
-    ([b"kv", (0).to_bytes(8, "big")], "2 frames"),
-    ([b"kv", b"\x00\x01", b"\x90"], "sequence-number frame of 2 bytes"),
-    ([b"kv", (3).to_bytes(8, "big"), b"\x93\xcb\x41"], "not a msgpack batch"),
-    ([b"kv", (3).to_bytes(8, "big"), msgspec.msgpack.encode("hello")], "not an array or a map"),
-    ([b"kv", (3).to_bytes(8, "big"), msgspec.msgpack.encode([float("nan"), []])], "not a finite number"),
-])
+@pytest.mark.parametrize(
+    ("frames", "detail"),
+    [
+        ([b"kv", (0).to_bytes(8, "big")], "2 frames"),
+        ([b"kv", b"\x00\x01", b"\x90"], "sequence-number frame of 2 bytes"),
+        ([b"kv", (3).to_bytes(8, "big"), b"\x93\xcb\x41"], "not a msgpack batch"),
+        ([b"kv", (3).to_bytes(8, "big"), msgspec.msgpack.encode("hello")], "not an array or a map"),
+        ([b"kv", (3).to_bytes(8, "big"), msgspec.msgpack.encode([float("nan"), []])], "not a finite number"),
+    ],
+)
 def test_unreadable_frames_are_values_naming_what_is_wrong(frames: list[bytes], detail: str) -> None:
     decoded = decode_frames(frames)
     assert isinstance(decoded, Unreadable) and detail in decoded.detail
 
 
 def test_unreadable_events_are_malformed_or_unknown_never_raised() -> None:
-    payload = msgspec.msgpack.encode([1.0, [42, ["BlockStored", [1]], {"type": "BlockStored", "block_hashes": "x",
-                                                                      "parent_block_hash": None, "token_ids": [],
-                                                                      "block_size": 1}, ["Nope"], {"no": "type"}]])
+    payload = msgspec.msgpack.encode(
+        [
+            1.0,
+            [
+                42,
+                ["BlockStored", [1]],
+                {"type": "BlockStored", "block_hashes": "x", "parent_block_hash": None, "token_ids": [], "block_size": 1},
+                ["Nope"],
+                {"no": "type"},
+            ],
+        ]
+    )
     decoded = decode_payload(0, payload)
     assert isinstance(decoded, DecodedBatch)
     assert [e.kind for e in decoded.events] == ["malformed", "malformed", "malformed", "unknown", "malformed"]
@@ -382,10 +461,22 @@ async def test_stored_removed_and_cleared_are_recorded_with_the_incarnation(runn
         clear: list[Any] = [AllBlocksCleared()]
     else:  # older vLLM: tagged arrays, int hashes, no medium
         a, b_, c = hash_bytes(1), hash_bytes(-2), hash_bytes(3)
-        await vllm.publish([OldBlockStored(block_hashes=[1, -2], parent_block_hash=None, token_ids=list(range(64)),
-                                           block_size=BLOCK, lora_id=None, medium=None),
-                            OldBlockStored(block_hashes=[3], parent_block_hash=-2, token_ids=list(range(32)),
-                                           block_size=BLOCK, lora_id=None, medium=None)], dp_rank=None)
+        await vllm.publish(
+            [
+                OldBlockStored(
+                    block_hashes=[1, -2],
+                    parent_block_hash=None,
+                    token_ids=list(range(64)),
+                    block_size=BLOCK,
+                    lora_id=None,
+                    medium=None,
+                ),
+                OldBlockStored(
+                    block_hashes=[3], parent_block_hash=-2, token_ids=list(range(32)), block_size=BLOCK, lora_id=None, medium=None
+                ),
+            ],
+            dp_rank=None,
+        )
         await vllm.publish([OldBlockRemoved(block_hashes=[-2], medium=None)], dp_rank=None)
         clear = [OldAllBlocksCleared()]
     await harness.recorded(2)
@@ -398,7 +489,9 @@ async def test_stored_removed_and_cleared_are_recorded_with_the_incarnation(runn
     assert (observed.incarnation, observed.reason) == (1, "first_seen") and "tcp://127.0.0.1:" in observed.source
     stores = [e for e in events if isinstance(e, ObservedBlocksStored)]
     assert [(e.incarnation, e.source_seq, e.block_hashes, e.parent_hash) for e in stores][:2] == [
-        (1, 0, [a, b_], None), (1, 0, [c], b_)]
+        (1, 0, [a, b_], None),
+        (1, 0, [c], b_),
+    ]
     assert stores[0].token_ids == list(range(64)) and stores[0].block_size == BLOCK
     [removal] = [e for e in events if isinstance(e, ObservedBlocksRemoved)]
     assert (removal.source_seq, removal.block_hashes, removal.medium) == (1, [b_], "GPU")
@@ -493,13 +586,18 @@ async def test_bad_input_is_refused_and_ingestion_goes_on(running: Callable[...,
     assert harness.stored() == before
     vllm.seq = 2
     # An unknown event type, an impossible parent chain and a mismatched block size, then good ones.
-    await vllm.publish([BlockTeleported(block_hashes=[h(5)]), stored(h(6), parent=h(99)), stored(h(8), size=16),
-                        stored(h(2), parent=h(1))])
+    await vllm.publish(
+        [BlockTeleported(block_hashes=[h(5)]), stored(h(6), parent=h(99)), stored(h(8), size=16), stored(h(2), parent=h(1))]
+    )
     await vllm.publish([stored(h(3), parent=h(2))])
     await harness.recorded(4)
     refused = [e for e in await harness.events() if isinstance(e, Refused)]
-    assert [e.reason for e in refused] == [Reason.MALFORMED_EVENT, Reason.MALFORMED_EVENT, Reason.UNKNOWN_EVENT_TYPE,
-                                           Reason.NAMESPACE_MISMATCH]
+    assert [e.reason for e in refused] == [
+        Reason.MALFORMED_EVENT,
+        Reason.MALFORMED_EVENT,
+        Reason.UNKNOWN_EVENT_TYPE,
+        Reason.NAMESPACE_MISMATCH,
+    ]
     assert "batch 1" in refused[0].detail and "not a msgpack batch" in refused[0].detail
     assert "2 frames" in refused[1].detail and "BlockTeleported" in refused[2].detail
     assert "block size 16" in refused[3].detail and f"says {BLOCK}" in refused[3].detail
@@ -510,7 +608,8 @@ async def test_bad_input_is_refused_and_ingestion_goes_on(running: Callable[...,
 
 
 async def test_an_impossible_parent_chain_and_a_mismatched_block_size_are_refused_on_a_complete_view(
-        running: Callable[..., Any]) -> None:
+    running: Callable[..., Any],
+) -> None:
     harness: Harness = await running()
     vllm = harness.vllm
     await vllm.publish([stored(h(1))])
@@ -580,14 +679,17 @@ async def test_audit_hash_says_when_each_hash_was_stored_and_removed(log_url: st
     seq_of: dict[tuple[str, int, str, int], int] = {}
     for seq, event in await harness.logged():
         if isinstance(event, ObservedBlocksStored | ObservedBlocksRemoved | ObservedCacheCleared | EngineObserved):
-            seq_of.setdefault((type(event).__name__, getattr(event, "source_seq", -1), getattr(event, "medium", ""),
-                               event.incarnation), seq)
+            seq_of.setdefault(
+                (type(event).__name__, getattr(event, "source_seq", -1), getattr(event, "medium", ""), event.incarnation), seq
+            )
     assert (await verify_log(harness.log)).ok
 
     await sync_index(harness.log)
     answer = await Audit(harness.log).observed(h(1).hex())
-    stays = [(r.engine, r.incarnation, r.medium, r.group, r.stored_source_seq, r.ended_by, r.ended_source_seq)
-             for r in answer.residencies]
+    stays = [
+        (r.engine, r.incarnation, r.medium, r.group, r.stored_source_seq, r.ended_by, r.ended_source_seq)
+        for r in answer.residencies
+    ]
     assert stays == [
         (ENGINE, 1, "GPU", 0, 0, "removed", 1),
         (ENGINE, 1, "CPU", 1, 0, "restarted", None),
@@ -638,15 +740,16 @@ async def test_another_tenant_does_not_see_an_observed_hash(running: Callable[..
 
 
 async def test_0004_creates_the_observed_table_and_its_downgrade_makes_the_index_rebuild(
-        log_url: str, running: Callable[..., Any]) -> None:
+    log_url: str, running: Callable[..., Any]
+) -> None:
     """On SQLite and PostgreSQL: upgraded, the table is what events/log/_schema.py declares;
     downgraded to 0003, it is gone with the rest of the index and its checkpoint; upgraded again,
     the index is rebuilt from the log with the observed rows."""
-    import migrations
     from sqlalchemy.ext.asyncio import create_async_engine
 
-    from events.log import normalize
+    import migrations
     from events.log import _schema as t
+    from events.log import normalize
 
     harness: Harness = await running(log_path=log_url)
     await harness.vllm.publish([stored(h(1), h(2))])
@@ -694,11 +797,34 @@ def test_the_command_records_until_sigterm_and_stops_cleanly(tmp_path: Path) -> 
     probe.bind("tcp://127.0.0.1:*")
     endpoint = str(probe.getsockopt_string(zmq.LAST_ENDPOINT))
     probe.close(linger=0)  # a free port, now bound by the command
-    command = [sys.executable, "-m", "coordinator.cli", "ingest", "vllm", "--endpoint", endpoint, "--engine-id", ENGINE,
-               "--log", str(path), "--topic", TOPIC, "--model-id", "org/model", "--weights-revision", "sha256:1111",
-               "--tokenizer-digest", "sha256:2222", "--block-size", str(BLOCK), "--progress-every", "0.2"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "KVLEDGER_LOG_LEVEL": "info"})
+    command = [
+        sys.executable,
+        "-m",
+        "coordinator.cli",
+        "ingest",
+        "vllm",
+        "--endpoint",
+        endpoint,
+        "--engine-id",
+        ENGINE,
+        "--log",
+        str(path),
+        "--topic",
+        TOPIC,
+        "--model-id",
+        "org/model",
+        "--weights-revision",
+        "sha256:1111",
+        "--tokenizer-digest",
+        "sha256:2222",
+        "--block-size",
+        str(BLOCK),
+        "--progress-every",
+        "0.2",
+    ]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "KVLEDGER_LOG_LEVEL": "info"}
+    )
     pub = context.socket(zmq.XPUB)
     try:
         assert process.stdout is not None
@@ -737,9 +863,27 @@ def test_the_command_records_until_sigterm_and_stops_cleanly(tmp_path: Path) -> 
 
 
 def test_a_namespace_that_is_not_usable_is_one_line_exit_2(tmp_path: Path) -> None:
-    result = CliRunner().invoke(app, ["ingest", "vllm", "--endpoint", "tcp://127.0.0.1:1", "--engine-id", ENGINE,
-                                      "--log", str(tmp_path / "x.sqlite"), "--model-id", "m", "--weights-revision", "",
-                                      "--tokenizer-digest", "t", "--block-size", "16"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "ingest",
+            "vllm",
+            "--endpoint",
+            "tcp://127.0.0.1:1",
+            "--engine-id",
+            ENGINE,
+            "--log",
+            str(tmp_path / "x.sqlite"),
+            "--model-id",
+            "m",
+            "--weights-revision",
+            "",
+            "--tokenizer-digest",
+            "t",
+            "--block-size",
+            "16",
+        ],
+    )
     assert result.exit_code == 2 and "weights_revision is empty" in result.output
 
 
@@ -800,10 +944,12 @@ async def test_a_gap_is_filled_from_a_real_vllm_replay_answer(running: Callable[
     router = harness.vllm.context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind("tcp://127.0.0.1:*")
-    harness.ingestor.config = msgspec.structs.replace(harness.ingestor.config,
-                                                      replay=str(router.getsockopt_string(zmq.LAST_ENDPOINT)))
+    harness.ingestor.config = msgspec.structs.replace(
+        harness.ingestor.config, replay=str(router.getsockopt_string(zmq.LAST_ENDPOINT))
+    )
     try:
         async with anyio.create_task_group() as tg:
+
             async def serve() -> None:
                 client, _, start = await router.recv_multipart()
                 first = int.from_bytes(start, "big")

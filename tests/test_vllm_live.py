@@ -68,8 +68,13 @@ def _vllm_or_skip() -> None:
     if not VLLM_PYTHON.exists():
         problem = f"{VLLM_PYTHON} is missing: build it with ops/vllm/setup.sh (make vllm-env; ~3.4 GB, 2-4 min)"
     else:
-        check = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm, coordinator.vllm.offload"], capture_output=True,
-                               text=True, timeout=300, check=False)
+        check = subprocess.run(
+            [str(VLLM_PYTHON), "-c", "import vllm, coordinator.vllm.offload"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         if check.returncode != 0:
             problem = f"{VLLM_PYTHON} cannot import vllm and the spec: {check.stderr.strip().splitlines()[-1:]}"
     if problem is None:
@@ -87,9 +92,22 @@ def proof() -> Iterator[dict[str, Any]]:
     out = workdir / "prove.json"
     started = time.monotonic()
     try:
-        done = subprocess.run([str(VLLM_PYTHON), str(ROOT / "ops" / "vllm" / "prove.py"), "--out", str(out),
-                               "--workdir", str(workdir), "--kvledger", str(KVLEDGER)],
-                              capture_output=True, text=True, timeout=LIVE_TIMEOUT_S, check=False)
+        done = subprocess.run(
+            [
+                str(VLLM_PYTHON),
+                str(ROOT / "ops" / "vllm" / "prove.py"),
+                "--out",
+                str(out),
+                "--workdir",
+                str(workdir),
+                "--kvledger",
+                str(KVLEDGER),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=LIVE_TIMEOUT_S,
+            check=False,
+        )
         assert done.returncode == 0, f"prove.py failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
         result: dict[str, Any] = json.loads(out.read_text())
         result["test_wall_s"] = time.monotonic() - started
@@ -171,8 +189,10 @@ def test_the_log_shows_the_stores_and_the_loads_that_made_the_difference(logged:
             loaded_keys += 1
     lookups = [answer for e in logged if isinstance(e, ExternalKeysLookedUp) for answer in e.loadable]
     hit_rate = sum(lookups) / len(lookups)
-    print(f"kvledger log: {len(stores)} store jobs, {len(published)} keys published, {len(loads)} load jobs, "
-          f"{loaded_keys} blocks loaded, external hit rate {hit_rate:.2f} ({sum(lookups)}/{len(lookups)} lookups)")
+    print(
+        f"kvledger log: {len(stores)} store jobs, {len(published)} keys published, {len(loads)} load jobs, "
+        f"{loaded_keys} blocks loaded, external hit rate {hit_rate:.2f} ({sum(lookups)}/{len(lookups)} lookups)"
+    )
     assert hit_rate > 0 and loaded_keys > 0
     (namespace,) = [e.spec for e in logged if isinstance(e, NamespaceRegistered)]
     assert namespace.hash_algorithm == "vllm:sha256" and namespace.weights_revision.startswith("sha256:")
@@ -199,9 +219,14 @@ def test_a_corrupted_tier_file_is_refused_quarantined_and_recomputed(
 
     # Round 3 (the engine's cache reset again): the lookup of the quarantined key missed (I13, a
     # lookup answers from unquarantined keys only), and the keys before it loaded, verified, counted.
-    later = after_corruption[after_corruption.index(quarantined[0]) + 1:]
-    answers = [loadable for e in later if isinstance(e, ExternalKeysLookedUp)
-               for looked_up, loadable in zip(e.engine_keys, e.loadable, strict=True) if looked_up == engine_key]
+    later = after_corruption[after_corruption.index(quarantined[0]) + 1 :]
+    answers = [
+        loadable
+        for e in later
+        if isinstance(e, ExternalKeysLookedUp)
+        for looked_up, loadable in zip(e.engine_keys, e.loadable, strict=True)
+        if looked_up == engine_key
+    ]
     assert answers and not any(answers), answers
     succeeded = {e.job_id for e in later if isinstance(e, JobSucceeded)}
     reloads = [e for e in later if isinstance(e, ExternalLoadStarted)]
@@ -214,8 +239,15 @@ def test_a_corrupted_tier_file_is_refused_quarantined_and_recomputed(
     assert any(f"job_id={bad.job_id}" in line and corrupted["key"] in line for line in refused), refused or lines[-40:]
 
     # And `kvledger audit key` tells the key's story: published, loaded, then the failed load and the quarantine.
-    audit = json.loads(subprocess.run([str(KVLEDGER), "audit", "key", corrupted["key"], "--json", "--log", proof["log"]],
-                                      capture_output=True, text=True, timeout=120, check=True).stdout)
+    audit = json.loads(
+        subprocess.run(
+            [str(KVLEDGER), "audit", "key", corrupted["key"], "--json", "--log", proof["log"]],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+    )
     assert audit["counts"]["quarantined"] == 1 and audit["quarantines"], audit
     outcomes = {load["job_id"]: load["outcome"] for load in audit["loads"]}
     assert outcomes[corrupted["load_job"]] == "succeeded" and outcomes[bad.job_id].startswith("failed: checksum_mismatch")
@@ -225,22 +257,37 @@ def test_a_corrupted_tier_file_is_refused_quarantined_and_recomputed(
 
 
 def _settings(socket: str, **namespace: Any) -> OffloadSettings:
-    fields = {"weights_revision": "sha256:aa", "tokenizer_digest": "sha256:bb", "tenant": "t", "block_sizes": [32],
-              "hash_algorithm": "vllm:sha256", **namespace}
+    fields = {
+        "weights_revision": "sha256:aa",
+        "tokenizer_digest": "sha256:bb",
+        "tenant": "t",
+        "block_sizes": [32],
+        "hash_algorithm": "vllm:sha256",
+        **namespace,
+    }
     return OffloadSettings.parse({"kvledger_socket": socket, "kvledger_namespace": fields})
 
 
 def _facts(block_size: int = 32, hash_algorithm: str | None = "sha256") -> EngineFacts:
-    return EngineFacts(vllm_engine_id="e1", model="tiny", dtype="float32", groups=[(0, block_size)],
-                       bytes_per_block=32768, hash_algorithm=hash_algorithm)
+    return EngineFacts(
+        vllm_engine_id="e1",
+        model="tiny",
+        dtype="float32",
+        groups=[(0, block_size)],
+        bytes_per_block=32768,
+        hash_algorithm=hash_algorithm,
+    )
 
 
 @pytest.fixture()
 def sidecar_socket(tmp_path: Path) -> Iterator[str]:
     socket_dir = Path(tempfile.mkdtemp(prefix="kvl-"))
     socket = socket_dir / "s.sock"
-    server = subprocess.Popen([str(KVLEDGER), "serve", "--log", str(tmp_path / "log.sqlite"), "--socket", str(socket),
-                               "--http", "off"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [str(KVLEDGER), "serve", "--log", str(tmp_path / "log.sqlite"), "--socket", str(socket), "--http", "off"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 30
         while not socket.exists():
@@ -253,10 +300,13 @@ def sidecar_socket(tmp_path: Path) -> Iterator[str]:
         shutil.rmtree(socket_dir, ignore_errors=True)
 
 
-@pytest.mark.parametrize(("facts", "named"), [
-    (_facts(block_size=64), ["(64,)", "(32,)"]),
-    (_facts(hash_algorithm="xxhash"), ["'vllm:xxhash'", "'vllm:sha256'"]),
-])
+@pytest.mark.parametrize(
+    ("facts", "named"),
+    [
+        (_facts(block_size=64), ["(64,)", "(32,)"]),
+        (_facts(hash_algorithm="xxhash"), ["'vllm:xxhash'", "'vllm:sha256'"]),
+    ],
+)
 def test_a_hello_that_differs_from_the_declared_namespace_is_refused_naming_both(
     sidecar_socket: str, facts: EngineFacts, named: list[str]
 ) -> None:
@@ -268,7 +318,7 @@ def test_a_hello_that_differs_from_the_declared_namespace_is_refused_naming_both
 
 
 def test_a_matching_hello_is_declared_and_decides(sidecar_socket: str) -> None:
-    from coordinator.commands import ExternalKey
+    from coordinator.core.commands import ExternalKey
 
     session = LedgerSession(_settings(sidecar_socket), _facts(), retry_for=5)
     try:
@@ -287,7 +337,7 @@ def test_the_connector_refuses_at_start_up_what_would_crash_vllm_later() -> None
     from coordinator.vllm.offload_client import SPEC_NAME, SettingsError, check_connector_config
 
     ours = {"spec_name": SPEC_NAME}
-    with pytest.raises(SettingsError, match="kv_load_failure_policy \"recompute\""):
+    with pytest.raises(SettingsError, match='kv_load_failure_policy "recompute"'):
         check_connector_config("fail", ours, 1)  # vLLM's default: the request would fail
     with pytest.raises(SettingsError, match="spec_name 'KvledgerOffloadingSpec'"):
         check_connector_config("recompute", {"spec_name": "CPUOffloadingSpec"}, 1)

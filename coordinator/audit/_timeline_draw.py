@@ -17,8 +17,20 @@ from pathlib import Path
 from coordinator.audit.timeline import Bar, Format, Timeline
 
 # ColorBrewer Set3: light enough that the pin bands and markers stay readable on top.
-OWNER_COLORS = ["#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462",
-                "#b3de69", "#fccde5", "#bc80bd", "#ccebc5", "#ffed6f", "#d9d9d9"]
+OWNER_COLORS = [
+    "#8dd3c7",
+    "#ffffb3",
+    "#bebada",
+    "#fb8072",
+    "#80b1d3",
+    "#fdb462",
+    "#b3de69",
+    "#fccde5",
+    "#bc80bd",
+    "#ccebc5",
+    "#ffed6f",
+    "#d9d9d9",
+]
 NO_OWNER = "#eeeeee"
 PIN_COLORS = {"store": "#08306b", "load": "#00441b", "copy": "#54278f"}
 OTHER_PIN = "#444444"
@@ -59,17 +71,21 @@ def _lanes(timeline: Timeline) -> tuple[list[str], Callable[[int], int]]:
 
 
 def _title(timeline: Timeline) -> str:
-    title = (f"engine {timeline.engine}, pool {timeline.pool}: steps {timeline.first_step}..{timeline.last_step} "
-             f"(seq {timeline.first_seq}..{timeline.last_seq}), {len(timeline.bars)} holds, {len(timeline.pins)} pins, "
-             f"{len(timeline.jobs)} jobs, {len(timeline.refusals)} refusals")
+    title = (
+        f"engine {timeline.engine}, pool {timeline.pool}: steps {timeline.first_step}..{timeline.last_step} "
+        f"(seq {timeline.first_seq}..{timeline.last_seq}), {len(timeline.bars)} holds, {len(timeline.pins)} pins, "
+        f"{len(timeline.jobs)} jobs, {len(timeline.refusals)} refusals"
+    )
     return f"{title}\n{timeline.note}" if timeline.note else title
 
 
 def _bar_text(timeline: Timeline, bar: Bar) -> str:
     end = "still held" if bar.end_seq is None else f"{bar.ended_by} at seq {bar.end_seq} (step {bar.end_step})"
-    lines = [f"slot {timeline.pool}/{bar.block} generation {bar.generation}",
-             f"owner {bar.owner_id if bar.owner_id is not None else '-'}" + (f" ({bar.req_id})" if bar.req_id else ""),
-             f"from seq {bar.start_seq} (step {bar.start_step}), {end}"]
+    lines = [
+        f"slot {timeline.pool}/{bar.block} generation {bar.generation}",
+        f"owner {bar.owner_id if bar.owner_id is not None else '-'}" + (f" ({bar.req_id})" if bar.req_id else ""),
+        f"from seq {bar.start_seq} (step {bar.start_step}), {end}",
+    ]
     if bar.released_seq is not None:
         lines.append(f"last owner let go at seq {bar.released_seq}")
     if bar.sharers:
@@ -98,44 +114,82 @@ def _png(timeline: Timeline, path: Path) -> None:
     figure = Figure(figsize=(14, height), dpi=100)
     FigureCanvasAgg(figure)
     # Fixed margins in inches: constrained layout would draw the whole picture twice.
-    figure.subplots_adjust(left=1.0 / 14, right=1 - 0.25 / 14, top=1 - (1.0 if timeline.note else 0.7) / height,
-                           bottom=1.5 / height)
+    figure.subplots_adjust(
+        left=1.0 / 14, right=1 - 0.25 / 14, top=1 - (1.0 if timeline.note else 0.7) / height, bottom=1.5 / height
+    )
     ax = figure.add_subplot()
     x, x_end = timeline.x, timeline.x_end
 
     def spans(rows: list[tuple[float, float, float]], half: float, **style: object) -> None:
         """Rectangles (y, start, end) as one collection: one artist, not one patch per bar."""
-        ax.add_collection(PolyCollection(
-            [[(start, y - half), (start, y + half), (end, y + half), (end, y - half)] for y, start, end in rows],
-            **style))  # type: ignore[arg-type]
+        corners = [[(start, y - half), (start, y + half), (end, y + half), (end, y - half)] for y, start, end in rows]
+        ax.add_collection(PolyCollection(corners, **style))  # type: ignore[arg-type]
 
     held = [(b, x(b.start_seq), x_end(b.released_seq if b.released_seq is not None else b.end_seq)) for b in timeline.bars]
-    spans([(lane(b.block), start, end) for b, start, end in held], 0.35,
-          facecolors=[owner_color(b.owner_id) for b, _, _ in held], edgecolors="#555555", linewidths=0.4)
+    spans(
+        [(lane(b.block), start, end) for b, start, end in held],
+        0.35,
+        facecolors=[owner_color(b.owner_id) for b, _, _ in held],
+        edgecolors="#555555",
+        linewidths=0.4,
+    )
     draining = [b for b in timeline.bars if b.released_seq is not None]
-    spans([(lane(b.block), x(b.released_seq), x_end(b.end_seq)) for b in draining if b.released_seq is not None], 0.35,
-          facecolors=[owner_color(b.owner_id) for b in draining], alpha=0.35, edgecolors="#999999", linewidths=0.4,
-          hatch="//")
+    spans(
+        [(lane(b.block), x(b.released_seq), x_end(b.end_seq)) for b in draining if b.released_seq is not None],
+        0.35,
+        facecolors=[owner_color(b.owner_id) for b in draining],
+        alpha=0.35,
+        edgecolors="#999999",
+        linewidths=0.4,
+        hatch="//",
+    )
     if len(timeline.bars) <= LABELS_UP_TO:
         span = timeline.last_step + 1 - timeline.first_step
         for bar, start, end in held:
             if (end - start) / span > 0.03:
-                ax.text((start + end) / 2, lane(bar.block) - 0.1, _bar_label(bar), ha="center", va="center", fontsize=7,
-                        clip_on=True)
+                ax.text(
+                    (start + end) / 2, lane(bar.block) - 0.1, _bar_label(bar), ha="center", va="center", fontsize=7, clip_on=True
+                )
     pins = timeline.pins
-    spans([(lane(p.block) + PIN_OFFSET, x(p.start_seq), x_end(p.end_seq)) for p in pins], 0.1,
-          facecolors=[PIN_COLORS.get(p.kind, OTHER_PIN) for p in pins], linewidths=0)
+    spans(
+        [(lane(p.block) + PIN_OFFSET, x(p.start_seq), x_end(p.end_seq)) for p in pins],
+        0.1,
+        facecolors=[PIN_COLORS.get(p.kind, OTHER_PIN) for p in pins],
+        linewidths=0,
+    )
 
     jobs = timeline.jobs
     started = [j for j in jobs if j.start_seq >= timeline.first_seq]
-    ax.scatter([x(j.start_seq) for j in started], [JOBS_LANE] * len(started), marker=">", s=30, zorder=3,
-               color=[PIN_COLORS.get(j.kind, OTHER_PIN) for j in started])
+    ax.scatter(
+        [x(j.start_seq) for j in started],
+        [JOBS_LANE] * len(started),
+        marker=">",
+        s=30,
+        zorder=3,
+        color=[PIN_COLORS.get(j.kind, OTHER_PIN) for j in started],
+    )
     ended = [(j, j.end_seq) for j in jobs if j.end_seq is not None]
-    ax.scatter([x(seq) for _, seq in ended], [JOBS_LANE] * len(ended), marker="o", s=30, zorder=3,
-               color=[outcome_color(j.outcome) for j, _ in ended], edgecolor="black", linewidth=0.4)
+    ax.scatter(
+        [x(seq) for _, seq in ended],
+        [JOBS_LANE] * len(ended),
+        marker="o",
+        s=30,
+        zorder=3,
+        color=[outcome_color(j.outcome) for j, _ in ended],
+        edgecolor="black",
+        linewidth=0.4,
+    )
     refusals = timeline.refusals
-    ax.scatter([x(r.seq) for r in refusals], [REFUSALS_LANE if r.block is None else lane(r.block) for r in refusals],
-               marker="X", color=REFUSAL_COLOR, edgecolor="white", linewidth=0.4, s=60, zorder=4)
+    ax.scatter(
+        [x(r.seq) for r in refusals],
+        [REFUSALS_LANE if r.block is None else lane(r.block) for r in refusals],
+        marker="X",
+        color=REFUSAL_COLOR,
+        edgecolor="white",
+        linewidth=0.4,
+        s=60,
+        zorder=4,
+    )
 
     ax.set_yticks(range(len(labels)), labels, fontsize=7 if len(labels) > 40 else 9)
     ax.set_ylim(len(labels) - 0.5, -0.5)  # the first lane on top
@@ -148,12 +202,23 @@ def _png(timeline: Timeline, path: Path) -> None:
     ax.set_title(_title(timeline), fontsize=10)
     handles: list[Artist] = [
         Patch(facecolor=OWNER_COLORS[0], edgecolor="#555555", label="held (colour: owner; gN oM: generation, owner)"),
-        Patch(facecolor=OWNER_COLORS[0], alpha=0.35, hatch="//", label="owners gone, not yet free (end of step; pinned: draining)")]
+        Patch(
+            facecolor=OWNER_COLORS[0], alpha=0.35, hatch="//", label="owners gone, not yet free (end of step; pinned: draining)"
+        ),
+    ]
     handles += [Patch(facecolor=color, label=f"pin: {kind} job") for kind, color in PIN_COLORS.items()]
-    handles += [Line2D([], [], marker=">", linestyle="", color="#444444", label="job started"),
-                Line2D([], [], marker="o", linestyle="", color=OUTCOME_COLORS["succeeded"],
-                       label="job ended (green ok, red failed, orange fenced)"),
-                Line2D([], [], marker="X", linestyle="", color=REFUSAL_COLOR, label="refusal")]
+    handles += [
+        Line2D([], [], marker=">", linestyle="", color="#444444", label="job started"),
+        Line2D(
+            [],
+            [],
+            marker="o",
+            linestyle="",
+            color=OUTCOME_COLORS["succeeded"],
+            label="job ended (green ok, red failed, orange fenced)",
+        ),
+        Line2D([], [], marker="X", linestyle="", color=REFUSAL_COLOR, label="refusal"),
+    ]
     figure.legend(handles=handles, loc="lower center", ncols=4, fontsize=8, frameon=False)
     figure.savefig(path, format="png")
 
@@ -169,57 +234,118 @@ def _html(timeline: Timeline, path: Path) -> None:
     figure = go.Figure()
     bars = timeline.bars
     held_end = [x_end(b.released_seq if b.released_seq is not None else b.end_seq) for b in bars]
-    figure.add_trace(go.Bar(
-        name="held (colour: owner)", orientation="h", y=[lane(b.block) for b in bars],
-        base=[x(b.start_seq) for b in bars], x=[e - x(b.start_seq) for b, e in zip(bars, held_end, strict=True)],
-        width=0.7, marker={"color": [owner_color(b.owner_id) for b in bars], "line": {"color": "#555555", "width": 0.5}},
-        text=[_bar_label(b) for b in bars], textposition="inside", insidetextanchor="middle",
-        hovertext=[_bar_text(timeline, b) for b in bars], hoverinfo="text"))
+    figure.add_trace(
+        go.Bar(
+            name="held (colour: owner)",
+            orientation="h",
+            y=[lane(b.block) for b in bars],
+            base=[x(b.start_seq) for b in bars],
+            x=[e - x(b.start_seq) for b, e in zip(bars, held_end, strict=True)],
+            width=0.7,
+            marker={"color": [owner_color(b.owner_id) for b in bars], "line": {"color": "#555555", "width": 0.5}},
+            text=[_bar_label(b) for b in bars],
+            textposition="inside",
+            insidetextanchor="middle",
+            hovertext=[_bar_text(timeline, b) for b in bars],
+            hoverinfo="text",
+        )
+    )
     draining = [b for b in bars if b.released_seq is not None]
-    figure.add_trace(go.Bar(
-        name="owners gone, not yet free", orientation="h", y=[lane(b.block) for b in draining],
-        base=[x(b.released_seq) for b in draining if b.released_seq is not None],
-        x=[x_end(b.end_seq) - x(b.released_seq) for b in draining if b.released_seq is not None],
-        width=0.7, opacity=0.4, marker={"color": [owner_color(b.owner_id) for b in draining], "pattern": {"shape": "/"}},
-        hovertext=[_bar_text(timeline, b) for b in draining], hoverinfo="text"))
+    figure.add_trace(
+        go.Bar(
+            name="owners gone, not yet free",
+            orientation="h",
+            y=[lane(b.block) for b in draining],
+            base=[x(b.released_seq) for b in draining if b.released_seq is not None],
+            x=[x_end(b.end_seq) - x(b.released_seq) for b in draining if b.released_seq is not None],
+            width=0.7,
+            opacity=0.4,
+            marker={"color": [owner_color(b.owner_id) for b in draining], "pattern": {"shape": "/"}},
+            hovertext=[_bar_text(timeline, b) for b in draining],
+            hoverinfo="text",
+        )
+    )
     for kind, color in PIN_COLORS.items():
         pins = [p for p in timeline.pins if p.kind == kind]
-        figure.add_trace(go.Bar(
-            name=f"pin: {kind} job", orientation="h", y=[lane(p.block) + PIN_OFFSET for p in pins],
-            base=[x(p.start_seq) for p in pins], x=[x_end(p.end_seq) - x(p.start_seq) for p in pins], width=0.2,
-            marker={"color": color},
-            hovertext=[f"job {p.job_id} ({p.kind}) pins {timeline.pool}/{p.block}@g{p.generation}<br>"
-                       f"seq {p.start_seq}..{p.end_seq if p.end_seq is not None else 'after the range'}: {p.outcome}"
-                       for p in pins], hoverinfo="text"))
+        figure.add_trace(
+            go.Bar(
+                name=f"pin: {kind} job",
+                orientation="h",
+                y=[lane(p.block) + PIN_OFFSET for p in pins],
+                base=[x(p.start_seq) for p in pins],
+                x=[x_end(p.end_seq) - x(p.start_seq) for p in pins],
+                width=0.2,
+                marker={"color": color},
+                hovertext=[
+                    f"job {p.job_id} ({p.kind}) pins {timeline.pool}/{p.block}@g{p.generation}<br>"
+                    f"seq {p.start_seq}..{p.end_seq if p.end_seq is not None else 'after the range'}: {p.outcome}"
+                    for p in pins
+                ],
+                hoverinfo="text",
+            )
+        )
     jobs = timeline.jobs
     started = [j for j in jobs if j.start_seq >= timeline.first_seq]
-    figure.add_trace(go.Scatter(
-        name="job started", mode="markers", x=[x(j.start_seq) for j in started], y=[JOBS_LANE] * len(started),
-        marker={"symbol": "triangle-right", "size": 9, "color": [PIN_COLORS.get(j.kind, OTHER_PIN) for j in started]},
-        hovertext=[f"job {j.job_id} {j.kind} started at seq {j.start_seq}: {j.detail}<br>slots {j.blocks}" for j in started],
-        hoverinfo="text"))
+    figure.add_trace(
+        go.Scatter(
+            name="job started",
+            mode="markers",
+            x=[x(j.start_seq) for j in started],
+            y=[JOBS_LANE] * len(started),
+            marker={"symbol": "triangle-right", "size": 9, "color": [PIN_COLORS.get(j.kind, OTHER_PIN) for j in started]},
+            hovertext=[f"job {j.job_id} {j.kind} started at seq {j.start_seq}: {j.detail}<br>slots {j.blocks}" for j in started],
+            hoverinfo="text",
+        )
+    )
     ended = [j for j in jobs if j.end_seq is not None]
-    figure.add_trace(go.Scatter(
-        name="job ended", mode="markers", x=[x(j.end_seq) for j in ended if j.end_seq is not None],
-        y=[JOBS_LANE] * len(ended),
-        marker={"symbol": "circle", "size": 9, "color": [outcome_color(j.outcome) for j in ended],
-                "line": {"color": "black", "width": 0.5}},
-        hovertext=[f"job {j.job_id} {j.kind} ended at seq {j.end_seq}: {j.outcome}" for j in ended], hoverinfo="text"))
+    figure.add_trace(
+        go.Scatter(
+            name="job ended",
+            mode="markers",
+            x=[x(j.end_seq) for j in ended if j.end_seq is not None],
+            y=[JOBS_LANE] * len(ended),
+            marker={
+                "symbol": "circle",
+                "size": 9,
+                "color": [outcome_color(j.outcome) for j in ended],
+                "line": {"color": "black", "width": 0.5},
+            },
+            hovertext=[f"job {j.job_id} {j.kind} ended at seq {j.end_seq}: {j.outcome}" for j in ended],
+            hoverinfo="text",
+        )
+    )
     refusals = timeline.refusals
-    figure.add_trace(go.Scatter(
-        name="refusal", mode="markers", x=[x(r.seq) for r in refusals],
-        y=[REFUSALS_LANE if r.block is None else lane(r.block) for r in refusals],
-        marker={"symbol": "x", "size": 11, "color": REFUSAL_COLOR, "line": {"color": "white", "width": 0.5}},
-        hovertext=[f"{r.kind} at seq {r.seq} (step {r.step}): {r.subject}: {r.reason}<br>{r.detail}" for r in refusals],
-        hoverinfo="text"))
+    figure.add_trace(
+        go.Scatter(
+            name="refusal",
+            mode="markers",
+            x=[x(r.seq) for r in refusals],
+            y=[REFUSALS_LANE if r.block is None else lane(r.block) for r in refusals],
+            marker={"symbol": "x", "size": 11, "color": REFUSAL_COLOR, "line": {"color": "white", "width": 0.5}},
+            hovertext=[f"{r.kind} at seq {r.seq} (step {r.step}): {r.subject}: {r.reason}<br>{r.detail}" for r in refusals],
+            hoverinfo="text",
+        )
+    )
     figure.update_layout(
-        title={"text": _title(timeline).replace("\n", "<br>"), "font": {"size": 13}}, barmode="overlay",
-        height=max(420, 22 * len(labels) + 200), plot_bgcolor="white",
-        xaxis={"title": "engine step", "range": [timeline.first_step, timeline.last_step + 1], "gridcolor": "#dddddd",
-               "zeroline": False},
-        yaxis={"title": "slot (pool/block)", "tickvals": list(range(len(labels))), "ticktext": labels,
-               "range": [len(labels) - 0.5, -0.5]},
-        uniformtext={"minsize": 8, "mode": "hide"}, legend={"orientation": "h", "y": -0.12},
-        margin={"l": 80, "r": 20, "t": 80, "b": 60})
+        title={"text": _title(timeline).replace("\n", "<br>"), "font": {"size": 13}},
+        barmode="overlay",
+        height=max(420, 22 * len(labels) + 200),
+        plot_bgcolor="white",
+        xaxis={
+            "title": "engine step",
+            "range": [timeline.first_step, timeline.last_step + 1],
+            "gridcolor": "#dddddd",
+            "zeroline": False,
+        },
+        yaxis={
+            "title": "slot (pool/block)",
+            "tickvals": list(range(len(labels))),
+            "ticktext": labels,
+            "range": [len(labels) - 0.5, -0.5],
+        },
+        uniformtext={"minsize": 8, "mode": "hide"},
+        legend={"orientation": "h", "y": -0.12},
+        margin={"l": 80, "r": 20, "t": 80, "b": 60},
+    )
     # include_plotlyjs=True inlines plotly.js: the report opens with no network at all.
     figure.write_html(str(path), include_plotlyjs=True, full_html=True, config={"displaylogo": False})

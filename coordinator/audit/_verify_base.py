@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from coordinator.describe import describe
-from coordinator.state import EngineState, JobState, State
+from coordinator.core.describe import describe
+from coordinator.core.state import EngineState, JobState, State
 from events import NULL_BLOCK_ID, BlockRef, Event
 
 Slot = tuple[str, int, int]
@@ -73,8 +73,16 @@ class Checks:
         if len(self.violations) >= self._max:
             return
         shown = [] if at.event is None else [f"seq {at.seq}: {describe(at.event)}"]
-        self.violations.append(Violation(invariant=invariant, seq=at.seq, step=at.step, engine=at.engine,
-                                         message=message, evidence=[*shown, *(evidence or [])]))
+        self.violations.append(
+            Violation(
+                invariant=invariant,
+                seq=at.seq,
+                step=at.step,
+                engine=at.engine,
+                message=message,
+                evidence=[*shown, *(evidence or [])],
+            )
+        )
 
     def _job_evidence(self, job_ids: Sequence[int]) -> list[str]:
         shown = []
@@ -102,9 +110,12 @@ class Checks:
             return False
         if ref.generation != pool.generations[ref.block_id]:
             slot = (engine.engine_id, ref.pool_id, ref.block_id)
-            self._flag("I1", at, f"{what} {ref_text(ref)}, a stale generation: the slot is at generation "
-                       f"{pool.generations[ref.block_id]}",
-                       self._seen(self._alloc_seq.get(slot), f"{ref_text(pool.ref(ref.block_id))} allocated"))
+            self._flag(
+                "I1",
+                at,
+                f"{what} {ref_text(ref)}, a stale generation: the slot is at generation {pool.generations[ref.block_id]}",
+                self._seen(self._alloc_seq.get(slot), f"{ref_text(pool.ref(ref.block_id))} allocated"),
+            )
         return True
 
     def _started(self, job_id: int, slots: list[Slot], at: At) -> None:
@@ -115,8 +126,12 @@ class Checks:
 
     def _not_in_flight(self, job_id: int, what: str, at: At) -> None:
         if job_id in self.state.fenced:
-            self._flag("I16", at, f"{what} for job {job_id}, which was fenced: a fenced job's late report is dropped",
-                       self._job_evidence([job_id]))
+            self._flag(
+                "I16",
+                at,
+                f"{what} for job {job_id}, which was fenced: a fenced job's late report is dropped",
+                self._job_evidence([job_id]),
+            )
         else:
             state = "never started" if job_id >= self.state.next_job_id else "finished"
             self._flag("I4", at, f"{what} for job {job_id}, which is not in flight ({state})")
@@ -125,10 +140,16 @@ class Checks:
         decision = job.decision
         engine = self.state.engines.get(decision.engine_id)
         if engine is not None and decision.incarnation != engine.incarnation:
-            self._flag("I16", at, f"{what}: job {job.job_id} belongs to incarnation {decision.incarnation} of "
-                       f"{decision.engine_id}, which is at {engine.incarnation} (the job was never fenced)",
-                       [*self._seen(self._reset_seq.get(decision.engine_id), f"engine {decision.engine_id} reset"),
-                        *self._job_evidence([job.job_id])])
+            self._flag(
+                "I16",
+                at,
+                f"{what}: job {job.job_id} belongs to incarnation {decision.incarnation} of "
+                f"{decision.engine_id}, which is at {engine.incarnation} (the job was never fenced)",
+                [
+                    *self._seen(self._reset_seq.get(decision.engine_id), f"engine {decision.engine_id} reset"),
+                    *self._job_evidence([job.job_id]),
+                ],
+            )
 
     def _job_and_reports(self, job_id: int) -> Callable[[], list[str]]:
         """The job's decision and reports as evidence, built only if a violation needs it."""

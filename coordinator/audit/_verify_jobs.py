@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from coordinator.audit._verify_base import At, Checks, hexes, ref_text
-from coordinator.state import JobState
+from coordinator.core.state import JobState
 from events import (
     NULL_BLOCK_ID,
     JobSucceeded,
@@ -37,10 +37,17 @@ class JobChecks(Checks):
             if tier is not None and 0 <= item.tier_slot < tier.spec.num_slots:
                 previous = tier.generations[item.tier_slot]
                 if item.tier_generation != previous + 1:
-                    self._flag("I1", at, f"reserves tier slot {item.tier_slot} at generation {item.tier_generation}; it "
-                               f"was at {previous}, a reservation makes it {previous + 1}")
-        self._started(event.job_id, [(event.engine_id, i.source.pool_id, i.source.block_id)
-                                     for i in event.items if i.source.block_id != NULL_BLOCK_ID], at)
+                    self._flag(
+                        "I1",
+                        at,
+                        f"reserves tier slot {item.tier_slot} at generation {item.tier_generation}; it "
+                        f"was at {previous}, a reservation makes it {previous + 1}",
+                    )
+        self._started(
+            event.job_id,
+            [(event.engine_id, i.source.pool_id, i.source.block_id) for i in event.items if i.source.block_id != NULL_BLOCK_ID],
+            at,
+        )
         return False
 
     def _load_job_started(self, event: LoadJobStarted, at: At) -> bool:
@@ -51,29 +58,46 @@ class JobChecks(Checks):
             self._current(at, engine, item.dest, "loads into")
             entry = tier.entry(item.dest.pool_id, item.key) if tier is not None else None
             if entry is None:
-                self._flag("I5", at, f"loads key {item.key.hex()} of group {item.dest.pool_id}, which is not published in "
-                           f"tier {event.tier!r}", self._seen(self._evicted_seq.get((event.tier, item.dest.pool_id, item.key)),
-                                                              f"{item.key.hex()[:8]} evicted"))
+                self._flag(
+                    "I5",
+                    at,
+                    f"loads key {item.key.hex()} of group {item.dest.pool_id}, which is not published in tier {event.tier!r}",
+                    self._seen(self._evicted_seq.get((event.tier, item.dest.pool_id, item.key)), f"{item.key.hex()[:8]} evicted"),
+                )
                 unfoldable = True
                 continue
-            published = self._seen(self._published_seq.get((event.tier, item.dest.pool_id, item.key)),
-                                   f"{item.key.hex()[:8]} published (job {entry.source_job})")
+            published = self._seen(
+                self._published_seq.get((event.tier, item.dest.pool_id, item.key)),
+                f"{item.key.hex()[:8]} published (job {entry.source_job})",
+            )
             if engine is not None and entry.namespace_id != engine.namespace_id:
-                self._flag("I9", at, f"loads key {item.key.hex()} of namespace {entry.namespace_id.hex()} into an engine "
-                           f"of namespace {engine.namespace_id.hex()}", published)
+                self._flag(
+                    "I9",
+                    at,
+                    f"loads key {item.key.hex()} of namespace {entry.namespace_id.hex()} into an engine "
+                    f"of namespace {engine.namespace_id.hex()}",
+                    published,
+                )
             if entry.quarantined:
                 self._flag("I13", at, f"loads quarantined key {item.key.hex()}", published)
             if (item.tier_slot, item.tier_generation) != (entry.tier_slot, entry.tier_generation):
-                self._flag("I1", at, f"reads key {item.key.hex()} from tier slot {item.tier_slot} generation "
-                           f"{item.tier_generation}; it is published at slot {entry.tier_slot} generation "
-                           f"{entry.tier_generation}", published)
+                self._flag(
+                    "I1",
+                    at,
+                    f"reads key {item.key.hex()} from tier slot {item.tier_slot} generation "
+                    f"{item.tier_generation}; it is published at slot {entry.tier_slot} generation "
+                    f"{entry.tier_generation}",
+                    published,
+                )
             if item.checksums and item.checksums != entry.checksums:
-                self._flag("I13", at, f"verifies key {item.key.hex()} against other checksums than the published ones",
-                           published)
+                self._flag("I13", at, f"verifies key {item.key.hex()} against other checksums than the published ones", published)
         if unfoldable:
             return True  # the projector cannot lease a key that is not there; said above
-        self._started(event.job_id, [(event.engine_id, i.dest.pool_id, i.dest.block_id)
-                                     for i in event.items if i.dest.block_id != NULL_BLOCK_ID], at)
+        self._started(
+            event.job_id,
+            [(event.engine_id, i.dest.pool_id, i.dest.block_id) for i in event.items if i.dest.block_id != NULL_BLOCK_ID],
+            at,
+        )
         return False
 
     def _rank_reported(self, event: RankReported, at: At) -> bool:
@@ -85,8 +109,12 @@ class JobChecks(Checks):
         if not 0 <= event.rank < world_size:
             self._flag("I4", at, f"report of rank {event.rank} counted for job {event.job_id} of world size {world_size}")
         elif event.rank in job.reports:
-            self._flag("I4", at, f"a second report of job {event.job_id} rank {event.rank} counted",
-                       self._seen(self._report_seq.get(event.job_id, {}).get(event.rank), "the first report"))
+            self._flag(
+                "I4",
+                at,
+                f"a second report of job {event.job_id} rank {event.rank} counted",
+                self._seen(self._report_seq.get(event.job_id, {}).get(event.rank), "the first report"),
+            )
         self._old_incarnation(job, f"rank {event.rank}'s report counted", at)
         self._report_seq.setdefault(event.job_id, {})[event.rank] = at.seq
         return False
@@ -102,8 +130,12 @@ class JobChecks(Checks):
             missing = [rank for rank in range(decision.world_size) if rank not in job.reports]
             failed = sorted(rank for rank, report in job.reports.items() if not report.ok)
             if missing or failed:
-                self._flag("I4", at, f"job {event.job_id} succeeded with rank(s) {missing} not reported and {failed} failed",
-                           [*self._job_evidence([event.job_id]), *self._reports_evidence(event.job_id)])
+                self._flag(
+                    "I4",
+                    at,
+                    f"job {event.job_id} succeeded with rank(s) {missing} not reported and {failed} failed",
+                    [*self._job_evidence([event.job_id]), *self._reports_evidence(event.job_id)],
+                )
         self._old_incarnation(job, "success counted", at)
         if isinstance(decision, LoadJobStarted) and not nothing_to_do:
             self._load_succeeded(decision, job, at)
@@ -114,14 +146,23 @@ class JobChecks(Checks):
         evidence = self._job_and_reports(decision.job_id)
         engine = self.state.engines.get(decision.engine_id)
         if engine is not None and engine.clock >= decision.lease_expires_at:
-            self._flag("I12", at, f"load {decision.job_id} counts as success at engine clock {engine.clock:g}; its lease "
-                       f"expired at {decision.lease_expires_at:g}", evidence())
+            self._flag(
+                "I12",
+                at,
+                f"load {decision.job_id} counts as success at engine clock {engine.clock:g}; its lease "
+                f"expired at {decision.lease_expires_at:g}",
+                evidence(),
+            )
         tier = self.state.tiers.get(decision.tier)
         sums = {rank: report.checksums for rank, report in job.reports.items()}
         unverified = [rank for rank, found in sorted(sums.items()) if len(found) != len(decision.items) or not all(found)]
         if unverified:
-            self._flag("I11", at, f"load {decision.job_id} counts as success with rank(s) {unverified} reporting no checksum "
-                       "for some destination", evidence())
+            self._flag(
+                "I11",
+                at,
+                f"load {decision.job_id} counts as success with rank(s) {unverified} reporting no checksum for some destination",
+                evidence(),
+            )
         gone, mismatched, quarantined = [], [], []
         for index, item in enumerate(decision.items):
             entry = tier.entry(item.dest.pool_id, item.key) if tier is not None else None
@@ -138,16 +179,29 @@ class JobChecks(Checks):
             ):
                 mismatched.append(item.key)
         if gone:
-            evicted = [f"seq {seq}: {key.hex()[:8]} evicted" for key in dict.fromkeys(gone)
-                       if (seq := self._evicted_seq.get((decision.tier, _pool_of(decision, key), key))) is not None]
-            self._flag("I12", at, f"load {decision.job_id} counts as success though key(s) {hexes(gone)} left the tier or "
-                       "moved while it ran", [*evidence(), *evicted])
+            evicted = [
+                f"seq {seq}: {key.hex()[:8]} evicted"
+                for key in dict.fromkeys(gone)
+                if (seq := self._evicted_seq.get((decision.tier, _pool_of(decision, key), key))) is not None
+            ]
+            self._flag(
+                "I12",
+                at,
+                f"load {decision.job_id} counts as success though key(s) {hexes(gone)} left the tier or moved while it ran",
+                [*evidence(), *evicted],
+            )
         if quarantined:
-            self._flag("I13", at, f"load {decision.job_id} of quarantined key(s) {hexes(quarantined)} counts as success",
-                       evidence())
+            self._flag(
+                "I13", at, f"load {decision.job_id} of quarantined key(s) {hexes(quarantined)} counts as success", evidence()
+            )
         if mismatched:
-            self._flag("I13", at, f"load {decision.job_id} counts as success though ranks read other bytes than published "
-                       f"for key(s) {hexes(mismatched)}", evidence())
+            self._flag(
+                "I13",
+                at,
+                f"load {decision.job_id} counts as success though ranks read other bytes than published "
+                f"for key(s) {hexes(mismatched)}",
+                evidence(),
+            )
 
     # --- tiers ----------------------------------------------------------------------------------------------
 
@@ -158,42 +212,71 @@ class JobChecks(Checks):
             if event.source_job in self.state.fenced:
                 self._not_in_flight(event.source_job, f"key {event.key.hex()} published", at)
             else:
-                self._flag("I5", at, f"key {event.key.hex()} published by job {event.source_job}, which is not a store in "
-                           "flight")
+                self._flag("I5", at, f"key {event.key.hex()} published by job {event.source_job}, which is not a store in flight")
         else:
             self._published_by(event, job, at)
         tier = self.state.tiers.get(event.tier)
         existing = tier.entry(event.pool_id, event.key) if tier is not None else None
         if existing is not None and existing.checksums != event.checksums and not existing.quarantined:
-            self._flag("I10", at, f"key {event.key.hex()} published again with other checksums over the live entry "
-                       f"(job {existing.source_job}), and not quarantined",
-                       self._seen(self._published_seq.get(where), f"{event.key.hex()[:8]} published"))
+            self._flag(
+                "I10",
+                at,
+                f"key {event.key.hex()} published again with other checksums over the live entry "
+                f"(job {existing.source_job}), and not quarantined",
+                self._seen(self._published_seq.get(where), f"{event.key.hex()[:8]} published"),
+            )
         replaced = self._evicted_in_append.get(where)
         if existing is None and replaced is not None and replaced[1] != event.checksums:
-            self._flag("I10", at, f"key {event.key.hex()} evicted and published again with other checksums in one "
-                       "append: the last writer won, no KeyQuarantined", [f"seq {replaced[0]}: {event.key.hex()[:8]} evicted"])
+            self._flag(
+                "I10",
+                at,
+                f"key {event.key.hex()} evicted and published again with other checksums in one "
+                "append: the last writer won, no KeyQuarantined",
+                [f"seq {replaced[0]}: {event.key.hex()[:8]} evicted"],
+            )
         return False
 
     def _published_by(self, event: KeyPublished, job: JobState, at: At) -> None:
         """I2, I5, I16 for a publication by a store in flight."""
         decision = job.decision
         assert isinstance(decision, StoreJobStarted)
-        index = next((i for i, item in enumerate(decision.items)
-                      if (item.key, item.tier_slot, item.source.pool_id) == (event.key, event.tier_slot, event.pool_id)), None)
+        index = next(
+            (
+                i
+                for i, item in enumerate(decision.items)
+                if (item.key, item.tier_slot, item.source.pool_id) == (event.key, event.tier_slot, event.pool_id)
+            ),
+            None,
+        )
         evidence = self._job_and_reports(decision.job_id)
         if index is None:
-            self._flag("I5", at, f"key {event.key.hex()} published into tier slot {event.tier_slot} by job "
-                       f"{decision.job_id}, which did not store it there", evidence())
+            self._flag(
+                "I5",
+                at,
+                f"key {event.key.hex()} published into tier slot {event.tier_slot} by job "
+                f"{decision.job_id}, which did not store it there",
+                evidence(),
+            )
             return
         if decision.items[index].source.block_id == NULL_BLOCK_ID:
-            self._flag("I2", at, f"key {event.key.hex()} published from the null block {ref_text(decision.items[index].source)}",
-                       evidence())
-        not_ok = [rank for rank in range(decision.world_size)
-                  if rank not in job.reports or not job.reports[rank].ok or len(job.reports[rank].checksums) <= index
-                  or not job.reports[rank].checksums[index]]
+            self._flag(
+                "I2",
+                at,
+                f"key {event.key.hex()} published from the null block {ref_text(decision.items[index].source)}",
+                evidence(),
+            )
+        not_ok = [
+            rank
+            for rank in range(decision.world_size)
+            if rank not in job.reports
+            or not job.reports[rank].ok
+            or len(job.reports[rank].checksums) <= index
+            or not job.reports[rank].checksums[index]
+        ]
         if not_ok:
-            self._flag("I5", at, f"key {event.key.hex()} published before rank(s) {not_ok} reported success with a checksum",
-                       evidence())
+            self._flag(
+                "I5", at, f"key {event.key.hex()} published before rank(s) {not_ok} reported success with a checksum", evidence()
+            )
         elif event.checksums != [job.reports[rank].checksums[index] for rank in range(decision.world_size)]:
             self._flag("I5", at, f"key {event.key.hex()} published with other checksums than its ranks reported", evidence())
         self._old_incarnation(job, f"key {event.key.hex()} published", at)
@@ -206,8 +289,12 @@ class JobChecks(Checks):
         engine = self.state.engines.get(event.engine_id)
         if engine is not None and entry.leases and entry.leased_at(engine.clock):
             live = sorted(job_id for job_id, expiry in entry.leases.items() if expiry > engine.clock)
-            self._flag("I12", at, f"evicts key {event.key.hex()} at engine clock {engine.clock:g} while load(s) {live} "
-                       "hold a live lease on it", self._job_evidence(live))
+            self._flag(
+                "I12",
+                at,
+                f"evicts key {event.key.hex()} at engine clock {engine.clock:g} while load(s) {live} hold a live lease on it",
+                self._job_evidence(live),
+            )
         self._evicted_in_append[(event.tier, event.pool_id, event.key)] = (at.seq, entry.checksums)
         return False
 

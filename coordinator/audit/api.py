@@ -71,7 +71,8 @@ from coordinator.audit.queries import (
 )
 from coordinator.audit.store import sync_index
 from coordinator.audit.times import EARLIEST, LATEST, RANGE, time_problem
-from coordinator.tokens import TokenFileError as TokenFileError, TokenMatcher, check_token, read_file, warn_if_readable
+from coordinator.tokens import TokenFileError as TokenFileError
+from coordinator.tokens import TokenMatcher, check_token, read_file, warn_if_readable
 from events.log import LogError, SqlEventLog
 
 log = structlog.get_logger("kvledger.audit.api")
@@ -125,7 +126,7 @@ def load_tokens(path: Path) -> Tokens:
     try:
         grants = msgspec.convert(raw, dict[str, Grant])
     except msgspec.ValidationError as error:  # its path shows a token as `[...]`
-        raise TokenFileError(f"--audit-tokens {path}: {error} (each token maps to {{\"tenant\": NAME or \"*\"}})") from None
+        raise TokenFileError(f'--audit-tokens {path}: {error} (each token maps to {{"tenant": NAME or "*"}})') from None
     if not grants:
         raise TokenFileError(f"--audit-tokens {path} names no token")
     for position, token in enumerate(grants, 1):
@@ -148,8 +149,9 @@ class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, error: str, detail: str, *, parameter: str | None = None,
-                 headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, status: int, error: str, detail: str, *, parameter: str | None = None, headers: Mapping[str, str] | None = None
+    ) -> None:
         super().__init__(detail)
         self.status = status
         self.body = ErrorBody(error=error, detail=detail, parameter=parameter)
@@ -165,21 +167,30 @@ def invalid(parameter: str, detail: str) -> ApiError:
 
 def _json(value: object, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
     # Audit answers are one tenant's secrets: no cache keeps them.
-    return Response(msgspec.json.encode(value), status_code=status, media_type=JSON,
-                    headers={"Cache-Control": "no-store", **(headers or {})})
+    return Response(
+        msgspec.json.encode(value), status_code=status, media_type=JSON, headers={"Cache-Control": "no-store", **(headers or {})}
+    )
 
 
 # --- parameters ---------------------------------------------------------------------------------
 # Each route's path and query parameters are one Struct: it validates them (`parse`) and is what
 # the OpenAPI schema describes (`openapi`), so the two cannot disagree.
 
-Moment = Annotated[float, Meta(ge=EARLIEST, le=LATEST)] \
+Moment = (
+    Annotated[float, Meta(ge=EARLIEST, le=LATEST)]
     | Annotated[str, Meta(min_length=1, max_length=64, extra_json_schema={"format": "date-time"})]
+)
 """Seconds since the epoch, or an ISO 8601 time (UTC when it names no zone), years 1..9999 (times.py).
 The schema says the range of seconds too: schemathesis found it promised any number."""
-EngineName = Annotated[str, Meta(min_length=1, max_length=256, pattern=_PRINTABLE,
-                                  description="The engine (default: the only one the token may read; a 422 when it "
-                                              "may read several).")]
+EngineName = Annotated[
+    str,
+    Meta(
+        min_length=1,
+        max_length=256,
+        pattern=_PRINTABLE,
+        description="The engine (default: the only one the token may read; a 422 when it may read several).",
+    ),
+]
 
 
 class Params(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -197,12 +208,17 @@ _ONE_POINT = " At most one of at_seq, at_step and at_time (a 422 otherwise: no s
 
 
 class BlockParams(SlotParams, kw_only=True):
-    at_seq: Annotated[int, Meta(ge=0, le=_MAX_INT, description="The point: a global sequence (default: the head)." + _ONE_POINT)] \
-        | None = None
-    at_step: Annotated[int, Meta(ge=0, le=_MAX_INT, description="The point: the end of that step of the engine." + _ONE_POINT)] \
-        | None = None
-    at_time: Annotated[Moment, Meta(description="The point: the last step recorded by then (epoch seconds or ISO 8601)."
-                                                + _ONE_POINT)] | None = None
+    at_seq: (
+        Annotated[int, Meta(ge=0, le=_MAX_INT, description="The point: a global sequence (default: the head)." + _ONE_POINT)]
+        | None
+    ) = None
+    at_step: (
+        Annotated[int, Meta(ge=0, le=_MAX_INT, description="The point: the end of that step of the engine." + _ONE_POINT)] | None
+    ) = None
+    at_time: (
+        Annotated[Moment, Meta(description="The point: the last step recorded by then (epoch seconds or ISO 8601)." + _ONE_POINT)]
+        | None
+    ) = None
 
     def check(self) -> None:
         given = [name for name in ("at_seq", "at_step", "at_time") if getattr(self, name) is not None]
@@ -217,14 +233,16 @@ class KeyParams(Params, kw_only=True):
 
 
 class RequestParams(Params, kw_only=True):
-    req_id: Annotated[str, Meta(min_length=1, max_length=1024, pattern=_PRINTABLE,
-                                description="The request id (every owner that used it).")]
+    req_id: Annotated[
+        str, Meta(min_length=1, max_length=1024, pattern=_PRINTABLE, description="The request id (every owner that used it).")
+    ]
 
 
 class RefusalParams(Params, kw_only=True):
     since_seq: Annotated[int, Meta(ge=0, le=_MAX_INT, description="Only refusals after this global sequence.")] = 0
-    since_time: Annotated[Moment, Meta(description="Only refusals recorded at or after this time (epoch seconds or ISO 8601).")] \
-        | None = None
+    since_time: (
+        Annotated[Moment, Meta(description="Only refusals recorded at or after this time (epoch seconds or ISO 8601).")] | None
+    ) = None
     limit: Annotated[int, Meta(ge=1, le=10_000, description="At most this many, oldest first.")] = 1000
 
     def check(self) -> None:
@@ -317,8 +335,13 @@ async def _block(audit: Audit, params: BlockParams) -> BlockAnswer:
     try:
         seq = await audit.resolve(engine, at_seq=params.at_seq, at_step=params.at_step, at_time=at_time)
     except NotFound:
-        raise ApiError(404, "not_found", f"engine {engine!r} has no such step" if params.at_step is not None
-                       else "nothing was recorded at or before that time") from None
+        raise ApiError(
+            404,
+            "not_found",
+            f"engine {engine!r} has no such step"
+            if params.at_step is not None
+            else "nothing was recorded at or before that time",
+        ) from None
     return await audit.block(engine, params.pool, params.block, seq)
 
 
@@ -362,19 +385,62 @@ class Operation:
 
 
 OPERATIONS = (
-    Operation("/block/{pool}/{block}", "block",
-              "Who held a block at a point in time: its generation, owner, jobs and every event of that generation.",
-              BlockParams, BlockAnswer, _block, "the engine, step or time is not in the log", scoped=True),
-    Operation("/history/{pool}/{block}", "history", "Every generation of a block: who allocated it, when, and how it ended.",
-              SlotParams, HistoryAnswer, _history, "the engine is not in the log", scoped=True),
-    Operation("/key/{key}", "key", "A content key: where it was computed, each publication, load, eviction and quarantine.",
-              KeyParams, KeyAnswer, _key, "key {key} is not in the log", scoped=True),
-    Operation("/request/{req_id:path}", "request", "A request id: every owner (lifetime) that carried it, and its blocks.",
-              RequestParams, RequestAnswer, _request, "request {req_id!r} is not in the log", scoped=True),
-    Operation("/refusals", "refusals", "Refused commands, dropped notices, failed jobs and quarantined keys, oldest first.",
-              RefusalParams, list[RefusalEntry], _refusals),
-    Operation("/namespaces", "namespaces", "Each namespace: its live keys, their bytes, first publication and last use.",
-              NoParams, list[NamespaceEntry], _namespaces),
+    Operation(
+        "/block/{pool}/{block}",
+        "block",
+        "Who held a block at a point in time: its generation, owner, jobs and every event of that generation.",
+        BlockParams,
+        BlockAnswer,
+        _block,
+        "the engine, step or time is not in the log",
+        scoped=True,
+    ),
+    Operation(
+        "/history/{pool}/{block}",
+        "history",
+        "Every generation of a block: who allocated it, when, and how it ended.",
+        SlotParams,
+        HistoryAnswer,
+        _history,
+        "the engine is not in the log",
+        scoped=True,
+    ),
+    Operation(
+        "/key/{key}",
+        "key",
+        "A content key: where it was computed, each publication, load, eviction and quarantine.",
+        KeyParams,
+        KeyAnswer,
+        _key,
+        "key {key} is not in the log",
+        scoped=True,
+    ),
+    Operation(
+        "/request/{req_id:path}",
+        "request",
+        "A request id: every owner (lifetime) that carried it, and its blocks.",
+        RequestParams,
+        RequestAnswer,
+        _request,
+        "request {req_id!r} is not in the log",
+        scoped=True,
+    ),
+    Operation(
+        "/refusals",
+        "refusals",
+        "Refused commands, dropped notices, failed jobs and quarantined keys, oldest first.",
+        RefusalParams,
+        list[RefusalEntry],
+        _refusals,
+    ),
+    Operation(
+        "/namespaces",
+        "namespaces",
+        "Each namespace: its live keys, their bytes, first publication and last use.",
+        NoParams,
+        list[NamespaceEntry],
+        _namespaces,
+    ),
 )
 
 
@@ -401,8 +467,9 @@ class AuditApi:
             if grant is not None:
                 return grant
             reason, detail = "wrong", "the token is not valid"
-        log.warning("audit_unauthorized", reason=reason, path=request.url.path,
-                    peer=request.client.host if request.client else None)
+        log.warning(
+            "audit_unauthorized", reason=reason, path=request.url.path, peer=request.client.host if request.client else None
+        )
         challenge = f'Bearer realm="{REALM}"' + (', error="invalid_token"' if reason == "wrong" else "")
         raise ApiError(401, "unauthorized", detail, headers={"WWW-Authenticate": challenge})
 
@@ -414,8 +481,9 @@ class AuditApi:
                 return await sync_index(self.event_log, batch=self.batch)
         except (SQLAlchemyError, LogError, OSError) as error:
             log.error("audit_catch_up_failed", error=f"{type(error).__name__}: {error}")
-            raise ApiError(503, "unavailable", "the audit index could not catch up with the log; retry",
-                           headers={"Retry-After": "1"}) from None
+            raise ApiError(
+                503, "unavailable", "the audit index could not catch up with the log; retry", headers={"Retry-After": "1"}
+            ) from None
 
     def endpoint(self, operation: Operation) -> Callable[[Request], Awaitable[Response]]:
         async def answer(request: Request) -> Response:
@@ -434,14 +502,26 @@ class AuditApi:
                     raise ApiError(422, "invalid_parameter", "the index cannot answer this query as asked") from None
             except ApiError as error:
                 if error.status != 401:
-                    log.info("audit_read", operation=operation.operation_id, status=error.status, error=error.body.error,
-                             tenant=grant.tenant if grant else None, holder=grant.name if grant else None)
+                    log.info(
+                        "audit_read",
+                        operation=operation.operation_id,
+                        status=error.status,
+                        error=error.body.error,
+                        tenant=grant.tenant if grant else None,
+                        holder=grant.name if grant else None,
+                    )
                 return error.response()
             except Exception as error:  # noqa: BLE001 - answer 500, never a traceback; the log keeps it
                 log.exception("audit_query_failed", operation=operation.operation_id, error=f"{type(error).__name__}: {error}")
                 return ApiError(500, "internal", "the query failed; the sidecar's log says why").response()
-            log.info("audit_read", operation=operation.operation_id, status=200, tenant=grant.tenant, holder=grant.name,
-                     indexed_seq=indexed)
+            log.info(
+                "audit_read",
+                operation=operation.operation_id,
+                status=200,
+                tenant=grant.tenant,
+                holder=grant.name,
+                indexed_seq=indexed,
+            )
             return _json(result, headers={INDEXED_SEQ_HEADER: str(indexed)})
 
         return answer
@@ -486,7 +566,8 @@ def openapi(operations: Sequence[Operation]) -> dict[str, Any]:
     """OpenAPI 3.1 for `operations` under MOUNT: parameters from each route's Params, answers
     and errors from their msgspec types."""
     answers, components = msgspec.json.schema_components(
-        [*(operation.answer for operation in operations), ErrorBody], ref_template="#/components/schemas/{name}")
+        [*(operation.answer for operation in operations), ErrorBody], ref_template="#/components/schemas/{name}"
+    )
     error_schema = answers[-1]
 
     def error(description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -498,34 +579,65 @@ def openapi(operations: Sequence[Operation]) -> dict[str, Any]:
     paths: dict[str, Any] = {}
     for operation, answer in zip(operations, answers, strict=False):
         responses: dict[str, Any] = {
-            "200": {"description": "The answer.", "content": {JSON: {"schema": answer}},
-                    "headers": {INDEXED_SEQ_HEADER: {"description": "The global sequence the index held when it answered.",
-                                                     "required": True, "schema": {"type": "integer", "minimum": 0}}}},
-            "401": error("No token, a wrong one, or no tokens configured.",
-                         {"WWW-Authenticate": {"required": True, "schema": {"type": "string"}}}),
+            "200": {
+                "description": "The answer.",
+                "content": {JSON: {"schema": answer}},
+                "headers": {
+                    INDEXED_SEQ_HEADER: {
+                        "description": "The global sequence the index held when it answered.",
+                        "required": True,
+                        "schema": {"type": "integer", "minimum": 0},
+                    }
+                },
+            },
+            "401": error(
+                "No token, a wrong one, or no tokens configured.",
+                {"WWW-Authenticate": {"required": True, "schema": {"type": "string"}}},
+            ),
             "422": error("A malformed parameter; `parameter` names it."),
-            "503": error("The audit index could not catch up with the log; retry.",
-                         {"Retry-After": {"required": True, "schema": {"type": "integer"}}}),
+            "503": error(
+                "The audit index could not catch up with the log; retry.",
+                {"Retry-After": {"required": True, "schema": {"type": "integer"}}},
+            ),
         }
         if operation.not_found:
-            responses["404"] = error("Not in the log (an engine, step, time, key or request), or another tenant's: "
-                                     "the two read alike.")
-        paths[MOUNT + re.sub(r"\{(\w+):\w+\}", r"{\1}", operation.path)] = {"get": {
-            "operationId": operation.operation_id, "summary": operation.summary,
-            "parameters": _parameters(operation), "responses": dict(sorted(responses.items())),
-        }}
-    paths[MOUNT + "/openapi.json"] = {"get": {
-        "operationId": "openapi", "summary": "This schema.", "security": [],
-        "responses": {"200": {"description": "OpenAPI 3.1.", "content": {JSON: {"schema": {"type": "object"}}}}},
-    }}
+            responses["404"] = error(
+                "Not in the log (an engine, step, time, key or request), or another tenant's: the two read alike."
+            )
+        paths[MOUNT + re.sub(r"\{(\w+):\w+\}", r"{\1}", operation.path)] = {
+            "get": {
+                "operationId": operation.operation_id,
+                "summary": operation.summary,
+                "parameters": _parameters(operation),
+                "responses": dict(sorted(responses.items())),
+            }
+        }
+    paths[MOUNT + "/openapi.json"] = {
+        "get": {
+            "operationId": "openapi",
+            "summary": "This schema.",
+            "security": [],
+            "responses": {"200": {"description": "OpenAPI 3.1.", "content": {JSON: {"schema": {"type": "object"}}}}},
+        }
+    }
     return {
         "openapi": "3.1.0",
-        "info": {"title": "kvledger audit API", "version": "1",
-                 "description": "Read-only forensics over the sidecar's log; every answer is scoped to the token's tenant."},
+        "info": {
+            "title": "kvledger audit API",
+            "version": "1",
+            "description": "Read-only forensics over the sidecar's log; every answer is scoped to the token's tenant.",
+        },
         "paths": paths,
-        "components": {"schemas": components, "securitySchemes": {"bearer": {
-            "type": "http", "scheme": "bearer",
-            "description": "A token from the sidecar's --audit-tokens file; it reads one tenant, or all for \"*\"."}}},
+        "components": {
+            "schemas": components,
+            "securitySchemes": {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": 'A token from the sidecar\'s --audit-tokens file; it reads one tenant, or all for "*".',
+                }
+            },
+        },
         "security": [{"bearer": []}],
     }
 

@@ -24,9 +24,9 @@ from coordinator.audit.queries import (
     Audit,
     AuditError,
     BlockAnswer,
+    DecisionEntry,
     HistoryAnswer,
     KeyAnswer,
-    DecisionEntry,
     NamespaceEntry,
     ObservedHashAnswer,
     RefusalEntry,
@@ -41,7 +41,12 @@ from events.log._urls import is_kafka
 audit_app = typer.Typer(help="Who owned what, when: point-in-time answers from the log's audit index.", no_args_is_help=True)
 audit_app.command("timeline")(timeline_command)
 
-LOG = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="SQLite path or URL, PostgreSQL URL, or Kafka log kafka://HOST:PORT/TOPIC?state=DB (the index lives in DB) (default: the data directory's SQLite file).")
+LOG = typer.Option(
+    None,
+    "--log",
+    envvar="KVLEDGER_LOG",
+    help="SQLite path or URL, PostgreSQL URL, or Kafka log kafka://HOST:PORT/TOPIC?state=DB (the index lives in DB) (default: the data directory's SQLite file).",
+)
 ENGINE = typer.Option(None, "--engine", help="The engine whose pool and steps are meant (default: the log's only engine).")
 JSON = typer.Option(False, "--json", help="Print JSON instead of a table.")
 MAX_INT = 2**63 - 1
@@ -57,8 +62,15 @@ console = Console(width=160)
 
 
 def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                    console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty())
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+        disable=not sys.stderr.isatty(),
+    )
 
 
 @contextmanager
@@ -110,8 +122,9 @@ def quiet_logs() -> None:
     import os
 
     level = logging.getLevelNamesMapping().get(os.environ.get("KVLEDGER_LOG_LEVEL", "warning").upper(), logging.WARNING)
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level),
-                        logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(level), logger_factory=structlog.PrintLoggerFactory(sys.stderr)
+    )
 
 
 async def open_existing(log_url: str | None, *, read_only: bool = False) -> SqlEventLog:
@@ -177,8 +190,12 @@ def _where(seq: int | None, step: int | None = None) -> str:
 def block(
     pool: int = typer.Argument(..., min=0, max=MAX_SLOT, help="Pool id."),
     block_id: int = typer.Argument(..., metavar="ID", min=0, max=MAX_SLOT, help="Block id in the pool."),
-    engine: str | None = ENGINE, at_seq: int | None = AT_SEQ, at_step: int | None = AT_STEP, at_time: str | None = AT_TIME,
-    log_url: str | None = LOG, json_output: bool = JSON,
+    engine: str | None = ENGINE,
+    at_seq: int | None = AT_SEQ,
+    at_step: int | None = AT_STEP,
+    at_time: str | None = AT_TIME,
+    log_url: str | None = LOG,
+    json_output: bool = JSON,
 ) -> None:
     """Which generation held the slot at that point: its owner, allocation and free, and the
     pins and jobs that touched it."""
@@ -195,22 +212,34 @@ def block(
 
 def _render_block(answer: BlockAnswer) -> None:
     at = answer.at
-    console.print(f"[bold]{answer.engine} pool {answer.pool} block {answer.block}[/] at {_where(at.seq, at.step)}: "
-                  f"[bold]{answer.status}[/] (tenant {answer.tenant or '-'})")
+    console.print(
+        f"[bold]{answer.engine} pool {answer.pool} block {answer.block}[/] at {_where(at.seq, at.step)}: "
+        f"[bold]{answer.status}[/] (tenant {answer.tenant or '-'})"
+    )
     life = answer.generation
     if life is not None:
-        console.print(f"generation {life.generation}: allocated at {_where(life.allocated_seq, life.allocated_step)}, "
-                      f"ended at {_where(life.freed_seq, life.freed_step)} ({life.ended_by})")
+        console.print(
+            f"generation {life.generation}: allocated at {_where(life.allocated_seq, life.allocated_step)}, "
+            f"ended at {_where(life.freed_seq, life.freed_step)} ({life.ended_by})"
+        )
     if answer.owner is not None:
         owner = answer.owner
         finished = "not finished" if owner.finished_seq is None else f"{owner.finished_reason} at seq {owner.finished_seq}"
-        console.print(f"owner {owner.owner_id} (req_id {owner.req_id}{', resumed' if owner.resumed else ''}): "
-                      f"started at seq {owner.started_seq}, {finished}")
+        console.print(
+            f"owner {owner.owner_id} (req_id {owner.req_id}{', resumed' if owner.resumed else ''}): "
+            f"started at seq {owner.started_seq}, {finished}"
+        )
     if answer.jobs:
         table = Table("job", "kind", "started", "ended", "outcome", "pinned then")
         for job in answer.jobs:
-            table.add_row(str(job.job_id), job.kind, str(job.started_seq), _where(job.ended_seq), job.outcome,
-                          "yes" if job.pinned_then else "no")
+            table.add_row(
+                str(job.job_id),
+                job.kind,
+                str(job.started_seq),
+                _where(job.ended_seq),
+                job.outcome,
+                "yes" if job.pinned_then else "no",
+            )
         console.print(table)
     if answer.events:
         table = Table("seq", "what", "owner", "job", "key", title="that generation's events")
@@ -227,7 +256,9 @@ def _dash(value: object) -> str:
 def history(
     pool: int = typer.Argument(..., min=0, max=MAX_SLOT, help="Pool id."),
     block_id: int = typer.Argument(..., metavar="ID", min=0, max=MAX_SLOT, help="Block id in the pool."),
-    engine: str | None = ENGINE, log_url: str | None = LOG, json_output: bool = JSON,
+    engine: str | None = ENGINE,
+    log_url: str | None = LOG,
+    json_output: bool = JSON,
 ) -> None:
     """Every generation of the slot: owner, allocation, end."""
 
@@ -235,11 +266,24 @@ def history(
         return await audit.history(await audit.engine(engine), pool, block_id)
 
     def render(answer: HistoryAnswer) -> None:
-        table = Table("generation", "owner", "req_id", "allocated", "ended", "by",
-                      title=f"{answer.engine} pool {answer.pool} block {answer.block}: {len(answer.generations)} generations")
+        table = Table(
+            "generation",
+            "owner",
+            "req_id",
+            "allocated",
+            "ended",
+            "by",
+            title=f"{answer.engine} pool {answer.pool} block {answer.block}: {len(answer.generations)} generations",
+        )
         for life in answer.generations:
-            table.add_row(str(life.generation), _dash(life.owner_id), life.req_id or "-",
-                          _where(life.allocated_seq, life.allocated_step), _where(life.freed_seq, life.freed_step), life.ended_by)
+            table.add_row(
+                str(life.generation),
+                _dash(life.owner_id),
+                life.req_id or "-",
+                _where(life.allocated_seq, life.allocated_step),
+                _where(life.freed_seq, life.freed_step),
+                life.ended_by,
+            )
         console.print(table)
 
     _print(_run("audit history", log_url, query), json_output, render)
@@ -249,8 +293,11 @@ def history(
 
 
 @audit_app.command("key")
-def key(key_hex: str = typer.Argument(..., metavar="KEY", help="The content key, hex."), log_url: str | None = LOG,
-        json_output: bool = JSON) -> None:
+def key(
+    key_hex: str = typer.Argument(..., metavar="KEY", help="The content key, hex."),
+    log_url: str | None = LOG,
+    json_output: bool = JSON,
+) -> None:
     """A key's provenance: namespace, the job and slot it was stored from, each rank's checksum,
     the loads that used it, evictions and quarantines."""
 
@@ -258,17 +305,32 @@ def key(key_hex: str = typer.Argument(..., metavar="KEY", help="The content key,
         return await audit.key(key_hex)
 
     def render(answer: KeyAnswer) -> None:
-        console.print(f"[bold]key {answer.key}[/]: namespace {answer.namespace_id or '-'} ({answer.model_id or '-'}, "
-                      f"tenant {answer.tenant or '-'})")
+        console.print(
+            f"[bold]key {answer.key}[/]: namespace {answer.namespace_id or '-'} ({answer.model_id or '-'}, "
+            f"tenant {answer.tenant or '-'})"
+        )
         for where in answer.computed:
             console.print(f"computed in {where}")
         table = Table("seq", "tier", "tier slot", "bytes", "job", "stored from", "checksums (rank order)", title="publications")
         for pub in answer.publications:
-            table.add_row(str(pub.seq), pub.tier, _dash(pub.tier_slot), _dash(pub.size_bytes), _dash(pub.source_job),
-                          pub.source, "\n".join(pub.checksums))
+            table.add_row(
+                str(pub.seq),
+                pub.tier,
+                _dash(pub.tier_slot),
+                _dash(pub.size_bytes),
+                _dash(pub.source_job),
+                pub.source,
+                "\n".join(pub.checksums),
+            )
         console.print(table)
-        table = Table("seq", "engine", "job", "into", "outcome",
-                      title=f"loads (the newest {len(answer.loads)} of {answer.counts.get('loaded', 0)})")
+        table = Table(
+            "seq",
+            "engine",
+            "job",
+            "into",
+            "outcome",
+            title=f"loads (the newest {len(answer.loads)} of {answer.counts.get('loaded', 0)})",
+        )
         for load in answer.loads:
             table.add_row(str(load.seq), load.engine, _dash(load.job_id), load.dest, load.outcome)
         console.print(table)
@@ -282,8 +344,13 @@ def key(key_hex: str = typer.Argument(..., metavar="KEY", help="The content key,
 
 @audit_app.command("hash")
 def observed_hash(
-    hash_hex: str = typer.Argument(..., metavar="HEX", help="The block hash as the engine names it, hex (an int hash: its 8-byte big-endian two's complement)."),
-    log_url: str | None = LOG, json_output: bool = JSON,
+    hash_hex: str = typer.Argument(
+        ...,
+        metavar="HEX",
+        help="The block hash as the engine names it, hex (an int hash: its 8-byte big-endian two's complement).",
+    ),
+    log_url: str | None = LOG,
+    json_output: bool = JSON,
 ) -> None:
     """When an observed engine (`kvledger ingest vllm`) stored and removed a block hash: by which
     incarnation, in which medium and group, at which global sequence and engine sequence."""
@@ -292,15 +359,35 @@ def observed_hash(
         return await audit.observed(hash_hex)
 
     def render(answer: ObservedHashAnswer) -> None:
-        console.print(f"[bold]block hash {answer.hash}[/] (tenant {answer.tenant or '-'}): "
-                      f"{len(answer.residencies)} stays, {answer.total} rows")
-        table = Table("engine", "incarnation", "medium/group", "dp rank", "stored at", "ended at", "by",
-                      title="stays (seq: global sequence; engine: the engine's batch number)")
+        console.print(
+            f"[bold]block hash {answer.hash}[/] (tenant {answer.tenant or '-'}): "
+            f"{len(answer.residencies)} stays, {answer.total} rows"
+        )
+        table = Table(
+            "engine",
+            "incarnation",
+            "medium/group",
+            "dp rank",
+            "stored at",
+            "ended at",
+            "by",
+            title="stays (seq: global sequence; engine: the engine's batch number)",
+        )
         for r in answer.residencies:
-            ended = "-" if r.ended_seq is None else f"seq {r.ended_seq}" + (
-                f" (engine {r.ended_source_seq})" if r.ended_source_seq is not None else "")
-            table.add_row(r.engine, str(r.incarnation), f"{r.medium}/{r.group}", _dash(r.dp_rank),
-                          f"seq {r.stored_seq} (engine {r.stored_source_seq})", ended, r.ended_by)
+            ended = (
+                "-"
+                if r.ended_seq is None
+                else f"seq {r.ended_seq}" + (f" (engine {r.ended_source_seq})" if r.ended_source_seq is not None else "")
+            )
+            table.add_row(
+                r.engine,
+                str(r.incarnation),
+                f"{r.medium}/{r.group}",
+                _dash(r.dp_rank),
+                f"seq {r.stored_seq} (engine {r.stored_source_seq})",
+                ended,
+                r.ended_by,
+            )
         console.print(table)
         table = Table("seq", "kind", "engine", "incarnation", "medium/group", "engine seq", title="events")
         for e in answer.events:
@@ -323,9 +410,14 @@ def request(req_id: str = typer.Argument(..., metavar="REQ_ID"), log_url: str | 
     def render(answer: RequestAnswer) -> None:
         table = Table("engine", "owner", "started", "finished", "resumed", "blocks", title=f"request {answer.req_id}")
         for owner in answer.owners:
-            table.add_row(owner.engine, str(owner.owner_id), f"seq {owner.started_seq}",
-                          f"{_where(owner.finished_seq)} {owner.finished_reason}", "yes" if owner.resumed else "no",
-                          "\n".join(owner.blocks))
+            table.add_row(
+                owner.engine,
+                str(owner.owner_id),
+                f"seq {owner.started_seq}",
+                f"{_where(owner.finished_seq)} {owner.finished_reason}",
+                "yes" if owner.resumed else "no",
+                "\n".join(owner.blocks),
+            )
         console.print(table)
 
     _print(_run("audit request", log_url, query), json_output, render)
@@ -339,7 +431,8 @@ def refusals(
     since: str | None = typer.Option(None, "--since", help="After this time (ISO 8601 or epoch seconds)."),
     since_seq: int = typer.Option(0, "--since-seq", min=0, max=MAX_INT, help="After this global sequence."),
     limit: int = typer.Option(1000, "--limit", min=1, max=MAX_INT, help="At most this many."),
-    log_url: str | None = LOG, json_output: bool = JSON,
+    log_url: str | None = LOG,
+    json_output: bool = JSON,
 ) -> None:
     """What the coordinator refused or dropped, the jobs it failed and the keys it quarantined."""
 
@@ -368,8 +461,16 @@ def namespaces(log_url: str | None = LOG, json_output: bool = JSON) -> None:
     def render(entries: list[NamespaceEntry]) -> None:
         table = Table("namespace", "tenant", "model", "weights", "keys", "bytes", "last use", "age", title="namespaces")
         for e in entries:
-            table.add_row(e.namespace_id, e.tenant, e.model_id, str(e.spec.get("weights_revision", "")), str(e.keys),
-                          f"{e.bytes:,}", _ago(e.last_used_at), _duration(e.age_seconds))
+            table.add_row(
+                e.namespace_id,
+                e.tenant,
+                e.model_id,
+                str(e.spec.get("weights_revision", "")),
+                str(e.keys),
+                f"{e.bytes:,}",
+                _ago(e.last_used_at),
+                _duration(e.age_seconds),
+            )
         console.print(table)
 
     _print(_run("audit namespaces", log_url, query), json_output, render)
@@ -378,7 +479,8 @@ def namespaces(log_url: str | None = LOG, json_output: bool = JSON) -> None:
 @audit_app.command("decisions")
 def decisions(
     namespace: str | None = typer.Option(None, "--namespace", help="Only decisions from or to this namespace (hex)."),
-    log_url: str | None = LOG, json_output: bool = JSON,
+    log_url: str | None = LOG,
+    json_output: bool = JSON,
 ) -> None:
     """Namespace release decisions (new, compatible, clear) and releases, oldest first."""
 
@@ -388,8 +490,16 @@ def decisions(
     def render(entries: list[DecisionEntry]) -> None:
         table = Table("seq", "outcome", "from", "to", "tenant", "keys", "evidence", "reason", title=f"{len(entries)} decisions")
         for e in entries:
-            table.add_row(str(e.seq), e.outcome, e.from_namespace, e.to_namespace or "-", e.tenant, str(e.affected_keys),
-                          e.evidence or "-", e.reason)
+            table.add_row(
+                str(e.seq),
+                e.outcome,
+                e.from_namespace,
+                e.to_namespace or "-",
+                e.tenant,
+                str(e.affected_keys),
+                e.evidence or "-",
+                e.reason,
+            )
         console.print(table)
 
     _print(_run("audit decisions", log_url, query), json_output, render)
@@ -414,15 +524,21 @@ def _duration(seconds: float | None) -> str:
 def replay_command(
     log_url: str | None = LOG,
     until_seq: int | None = typer.Option(None, "--until-seq", max=MAX_INT, help="Stop after this global sequence."),
-    until_step: int | None = typer.Option(None, "--until-step", max=MAX_INT, help="Stop at the end of this engine step (see --engine)."),
-    until_time: str | None = typer.Option(None, "--until-time", help="Stop at the last step recorded by then (ISO 8601 or epoch seconds)."),
+    until_step: int | None = typer.Option(
+        None, "--until-step", max=MAX_INT, help="Stop at the end of this engine step (see --engine)."
+    ),
+    until_time: str | None = typer.Option(
+        None, "--until-time", help="Stop at the last step recorded by then (ISO 8601 or epoch seconds)."
+    ),
     engine: str | None = ENGINE,
-    out: Path | None = typer.Option(None, "--out", help="Write the state there: .json for JSON (bytes as base64), else msgpack (a snapshot's state)."),
+    out: Path | None = typer.Option(
+        None, "--out", help="Write the state there: .json for JSON (bytes as base64), else msgpack (a snapshot's state)."
+    ),
     json_output: bool = JSON,
 ) -> None:
     """Rebuild the coordinator's state at any point of the log, and summarize it."""
+    from coordinator.core.state import encode_state, state_digest
     from coordinator.recovery import replay
-    from coordinator.state import encode_state, state_digest
     from events import EventCodec
 
     async def main() -> dict[str, Any]:
@@ -437,24 +553,30 @@ def replay_command(
                 await _catch_up(event_log)
                 audit = Audit(event_log)
                 name = await audit.engine(engine) if until_step is not None else ""
-                until = await audit.resolve(name, at_seq=until_seq, at_step=until_step,
-                                            at_time=until_moment)
+                until = await audit.resolve(name, at_seq=until_seq, at_step=until_step, at_time=until_moment)
             elif until is not None and until < 0:
                 raise AuditError(f"--until-seq must be >= 0, got {until}")
             head = await event_log.head()
             target = head if until is None else min(until, head)
             with _progress() as progress:
                 task = progress.add_task("replaying", total=target)
-                state, last = await replay(event_log, EventCodec(), until_seq=target,
-                                           on_progress=lambda seq: progress.update(task, completed=seq))
+                state, last = await replay(
+                    event_log, EventCodec(), until_seq=target, on_progress=lambda seq: progress.update(task, completed=seq)
+                )
         finally:
             await event_log.close()
         if out is not None:
             with _naming(out):
                 out.write_bytes(msgspec.json.encode(state) if out.suffix == ".json" else encode_state(state))
         tiers = {name: sum(len(keys) for keys in tier.entries.values()) for name, tier in state.tiers.items()}
-        return {"global_seq": last, "head": head, "digest": state_digest(state), "engines": sorted(state.engines),
-                "published_keys": tiers, "out": None if out is None else str(out)}
+        return {
+            "global_seq": last,
+            "head": head,
+            "digest": state_digest(state),
+            "engines": sorted(state.engines),
+            "published_keys": tiers,
+            "out": None if out is None else str(out),
+        }
 
     quiet_logs()
     with _errors("replay"):
@@ -462,9 +584,11 @@ def replay_command(
     if json_output:
         typer.echo(msgspec.json.encode(summary).decode())
         return
-    console.print(f"state at global sequence {summary['global_seq']} (log head {summary['head']}): "
-                  f"digest {summary['digest'][:16]}, engines {', '.join(summary['engines']) or '-'}, "
-                  f"published keys {summary['published_keys']}" + (f"; written to {out}" if out else ""))
+    console.print(
+        f"state at global sequence {summary['global_seq']} (log head {summary['head']}): "
+        f"digest {summary['digest'][:16]}, engines {', '.join(summary['engines']) or '-'}, "
+        f"published keys {summary['published_keys']}" + (f"; written to {out}" if out else "")
+    )
 
 
 def export_command(
@@ -540,13 +664,21 @@ def verify_command(
         if report.violations:
             table = Table("invariant", "seq", "step", "engine", "what", "evidence", title=f"{report.violation_count} violations")
             for v in report.violations:
-                table.add_row(v.invariant, str(v.seq), _dash(v.step if v.step >= 0 else None), v.engine or "-", v.message,
-                              "\n".join(v.evidence))
+                table.add_row(
+                    v.invariant,
+                    str(v.seq),
+                    _dash(v.step if v.step >= 0 else None),
+                    v.engine or "-",
+                    v.message,
+                    "\n".join(v.evidence),
+                )
             console.print(table)
         replay = report.replay
-        console.print(f"{report.events_checked:,} events checked up to seq {report.head}: "
-                      f"{report.violation_count} violations {report.by_invariant() or ''}; "
-                      f"replay from a snapshot {'equals' if replay.ok else 'DIFFERS FROM'} the full replay (I18)"
-                      + (f"; {len(report.undecodable)} events undecodable" if report.undecodable else ""))
+        console.print(
+            f"{report.events_checked:,} events checked up to seq {report.head}: "
+            f"{report.violation_count} violations {report.by_invariant() or ''}; "
+            f"replay from a snapshot {'equals' if replay.ok else 'DIFFERS FROM'} the full replay (I18)"
+            + (f"; {len(report.undecodable)} events undecodable" if report.undecodable else "")
+        )
     if not report.ok:
         raise typer.Exit(code=1)

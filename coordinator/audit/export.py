@@ -29,8 +29,13 @@ def _hexed(value: Any) -> Any:
 
 def export_line(codec: EventCodec, stored: StoredEvent) -> bytes:
     line: dict[str, Any] = {
-        "seq": stored.global_seq, "stream": stored.stream_id, "version": stored.stream_version, "step": stored.step,
-        "recorded_at": stored.recorded_at, "type": stored.event_type, "schema_version": stored.schema_version,
+        "seq": stored.global_seq,
+        "stream": stored.stream_id,
+        "version": stored.stream_version,
+        "step": stored.step,
+        "recorded_at": stored.recorded_at,
+        "type": stored.event_type,
+        "schema_version": stored.schema_version,
     }
     try:
         event = decode(codec, stored)

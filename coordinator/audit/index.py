@@ -114,8 +114,17 @@ class Indexer:
         self.namespaces: dict[str, bytes] = dict(namespaces or {})
         """engine id -> its current namespace id."""
 
-    def step(self, rows: AuditRows, events: Sequence[Event], *, first_seq: int, last_seq: int, stream_id: str,
-             step: int, recorded_at: float) -> None:
+    def step(
+        self,
+        rows: AuditRows,
+        events: Sequence[Event],
+        *,
+        first_seq: int,
+        last_seq: int,
+        stream_id: str,
+        step: int,
+        recorded_at: float,
+    ) -> None:
         """Add the rows of one stored step's events; `first_seq` is the first event's sequence
         (the events may be a tail of the step: then pass the tail's first sequence)."""
         engine = engine_of_stream(stream_id)
@@ -139,43 +148,141 @@ class Indexer:
                 for c in computed:
                     b = c.block
                     rows.slots.append((engine, b.pool_id, b.block_id, b.generation, seq, "computed", None, None, c.key))
-                    rows.keys.append((c.key, seq, "computed", engine, "", b.pool_id, namespace, None, b.block_id,
-                                      b.generation, None, None, "", ""))
+                    rows.keys.append(
+                        (
+                            c.key,
+                            seq,
+                            "computed",
+                            engine,
+                            "",
+                            b.pool_id,
+                            namespace,
+                            None,
+                            b.block_id,
+                            b.generation,
+                            None,
+                            None,
+                            "",
+                            "",
+                        )
+                    )
             case StoreJobStarted(job_id=job, tier=tier, items=items, already_published=skipped, pinned=pinned):
                 namespace = self.namespaces.get(engine)
-                rows.jobs.append((job, engine, seq, "store", None,
-                                  f"tier {tier}: {len(items)} keys, {len(skipped)} already published"
-                                  f"{'' if pinned else ', NOT pinned'}"))
+                rows.jobs.append(
+                    (
+                        job,
+                        engine,
+                        seq,
+                        "store",
+                        None,
+                        f"tier {tier}: {len(items)} keys, {len(skipped)} already published{'' if pinned else ', NOT pinned'}",
+                    )
+                )
                 for item in items:
                     s = item.source
                     rows.slots.append((engine, s.pool_id, s.block_id, s.generation, seq, "stored_from", None, job, item.key))
-                    rows.keys.append((item.key, seq, "stored", engine, tier, s.pool_id, namespace, job, s.block_id,
-                                      s.generation, item.tier_slot, None, "", ""))
+                    rows.keys.append(
+                        (
+                            item.key,
+                            seq,
+                            "stored",
+                            engine,
+                            tier,
+                            s.pool_id,
+                            namespace,
+                            job,
+                            s.block_id,
+                            s.generation,
+                            item.tier_slot,
+                            None,
+                            "",
+                            "",
+                        )
+                    )
             case LoadJobStarted(job_id=job, tier=tier, items=items, lease_expires_at=expiry):
                 namespace = self.namespaces.get(engine)
                 rows.jobs.append((job, engine, seq, "load", None, f"tier {tier}: {len(items)} items, lease to t={expiry:g}"))
                 for load in items:
                     d = load.dest
                     rows.slots.append((engine, d.pool_id, d.block_id, d.generation, seq, "loaded_into", None, job, load.key))
-                    rows.keys.append((load.key, seq, "loaded", engine, tier, d.pool_id, namespace, job, d.block_id,
-                                      d.generation, load.tier_slot, None, checksums_text(load.checksums), ""))
+                    rows.keys.append(
+                        (
+                            load.key,
+                            seq,
+                            "loaded",
+                            engine,
+                            tier,
+                            d.pool_id,
+                            namespace,
+                            job,
+                            d.block_id,
+                            d.generation,
+                            load.tier_slot,
+                            None,
+                            checksums_text(load.checksums),
+                            "",
+                        )
+                    )
             case ExternalStoreStarted(job_id=job, tier=tier, items=ext_items, already_published=skipped):
                 # An engine that owns its device blocks (vLLM's offloading): no slot of kvledger's.
                 namespace = self.namespaces.get(engine)
-                rows.jobs.append((job, engine, seq, "store", None,
-                                  f"tier {tier}: {len(ext_items)} external keys, {len(skipped)} already published"))
+                rows.jobs.append(
+                    (
+                        job,
+                        engine,
+                        seq,
+                        "store",
+                        None,
+                        f"tier {tier}: {len(ext_items)} external keys, {len(skipped)} already published",
+                    )
+                )
                 for ext in ext_items:
-                    rows.keys.append((ext.key, seq, "stored", engine, tier, ext.pool_id, namespace, job, None, None,
-                                      ext.tier_slot, None, "", f"engine key {ext.engine_key.hex()}"))
+                    rows.keys.append(
+                        (
+                            ext.key,
+                            seq,
+                            "stored",
+                            engine,
+                            tier,
+                            ext.pool_id,
+                            namespace,
+                            job,
+                            None,
+                            None,
+                            ext.tier_slot,
+                            None,
+                            "",
+                            f"engine key {ext.engine_key.hex()}",
+                        )
+                    )
             case ExternalLoadStarted(job_id=job, tier=tier, items=ext_items, lease_expires_at=expiry):
                 namespace = self.namespaces.get(engine)
-                rows.jobs.append((job, engine, seq, "load", None,
-                                  f"tier {tier}: {len(ext_items)} external keys, lease to t={expiry:g}"))
+                rows.jobs.append(
+                    (job, engine, seq, "load", None, f"tier {tier}: {len(ext_items)} external keys, lease to t={expiry:g}")
+                )
                 for ext in ext_items:
-                    rows.keys.append((ext.key, seq, "loaded", engine, tier, ext.pool_id, namespace, job, None, None,
-                                      ext.tier_slot, None, checksums_text(ext.checksums), f"engine key {ext.engine_key.hex()}"))
+                    rows.keys.append(
+                        (
+                            ext.key,
+                            seq,
+                            "loaded",
+                            engine,
+                            tier,
+                            ext.pool_id,
+                            namespace,
+                            job,
+                            None,
+                            None,
+                            ext.tier_slot,
+                            None,
+                            checksums_text(ext.checksums),
+                            f"engine key {ext.engine_key.hex()}",
+                        )
+                    )
             case StateCopyPlanned(job_id=job, pool_id=pool, blocks=blocks, batches=batches):
-                rows.jobs.append((job, engine, seq, "copy", None, f"pool {pool}: {sum(map(len, batches))} moves in {len(batches)} batches"))
+                rows.jobs.append(
+                    (job, engine, seq, "copy", None, f"pool {pool}: {sum(map(len, batches))} moves in {len(batches)} batches")
+                )
                 rows.slots += [(engine, b.pool_id, b.block_id, b.generation, seq, "copied", None, job, None) for b in blocks]
             case RankReported(job_id=job, rank=rank, ok=ok, error=error):
                 rows.jobs.append((job, engine, seq, "reported", rank, "ok" if ok else f"failed: {error}"))
@@ -187,19 +294,45 @@ class Indexer:
             case JobFenced(job_id=job, pending=pending):
                 rows.jobs.append((job, engine, seq, "fenced", None, f"ranks pending: {pending}" if pending else ""))
             case FencedRankReleased(rank=rank, job_ids=released, reason=reason):
-                rows.jobs += [(job, engine, seq, "released", rank, f"the rank's worker is gone (an operator): {reason}")
-                              for job in released]
+                rows.jobs += [
+                    (job, engine, seq, "released", rank, f"the rank's worker is gone (an operator): {reason}") for job in released
+                ]
             case FencedRankDone(job_id=job, rank=rank):
                 rows.jobs.append((job, engine, seq, "fenced_rank_done", rank, "late report dropped"))
-            case KeyPublished(tier=tier, namespace_id=namespace, pool_id=pool, key=key, tier_slot=slot,
-                              checksums=checksums, size_bytes=size, source_job=job):
-                rows.keys.append((key, seq, "published", engine, tier, pool, namespace, job, None, None, slot, size,
-                                  checksums_text(checksums), ""))
+            case KeyPublished(
+                tier=tier,
+                namespace_id=namespace,
+                pool_id=pool,
+                key=key,
+                tier_slot=slot,
+                checksums=checksums,
+                size_bytes=size,
+                source_job=job,
+            ):
+                rows.keys.append(
+                    (
+                        key,
+                        seq,
+                        "published",
+                        engine,
+                        tier,
+                        pool,
+                        namespace,
+                        job,
+                        None,
+                        None,
+                        slot,
+                        size,
+                        checksums_text(checksums),
+                        "",
+                    )
+                )
             case KeyEvicted(tier=tier, pool_id=pool, key=key, tier_slot=slot, engine_id=by):
                 rows.keys.append((key, seq, "evicted", by, tier, pool, None, None, None, None, slot, None, "", ""))
             case KeyQuarantined(tier=tier, pool_id=pool, key=key, reason=reason, job_id=job, detail=detail):
-                rows.keys.append((key, seq, "quarantined", engine, tier, pool, None, job, None, None, None, None, "",
-                                  f"{reason}: {detail}"))
+                rows.keys.append(
+                    (key, seq, "quarantined", engine, tier, pool, None, job, None, None, None, None, "", f"{reason}: {detail}")
+                )
                 rows.refusals.append((seq, engine, "quarantined", f"key {key.hex()}", str(reason), detail))
             case Refused(engine_id=by, command=command, reason=reason, detail=detail):
                 rows.refusals.append((seq, by or engine, "refused", command, str(reason), detail))
@@ -216,23 +349,53 @@ class Indexer:
                 rows.engines.append((by, incarnation, self.namespaces.get(by), seq, "reset", reason))
             case NamespaceRegistered(namespace_id=namespace, spec=spec):
                 rows.namespaces.append((namespace, spec.tenant, spec.model_id, msgspec.json.encode(spec).decode(), seq))
-            case NamespaceDecided(from_namespace=source, to_namespace=target, outcome=outcome, rationale=rationale,
-                                  evidence=evidence, affected_keys=affected):
+            case NamespaceDecided(
+                from_namespace=source,
+                to_namespace=target,
+                outcome=outcome,
+                rationale=rationale,
+                evidence=evidence,
+                affected_keys=affected,
+            ):
                 rows.decisions.append((seq, outcome, source, target, affected, evidence, rationale))
             case NamespaceReleased(namespace_id=namespace, rationale=rationale, evicted_keys=evicted):
                 rows.decisions.append((seq, "released", namespace, None, evicted, "", rationale))
-            case ObservedBlocksStored(engine_id=by, incarnation=incarnation, medium=medium, group=group, dp_rank=rank,
-                                      source_seq=source, block_hashes=hashes):
+            case ObservedBlocksStored(
+                engine_id=by,
+                incarnation=incarnation,
+                medium=medium,
+                group=group,
+                dp_rank=rank,
+                source_seq=source,
+                block_hashes=hashes,
+            ):
                 rows.observed += [(h, seq, "stored", by, incarnation, medium, group, rank, source) for h in dict.fromkeys(hashes)]
-            case ObservedBlocksRemoved(engine_id=by, incarnation=incarnation, medium=medium, group=group, dp_rank=rank,
-                                       source_seq=source, block_hashes=hashes):
-                rows.observed += [(h, seq, "removed", by, incarnation, medium, group, rank, source) for h in dict.fromkeys(hashes)]
+            case ObservedBlocksRemoved(
+                engine_id=by,
+                incarnation=incarnation,
+                medium=medium,
+                group=group,
+                dp_rank=rank,
+                source_seq=source,
+                block_hashes=hashes,
+            ):
+                rows.observed += [
+                    (h, seq, "removed", by, incarnation, medium, group, rank, source) for h in dict.fromkeys(hashes)
+                ]
             case ObservedCacheCleared(engine_id=by, incarnation=incarnation, medium=medium, dp_rank=rank, source_seq=source):
                 rows.observed.append((b"", seq, "cleared", by, incarnation, medium, -1, rank, source))
             case EngineObserved(engine_id=by, incarnation=incarnation, namespace_id=namespace, source=source, reason=reason):
                 rows.engines.append((by, incarnation, namespace, seq, "observed", f"{reason} ({source})" if source else reason))
             case ObservedEventsMissed(engine_id=by, incarnation=incarnation, first_seq=first, last_seq=last, reason=reason):
-                rows.engines.append((by, incarnation, None, seq, "events_missed",
-                                     f"engine batches {first}..{last}" + (f": {reason}" if reason else "")))
+                rows.engines.append(
+                    (
+                        by,
+                        incarnation,
+                        None,
+                        seq,
+                        "events_missed",
+                        f"engine batches {first}..{last}" + (f": {reason}" if reason else ""),
+                    )
+                )
             case _:
                 pass  # steps began, lookups, encoder entries, tiers: nothing a forensic query asks for

@@ -22,7 +22,6 @@ from coordinator.audit.store import indexed_seq
 from events.log import SqlEventLog
 from events.log import _schema as t
 
-
 T = TypeVar("T")
 _DECLARATIONS = ("declared", "observed")
 """The kvl_audit_engines rows that put an engine under a namespace (and so a tenant): a sidecar
@@ -282,6 +281,7 @@ class Audit:
         PostgreSQL through the async engine."""
         blocking = self.log.blocking_engine
         if blocking is not None:
+
             def run() -> T:
                 with blocking.connect() as conn:
                     return query(conn)
@@ -299,9 +299,11 @@ class Audit:
         e, n = t.audit_engines.c, t.audit_namespaces.c
         found: dict[str, tuple[list[int], list[str]]] = {}
         for engine, seq, tenant in conn.execute(
-                sa.select(e.engine, e.seq, n.tenant)
-                .select_from(t.audit_engines.outerjoin(t.audit_namespaces, e.namespace_id == n.namespace_id))
-                .where(e.kind.in_(_DECLARATIONS)).order_by(e.seq)):
+            sa.select(e.engine, e.seq, n.tenant)
+            .select_from(t.audit_engines.outerjoin(t.audit_namespaces, e.namespace_id == n.namespace_id))
+            .where(e.kind.in_(_DECLARATIONS))
+            .order_by(e.seq)
+        ):
             seqs, tenants = found.setdefault(engine, ([], []))
             seqs.append(int(seq))
             tenants.append(str(tenant or ""))
@@ -326,16 +328,22 @@ class Audit:
                     spans.append((engine, seq, seqs[index + 1] if index + 1 < len(seqs) else None))
         return spans
 
-    def _span_filter(self, conn: sa.Connection, engine: sa.ColumnElement[Any], seq: sa.ColumnElement[Any],
-                     declarations: dict[str, tuple[list[int], list[str]]] | None = None) -> sa.ColumnElement[bool] | None:
+    def _span_filter(
+        self,
+        conn: sa.Connection,
+        engine: sa.ColumnElement[Any],
+        seq: sa.ColumnElement[Any],
+        declarations: dict[str, tuple[list[int], list[str]]] | None = None,
+    ) -> sa.ColumnElement[bool] | None:
         """A WHERE clause keeping the rows recorded under the caller's tenant (None: keep all)."""
         if self.tenant is None:
             return None
         spans = self._spans(self._declarations(conn) if declarations is None else declarations)
         if not spans:
             return sa.false()
-        return sa.or_(*(sa.and_(engine == name, seq >= start, *(() if end is None else (seq < end,)))
-                        for name, start, end in spans))
+        return sa.or_(
+            *(sa.and_(engine == name, seq >= start, *(() if end is None else (seq < end,))) for name, start, end in spans)
+        )
 
     def _check(self, tenant: str | None, what: str) -> None:
         if self.tenant is not None and tenant != self.tenant:
@@ -372,8 +380,9 @@ class Audit:
         if self.tenant is not None and engine not in await self.engines():
             raise OutOfScope(f"engine {engine!r} is outside tenant {self.tenant!r}")
 
-    async def resolve(self, engine: str, *, at_seq: int | None = None, at_step: int | None = None,
-                      at_time: float | None = None) -> int:
+    async def resolve(
+        self, engine: str, *, at_seq: int | None = None, at_step: int | None = None, at_time: float | None = None
+    ) -> int:
         """The global sequence meant by one of --at-seq, --at-step (that engine's step: its
         last event) or --at-time (the last append recorded by then); default the index's head."""
         if sum(x is not None for x in (at_seq, at_step, at_time)) > 1:
@@ -393,8 +402,9 @@ class Audit:
     def _resolve(self, conn: sa.Connection, engine: str, at_step: int | None, at_time: float | None) -> int:
         s = t.audit_steps.c
         if at_step is not None:
-            found = conn.execute(sa.select(s.last_seq).where(s.engine == engine, s.step == at_step)
-                                 .order_by(s.first_seq.desc()).limit(1)).scalar()
+            found = conn.execute(
+                sa.select(s.last_seq).where(s.engine == engine, s.step == at_step).order_by(s.first_seq.desc()).limit(1)
+            ).scalar()
             if found is None:
                 raise NotFound(f"engine {engine!r} has no step {at_step} in the log")
             return int(found)
@@ -407,8 +417,9 @@ class Audit:
     def _point(self, conn: sa.Connection, engine: str, seq: int) -> Point:
         """The engine's step at `seq` (its last step begun by then) and the time `seq` was recorded."""
         s = t.audit_steps.c
-        step = conn.execute(sa.select(s.step).where(s.engine == engine, s.first_seq <= seq, s.step >= 0)
-                            .order_by(s.first_seq.desc()).limit(1)).scalar()
+        step = conn.execute(
+            sa.select(s.step).where(s.engine == engine, s.first_seq <= seq, s.step >= 0).order_by(s.first_seq.desc()).limit(1)
+        ).scalar()
         return Point(seq, -1 if step is None else int(step), self._time_of(conn, seq) or 0.0)
 
     # --- slots ----------------------------------------------------------------------------
@@ -420,25 +431,39 @@ class Audit:
         s = t.audit_slots.c
         declarations = self._declarations(conn)
         slot = (s.engine == engine, s.pool == pool, s.block == block)
-        allocation = conn.execute(sa.select(s.generation, s.seq).where(*slot, s.seq <= at_seq, s.kind == "allocated")
-                                  .order_by(s.seq.desc()).limit(1)).first()
+        allocation = conn.execute(
+            sa.select(s.generation, s.seq).where(*slot, s.seq <= at_seq, s.kind == "allocated").order_by(s.seq.desc()).limit(1)
+        ).first()
         tenant = self._tenant_at(declarations, engine, at_seq if allocation is None else int(allocation.seq))
         self._check(tenant, f"engine {engine!r} then")
         point = self._point(conn, engine, at_seq)
         if allocation is None:
-            return BlockAnswer(engine=engine, pool=pool, block=block, tenant=tenant or "", at=point,
-                               status="never_allocated", generation=None, owner=None, jobs=[], events=[])
+            return BlockAnswer(
+                engine=engine,
+                pool=pool,
+                block=block,
+                tenant=tenant or "",
+                at=point,
+                status="never_allocated",
+                generation=None,
+                owner=None,
+                jobs=[],
+                events=[],
+            )
         generation = int(allocation.generation)
         # A generation's rows lie between its allocation and the next one (a slot is freed before
         # it is allocated again): one range of the (engine, pool, block, seq) index.
-        following = conn.execute(sa.select(s.seq).where(*slot, s.seq > allocation.seq, s.kind == "allocated")
-                                 .order_by(s.seq).limit(1)).scalar()
+        following = conn.execute(
+            sa.select(s.seq).where(*slot, s.seq > allocation.seq, s.kind == "allocated").order_by(s.seq).limit(1)
+        ).scalar()
         span = s.seq >= allocation.seq if following is None else s.seq.between(allocation.seq, following - 1)
-        rows = conn.execute(sa.select(s.seq, s.kind, s.owner_id, s.job_id, s.key)
-                            .where(*slot, span, s.generation == generation).order_by(s.seq)).all()
+        rows = conn.execute(
+            sa.select(s.seq, s.kind, s.owner_id, s.job_id, s.key).where(*slot, span, s.generation == generation).order_by(s.seq)
+        ).all()
         events = [SlotEvent(r.seq, r.kind, r.owner_id, r.job_id, None if r.key is None else bytes(r.key).hex()) for r in rows]
-        life = self._lifetimes(conn, engine, [(generation, e.seq, e.kind, e.owner_id) for e in events],
-                               None if following is None else int(following))[0]
+        life = self._lifetimes(
+            conn, engine, [(generation, e.seq, e.kind, e.owner_id) for e in events], None if following is None else int(following)
+        )[0]
         # Then: the last change of hands at or before the point. A slot freed with its content kept
         # can be taken again (a reuse) without a new allocation: it is held again, by the reuser.
         changes = [e for e in events if e.kind in _HOLDS and e.seq <= at_seq]
@@ -447,8 +472,18 @@ class Audit:
         holder = next((e.owner_id for e in reversed(changes) if e.kind != "freed"), None)
         owner = None if holder is None else self._owner(conn, engine, holder)
         jobs = self._jobs(conn, [e for e in events if e.job_id is not None], at_seq)
-        return BlockAnswer(engine=engine, pool=pool, block=block, tenant=tenant or "", at=point,
-                           status="held" if held else "free", generation=life, owner=owner, jobs=jobs, events=events)
+        return BlockAnswer(
+            engine=engine,
+            pool=pool,
+            block=block,
+            tenant=tenant or "",
+            at=point,
+            status="held" if held else "free",
+            generation=life,
+            owner=owner,
+            jobs=jobs,
+            events=events,
+        )
 
     async def history(self, engine: str, pool: int, block: int) -> HistoryAnswer:
         return await self._read(lambda conn: self._history(conn, engine, pool, block))
@@ -456,25 +491,49 @@ class Audit:
     def _history(self, conn: sa.Connection, engine: str, pool: int, block: int) -> HistoryAnswer:
         s = t.audit_slots.c
         slot = (s.engine == engine, s.pool == pool, s.block == block)
-        newest = [int(seq) for seq in conn.execute(sa.select(s.seq).where(*slot, s.kind == "allocated")
-                                                   .order_by(s.seq.desc()).limit(LIST_LIMIT)).scalars()][::-1]
-        total = len(newest) if len(newest) < LIST_LIMIT else int(conn.execute(
-            sa.select(sa.func.count()).where(*slot, s.kind == "allocated")).scalar() or 0)
-        rows = [] if not newest else [tuple(r) for r in conn.execute(
-            sa.select(s.generation, s.seq, s.kind, s.owner_id).where(*slot, s.seq >= newest[0], s.kind.in_(_HOLDS))
-            .order_by(s.seq))]
+        newest = [
+            int(seq)
+            for seq in conn.execute(
+                sa.select(s.seq).where(*slot, s.kind == "allocated").order_by(s.seq.desc()).limit(LIST_LIMIT)
+            ).scalars()
+        ][::-1]
+        total = (
+            len(newest)
+            if len(newest) < LIST_LIMIT
+            else int(conn.execute(sa.select(sa.func.count()).where(*slot, s.kind == "allocated")).scalar() or 0)
+        )
+        rows = (
+            []
+            if not newest
+            else [
+                tuple(r)
+                for r in conn.execute(
+                    sa.select(s.generation, s.seq, s.kind, s.owner_id)
+                    .where(*slot, s.seq >= newest[0], s.kind.in_(_HOLDS))
+                    .order_by(s.seq)
+                )
+            ]
+        )
         declarations = self._declarations(conn)
-        lives = [life for life in self._lifetimes(conn, engine, rows, None)
-                 if self._visible_at(declarations, engine, life.allocated_seq)]
+        lives = [
+            life
+            for life in self._lifetimes(conn, engine, rows, None)
+            if self._visible_at(declarations, engine, life.allocated_seq)
+        ]
         if self.tenant is not None and not lives and (newest or engine not in self._engines(conn, scoped=True)):
             raise OutOfScope(f"engine {engine!r} is outside tenant {self.tenant!r}")
-        tenant = self.tenant if self.tenant is not None else (
-            self._tenant_at(declarations, engine, lives[-1].allocated_seq) if lives else None)
-        return HistoryAnswer(engine=engine, pool=pool, block=block, tenant=tenant or "", generations=lives,
-                             generations_total=total)
+        tenant = (
+            self.tenant
+            if self.tenant is not None
+            else (self._tenant_at(declarations, engine, lives[-1].allocated_seq) if lives else None)
+        )
+        return HistoryAnswer(
+            engine=engine, pool=pool, block=block, tenant=tenant or "", generations=lives, generations_total=total
+        )
 
-    def _lifetimes(self, conn: sa.Connection, engine: str, rows: Sequence[tuple[Any, ...]],
-                   next_allocation: int | None) -> list[GenerationLife]:
+    def _lifetimes(
+        self, conn: sa.Connection, engine: str, rows: Sequence[tuple[Any, ...]], next_allocation: int | None
+    ) -> list[GenerationLife]:
         """Lifetimes of the generations allocated in `rows` ((generation, seq, kind, owner_id) of
         one slot's allocated, reused and freed rows, in log order; other kinds are ignored). A
         generation ends at its last free that no reuse follows; when its freed notice was dropped
@@ -488,11 +547,19 @@ class Audit:
             if kind in _HOLDS:
                 last[int(generation)] = (str(kind), int(seq))
         e, o = t.audit_engines.c, t.audit_owners.c
-        resets = [int(seq) for seq in conn.execute(sa.select(e.seq).where(
-            e.engine == engine, e.kind == "reset", e.seq > allocations[0][1]).order_by(e.seq)).scalars()]
+        resets = [
+            int(seq)
+            for seq in conn.execute(
+                sa.select(e.seq).where(e.engine == engine, e.kind == "reset", e.seq > allocations[0][1]).order_by(e.seq)
+            ).scalars()
+        ]
         owners = {owner for _, _, owner in allocations if owner is not None}
-        req_ids = {owner_id: req_id for owner_id, req_id in conn.execute(
-            sa.select(o.owner_id, o.req_id).where(o.engine == engine, o.kind == "started", o.owner_id.in_(owners)))}
+        req_ids = {
+            owner_id: req_id
+            for owner_id, req_id in conn.execute(
+                sa.select(o.owner_id, o.req_id).where(o.engine == engine, o.kind == "started", o.owner_id.in_(owners))
+            )
+        }
         lives = []
         for index, (generation, seq, owner) in enumerate(allocations):
             after = allocations[index + 1][1] if index + 1 < len(allocations) else next_allocation
@@ -502,13 +569,21 @@ class Audit:
             if end is None:
                 later = bisect.bisect_right(resets, seq)
                 reset = resets[later] if later < len(resets) else None
-                end, ended_by = min(((x, why) for x, why in ((reset, "reset"), (after, "reallocated")) if x is not None),
-                                    default=(None, "open"))
-            lives.append(GenerationLife(
-                generation=generation, owner_id=owner, req_id=req_ids.get(owner, "") if owner is not None else "",
-                allocated_seq=seq, allocated_step=self._point(conn, engine, seq).step,
-                freed_seq=end, freed_step=None if end is None else self._point(conn, engine, end).step,
-                ended_by=ended_by))
+                end, ended_by = min(
+                    ((x, why) for x, why in ((reset, "reset"), (after, "reallocated")) if x is not None), default=(None, "open")
+                )
+            lives.append(
+                GenerationLife(
+                    generation=generation,
+                    owner_id=owner,
+                    req_id=req_ids.get(owner, "") if owner is not None else "",
+                    allocated_seq=seq,
+                    allocated_step=self._point(conn, engine, seq).step,
+                    freed_seq=end,
+                    freed_step=None if end is None else self._point(conn, engine, end).step,
+                    ended_by=ended_by,
+                )
+            )
         return lives
 
     def _jobs(self, conn: sa.Connection, touches: Sequence[SlotEvent], at_seq: int) -> list[JobTouch]:
@@ -516,8 +591,9 @@ class Audit:
         if not ids:
             return []
         j = t.audit_jobs.c
-        rows = (conn.execute(sa.select(j.job_id, j.seq, j.kind, j.rank, j.detail).where(j.job_id.in_(ids))
-                                   .order_by(j.job_id, j.seq))).all()
+        rows = (
+            conn.execute(sa.select(j.job_id, j.seq, j.kind, j.rank, j.detail).where(j.job_id.in_(ids)).order_by(j.job_id, j.seq))
+        ).all()
         by_job: dict[int, list[Any]] = {}
         for row in rows:
             by_job.setdefault(row.job_id, []).append(row)
@@ -529,7 +605,9 @@ class Audit:
     def _owner(self, conn: sa.Connection, engine: str, owner_id: int) -> OwnerLife | None:
         return self._owners(conn, [(engine, owner_id)], blocks=False).get((engine, owner_id))
 
-    def _owners(self, conn: sa.Connection, wanted: Sequence[tuple[str, int]], *, blocks: bool) -> dict[tuple[str, int], OwnerLife]:
+    def _owners(
+        self, conn: sa.Connection, wanted: Sequence[tuple[str, int]], *, blocks: bool
+    ) -> dict[tuple[str, int], OwnerLife]:
         """Each owner's lifetime (and with `blocks`, every allocation and reuse it made), in one
         query per table per engine."""
         o, s = t.audit_owners.c, t.audit_slots.c
@@ -539,14 +617,22 @@ class Audit:
         lives: dict[tuple[str, int], OwnerLife] = {}
         for engine, ids in by_engine.items():
             rows: dict[int, list[Any]] = {}
-            for row in conn.execute(sa.select(o.owner_id, o.req_id, o.seq, o.kind, o.detail)
-                                    .where(o.engine == engine, o.owner_id.in_(ids)).order_by(o.seq)):
+            for row in conn.execute(
+                sa.select(o.owner_id, o.req_id, o.seq, o.kind, o.detail)
+                .where(o.engine == engine, o.owner_id.in_(ids))
+                .order_by(o.seq)
+            ):
                 rows.setdefault(row.owner_id, []).append(row)
             held: dict[int, list[str]] = {}
             if blocks:
-                query = (sa.select(s.owner_id, s.pool, s.block, s.generation, s.kind, s.seq)
-                         .where(s.engine == engine, s.owner_id.in_(ids), s.kind.in_(("allocated", "reused"))).order_by(s.seq))
-                for owner_id, pool, block, generation, kind, seq in conn.execute(query):  # thousands of rows: unpacked, not by attribute
+                query = (
+                    sa.select(s.owner_id, s.pool, s.block, s.generation, s.kind, s.seq)
+                    .where(s.engine == engine, s.owner_id.in_(ids), s.kind.in_(("allocated", "reused")))
+                    .order_by(s.seq)
+                )
+                for owner_id, pool, block, generation, kind, seq in conn.execute(
+                    query
+                ):  # thousands of rows: unpacked, not by attribute
                     held.setdefault(owner_id, []).append(f"{pool}/{block}@g{generation} ({kind} at seq {seq})")
             for owner_id, found in rows.items():
                 started = next((r for r in found if r.kind == "started"), None)
@@ -554,10 +640,15 @@ class Audit:
                     continue
                 finished = next((r for r in found if r.kind == "finished"), None)
                 lives[(engine, owner_id)] = OwnerLife(
-                    engine=engine, owner_id=owner_id, req_id=started.req_id, started_seq=started.seq,
+                    engine=engine,
+                    owner_id=owner_id,
+                    req_id=started.req_id,
+                    started_seq=started.seq,
                     finished_seq=None if finished is None else finished.seq,
                     finished_reason="" if finished is None else finished.detail,
-                    resumed=started.detail == "resumed", blocks=held.get(owner_id, []))
+                    resumed=started.detail == "resumed",
+                    blocks=held.get(owner_id, []),
+                )
         return lives
 
     async def request(self, req_id: str) -> RequestAnswer:
@@ -574,8 +665,11 @@ class Audit:
         rows = conn.execute(query.order_by(o.seq.desc()).limit(LIST_LIMIT)).all()[::-1]
         if not rows:
             raise NotFound(f"request {req_id!r} is not in the log")
-        total = len(rows) if len(rows) < LIST_LIMIT else int(conn.execute(
-            sa.select(sa.func.count()).select_from(query.subquery())).scalar() or 0)
+        total = (
+            len(rows)
+            if len(rows) < LIST_LIMIT
+            else int(conn.execute(sa.select(sa.func.count()).select_from(query.subquery())).scalar() or 0)
+        )
         lives = self._owners(conn, [(r.engine, r.owner_id) for r in rows], blocks=True)
         owners = [lives[(r.engine, r.owner_id)] for r in rows if (r.engine, r.owner_id) in lives]
         return RequestAnswer(req_id=req_id, owners=owners, owners_total=total)
@@ -591,14 +685,19 @@ class Audit:
         except ValueError as error:
             raise AuditError(f"key {key_hex!r} is not hex: {error}") from error
         k, n = t.audit_keys.c, t.audit_namespaces.c
-        counts = {str(kind): int(count) for kind, count in conn.execute(
-            sa.select(k.kind, sa.func.count()).where(k.key == key).group_by(k.kind))}
+        counts = {
+            str(kind): int(count)
+            for kind, count in conn.execute(sa.select(k.kind, sa.func.count()).where(k.key == key).group_by(k.kind))
+        }
         if not counts:
             raise NotFound(f"key {key_hex} is not in the log")
 
         def newest(kind: str) -> list[Any]:  # one range of the (key, kind, seq) index
-            return list(conn.execute(sa.select(t.audit_keys).where(k.key == key, k.kind == kind)
-                                     .order_by(k.seq.desc()).limit(LIST_LIMIT)).all())[::-1]
+            return list(
+                conn.execute(
+                    sa.select(t.audit_keys).where(k.key == key, k.kind == kind).order_by(k.seq.desc()).limit(LIST_LIMIT)
+                ).all()
+            )[::-1]
 
         published, loads = newest("published"), newest("loaded")
         rows = [*newest("computed"), *published, *newest("evicted"), *newest("quarantined")]
@@ -611,17 +710,39 @@ class Audit:
         j = t.audit_jobs.c
         job_ids = {r.job_id for r in [*rows, *loads] if r.job_id is not None}
         outcomes: dict[int, list[Any]] = {}
-        for row in conn.execute(sa.select(j.job_id, j.seq, j.kind, j.rank, j.detail).where(j.job_id.in_(job_ids))
-                                .order_by(j.seq)):
+        for row in conn.execute(
+            sa.select(j.job_id, j.seq, j.kind, j.rank, j.detail).where(j.job_id.in_(job_ids)).order_by(j.seq)
+        ):
             outcomes.setdefault(row.job_id, []).append(row)
         stored_from = {r.job_id: _where(r) for r in rows if r.kind == "stored"}
         return KeyAnswer(
-            key=key_hex, namespace_id=namespace.hex(), tenant=tenant, model_id=model,
+            key=key_hex,
+            namespace_id=namespace.hex(),
+            tenant=tenant,
+            model_id=model,
             computed=[f"{r.engine} {r.pool}/{r.block}@g{r.generation} at seq {r.seq}" for r in rows if r.kind == "computed"],
-            publications=[Publication(r.seq, r.tier, r.tier_slot, r.size_bytes, r.job_id, stored_from.get(r.job_id, "?"),
-                                      r.checksums.split(",") if r.checksums else []) for r in published],
-            loads=[KeyLoad(r.seq, r.engine, r.job_id, _where(r, engine=False),
-                           _job_touch(r.job_id, outcomes.get(r.job_id, []), r.seq, r.seq).outcome) for r in loads],
+            publications=[
+                Publication(
+                    r.seq,
+                    r.tier,
+                    r.tier_slot,
+                    r.size_bytes,
+                    r.job_id,
+                    stored_from.get(r.job_id, "?"),
+                    r.checksums.split(",") if r.checksums else [],
+                )
+                for r in published
+            ],
+            loads=[
+                KeyLoad(
+                    r.seq,
+                    r.engine,
+                    r.job_id,
+                    _where(r, engine=False),
+                    _job_touch(r.job_id, outcomes.get(r.job_id, []), r.seq, r.seq).outcome,
+                )
+                for r in loads
+            ],
             evictions=[r.seq for r in rows if r.kind == "evicted"],
             quarantines=[f"seq {r.seq}: {r.detail}" for r in rows if r.kind == "quarantined"],
             counts=counts,
@@ -647,40 +768,62 @@ class Audit:
         declarations = self._declarations(conn)
         scope = self._span_filter(conn, o.engine, o.seq, declarations)
         mine = (o.hash == block_hash, *(() if scope is None else (scope,)))
-        visible = conn.execute(sa.select(t.audit_observed).where(*mine)
-                               .order_by(o.seq.desc()).limit(LIST_LIMIT)).all()[::-1]
+        visible = conn.execute(sa.select(t.audit_observed).where(*mine).order_by(o.seq.desc()).limit(LIST_LIMIT)).all()[::-1]
         if not visible:
             if conn.execute(sa.select(o.seq).where(o.hash == block_hash).limit(1)).first() is None:
                 raise NotFound(f"block hash {text} is not in the log")
             raise OutOfScope(f"block hash {text} is outside tenant {self.tenant!r}")
-        total = len(visible) if len(visible) < LIST_LIMIT else int(
-            conn.execute(sa.select(sa.func.count()).where(*mine)).scalar() or 0)
+        total = (
+            len(visible)
+            if len(visible) < LIST_LIMIT
+            else int(conn.execute(sa.select(sa.func.count()).where(*mine)).scalar() or 0)
+        )
         engines = sorted({r.engine for r in visible})
         since = int(visible[0].seq)
         # The same engine may have been observed again under another tenant: its clears and gaps
         # then are that tenant's. A restart is also the caller's when it ends the caller's incarnation.
-        clears = [r for r in conn.execute(sa.select(t.audit_observed)
-                                          .where(o.hash == b"", o.seq > since, o.engine.in_(engines))
-                                          .order_by(o.seq)).all()
-                  if self._visible_at(declarations, r.engine, int(r.seq))]
-        lives = [r for r in conn.execute(sa.select(e.engine, e.incarnation, e.seq, e.kind, e.detail)
-                                         .where(e.engine.in_(engines), e.kind.in_(("observed", "events_missed")),
-                                                e.seq > since)
-                                         .order_by(e.seq)).all()
-                 if self._visible_at(declarations, r.engine, int(r.seq))
-                 or (r.kind == "observed" and self._visible_at(declarations, r.engine, int(r.seq) - 1))]
+        clears = [
+            r
+            for r in conn.execute(
+                sa.select(t.audit_observed).where(o.hash == b"", o.seq > since, o.engine.in_(engines)).order_by(o.seq)
+            ).all()
+            if self._visible_at(declarations, r.engine, int(r.seq))
+        ]
+        lives = [
+            r
+            for r in conn.execute(
+                sa.select(e.engine, e.incarnation, e.seq, e.kind, e.detail)
+                .where(e.engine.in_(engines), e.kind.in_(("observed", "events_missed")), e.seq > since)
+                .order_by(e.seq)
+            ).all()
+            if self._visible_at(declarations, r.engine, int(r.seq))
+            or (r.kind == "observed" and self._visible_at(declarations, r.engine, int(r.seq) - 1))
+        ]
         timeline = sorted(
-            [ObservedEvent(int(r.seq), r.kind, r.engine, int(r.incarnation), r.medium, int(r.grp), r.dp_rank,
-                           int(r.source_seq)) for r in visible]
-            + [ObservedEvent(int(r.seq), "cleared", r.engine, int(r.incarnation), r.medium, None, r.dp_rank,
-                             int(r.source_seq)) for r in clears]
-            + [ObservedEvent(int(r.seq), "restarted", r.engine, int(r.incarnation), "", None, None, None)
-               for r in lives if r.kind == "observed"],
-            key=lambda event: event.seq)
+            [
+                ObservedEvent(
+                    int(r.seq), r.kind, r.engine, int(r.incarnation), r.medium, int(r.grp), r.dp_rank, int(r.source_seq)
+                )
+                for r in visible
+            ]
+            + [
+                ObservedEvent(int(r.seq), "cleared", r.engine, int(r.incarnation), r.medium, None, r.dp_rank, int(r.source_seq))
+                for r in clears
+            ]
+            + [
+                ObservedEvent(int(r.seq), "restarted", r.engine, int(r.incarnation), "", None, None, None)
+                for r in lives
+                if r.kind == "observed"
+            ],
+            key=lambda event: event.seq,
+        )
         residencies = _residencies(timeline)
         involved = {(r.engine, r.incarnation) for r in residencies}
-        gaps = [f"{r.engine} incarnation {r.incarnation} at seq {r.seq}: {r.detail}" for r in lives
-                if r.kind == "events_missed" and (r.engine, int(r.incarnation)) in involved]
+        gaps = [
+            f"{r.engine} incarnation {r.incarnation} at seq {r.seq}: {r.detail}"
+            for r in lives
+            if r.kind == "events_missed" and (r.engine, int(r.incarnation)) in involved
+        ]
         enders = {r.ended_seq for r in residencies if r.ended_by in ("cleared", "restarted")}
         events = [ev for ev in timeline if ev.kind in ("stored", "removed") or ev.seq in enders]
         tenant = self._tenant_at(declarations, visible[-1].engine, int(visible[-1].seq)) or ""
@@ -691,25 +834,48 @@ class Audit:
     async def refusals(self, *, since_seq: int = 0, since_time: float | None = None, limit: int = 1000) -> list[RefusalEntry]:
         return await self._read(lambda conn: self._refusals(conn, since_seq=since_seq, since_time=since_time, limit=limit))
 
-    def _refusals(self, conn: sa.Connection, *, since_seq: int = 0, since_time: float | None = None, limit: int = 1000) -> list[RefusalEntry]:
+    def _refusals(
+        self, conn: sa.Connection, *, since_seq: int = 0, since_time: float | None = None, limit: int = 1000
+    ) -> list[RefusalEntry]:
         r = t.audit_refusals.c
         if since_time is not None:
-            found = (conn.execute(sa.select(sa.func.max(t.audit_steps.c.last_seq))
-                                        .where(t.audit_steps.c.recorded_at < since_time))).scalar()
+            found = (
+                conn.execute(sa.select(sa.func.max(t.audit_steps.c.last_seq)).where(t.audit_steps.c.recorded_at < since_time))
+            ).scalar()
             since_seq = max(since_seq, int(found or 0))
         st = t.audit_steps.c
-        step = (sa.select(st.step).where(st.engine == r.engine, st.first_seq <= r.seq, st.step >= 0)
-                .order_by(st.first_seq.desc()).limit(1).scalar_subquery())  # the engine's step then
-        recorded = (sa.select(st.recorded_at).where(st.first_seq <= r.seq)
-                    .order_by(st.first_seq.desc()).limit(1).scalar_subquery())  # when its append was recorded
-        query = (sa.select(t.audit_refusals, step.label("step"), recorded.label("recorded_at"))
-                 .where(r.seq > since_seq).order_by(r.seq).limit(limit))
+        step = (
+            sa.select(st.step)
+            .where(st.engine == r.engine, st.first_seq <= r.seq, st.step >= 0)
+            .order_by(st.first_seq.desc())
+            .limit(1)
+            .scalar_subquery()
+        )  # the engine's step then
+        recorded = (
+            sa.select(st.recorded_at).where(st.first_seq <= r.seq).order_by(st.first_seq.desc()).limit(1).scalar_subquery()
+        )  # when its append was recorded
+        query = (
+            sa.select(t.audit_refusals, step.label("step"), recorded.label("recorded_at"))
+            .where(r.seq > since_seq)
+            .order_by(r.seq)
+            .limit(limit)
+        )
         mine = self._span_filter(conn, r.engine, r.seq)
         if mine is not None:
             query = query.where(mine)
-        return [RefusalEntry(row.seq, -1 if row.step is None else int(row.step), float(row.recorded_at or 0.0),
-                             row.engine, row.kind, row.subject, row.reason, row.detail)
-                for row in conn.execute(query)]
+        return [
+            RefusalEntry(
+                row.seq,
+                -1 if row.step is None else int(row.step),
+                float(row.recorded_at or 0.0),
+                row.engine,
+                row.kind,
+                row.subject,
+                row.reason,
+                row.detail,
+            )
+            for row in conn.execute(query)
+        ]
 
     async def namespaces(self, *, now: float) -> list[NamespaceEntry]:
         """Inventory for cleanup decisions: live keys (published, not evicted since), their bytes,
@@ -727,12 +893,20 @@ class Audit:
             first, last = (conn.execute(_USE, {"namespace": space.namespace_id})).first() or (None, None)
             first_at = None if first is None else self._time_of(conn, int(first))
             last_at = None if last is None else self._time_of(conn, int(last))
-            entries.append(NamespaceEntry(
-                namespace_id=bytes(space.namespace_id).hex(), tenant=space.tenant, model_id=space.model_id,
-                spec=msgspec.json.decode(space.spec), keys=int(live[0] or 0) if live else 0,
-                bytes=int(live[1] or 0) if live else 0, first_published_at=first_at, last_used_at=last_at,
-                age_seconds=None if first_at is None else max(0.0, now - first_at),
-                decisions=self._decisions(conn, bytes(space.namespace_id))))
+            entries.append(
+                NamespaceEntry(
+                    namespace_id=bytes(space.namespace_id).hex(),
+                    tenant=space.tenant,
+                    model_id=space.model_id,
+                    spec=msgspec.json.decode(space.spec),
+                    keys=int(live[0] or 0) if live else 0,
+                    bytes=int(live[1] or 0) if live else 0,
+                    first_published_at=first_at,
+                    last_used_at=last_at,
+                    age_seconds=None if first_at is None else max(0.0, now - first_at),
+                    decisions=self._decisions(conn, bytes(space.namespace_id)),
+                )
+            )
         return entries
 
     async def decisions(self, namespace: str | None = None) -> list[DecisionEntry]:
@@ -758,21 +932,30 @@ class Audit:
 
     def _decisions(self, conn: sa.Connection, namespace: bytes | None) -> list[DecisionEntry]:
         d, n = t.audit_decisions.c, t.audit_namespaces.c
-        query = (sa.select(t.audit_decisions, n.tenant)
-                 .select_from(t.audit_decisions.outerjoin(t.audit_namespaces, d.from_namespace == n.namespace_id))
-                 .order_by(d.seq))
+        query = (
+            sa.select(t.audit_decisions, n.tenant)
+            .select_from(t.audit_decisions.outerjoin(t.audit_namespaces, d.from_namespace == n.namespace_id))
+            .order_by(d.seq)
+        )
         if namespace is not None:
             query = query.where(sa.or_(d.from_namespace == namespace, d.to_namespace == namespace))
         if self.tenant is not None:
             query = query.where(n.tenant == self.tenant)
         entries = []
         for row in (conn.execute(query)).all():
-            entries.append(DecisionEntry(
-                seq=int(row.seq), recorded_at=self._time_of(conn, int(row.seq)), outcome=row.outcome,
-                from_namespace=bytes(row.from_namespace).hex(),
-                to_namespace=None if row.to_namespace is None else bytes(row.to_namespace).hex(),
-                tenant=str(row.tenant or ""), affected_keys=int(row.affected_keys), evidence=row.evidence,
-                reason=row.reason))
+            entries.append(
+                DecisionEntry(
+                    seq=int(row.seq),
+                    recorded_at=self._time_of(conn, int(row.seq)),
+                    outcome=row.outcome,
+                    from_namespace=bytes(row.from_namespace).hex(),
+                    to_namespace=None if row.to_namespace is None else bytes(row.to_namespace).hex(),
+                    tenant=str(row.tenant or ""),
+                    affected_keys=int(row.affected_keys),
+                    evidence=row.evidence,
+                    reason=row.reason,
+                )
+            )
         return entries
 
     def _time_of(self, conn: sa.Connection, seq: int) -> float | None:
@@ -806,11 +989,20 @@ def _residencies(timeline: Sequence[ObservedEvent]) -> list[ObservedResidency]:
     def close(key: tuple[str, int, str, int], end: ObservedEvent | None, how: str) -> None:
         start = open_.pop(key)
         assert start.source_seq is not None and start.group is not None
-        done.append(ObservedResidency(
-            engine=start.engine, incarnation=start.incarnation, medium=start.medium, group=start.group,
-            dp_rank=start.dp_rank, stored_seq=start.seq, stored_source_seq=start.source_seq,
-            ended_seq=None if end is None else end.seq, ended_source_seq=None if end is None else end.source_seq,
-            ended_by=how))
+        done.append(
+            ObservedResidency(
+                engine=start.engine,
+                incarnation=start.incarnation,
+                medium=start.medium,
+                group=start.group,
+                dp_rank=start.dp_rank,
+                stored_seq=start.seq,
+                stored_source_seq=start.source_seq,
+                ended_seq=None if end is None else end.seq,
+                ended_source_seq=None if end is None else end.source_seq,
+                ended_by=how,
+            )
+        )
 
     for event in timeline:
         if event.kind in ("stored", "removed"):

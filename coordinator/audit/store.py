@@ -54,8 +54,12 @@ async def indexed_seq(event_log: SqlEventLog) -> int:
 
 
 async def sync_index(
-    event_log: SqlEventLog, *, until_seq: int | None = None, batch: int = 10_000,
-    on_progress: Callable[[IndexProgress], None] | None = None, codec: EventCodec | None = None,
+    event_log: SqlEventLog,
+    *,
+    until_seq: int | None = None,
+    batch: int = 10_000,
+    on_progress: Callable[[IndexProgress], None] | None = None,
+    codec: EventCodec | None = None,
 ) -> int:
     """Index every committed event after the checkpoint (up to the end of the step holding
     `until_seq`, default the head now); returns the new checkpoint. Safe to run from several processes: a batch whose checkpoint
@@ -77,8 +81,9 @@ async def sync_index(
         async with event_log.projection_transaction(CHECKPOINT) as tx:
             if event_log.dialect == "postgresql":
                 await tx.connection.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": AUDIT_LOCK_KEY})
-            current = (await tx.connection.execute(
-                sa.select(t.checkpoints.c.global_seq).where(t.checkpoints.c.name == CHECKPOINT))).scalar() or 0
+            current = (
+                await tx.connection.execute(sa.select(t.checkpoints.c.global_seq).where(t.checkpoints.c.name == CHECKPOINT))
+            ).scalar() or 0
             if current != after:  # another indexer got there first: start again from where it is
                 after = int(current)
                 continue
@@ -102,11 +107,19 @@ def _index_step(indexer: Indexer, codec: EventCodec, rows: AuditRows, step: Stor
         except msgspec.DecodeError:
             pass
         else:
-            indexer.step(rows, events[first - step.first_seq:], first_seq=first, last_seq=step.last_seq,
-                         stream_id=step.stream_id, step=step.step, recorded_at=step.recorded_at)
+            indexer.step(
+                rows,
+                events[first - step.first_seq :],
+                first_seq=first,
+                last_seq=step.last_seq,
+                stream_id=step.stream_id,
+                step=step.step,
+                recorded_at=step.recorded_at,
+            )
             return
-    indexer.step(rows, [], first_seq=first, last_seq=step.last_seq, stream_id=step.stream_id, step=step.step,
-                 recorded_at=step.recorded_at)
+    indexer.step(
+        rows, [], first_seq=first, last_seq=step.last_seq, stream_id=step.stream_id, step=step.step, recorded_at=step.recorded_at
+    )
     engine = engine_of_stream(step.stream_id)
     for stored in step.events():
         if stored.global_seq < first:
@@ -139,7 +152,10 @@ def _insert_sql(name: str, paramstyle: str) -> str:
 
 async def _namespaces(event_log: SqlEventLog) -> dict[str, bytes]:
     """Each engine's namespace as of the index's checkpoint (the Indexer's only memory)."""
-    query = sa.select(t.audit_engines.c.engine, t.audit_engines.c.namespace_id).where(
-        t.audit_engines.c.kind == "declared").order_by(t.audit_engines.c.seq)
+    query = (
+        sa.select(t.audit_engines.c.engine, t.audit_engines.c.namespace_id)
+        .where(t.audit_engines.c.kind == "declared")
+        .order_by(t.audit_engines.c.seq)
+    )
     async with event_log.engine.connect() as conn:
         return {row.engine: bytes(row.namespace_id) for row in await conn.execute(query) if row.namespace_id is not None}

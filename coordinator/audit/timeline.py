@@ -159,8 +159,7 @@ class Timeline(msgspec.Struct, frozen=True, kw_only=True):
         if not self.omitted_slots:
             return ""
         shown = len(self.slots)
-        return (f"{shown} of {shown + self.omitted_slots} slots drawn (the busiest); "
-                f"narrow --steps to see the others")
+        return f"{shown} of {shown + self.omitted_slots} slots drawn (the busiest); narrow --steps to see the others"
 
 
 def _span_index(steps: Sequence[StepSpan], seq: int) -> int:
@@ -195,8 +194,9 @@ def output_format(out: Path) -> Format:
     """The picture's format from the file's suffix: .png or .html."""
     found = _FORMATS.get(out.suffix.lower())
     if found is None:
-        raise TimelineError(f"--out {str(out)!r}: cannot tell the format from {out.suffix or 'no suffix'!r}; "
-                            f"name a .png or .html file")
+        raise TimelineError(
+            f"--out {str(out)!r}: cannot tell the format from {out.suffix or 'no suffix'!r}; name a .png or .html file"
+        )
     return found
 
 
@@ -255,11 +255,21 @@ def build_timeline(rows: IndexRows, *, max_slots: int = MAX_SLOTS) -> Timeline:
     def close(hold: _Hold, end: int | None, ended_by: str) -> None:
         if end is not None and end < first_seq:
             return  # over before the range began
-        bars.append(Bar(
-            block=hold.block, generation=hold.generation, owner_id=hold.owner, req_id=owner_text(hold.owner),
-            start_seq=hold.start, end_seq=end, start_step=step_of(hold.start),
-            end_step=last_step if end is None else step_of(end), ended_by=ended_by, released_seq=hold.released,
-            sharers=[f"owner {o}" + (f" ({owner_text(o)})" if owner_text(o) else "") for o in hold.sharers]))
+        bars.append(
+            Bar(
+                block=hold.block,
+                generation=hold.generation,
+                owner_id=hold.owner,
+                req_id=owner_text(hold.owner),
+                start_seq=hold.start,
+                end_seq=end,
+                start_step=step_of(hold.start),
+                end_step=last_step if end is None else step_of(end),
+                ended_by=ended_by,
+                released_seq=hold.released,
+                sharers=[f"owner {o}" + (f" ({owner_text(o)})" if owner_text(o) else "") for o in hold.sharers],
+            )
+        )
 
     # Fold each slot's rows, with the engine's resets, in log order.
     by_block: dict[int, list[PoolSlotRow]] = {}
@@ -321,22 +331,42 @@ def build_timeline(rows: IndexRows, *, max_slots: int = MAX_SLOTS) -> Timeline:
         if (end is not None and end < first_seq) or start > last_seq:
             continue
         job_blocks.setdefault(job, set()).add(block)
-        pins.append(Pin(block=block, generation=generation, job_id=job, kind=touch.kind if touch else "?",
-                        start_seq=start, end_seq=end, start_step=step_of(start),
-                        end_step=last_step if end is None else step_of(end),
-                        outcome=touch.outcome if touch else "in flight"))
+        pins.append(
+            Pin(
+                block=block,
+                generation=generation,
+                job_id=job,
+                kind=touch.kind if touch else "?",
+                start_seq=start,
+                end_seq=end,
+                start_step=step_of(start),
+                end_step=last_step if end is None else step_of(end),
+                outcome=touch.outcome if touch else "in flight",
+            )
+        )
     jobs = []
     for job_id in sorted(job_blocks):
         touch = touches.get(job_id)
         started = next((r for r in job_rows.get(job_id, []) if r.kind in ("store", "load", "copy")), None)
-        jobs.append(JobMark(
-            job_id=job_id, kind=touch.kind if touch else "?", detail=started.detail if started else "",
-            start_seq=touch.started_seq if touch else min(p.start_seq for p in pins if p.job_id == job_id),
-            end_seq=touch.ended_seq if touch and touch.ended_seq is not None and touch.ended_seq <= last_seq else None,
-            outcome=touch.outcome if touch else "in flight", blocks=sorted(job_blocks[job_id])))
+        jobs.append(
+            JobMark(
+                job_id=job_id,
+                kind=touch.kind if touch else "?",
+                detail=started.detail if started else "",
+                start_seq=touch.started_seq if touch else min(p.start_seq for p in pins if p.job_id == job_id),
+                end_seq=touch.ended_seq if touch and touch.ended_seq is not None and touch.ended_seq <= last_seq else None,
+                outcome=touch.outcome if touch else "in flight",
+                blocks=sorted(job_blocks[job_id]),
+            )
+        )
 
-    refusals = [mark for mark in (_refusal(row, rows.pool, set(job_blocks), step_of) for row in rows.refusals
-                                  if first_seq <= row[0] <= last_seq) if mark is not None]
+    refusals = [
+        mark
+        for mark in (
+            _refusal(row, rows.pool, set(job_blocks), step_of) for row in rows.refusals if first_seq <= row[0] <= last_seq
+        )
+        if mark is not None
+    ]
 
     # Lanes: every slot with something to draw; past the cap, the busiest.
     activity: dict[int, int] = {}
@@ -344,12 +374,20 @@ def build_timeline(rows: IndexRows, *, max_slots: int = MAX_SLOTS) -> Timeline:
         activity[block] = activity.get(block, 0) + 1
     kept = set(sorted(activity, key=lambda b: (-activity[b], b))[:max_slots])
     return Timeline(
-        engine=rows.engine, pool=rows.pool, first_step=first_step, last_step=last_step,
-        first_seq=first_seq, last_seq=last_seq, steps=steps, slots=sorted(kept),
+        engine=rows.engine,
+        pool=rows.pool,
+        first_step=first_step,
+        last_step=last_step,
+        first_seq=first_seq,
+        last_seq=last_seq,
+        steps=steps,
+        slots=sorted(kept),
         bars=sorted((b for b in bars if b.block in kept), key=lambda b: (b.block, b.start_seq)),
         pins=sorted((p for p in pins if p.block in kept), key=lambda p: (p.block, p.start_seq, p.job_id)),
-        jobs=jobs, refusals=[r for r in refusals if r.block is None or r.block in kept],
-        omitted_slots=len(activity) - len(kept))
+        jobs=jobs,
+        refusals=[r for r in refusals if r.block is None or r.block in kept],
+        omitted_slots=len(activity) - len(kept),
+    )
 
 
 class _JobRowView(msgspec.Struct, frozen=True):
@@ -360,7 +398,7 @@ class _JobRowView(msgspec.Struct, frozen=True):
     detail: str
 
 
-# Refusal texts name slots as "block P/B" (coordinator/decider.py, _checks.py, _jobs.py).
+# Refusal texts name slots as "block P/B" (coordinator/core/decider.py, checks.py, jobs.py).
 _NAMED_SLOT = re.compile(r"\b(?:block|destination|holds) (\d+)/(\d+)\b")
 _NAMED_JOB = re.compile(r"^job (\d+)$")
 
@@ -377,15 +415,15 @@ def _refusal(row: EngineRefusalRow, pool: int, jobs: set[int], step_of: Callable
     job = _NAMED_JOB.match(subject)
     if job is not None and int(job[1]) not in jobs:
         return None  # a failed job that touched no slot of this pool
-    return RefusalMark(seq=seq, step=step_of(seq), kind=kind, subject=subject, reason=reason, detail=detail,
-                       block=block)
+    return RefusalMark(seq=seq, step=step_of(seq), kind=kind, subject=subject, reason=reason, detail=detail, block=block)
 
 
 # --- the index -> rows (the SQL shell) ----------------------------------------------------------
 
 
-async def read_rows(event_log: SqlEventLog, *, pool: int, first_step: int, last_step: int,
-                    engine: str | None = None, max_steps: int = MAX_STEPS) -> IndexRows:
+async def read_rows(
+    event_log: SqlEventLog, *, pool: int, first_step: int, last_step: int, engine: str | None = None, max_steps: int = MAX_STEPS
+) -> IndexRows:
     """The index's rows for one pool of one engine over steps first_step..last_step.
 
     Cost: the range's rows through the slot index, plus one scan of the pool's allocations before
@@ -395,101 +433,181 @@ async def read_rows(event_log: SqlEventLog, *, pool: int, first_step: int, last_
     s, st, j, r, o = (t.audit_slots.c, t.audit_steps.c, t.audit_jobs.c, t.audit_refusals.c, t.audit_owners.c)
     head = await audit.indexed()
     async with event_log.engine.connect() as conn:
-        pools = [int(p) for p in (await conn.execute(
-            sa.select(s.pool).where(s.engine == engine).distinct().order_by(s.pool))).scalars()]
+        pools = [
+            int(p)
+            for p in (await conn.execute(sa.select(s.pool).where(s.engine == engine).distinct().order_by(s.pool))).scalars()
+        ]
         if pool not in pools:
-            raise NotFound(f"engine {engine!r} has no pool {pool} in the audit index "
-                           f"(pools with slots: {', '.join(map(str, pools)) or 'none'})")
+            raise NotFound(
+                f"engine {engine!r} has no pool {pool} in the audit index "
+                f"(pools with slots: {', '.join(map(str, pools)) or 'none'})"
+            )
         # kvl_audit_steps has a row for every append; steps are those with a step number.
         in_range = sa.and_(st.engine == engine, st.step >= max(first_step, 0), st.step <= last_step)
         count = (await conn.execute(sa.select(sa.func.count()).where(in_range))).scalar() or 0
         if count == 0:
-            known = (await conn.execute(sa.select(sa.func.min(st.step), sa.func.max(st.step))
-                                        .where(st.engine == engine, st.step >= 0))).one()
+            known = (
+                await conn.execute(sa.select(sa.func.min(st.step), sa.func.max(st.step)).where(st.engine == engine, st.step >= 0))
+            ).one()
             have = "none" if known[0] is None else f"{known[0]}..{known[1]}"
             raise NotFound(f"engine {engine!r} has no steps in {first_step}..{last_step} (its steps: {have})")
         if count > max_steps:
-            raise TimelineError(f"steps {first_step}..{last_step} are {count} steps; one picture draws at most "
-                                f"{max_steps}: narrow --steps")
+            raise TimelineError(
+                f"steps {first_step}..{last_step} are {count} steps; one picture draws at most {max_steps}: narrow --steps"
+            )
         # Step numbers only grow within an engine (the decider refuses STEP_NOT_ADVANCING), so
         # sequence order is step order.
-        steps = [StepSpan(int(x.step), int(x.first_seq), int(x.last_seq)) for x in await conn.execute(
-            sa.select(st.step, st.first_seq, st.last_seq).where(in_range).order_by(st.first_seq))]
-        following = (await conn.execute(sa.select(sa.func.min(st.first_seq)).where(
-            st.engine == engine, st.step >= 0, st.first_seq > steps[-1].last_seq))).scalar()
+        steps = [
+            StepSpan(int(x.step), int(x.first_seq), int(x.last_seq))
+            for x in await conn.execute(sa.select(st.step, st.first_seq, st.last_seq).where(in_range).order_by(st.first_seq))
+        ]
+        following = (
+            await conn.execute(
+                sa.select(sa.func.min(st.first_seq)).where(st.engine == engine, st.step >= 0, st.first_seq > steps[-1].last_seq)
+            )
+        ).scalar()
         first_seq, last_seq = steps[0].first_seq, (int(following) - 1 if following is not None else max(head, steps[-1].last_seq))
 
         of_pool = sa.and_(s.engine == engine, s.pool == pool)
         columns = (s.block, s.generation, s.seq, s.kind, s.owner_id, s.job_id)
-        slot_rows = [_slot_row(x) for x in await conn.execute(
-            sa.select(*columns).where(of_pool, s.seq >= first_seq, s.seq <= last_seq))]
+        slot_rows = [
+            _slot_row(x) for x in await conn.execute(sa.select(*columns).where(of_pool, s.seq >= first_seq, s.seq <= last_seq))
+        ]
         # The generation each slot held when the range began: its last allocation before it.
-        before = [(int(b), int(q)) for b, q in await conn.execute(
-            sa.select(s.block, sa.func.max(s.seq)).where(of_pool, s.kind == "allocated", s.seq < first_seq)
-            .group_by(s.block))]
+        before = [
+            (int(b), int(q))
+            for b, q in await conn.execute(
+                sa.select(s.block, sa.func.max(s.seq)).where(of_pool, s.kind == "allocated", s.seq < first_seq).group_by(s.block)
+            )
+        ]
         for chunk in _chunks(before, 400):
-            alive = [(int(b), int(g)) for b, g in await conn.execute(sa.select(s.block, s.generation).where(
-                of_pool, s.kind == "allocated", sa.tuple_(s.block, s.seq).in_(chunk)))]
-            slot_rows += [_slot_row(x) for x in await conn.execute(
-                sa.select(*columns).where(of_pool, s.seq < first_seq, sa.tuple_(s.block, s.generation).in_(alive)))]
-        resets = [int(x) for x in (await conn.execute(sa.select(t.audit_engines.c.seq).where(
-            t.audit_engines.c.engine == engine, t.audit_engines.c.kind == "reset",
-            t.audit_engines.c.seq <= last_seq))).scalars()]
+            alive = [
+                (int(b), int(g))
+                for b, g in await conn.execute(
+                    sa.select(s.block, s.generation).where(of_pool, s.kind == "allocated", sa.tuple_(s.block, s.seq).in_(chunk))
+                )
+            ]
+            slot_rows += [
+                _slot_row(x)
+                for x in await conn.execute(
+                    sa.select(*columns).where(of_pool, s.seq < first_seq, sa.tuple_(s.block, s.generation).in_(alive))
+                )
+            ]
+        resets = [
+            int(x)
+            for x in (
+                await conn.execute(
+                    sa.select(t.audit_engines.c.seq).where(
+                        t.audit_engines.c.engine == engine, t.audit_engines.c.kind == "reset", t.audit_engines.c.seq <= last_seq
+                    )
+                )
+            ).scalars()
+        ]
         owners = sorted({row[4] for row in slot_rows if row[4] is not None})
         req_ids: dict[int, str] = {}
         for chunk_owners in _chunks(owners, 500):
-            for x in await conn.execute(sa.select(o.owner_id, o.req_id).where(
-                    o.engine == engine, o.kind == "started", o.owner_id.in_(chunk_owners)).order_by(o.seq)):
+            for x in await conn.execute(
+                sa.select(o.owner_id, o.req_id)
+                .where(o.engine == engine, o.kind == "started", o.owner_id.in_(chunk_owners))
+                .order_by(o.seq)
+            ):
                 req_ids[int(x.owner_id)] = str(x.req_id)
         job_ids = sorted({row[5] for row in slot_rows if row[5] is not None})
         jobs: list[JobEventRow] = []
         for chunk_jobs in _chunks(job_ids, 500):
-            jobs += [(int(x.job_id), int(x.seq), str(x.kind), str(x.detail)) for x in await conn.execute(
-                sa.select(j.job_id, j.seq, j.kind, j.detail).where(j.job_id.in_(chunk_jobs)))]
+            jobs += [
+                (int(x.job_id), int(x.seq), str(x.kind), str(x.detail))
+                for x in await conn.execute(sa.select(j.job_id, j.seq, j.kind, j.detail).where(j.job_id.in_(chunk_jobs)))
+            ]
         refusals: list[EngineRefusalRow] = [
-            (int(x.seq), str(x.kind), str(x.subject), str(x.reason), str(x.detail)) for x in await conn.execute(
-                sa.select(r.seq, r.kind, r.subject, r.reason, r.detail).where(
-                    r.engine == engine, r.seq >= first_seq, r.seq <= last_seq).order_by(r.seq))]
-    return IndexRows(engine=engine, pool=pool, steps=steps, first_seq=first_seq, last_seq=last_seq,
-                     slots=slot_rows, resets=resets, req_ids=req_ids, jobs=jobs, refusals=refusals)
+            (int(x.seq), str(x.kind), str(x.subject), str(x.reason), str(x.detail))
+            for x in await conn.execute(
+                sa.select(r.seq, r.kind, r.subject, r.reason, r.detail)
+                .where(r.engine == engine, r.seq >= first_seq, r.seq <= last_seq)
+                .order_by(r.seq)
+            )
+        ]
+    return IndexRows(
+        engine=engine,
+        pool=pool,
+        steps=steps,
+        first_seq=first_seq,
+        last_seq=last_seq,
+        slots=slot_rows,
+        resets=resets,
+        req_ids=req_ids,
+        jobs=jobs,
+        refusals=refusals,
+    )
 
 
 def _slot_row(row: Any) -> PoolSlotRow:
-    return (int(row.block), int(row.generation), int(row.seq), str(row.kind),
-            None if row.owner_id is None else int(row.owner_id), None if row.job_id is None else int(row.job_id))
+    return (
+        int(row.block),
+        int(row.generation),
+        int(row.seq),
+        str(row.kind),
+        None if row.owner_id is None else int(row.owner_id),
+        None if row.job_id is None else int(row.job_id),
+    )
 
 
 def _chunks(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
     """Bounded IN lists (SQLite caps bound parameters)."""
     for start in range(0, len(items), size):
-        yield items[start:start + size]
+        yield items[start : start + size]
 
 
 # --- all together -------------------------------------------------------------------------------
 
 
-async def load_timeline(event_log: SqlEventLog, *, pool: int, first_step: int, last_step: int,
-                        engine: str | None = None, max_steps: int = MAX_STEPS, max_slots: int = MAX_SLOTS) -> Timeline:
+async def load_timeline(
+    event_log: SqlEventLog,
+    *,
+    pool: int,
+    first_step: int,
+    last_step: int,
+    engine: str | None = None,
+    max_steps: int = MAX_STEPS,
+    max_slots: int = MAX_SLOTS,
+) -> Timeline:
     """The model of one pool's slots over steps first_step..last_step, from the audit index."""
-    rows = await read_rows(event_log, pool=pool, first_step=first_step, last_step=last_step, engine=engine,
-                           max_steps=max_steps)
+    rows = await read_rows(event_log, pool=pool, first_step=first_step, last_step=last_step, engine=engine, max_steps=max_steps)
     return build_timeline(rows, max_slots=max_slots)
 
 
-async def draw_timeline(event_log: SqlEventLog, *, pool: int, first_step: int, last_step: int, out: Path,
-                        engine: str | None = None, max_steps: int = MAX_STEPS, max_slots: int = MAX_SLOTS) -> Timeline:
+async def draw_timeline(
+    event_log: SqlEventLog,
+    *,
+    pool: int,
+    first_step: int,
+    last_step: int,
+    out: Path,
+    engine: str | None = None,
+    max_steps: int = MAX_STEPS,
+    max_slots: int = MAX_SLOTS,
+) -> Timeline:
     """Read the range from the index and draw it to `out` (.png or .html); returns the model."""
     kind = output_format(out)  # before any query: a bad name fails fast
     if not await anyio.Path(out.parent).is_dir():
         raise TimelineError(f"--out {str(out)!r}: the directory {str(out.parent)!r} does not exist")
-    timeline = await load_timeline(event_log, pool=pool, first_step=first_step, last_step=last_step, engine=engine,
-                                   max_steps=max_steps, max_slots=max_slots)
+    timeline = await load_timeline(
+        event_log, pool=pool, first_step=first_step, last_step=last_step, engine=engine, max_steps=max_steps, max_slots=max_slots
+    )
     # Imported here: matplotlib and plotly take seconds to import, and every other `kvledger`
     # command would pay for it at start-up.
     from coordinator.audit._timeline_draw import render
 
     # Drawing is seconds of CPU and a file write: off the event loop (STYLE.md 10).
     await anyio.to_thread.run_sync(render, timeline, out, kind)
-    log.debug("audit_timeline_drawn", engine=timeline.engine, pool=pool, first_step=timeline.first_step,
-             last_step=timeline.last_step, bars=len(timeline.bars), pins=len(timeline.pins), out=str(out))
+    log.debug(
+        "audit_timeline_drawn",
+        engine=timeline.engine,
+        pool=pool,
+        first_step=timeline.first_step,
+        last_step=timeline.last_step,
+        bars=len(timeline.bars),
+        pins=len(timeline.pins),
+        out=str(out),
+    )
     return timeline

@@ -31,7 +31,12 @@ def timeline_command(
     steps: str = typer.Option(..., "--steps", help="The engine steps to draw, A:B (both included)."),
     out: Path = typer.Option(..., "--out", help="The picture: FILE.png, or FILE.html (self-contained, works offline)."),
     engine: str | None = typer.Option(None, "--engine", help="The engine (default: the log's only engine)."),
-    log_url: str | None = typer.Option(None, "--log", envvar="KVLEDGER_LOG", help="SQLite path or URL, PostgreSQL URL, or Kafka log kafka://HOST:PORT/TOPIC?state=DB (default: the data directory's SQLite file)."),
+    log_url: str | None = typer.Option(
+        None,
+        "--log",
+        envvar="KVLEDGER_LOG",
+        help="SQLite path or URL, PostgreSQL URL, or Kafka log kafka://HOST:PORT/TOPIC?state=DB (default: the data directory's SQLite file).",
+    ),
 ) -> None:
     """Draw which generation and owner held each slot of one pool over a range of steps, with
     pins, jobs and refusals marked: the picture for an incident report."""
@@ -56,9 +61,11 @@ def timeline_command(
         _fail(f"reading the audit index failed: {str(error).splitlines()[0]}", code=1)
     except OSError as error:  # writing the picture
         _fail(f"cannot write {str(out)!r}: {error.strerror or error}", code=1)
-    typer.echo(f"{out}: engine {timeline.engine} pool {timeline.pool}, steps {timeline.first_step}..{timeline.last_step}: "
-               f"{len(timeline.slots)} slots, {len(timeline.bars)} holds, {len(timeline.pins)} pins, "
-               f"{len(timeline.jobs)} jobs, {len(timeline.refusals)} refusals")
+    typer.echo(
+        f"{out}: engine {timeline.engine} pool {timeline.pool}, steps {timeline.first_step}..{timeline.last_step}: "
+        f"{len(timeline.slots)} slots, {len(timeline.bars)} holds, {len(timeline.pins)} pins, "
+        f"{len(timeline.jobs)} jobs, {len(timeline.refusals)} refusals"
+    )
     if timeline.note:
         typer.echo(f"{COMMAND}: {timeline.note}", err=True)
 
@@ -72,8 +79,7 @@ async def _run(target: str, pool: int, first_step: int, last_step: int, out: Pat
         event_log = await open_log(target)
     try:
         await sync_index(event_log)  # catch the index up with the log first
-        return await draw_timeline(event_log, pool=pool, first_step=first_step, last_step=last_step, out=out,
-                                   engine=engine)
+        return await draw_timeline(event_log, pool=pool, first_step=first_step, last_step=last_step, out=out, engine=engine)
     finally:
         await event_log.close()
 
@@ -84,8 +90,7 @@ def _existing_log(log_url: str | None) -> str:
     if is_kafka(log_url):
         return str(log_url)
     url = normalize(log_url)
-    if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:" \
-            and not Path(url.database).exists():
+    if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:" and not Path(url.database).exists():
         raise AuditError(f"there is no log at {url.database!r}: name it with --log or $KVLEDGER_LOG")
     return url.render_as_string(hide_password=False)
 

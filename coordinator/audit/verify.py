@@ -1,9 +1,9 @@
 """Verifying a log: replay it and check every invariant (DESIGN.md I1-I18) the log can show. Pure.
 
-`Verifier` folds the log with the real projector (coordinator.projector) and inspects each event
+`Verifier` folds the log with the real projector (coordinator.core.projector) and inspects each event
 against the state *before* it is applied: a log the coordinator wrote with every protection on
 shows no violation; one written with a protection off (the simulator's fault scenarios,
-coordinator/protections.py) or by a buggy coordinator shows each event that broke an invariant,
+coordinator/core/protections.py) or by a buggy coordinator shows each event that broke an invariant,
 with its global sequence, its engine step and the earlier events that make it a violation.
 
 What a log cannot show, and so is not checked here: whatever happened only on a worker or in an
@@ -64,8 +64,8 @@ import msgspec
 from coordinator.audit._verify_base import At, Violation
 from coordinator.audit._verify_blocks import BlockChecks, copy_plan_problems
 from coordinator.audit._verify_jobs import JobChecks
-from coordinator.projector import ProjectionError, apply
-from coordinator.state import State, decode_state, encode_state, state_digest
+from coordinator.core.projector import ProjectionError, apply
+from coordinator.core.state import State, decode_state, encode_state, state_digest
 from events import (
     BlocksAllocated,
     BlocksComputed,
@@ -172,8 +172,12 @@ class Verifier(BlockChecks, JobChecks):
         if expected is not None:
             self._stored_checked += 1
             if state_digest(self.state) != expected:
-                self._flag("I18", at, f"the stored snapshot at sequence {seq} differs from the replay at {seq}: "
-                           "recovery from it gives another state than a full replay")
+                self._flag(
+                    "I18",
+                    at,
+                    f"the stored snapshot at sequence {seq} differs from the replay at {seq}: "
+                    "recovery from it gives another state than a full replay",
+                )
 
     def finish(self) -> ReplayCheck:
         """I18: compare the replay resumed from the midpoint snapshot with the full replay
@@ -185,10 +189,18 @@ class Verifier(BlockChecks, JobChecks):
         assert self._resumed is not None
         full, resumed = state_digest(self.state), state_digest(self._resumed)
         if full != resumed:
-            self._flag("I18", At(self.last_seq, -1, "", None), f"snapshot at sequence {self._snapshot_seq} + tail "
-                       f"gives state {resumed[:16]}, the full replay {full[:16]}")
-        self._replay = ReplayCheck(snapshot_seq=self._snapshot_seq, full_digest=full, resumed_digest=resumed,
-                                   stored_snapshots_checked=self._stored_checked, ok=full == resumed)
+            self._flag(
+                "I18",
+                At(self.last_seq, -1, "", None),
+                f"snapshot at sequence {self._snapshot_seq} + tail gives state {resumed[:16]}, the full replay {full[:16]}",
+            )
+        self._replay = ReplayCheck(
+            snapshot_seq=self._snapshot_seq,
+            full_digest=full,
+            resumed_digest=resumed,
+            stored_snapshots_checked=self._stored_checked,
+            ok=full == resumed,
+        )
         return self._replay
 
     def _fold(self, at: At) -> None:
@@ -201,8 +213,11 @@ class Verifier(BlockChecks, JobChecks):
             except (ProjectionError, LookupError, ValueError) as error:
                 # A partial fold: both states (when there are two) take the same part of it.
                 if state is self.state:
-                    self._flag("I18", at, f"the projector cannot fold this event ({type(error).__name__}: {error}): "
-                               "the log does not replay")
+                    self._flag(
+                        "I18",
+                        at,
+                        f"the projector cannot fold this event ({type(error).__name__}: {error}): the log does not replay",
+                    )
         self._after_fold(at)
 
     def _take_snapshot(self, seq: int) -> None:
@@ -210,8 +225,7 @@ class Verifier(BlockChecks, JobChecks):
         self._resumed = decode_state(data)
         self._snapshot_seq = seq
         if encode_state(self._resumed) != data:
-            self._flag("I18", At(seq, -1, "", None), f"the state at sequence {seq} does not survive encode/decode "
-                       "byte for byte")
+            self._flag("I18", At(seq, -1, "", None), f"the state at sequence {seq} does not survive encode/decode byte for byte")
 
     def _after_fold(self, at: At) -> None:
         """Keep the evidence indexes: a job lets go of its slots once it is over (I3)."""

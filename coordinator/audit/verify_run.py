@@ -19,8 +19,8 @@ import blake3
 import msgspec
 
 from coordinator.audit.verify import ReplayCheck, Verifier, Violation
+from coordinator.core.state import SNAPSHOT_SCHEMA_VERSION
 from coordinator.recovery import decode_step, stored_steps
-from coordinator.state import SNAPSHOT_SCHEMA_VERSION
 from events import EventCodec, EventDecodeError
 from events.log import EventLog, mask
 
@@ -79,19 +79,24 @@ async def verify_log(
 
 
 async def _verify(
-    event_log: EventLog, on_progress: Callable[[VerifyProgress], None] | None, codec: EventCodec,
-    snapshot_at: int | None, max_violations: int,
+    event_log: EventLog,
+    on_progress: Callable[[VerifyProgress], None] | None,
+    codec: EventCodec,
+    snapshot_at: int | None,
+    max_violations: int,
 ) -> VerifyReport:
     head = await event_log.head()
     stored = {
         snapshot.global_seq: snapshot.digest
         for snapshot in await event_log.snapshots()
         # Only snapshots recovery would use: others are ignored caches, not the log's state.
-        if snapshot.schema_version == SNAPSHOT_SCHEMA_VERSION and 0 < snapshot.global_seq <= head
+        if snapshot.schema_version == SNAPSHOT_SCHEMA_VERSION
+        and 0 < snapshot.global_seq <= head
         and blake3.blake3(snapshot.state).hexdigest() == snapshot.digest
     }
-    verifier = Verifier(snapshot_at=head // 2 if snapshot_at is None else snapshot_at, stored_digests=stored,
-                        max_violations=max_violations)
+    verifier = Verifier(
+        snapshot_at=head // 2 if snapshot_at is None else snapshot_at, stored_digests=stored, max_violations=max_violations
+    )
     undecodable: list[int] = []
     last = 0
     async for batch in stored_steps(event_log, 0, head):
@@ -110,7 +115,12 @@ async def _verify(
             on_progress(VerifyProgress(last, head, verifier.violation_count))
     replay = verifier.finish()
     return VerifyReport(
-        log=mask(event_log.url), head=head, events_checked=verifier.events_checked,
-        violation_count=verifier.violation_count, violations=verifier.violations, replay=replay,
-        undecodable=undecodable, ok=verifier.violation_count == 0 and replay.ok and not undecodable,
+        log=mask(event_log.url),
+        head=head,
+        events_checked=verifier.events_checked,
+        violation_count=verifier.violation_count,
+        violations=verifier.violations,
+        replay=replay,
+        undecodable=undecodable,
+        ok=verifier.violation_count == 0 and replay.ok and not undecodable,
     )

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-from coordinator import _checks as check_limits
-from coordinator.commands import (
+from coordinator.core import checks as check_limits
+from coordinator.core.commands import (
     OPERATOR_COMMANDS,
     AnyCommand,
     BeginStep,
@@ -32,10 +32,10 @@ from coordinator.commands import (
     ReportRank,
     StartOwner,
 )
-from coordinator.decider import decide
+from coordinator.core.decider import decide
+from coordinator.core.state import State, TierState
 from coordinator.ledger import Commit, StepCommit
 from coordinator.sidecar import protocol as p
-from coordinator.state import State, TierState
 from events import Event, RankReported, Refused, StepBegan, TierSpec
 
 MAX_LOGGED_COMMAND_ID = 128
@@ -62,6 +62,8 @@ def told(error: BaseException) -> str:
     if len(text) > TOLD_CHARS:
         text = text[: TOLD_CHARS - 3] + "..."
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 """The largest pool id the audit index holds (see `declaration_problem`)."""
 
 
@@ -87,16 +89,22 @@ def foreign(engine_id: str, commands: Sequence[AnyCommand]) -> p.Error | None:
         if isinstance(command, (BeginStep, EndStep)):
             # The sidecar frames every step itself: one append could hold two steps, an Execute
             # open a step spanning appends, a retried step answer with fewer events than its first.
-            return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
-                           message=f"command {index} ({type(command).__name__}) controls the step: a Step's "
-                                   "commands are framed by the sidecar (its step and clock are the Step's own)")
+            return p.Error(
+                code=p.ErrorCode.INVALID_MESSAGE,
+                message=f"command {index} ({type(command).__name__}) controls the step: a Step's "
+                "commands are framed by the sidecar (its step and clock are the Step's own)",
+            )
         if isinstance(command, OPERATOR_COMMANDS):
-            return p.Error(code=p.ErrorCode.WRONG_ROLE,
-                           message=f"command {index} ({type(command).__name__}) is an operator's: send it on an operator connection")
+            return p.Error(
+                code=p.ErrorCode.WRONG_ROLE,
+                message=f"command {index} ({type(command).__name__}) is an operator's: send it on an operator connection",
+            )
         named = getattr(command, "engine_id", engine_id)
         if named != engine_id:
-            return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
-                           message=f"command {index} names engine {named!r}; this connection is engine {engine_id!r}")
+            return p.Error(
+                code=p.ErrorCode.INVALID_MESSAGE,
+                message=f"command {index} names engine {named!r}; this connection is engine {engine_id!r}",
+            )
         problem = declaration_problem(command) if isinstance(command, DeclareEngine) else None
         if problem is not None:
             return p.Error(code=p.ErrorCode.INVALID_MESSAGE, message=f"command {index}: {problem}")
@@ -111,9 +119,11 @@ def foreign_report(state: State, engine_id: str, report: ReportRank) -> p.Error 
     job = state.jobs.get(report.job_id) or (fenced.job if fenced is not None else None)
     if job is None or job.decision.engine_id == engine_id:
         return None
-    return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
-                   message=f"job {report.job_id} belongs to engine {job.decision.engine_id!r}, not to this "
-                           f"connection's engine {engine_id!r}")
+    return p.Error(
+        code=p.ErrorCode.INVALID_MESSAGE,
+        message=f"job {report.job_id} belongs to engine {job.decision.engine_id!r}, not to this "
+        f"connection's engine {engine_id!r}",
+    )
 
 
 def declaration_problem(declare: DeclareEngine) -> str | None:
@@ -161,46 +171,61 @@ def over_budget(state: State, engine_id: str, commands: Sequence[AnyCommand], bu
     the sidecar's budget: refused whole, naming the budget and the option that raises it."""
     if not any(isinstance(command, _BUDGETED) for command in commands):
         return None
-    return (over_tier_budget(state, commands, budget)
-            or over_pool_budget(state, commands, budget)
-            or over_owner_budget(state, engine_id, commands, budget))
+    return (
+        over_tier_budget(state, commands, budget)
+        or over_pool_budget(state, commands, budget)
+        or over_owner_budget(state, engine_id, commands, budget)
+    )
 
 
 def over_tier_budget(state: State, commands: Sequence[AnyCommand], budget: Budget) -> p.Error | None:
     # A declaration the decider refuses anyway (a count out of its range) is left to it: its
     # refusal is recorded in the log (I1), where this one is not.
-    new = {command.spec.name: command.spec for command in commands
-           if isinstance(command, DeclareTier) and command.spec.name not in state.tiers
-           and 0 < command.spec.num_slots <= check_limits.MAX_BLOCKS_PER_POOL}
+    new = {
+        command.spec.name: command.spec
+        for command in commands
+        if isinstance(command, DeclareTier)
+        and command.spec.name not in state.tiers
+        and 0 < command.spec.num_slots <= check_limits.MAX_BLOCKS_PER_POOL
+    }
     if not new:
         return None
     held = sum(tier.spec.num_slots for tier in state.tiers.values())
     wanted = sum(spec.num_slots for spec in new.values())
     if len(state.tiers) + len(new) > budget.tiers:
-        return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
-                       message=f"declaring {sorted(new)} would make {len(state.tiers) + len(new)} tiers; this sidecar "
-                               f"holds at most {budget.tiers} (raise it with `kvledger serve --max-tiers`)")
+        return p.Error(
+            code=p.ErrorCode.INVALID_MESSAGE,
+            message=f"declaring {sorted(new)} would make {len(state.tiers) + len(new)} tiers; this sidecar "
+            f"holds at most {budget.tiers} (raise it with `kvledger serve --max-tiers`)",
+        )
     if held + wanted > budget.tier_slots:
-        return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
-                       message=f"declaring {sorted(new)} ({wanted:,} slots) would make {held + wanted:,} tier slots; "
-                               f"this sidecar holds at most {budget.tier_slots:,} (raise it with `kvledger serve --max-tier-slots`)")
+        return p.Error(
+            code=p.ErrorCode.INVALID_MESSAGE,
+            message=f"declaring {sorted(new)} ({wanted:,} slots) would make {held + wanted:,} tier slots; "
+            f"this sidecar holds at most {budget.tier_slots:,} (raise it with `kvledger serve --max-tier-slots`)",
+        )
     return None
 
 
 def over_pool_budget(state: State, commands: Sequence[AnyCommand], budget: Budget) -> p.Error | None:
     """A new engine's pools beyond the blocks all engines' pools may hold together (a known
     engine declared again keeps its pools: the decider refuses another layout)."""
-    new = {command.engine_id: sum(max(pool.num_blocks, 0) for pool in command.pools) for command in commands
-           if isinstance(command, DeclareEngine) and command.engine_id not in state.engines}
+    new = {
+        command.engine_id: sum(max(pool.num_blocks, 0) for pool in command.pools)
+        for command in commands
+        if isinstance(command, DeclareEngine) and command.engine_id not in state.engines
+    }
     if not new:
         return None
     held = sum(pool.spec.num_blocks for engine in state.engines.values() for pool in engine.pools.values())
     wanted = sum(new.values())
     if held + wanted > budget.pool_blocks:
-        return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
-                       message=f"declaring engine {sorted(new)[0]!r} ({wanted:,} pool blocks) would make {held + wanted:,} "
-                               f"blocks in all engines' pools; this sidecar holds at most {budget.pool_blocks:,} "
-                               f"(raise it with `kvledger serve --max-pool-blocks`)")
+        return p.Error(
+            code=p.ErrorCode.INVALID_MESSAGE,
+            message=f"declaring engine {sorted(new)[0]!r} ({wanted:,} pool blocks) would make {held + wanted:,} "
+            f"blocks in all engines' pools; this sidecar holds at most {budget.pool_blocks:,} "
+            f"(raise it with `kvledger serve --max-pool-blocks`)",
+        )
     return None
 
 
@@ -213,10 +238,12 @@ def over_owner_budget(state: State, engine_id: str, commands: Sequence[AnyComman
     live = sum(1 for owner in state.owners.values() if owner.engine_id == engine_id)
     if live + starting <= budget.owners_per_engine:
         return None
-    return p.Error(code=p.ErrorCode.INVALID_MESSAGE,
-                   message=f"engine {engine_id!r} holds {live:,} live owners; starting {starting:,} more would pass the "
-                           f"{budget.owners_per_engine:,} an engine may hold (finish owners, or raise it with "
-                           f"`kvledger serve --max-owners-per-engine`)")
+    return p.Error(
+        code=p.ErrorCode.INVALID_MESSAGE,
+        message=f"engine {engine_id!r} holds {live:,} live owners; starting {starting:,} more would pass the "
+        f"{budget.owners_per_engine:,} an engine may hold (finish owners, or raise it with "
+        f"`kvledger serve --max-owners-per-engine`)",
+    )
 
 
 def tier_conflict(tiers: Sequence[TierSpec]) -> str | None:
@@ -249,9 +276,11 @@ def reused_for_other_content(commit: Commit, command_id: str, kind: str) -> p.Er
     with the first content's events told the client its own was in the log."""
     if not commit.reused:
         return None
-    return p.Error(code=p.ErrorCode.COMMAND_ID_REUSED,
-                   message=f"command id {command_id!r} was committed for another {kind} (other content): a retry sends "
-                           f"the same {kind}; a new {kind} needs a new command id")
+    return p.Error(
+        code=p.ErrorCode.COMMAND_ID_REUSED,
+        message=f"command id {command_id!r} was committed for another {kind} (other content): a retry sends "
+        f"the same {kind}; a new {kind} needs a new command id",
+    )
 
 
 def retried_as_another_step(result: StepCommit, message: p.Step) -> p.Error | None:
@@ -261,17 +290,21 @@ def retried_as_another_step(result: StepCommit, message: p.Step) -> p.Error | No
     began = next((event for event in result.began if isinstance(event, StepBegan)), None)
     if not result.commit.duplicate or began is None or (began.step, began.clock) == (message.step, message.clock):
         return None
-    return p.Error(code=p.ErrorCode.COMMAND_ID_REUSED,
-                   message=f"command id {message.command_id!r} was committed for step {began.step} at clock "
-                           f"{began.clock}, not step {message.step} at {message.clock}: a retry sends the same step; "
-                           f"a new step needs a new command id")
+    return p.Error(
+        code=p.ErrorCode.COMMAND_ID_REUSED,
+        message=f"command id {message.command_id!r} was committed for step {began.step} at clock "
+        f"{began.clock}, not step {message.step} at {message.clock}: a retry sends the same step; "
+        f"a new step needs a new command id",
+    )
 
 
 def reused_for_another_report(events: Sequence[Event], report: ReportRank, command_id: str) -> p.Error | None:
     """A report's command id answered with what another report committed (another job or rank)."""
     for event in events:
         if isinstance(event, RankReported) and (event.job_id, event.rank) != (report.job_id, report.rank):
-            return p.Error(code=p.ErrorCode.COMMAND_ID_REUSED,
-                           message=f"command id {command_id!r} was committed for job {event.job_id} rank {event.rank}, "
-                                   f"not job {report.job_id} rank {report.rank}: a new report needs a new command id")
+            return p.Error(
+                code=p.ErrorCode.COMMAND_ID_REUSED,
+                message=f"command id {command_id!r} was committed for job {event.job_id} rank {event.rank}, "
+                f"not job {report.job_id} rank {report.rank}: a new report needs a new command id",
+            )
     return None

@@ -200,7 +200,6 @@ class Committer:
             await self.ledger.save_due_snapshot()
             freeze_long_lived()
 
-
     async def _run(self) -> None:
         previous: _InFlight | None = None
         async with anyio.create_task_group() as appends:
@@ -261,8 +260,11 @@ class Committer:
             self._record_keys -= _keys_of(event)
             over += 1
         if over:
-            self._lost(over, f"the log has not taken records for too long (holding at most {MAX_RECORDS:,} "
-                             f"records of {MAX_RECORD_KEYS:,} keys)")
+            self._lost(
+                over,
+                f"the log has not taken records for too long (holding at most {MAX_RECORDS:,} "
+                f"records of {MAX_RECORD_KEYS:,} keys)",
+            )
         self._count_pending()
 
     def _count_pending(self) -> None:
@@ -302,16 +304,22 @@ class Committer:
                 return await self._decide(waiters, []) if waiters else None
             culprit = waiters[index]
             culprit.error = failed.cause
-            log.error("transaction_failed", transactions=len(waiters), error=f"{type(failed.cause).__name__}: {failed.cause}",
-                      command_id=culprit.tx.command_id)
+            log.error(
+                "transaction_failed",
+                transactions=len(waiters),
+                error=f"{type(failed.cause).__name__}: {failed.cause}",
+                command_id=culprit.tx.command_id,
+            )
             culprit.done.set()
             # What came after the culprit in its own batch is not committed either: a batch keeps
             # its order (its submitter retries it with the same command ids).
             rest = []
-            for waiter in waiters[index + 1:]:
+            for waiter in waiters[index + 1 :]:
                 if culprit.batch is not None and waiter.batch is culprit.batch:
-                    waiter.error = NotCommitted(f"not committed: an earlier transaction of its batch failed "
-                                                f"({type(failed.cause).__name__}: {failed.cause})")
+                    waiter.error = NotCommitted(
+                        f"not committed: an earlier transaction of its batch failed "
+                        f"({type(failed.cause).__name__}: {failed.cause})"
+                    )
                     waiter.done.set()
                 else:
                     rest.append(waiter)
@@ -398,8 +406,13 @@ class Committer:
         self.hub.publish(published, self.ledger.last_seq)
         if flight.waiters:
             self.metrics.group_size.observe(len(flight.waiters))
-        log.debug("group_committed", transactions=len(flight.waiters), records=len(flight.records),
-                  seconds=time.perf_counter() - flight.started, global_seq=self.ledger.last_seq)
+        log.debug(
+            "group_committed",
+            transactions=len(flight.waiters),
+            records=len(flight.records),
+            seconds=time.perf_counter() - flight.started,
+            global_seq=self.ledger.last_seq,
+        )
 
 
 class _Unit:
@@ -445,8 +458,10 @@ def take_fairly(queue: list[_Waiter], busy: set[str | None], max_group: int) -> 
     room = max(MAX_GROUP_WORK - head.work, SMALL_ROOM)
     count = len(head.waiters)
     while count < max_group:
-        nexts = sorted((units_[0] for units_ in waiting.values() if units_ and not units_[0].busy),
-                       key=lambda unit: (unit.work, unit.position))
+        nexts = sorted(
+            (units_[0] for units_ in waiting.values() if units_ and not units_[0].busy),
+            key=lambda unit: (unit.work, unit.position),
+        )
         fit = next((unit for unit in nexts if unit.work <= room), None)
         if fit is None:
             break

@@ -92,8 +92,9 @@ def load_credentials(path: Path) -> Credentials:
     try:
         parsed = msgspec.convert(raw, _File)
     except msgspec.ValidationError as error:
-        raise TokenFileError(f"{OPTION} {path}: {error} (a [[credentials]] table each: token or uid, roles, "
-                             "engines or tenant)") from None
+        raise TokenFileError(
+            f"{OPTION} {path}: {error} (a [[credentials]] table each: token or uid, roles, engines or tenant)"
+        ) from None
     if not parsed.credentials:
         raise TokenFileError(f"{OPTION} {path} names no credential")
     uids: set[int] = set()
@@ -109,7 +110,7 @@ def load_credentials(path: Path) -> Credentials:
             assert credential.uid is not None
             uids.add(credential.uid)
         if {"engine", "worker"} & set(credential.roles) and not (credential.engines or credential.tenant):
-            raise TokenFileError(f"{where} may be an engine or a worker: name its engines (or \"*\") or its tenant")
+            raise TokenFileError(f'{where} may be an engine or a worker: name its engines (or "*") or its tenant')
     warn_if_readable(path, mode, OPTION)
     return Credentials(parsed.credentials)
 
@@ -126,8 +127,10 @@ def permits(credential: Credential, role: str, engine_id: str, tenants: Sequence
         return None
     if credential.tenant:
         if not tenants:
-            return (f"engine {engine_id!r} is not declared yet, and {credential.who} speaks only for engines "
-                    f"of tenant {credential.tenant!r}: connect once the engine is declared")
+            return (
+                f"engine {engine_id!r} is not declared yet, and {credential.who} speaks only for engines "
+                f"of tenant {credential.tenant!r}: connect once the engine is declared"
+            )
         others = sorted({tenant for tenant in tenants if tenant != credential.tenant})
         if not others:
             return None

@@ -9,8 +9,8 @@ from typing import Any
 
 import anyio
 
+from coordinator.core.protections import Protection
 from coordinator.ledger import Ledger
-from coordinator.protections import Protection
 from coordinator.sidecar.server import ServeConfig, Sidecar
 from events.log import EventLog
 

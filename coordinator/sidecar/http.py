@@ -34,8 +34,11 @@ def make_app(sidecar: Sidecar) -> Starlette:
             scheme, _, token = given.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
                 # The token itself is never logged, nor echoed.
-                return JSONResponse({"error": "unauthorized", "detail": "/metrics needs its bearer token"},
-                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                return JSONResponse(
+                    {"error": "unauthorized", "detail": "/metrics needs its bearer token"},
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
         # The gauges are read from the state at scrape time: from the committed state, so a group
         # still being appended (which may yet fail) never shows in them.
         async with sidecar.ledger.committed():

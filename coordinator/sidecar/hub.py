@@ -18,9 +18,9 @@ from typing import Any, TypeVar
 import anyio
 import structlog
 
+from coordinator.core.routing import DECISION_TYPES, Decision, decisions_for
 from coordinator.recovery import decode_step, stored_steps
 from coordinator.sidecar.memory import give_back_free_memory
-from coordinator.sidecar.protocol import DECISION_TYPES, Decision, decisions_for
 from events import Event, EventCodec
 from events.log import EventLog, StoredStep
 
@@ -107,15 +107,20 @@ class DecisionHub:
         if self.subscriptions:
             # The decisions among the events, found once (most commits hold none), then each
             # subscription's among them: not every event once per subscription.
-            found = [(first + index, event) for events, first in commits for index, event in enumerate(events)
-                     if isinstance(event, DECISION_TYPES)]
+            found = [
+                (first + index, event)
+                for events, first in commits
+                for index, event in enumerate(events)
+                if isinstance(event, DECISION_TYPES)
+            ]
             if found:
                 engines = {event.engine_id for _, event in found}
                 for subscription in self.subscriptions:
                     if subscription.engine_id not in engines:
                         continue
-                    decisions = [d for seq, event in found
-                                 for d in decisions_for([event], seq, subscription.engine_id, subscription.rank)]
+                    decisions = [
+                        d for seq, event in found for d in decisions_for([event], seq, subscription.engine_id, subscription.rank)
+                    ]
                     if decisions:
                         subscription.offer(decisions)
         self.last_seq = max(self.last_seq, last_seq)
@@ -193,7 +198,8 @@ class DecisionHub:
             after = max(after_seq, step.first_seq - 1)
             events = decode_step(self.codec, step, after)
             decisions += [
-                d for d in decisions_for(events, after + 1, subscription.engine_id, subscription.rank)
+                d
+                for d in decisions_for(events, after + 1, subscription.engine_id, subscription.rank)
                 if d.seq <= subscription.registered_at
             ]
         return decisions

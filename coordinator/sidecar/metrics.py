@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from coordinator.state import JobState, State
+from coordinator.core.state import JobState, State
 from events import (
     Event,
     ExternalKeysLookedUp,
@@ -48,27 +48,33 @@ one is worth a page. Every kind is exported from the start at 0, so `increase()`
 
 
 class SidecarMetrics:
-    def __init__(self, state: Callable[[], State], clock: Callable[[], float] = time.monotonic, *,
-                 engine_labels: bool = True) -> None:
+    def __init__(
+        self, state: Callable[[], State], clock: Callable[[], float] = time.monotonic, *, engine_labels: bool = True
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.step_seconds = Histogram(
             "kvledger_step_seconds", "From a Step's arrival to its committed reply.", buckets=STEP_BUCKETS, registry=r
         )
         self.group_size = Histogram(
-            "kvledger_commit_group_transactions", "Transactions committed together in one append (group commit).",
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r,
+            "kvledger_commit_group_transactions",
+            "Transactions committed together in one append (group commit).",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
         )
         self.events_appended = Counter("kvledger_events_appended", "Events committed to the log.", registry=r)
         self.refusals = Counter(
             "kvledger_refusals", "Commands refused and notices dropped, by reason.", ["kind", "reason"], registry=r
         )
-        self.lease_expiries = Counter("kvledger_lease_expiries", "Loads that completed after their lease expired (I12).", registry=r)
+        self.lease_expiries = Counter(
+            "kvledger_lease_expiries", "Loads that completed after their lease expired (I12).", registry=r
+        )
         self.integrity_violations = Counter(
             "kvledger_integrity_violations",
             "KV whose bytes or reports contradict what was published, by kind: checksum_mismatch (a load, I13), "
             "store_conflict (a re-store with other bytes, I10), conflicting_report (a rank, I4).",
-            ["kind"], registry=r,
+            ["kind"],
+            registry=r,
         )
         for kind in INTEGRITY_KINDS:
             self.integrity_violations.labels(kind)
@@ -76,10 +82,15 @@ class SidecarMetrics:
         self.protocol_errors = Counter("kvledger_protocol_errors", "Error replies sent, by code.", ["code"], registry=r)
         self.connections = Gauge("kvledger_connections", "Open client connections.", registry=r)
         self.subscribers = Gauge("kvledger_subscribers", "Open decision subscriptions.", registry=r)
-        self.slow_subscribers = Counter("kvledger_slow_subscribers_disconnected", "Subscriptions cut off for falling behind.", registry=r)
+        self.slow_subscribers = Counter(
+            "kvledger_slow_subscribers_disconnected", "Subscriptions cut off for falling behind.", registry=r
+        )
         self.lookups = Counter(
-            "kvledger_lookup_keys", "Keys the sidecar's lookups answered, by answer (hit or miss), counted from their "
-            "records in the log: hit / (hit + miss) is the tier's hit rate.", ["answer"], registry=r,
+            "kvledger_lookup_keys",
+            "Keys the sidecar's lookups answered, by answer (hit or miss), counted from their "
+            "records in the log: hit / (hit + miss) is the tier's hit rate.",
+            ["answer"],
+            registry=r,
         )
         for answer in ("hit", "miss"):
             self.lookups.labels(answer)
@@ -87,8 +98,10 @@ class SidecarMetrics:
             "kvledger_lookup_records_pending", "Records of answered lookups waiting for the log to take them.", registry=r
         )
         self.records_lost = Counter(
-            "kvledger_lookup_records_lost", "Records of answered lookups dropped before the log took them (a long log "
-            "outage, or the sidecar stopped during one): their answers are missing from the audit.", registry=r,
+            "kvledger_lookup_records_lost",
+            "Records of answered lookups dropped before the log took them (a long log "
+            "outage, or the sidecar stopped during one): their answers are missing from the audit.",
+            registry=r,
         )
         self.ready = Gauge("kvledger_ready", "1 while the sidecar is ready (/readyz answers 200), else 0.", registry=r)
         self.job_started: dict[int, float] = {}
@@ -100,7 +113,7 @@ class SidecarMetrics:
     def committed(self, events: list[Event]) -> None:
         self.events_appended.inc(len(events))
         # A load's checksum mismatch comes as KeyQuarantined(s) then JobFailed(CHECKSUM_MISMATCH)
-        # for the same job, in the same commit (coordinator/_jobs.py); a quarantine naming a job
+        # for the same job, in the same commit (coordinator/core/jobs.py); a quarantine naming a job
         # with no such failure is a store's conflict (I10).
         counted = [event for event in events if type(event) in _COUNTED]  # most events count only in events_appended
         failed_loads = {e.job_id for e in counted if isinstance(e, JobFailed) and e.reason == Reason.CHECKSUM_MISMATCH}
@@ -132,9 +145,18 @@ class SidecarMetrics:
             _forget_finished(self.job_started, self._state())
 
 
-_COUNTED: frozenset[type[Event]] = frozenset({
-    Refused, NoticeDropped, JobFailed, KeyQuarantined, ExternalKeysLookedUp, StoreJobStarted, LoadJobStarted, StateCopyPlanned,
-})
+_COUNTED: frozenset[type[Event]] = frozenset(
+    {
+        Refused,
+        NoticeDropped,
+        JobFailed,
+        KeyQuarantined,
+        ExternalKeysLookedUp,
+        StoreJobStarted,
+        LoadJobStarted,
+        StateCopyPlanned,
+    }
+)
 """The event types `SidecarMetrics.committed` looks at beyond counting them (a set lookup per
 event: a step's allocations and computations pass in one test, not six isinstance checks)."""
 
@@ -158,8 +180,9 @@ ALL_ENGINES = "all"
 
 
 class _StateCollector(Collector):
-    def __init__(self, state: Callable[[], State], job_started: dict[int, float], clock: Callable[[], float],
-                 engine_labels: bool = True) -> None:
+    def __init__(
+        self, state: Callable[[], State], job_started: dict[int, float], clock: Callable[[], float], engine_labels: bool = True
+    ) -> None:
         self._state = state
         self._job_started = job_started
         self._clock = clock
@@ -172,7 +195,9 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         state = self._state()
         pins = GaugeMetricFamily("kvledger_pins", "Pins held on device slots by jobs in flight (I3).", labels=["engine"])
-        draining = GaugeMetricFamily("kvledger_draining_slots", "Slots with no owner left, still pinned by a job (I3).", labels=["engine"])
+        draining = GaugeMetricFamily(
+            "kvledger_draining_slots", "Slots with no owner left, still pinned by a job (I3).", labels=["engine"]
+        )
         held: dict[str, int] = {}
         drained: dict[str, int] = {}
         for engine in state.engines.values():
@@ -180,7 +205,8 @@ class _StateCollector(Collector):
             for pool in engine.pools.values():
                 held[label] = held.get(label, 0) + sum(pool.pins)
                 drained[label] = drained.get(label, 0) + sum(
-                    1 for refs, pinned in zip(pool.refs, pool.pins, strict=True) if pinned and not refs)
+                    1 for refs, pinned in zip(pool.refs, pool.pins, strict=True) if pinned and not refs
+                )
         for label in held.keys() | drained.keys():
             pins.add_metric([label], held.get(label, 0))
             draining.add_metric([label], drained.get(label, 0))

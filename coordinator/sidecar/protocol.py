@@ -22,18 +22,16 @@ from typing import Annotated, Literal, Union, cast
 import msgspec
 from msgspec import Meta
 
-from coordinator._checks import MAX_EXTRA_KEYS, MAX_ITEMS_PER_COMMAND, MAX_LOOKUP_TOKENS
-from coordinator.commands import AnyCommand, DeclareEngine, ExternalKey, ReportRank
+from coordinator.core.checks import MAX_EXTRA_KEYS, MAX_ITEMS_PER_COMMAND, MAX_LOOKUP_TOKENS
+from coordinator.core.commands import AnyCommand, DeclareEngine, ExternalKey, ReportRank
+from coordinator.core.routing import Decision
 from events import (
     AnyEvent,
     Event,
     ExternalKeysLookedUp,
-    LoadJobStarted,
     PoolSpec,
     PrefixLookedUp,
     Refused,
-    StateCopyPlanned,
-    StoreJobStarted,
     TierSpec,
 )
 
@@ -109,7 +107,7 @@ class Hello(Message, frozen=True, tag="hello"):
     protocol: int
     role: Role
     """An operator (`kvledger namespace`) names no engine and may only Execute operator commands
-    (coordinator.commands.OPERATOR_COMMANDS); engines may not send those."""
+    (coordinator.core.commands.OPERATOR_COMMANDS); engines may not send those."""
     engine_id: Annotated[str, Meta(max_length=MAX_ENGINE_ID)] = ""
     token: str = ""
     declare: DeclareEngine | None = None
@@ -195,16 +193,6 @@ CLIENT_TAGS = frozenset({"hello", "step", "execute", "subscribe", "report", "rep
 
 
 # --- server -> client ----------------------------------------------------------------------
-
-DecisionEvent = StoreJobStarted | LoadJobStarted | StateCopyPlanned
-DECISION_TYPES = (StoreJobStarted, LoadJobStarted, StateCopyPlanned)
-
-
-class Decision(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """A committed decision and its global sequence: workers resume after the last one they did."""
-
-    seq: int
-    event: DecisionEvent
 
 
 class Welcome(Message, frozen=True, tag="welcome"):
@@ -360,8 +348,9 @@ def _explain(body: bytes, error: msgspec.ValidationError) -> FrameError:
     if over is not None:
         most, where = int(over[1]), over[2]
         field = where.rpartition(".")[2].replace("_", " ")
-        return FrameError(ErrorCode.INVALID_MESSAGE, f"a {tag!r} message holds at most {most:,} {field} (`{where}`): "
-                                                     "split it, or send fewer")
+        return FrameError(
+            ErrorCode.INVALID_MESSAGE, f"a {tag!r} message holds at most {most:,} {field} (`{where}`): split it, or send fewer"
+        )
     return FrameError(ErrorCode.INVALID_MESSAGE, f"message {tag!r} is invalid: {error}")
 
 
@@ -372,11 +361,15 @@ def lookup_tokens(message: Lookup) -> Sequence[int]:
     if not message.token_bytes:
         return message.token_ids
     if message.token_ids:
-        raise FrameError(ErrorCode.INVALID_MESSAGE, "a Lookup sends its tokens listed (token_ids) or packed "
-                                                    "(token_bytes), not both")
+        raise FrameError(
+            ErrorCode.INVALID_MESSAGE, "a Lookup sends its tokens listed (token_ids) or packed (token_bytes), not both"
+        )
     if len(message.token_bytes) % TOKEN_BYTES:
-        raise FrameError(ErrorCode.INVALID_MESSAGE, f"token_bytes holds {len(message.token_bytes):,} bytes, not a "
-                                                    f"multiple of {TOKEN_BYTES} (each token id a little-endian uint32)")
+        raise FrameError(
+            ErrorCode.INVALID_MESSAGE,
+            f"token_bytes holds {len(message.token_bytes):,} bytes, not a "
+            f"multiple of {TOKEN_BYTES} (each token id a little-endian uint32)",
+        )
     tokens = array.array("I", message.token_bytes)
     if sys.byteorder == "big":
         tokens.byteswap()
@@ -392,26 +385,6 @@ def lookup_message(tier: str, token_ids: Sequence[int], extra_keys: Sequence[str
     if sys.byteorder == "big":
         tokens.byteswap()
     return Lookup(tier=tier, token_bytes=tokens.tobytes(), extra_keys=list(extra_keys))
-
-
-def decisions_for(events: Sequence[Event], first_seq: int, engine_id: str, rank: int) -> list[Decision]:
-    """The decisions among one commit's events that the worker (engine_id, rank) must act on."""
-    return [
-        Decision(first_seq + index, event)
-        for index, event in enumerate(events)
-        if isinstance(event, DECISION_TYPES) and event.engine_id == engine_id and rank < event.world_size
-        and _has_work(event)
-    ]
-
-
-def _has_work(event: DecisionEvent) -> bool:
-    """A store with every key already published, or a copy plan with nothing to move, succeeds
-    in the step that decides it: no worker has anything to do or report."""
-    if isinstance(event, StoreJobStarted):
-        return bool(event.items)
-    if isinstance(event, StateCopyPlanned):
-        return bool(event.batches)
-    return True
 
 
 def any_events(events: Sequence[Event]) -> list[AnyEvent]:

@@ -26,27 +26,30 @@ from typing import Any
 import anyio
 import msgspec
 import structlog
-import uvicorn
 import uuid_utils
+import uvicorn
 from anyio.abc import ByteStream, SocketStream, TaskGroup
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from coordinator.audit.api import load_tokens
-from coordinator.commands import OPERATOR_COMMANDS, AnyCommand, DeclareTier, LookupExternal, LookupPrefix, ReportRank
-from coordinator._checks import MAX_EXTRA_KEYS, MAX_LOOKUP_TOKENS
-from coordinator._jobs import Chains, hash_chains, lookup_groups
-from coordinator.decider import lookup, lookup_keys
-from coordinator.ledger import Commit, Ledger, Single, Step as LedgerStep, StepCommit
-from coordinator.protections import switched_off
-from coordinator.tokens import TokenFileError
-from coordinator.sidecar import admission, protocol as p
-from coordinator.state import State
-from coordinator.sidecar.credentials import ALL, Credential, Credentials, load_credentials, permits
+from coordinator.core.checks import MAX_EXTRA_KEYS, MAX_LOOKUP_TOKENS
+from coordinator.core.commands import OPERATOR_COMMANDS, AnyCommand, DeclareTier, LookupExternal, LookupPrefix, ReportRank
+from coordinator.core.decider import lookup, lookup_keys
+from coordinator.core.jobs import Chains, hash_chains, lookup_groups
+from coordinator.core.protections import switched_off
+from coordinator.core.routing import decisions_for
+from coordinator.core.state import State
+from coordinator.ledger import Commit, Ledger, Single, StepCommit
+from coordinator.ledger import Step as LedgerStep
+from coordinator.sidecar import admission
+from coordinator.sidecar import protocol as p
 from coordinator.sidecar.committer import Committer, ShuttingDown, freeze_long_lived
+from coordinator.sidecar.credentials import ALL, Credential, Credentials, load_credentials, permits
 from coordinator.sidecar.http import make_app
 from coordinator.sidecar.hub import DEFAULT_BUFFER, DecisionHub, SlowSubscriber, Subscription
 from coordinator.sidecar.memory import limit_arenas
 from coordinator.sidecar.metrics import SidecarMetrics
+from coordinator.tokens import TokenFileError
 from events import EngineDeclared, EngineReset, Event, ExternalKeysLookedUp, PrefixLookedUp, Refused
 from events.log import EventLog, LogError, open_log
 
@@ -106,8 +109,9 @@ def check_config(config: ServeConfig) -> None:
     if config.credentials and config.token:
         raise ConfigError("--token and --credentials both given: the credentials file's tokens replace the shared token")
     if config.tcp is not None and not (config.token or (credentials is not None and credentials.has_tokens)):
-        raise ConfigError("--tcp needs a token (--token or KVLEDGER_TOKEN, or a token in --credentials): "
-                          "TCP clients must authenticate")
+        raise ConfigError(
+            "--tcp needs a token (--token or KVLEDGER_TOKEN, or a token in --credentials): TCP clients must authenticate"
+        )
     for name, address in (("--tcp", config.tcp), ("--http", config.http)):
         if address is not None and not config.allow_remote and not _is_loopback(address[0]):
             raise ConfigError(f"{name} {address[0]} is not a loopback address; pass --allow-remote to listen on it")
@@ -218,10 +222,15 @@ class Sidecar:
         self._free_errors = _PerSecond(config.free_errors)
         """Refusals per credential and second sent without delay (`_slow_down`)."""
         self.credentials = _load_credentials(config)
-        self.budget = admission.Budget(tier_slots=config.max_tier_slots, tiers=config.max_tiers,
-                                       pool_blocks=config.max_pool_blocks, owners_per_engine=config.max_owners_per_engine)
-        self.socket_uids = frozenset({os.geteuid(), *config.socket_uids,
-                                      *(self.credentials.uids if self.credentials is not None else ())})
+        self.budget = admission.Budget(
+            tier_slots=config.max_tier_slots,
+            tiers=config.max_tiers,
+            pool_blocks=config.max_pool_blocks,
+            owners_per_engine=config.max_owners_per_engine,
+        )
+        self.socket_uids = frozenset(
+            {os.geteuid(), *config.socket_uids, *(self.credentials.uids if self.credentials is not None else ())}
+        )
         """Who may connect to the Unix socket at all (SO_PEERCRED)."""
 
     # --- readiness -------------------------------------------------------------------------
@@ -245,8 +254,12 @@ class Sidecar:
     def health(self) -> p.HealthResult:
         ready, reason = self.readiness()
         return p.HealthResult(
-            ready=ready, reason=reason, head_seq=self.ledger.last_seq, engines=sorted(self.ledger.state.engines),
-            subscribers=len(self.hub.subscriptions), server=SERVER_NAME,
+            ready=ready,
+            reason=reason,
+            head_seq=self.ledger.last_seq,
+            engines=sorted(self.ledger.state.engines),
+            subscribers=len(self.hub.subscriptions),
+            server=SERVER_NAME,
         )
 
     # --- serving ---------------------------------------------------------------------------
@@ -310,8 +323,9 @@ class Sidecar:
     def stop(self) -> None:
         self._stop.set()
 
-    async def _ingest(self, stop: anyio.Event, done: anyio.Event, *,
-                      task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def _ingest(
+        self, stop: anyio.Event, done: anyio.Event, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         """Record the KV events of the vLLM engines in --ingest-vllm, through this sidecar's group
         commit, until `stop`; started once every engine's endpoint is bound."""
         from coordinator.vllm.sidecar_ingest import load_ingest_file, run_ingestors
@@ -414,9 +428,13 @@ class Sidecar:
         try:
             async with stream, anyio.create_task_group() as tasks:
                 if not is_tcp and conn.peer_uid not in self.socket_uids:
-                    await self._error(conn, p.ErrorCode.UNAUTHORIZED,
-                                      f"uid {conn.peer_uid} may not connect to this socket (allowed: the sidecar's own uid, "
-                                      "--socket-uid and the credentials file's uids)", fatal=True)
+                    await self._error(
+                        conn,
+                        p.ErrorCode.UNAUTHORIZED,
+                        f"uid {conn.peer_uid} may not connect to this socket (allowed: the sidecar's own uid, "
+                        "--socket-uid and the credentials file's uids)",
+                        fatal=True,
+                    )
                     return
                 await self._converse(conn, tasks, is_tcp)
                 tasks.cancel_scope.cancel()
@@ -436,8 +454,11 @@ class Sidecar:
     def _credential_key(self, session: Session) -> str:
         """Whose turns a session takes: its credential's. Without a credentials file, each
         engine (or role) is its own."""
-        return session.credential.name or str(id(session.credential)) if self.credentials is not None \
+        return (
+            session.credential.name or str(id(session.credential))
+            if self.credentials is not None
             else f"{session.role}:{session.engine_id}"
+        )
 
     def _turns(self, session: Session) -> anyio.Semaphore:
         """The requests a credential may have in progress at once (its engines' connections
@@ -462,8 +483,10 @@ class Sidecar:
             session.incarnation = known.incarnation
         if known.incarnation == session.incarnation:
             return None
-        return (f"engine {session.engine_id!r} is now incarnation {known.incarnation}; this connection spoke for "
-                f"incarnation {session.incarnation}, which was fenced: say Hello again")
+        return (
+            f"engine {session.engine_id!r} is now incarnation {known.incarnation}; this connection spoke for "
+            f"incarnation {session.incarnation}, which was fenced: say Hello again"
+        )
 
     def _follow_own(self, session: Session, events: list[Event]) -> None:
         """A connection's own reset or declaration moves it to the new incarnation (only the
@@ -487,8 +510,15 @@ class Sidecar:
             if not go_on:
                 return
 
-    async def _frame(self, conn: Connection, reader: BufferedByteReceiveStream, first: bytes, session: Session | None,
-                     tasks: TaskGroup, is_tcp: bool) -> tuple[Session | None, bool]:
+    async def _frame(
+        self,
+        conn: Connection,
+        reader: BufferedByteReceiveStream,
+        first: bytes,
+        session: Session | None,
+        tasks: TaskGroup,
+        is_tcp: bool,
+    ) -> tuple[Session | None, bool]:
         """Reads, decodes and answers one frame (its first byte read): (the session after it,
         whether the connection goes on)."""
         async with contextlib.AsyncExitStack() as turn:
@@ -497,8 +527,12 @@ class Sidecar:
                 return session, False
             held = length > LARGE_FRAME
             if held and session is None:
-                await self._error(conn, p.ErrorCode.FRAME_TOO_LARGE, f"a frame before Hello holds at most {LARGE_FRAME:,} "
-                                  f"bytes, not {length:,}", fatal=True)
+                await self._error(
+                    conn,
+                    p.ErrorCode.FRAME_TOO_LARGE,
+                    f"a frame before Hello holds at most {LARGE_FRAME:,} bytes, not {length:,}",
+                    fatal=True,
+                )
                 return session, False
             if session is not None and held:
                 # Read, decoded and served in its credential's turn: a credential holds at most
@@ -584,8 +618,9 @@ class Sidecar:
             return None
 
     async def _incomplete(self, conn: Connection) -> None:
-        await self._error(conn, p.ErrorCode.INVALID_MESSAGE,
-                          f"a frame begun was not complete after {self.config.frame_timeout:g} s", fatal=True)
+        await self._error(
+            conn, p.ErrorCode.INVALID_MESSAGE, f"a frame begun was not complete after {self.config.frame_timeout:g} s", fatal=True
+        )
 
     async def _slow_down(self, session: Session, turn: contextlib.AsyncExitStack, held: bool) -> None:
         """A credential refused more than `ServeConfig.free_errors` times in a second waits
@@ -602,8 +637,14 @@ class Sidecar:
         self.metrics.protocol_errors.labels(code.value).inc()
         suppressed = self._error_logs.take(code.value)
         if suppressed is not None:
-            log.warning("protocol_error", peer=conn.peer, code=code.value, error=message, fatal=fatal,
-                        **({"suppressed_since_last": suppressed} if suppressed else {}))
+            log.warning(
+                "protocol_error",
+                peer=conn.peer,
+                code=code.value,
+                error=message,
+                fatal=fatal,
+                **({"suppressed_since_last": suppressed} if suppressed else {}),
+            )
         if code is p.ErrorCode.UNAUTHORIZED:
             # A tarpit: a client refused its credentials waits before it hears so (and before its
             # connection closes), so a loop of refused Hellos costs the sidecar little CPU.
@@ -615,8 +656,12 @@ class Sidecar:
     async def _hello(self, conn: Connection, hello: p.Hello, is_tcp: bool) -> tuple[Session | None, bool]:
         """(the session, whether the connection must close)."""
         if hello.protocol != p.PROTOCOL_VERSION:
-            await self._error(conn, p.ErrorCode.PROTOCOL_MISMATCH,
-                              f"client speaks protocol {hello.protocol}, this server speaks {p.PROTOCOL_VERSION}", fatal=True)
+            await self._error(
+                conn,
+                p.ErrorCode.PROTOCOL_MISMATCH,
+                f"client speaks protocol {hello.protocol}, this server speaks {p.PROTOCOL_VERSION}",
+                fatal=True,
+            )
             return None, True
         credential = self._identify(conn, hello, is_tcp)
         if credential is None:
@@ -652,10 +697,14 @@ class Sidecar:
     def _worker_welcome(self, state: State, engine_id: str) -> p.Welcome:
         known = state.engines.get(engine_id)
         return p.Welcome(
-            protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, engine_id=engine_id,
-            incarnation=known.incarnation if known else 0, head_seq=self.ledger.last_seq,
+            protocol=p.PROTOCOL_VERSION,
+            server=SERVER_NAME,
+            engine_id=engine_id,
+            incarnation=known.incarnation if known else 0,
+            head_seq=self.ledger.last_seq,
             pools=[pool.spec for pool in known.pools.values()] if known else [],
-            world_size=known.world_size if known else 0, tiers=list(known.tiers) if known else [],
+            world_size=known.world_size if known else 0,
+            tiers=list(known.tiers) if known else [],
             kv_dtype=state.namespaces[known.namespace_id].kv_dtype if known else "",
         )
 
@@ -684,9 +733,12 @@ class Sidecar:
         known = self.ledger.state.engines.get(engine_id)
         reconnect = known is not None and hello.incarnation != 0 and hello.incarnation == known.incarnation
         if not reconnect and (hello.declare is None or hello.declare.engine_id != engine_id):
-            await self._error(conn, p.ErrorCode.INVALID_MESSAGE,
-                              f"engine {engine_id!r} is not running incarnation {hello.incarnation}: its Hello must "
-                              "carry `declare` (a DeclareEngine for the same engine_id)")
+            await self._error(
+                conn,
+                p.ErrorCode.INVALID_MESSAGE,
+                f"engine {engine_id!r} is not running incarnation {hello.incarnation}: its Hello must "
+                "carry `declare` (a DeclareEngine for the same engine_id)",
+            )
             return None, False
         problem = admission.tier_conflict(hello.tiers)
         if problem is None:
@@ -705,18 +757,26 @@ class Sidecar:
         if not reconnect and connected and not hello.takeover:
             # Declaring again begins a new incarnation, which fences the connected engine's jobs
             # and connections: a deliberate act, never the side effect of a Hello.
-            await self._error(conn, p.ErrorCode.ENGINE_CONNECTED,
-                              f"engine {engine_id!r} is connected (incarnation {known.incarnation if known else 0}); a "
-                              "Hello that declares it again must say takeover (its connections and workers are then "
-                              "fenced), or come after its connection closed")
+            await self._error(
+                conn,
+                p.ErrorCode.ENGINE_CONNECTED,
+                f"engine {engine_id!r} is connected (incarnation {known.incarnation if known else 0}); a "
+                "Hello that declares it again must say takeover (its connections and workers are then "
+                "fenced), or come after its connection closed",
+            )
             return None, False
         declarations: list[AnyCommand] = [DeclareTier(spec=spec) for spec in hello.tiers]
         if not reconnect:
             assert hello.declare is not None
             declarations.append(msgspec.structs.replace(hello.declare, takeover=bool(connected)))
             if connected:
-                log.warning("engine_taken_over", engine=engine_id, connections=connected, peer=conn.peer,
-                            incarnation=known.incarnation if known else 0)
+                log.warning(
+                    "engine_taken_over",
+                    engine=engine_id,
+                    connections=connected,
+                    peer=conn.peer,
+                    incarnation=known.incarnation if known else 0,
+                )
         events: list[Event] = []
         try:
             # A Hello is taken whole or not at all (admission.refused_declaration): its declarations
@@ -742,13 +802,29 @@ class Sidecar:
         if reconnect:
             assert known is not None
             log.info("engine_reconnected", engine=engine_id, incarnation=known.incarnation, peer=conn.peer)
-            await conn.send(p.Welcome(protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, engine_id=engine_id,
-                                      incarnation=known.incarnation, head_seq=self.ledger.last_seq, events=p.any_events(events)))
+            await conn.send(
+                p.Welcome(
+                    protocol=p.PROTOCOL_VERSION,
+                    server=SERVER_NAME,
+                    engine_id=engine_id,
+                    incarnation=known.incarnation,
+                    head_seq=self.ledger.last_seq,
+                    events=p.any_events(events),
+                )
+            )
             return Session("engine", engine_id, 0, known.incarnation, credential), False
         declared = next(e for e in events if isinstance(e, EngineDeclared))
         log.info("engine_declared", engine=engine_id, incarnation=declared.incarnation, peer=conn.peer)
-        await conn.send(p.Welcome(protocol=p.PROTOCOL_VERSION, server=SERVER_NAME, engine_id=engine_id,
-                                  incarnation=declared.incarnation, head_seq=self.ledger.last_seq, events=p.any_events(events)))
+        await conn.send(
+            p.Welcome(
+                protocol=p.PROTOCOL_VERSION,
+                server=SERVER_NAME,
+                engine_id=engine_id,
+                incarnation=declared.incarnation,
+                head_seq=self.ledger.last_seq,
+                events=p.any_events(events),
+            )
+        )
         return Session("engine", engine_id, 0, declared.incarnation, credential), False
 
     # --- requests --------------------------------------------------------------------------
@@ -779,8 +855,9 @@ class Sidecar:
                 tokens = p.lookup_tokens(message)
             except p.FrameError as error:
                 return p.Error(code=error.code, message=str(error))
-            command = LookupPrefix(engine_id=session.engine_id, tier=message.tier, token_ids=tokens,
-                                   extra_keys=message.extra_keys)
+            command = LookupPrefix(
+                engine_id=session.engine_id, tier=message.tier, token_ids=tokens, extra_keys=message.extra_keys
+            )
             # Answered at once, as LookupKeys: what groups in flight changed is answered as a miss.
             keys, engines = self.ledger.uncommitted_keys()
             uncommitted: Container[bytes] = _EVERY_KEY if session.engine_id in engines else keys
@@ -804,18 +881,26 @@ class Sidecar:
         Only when its first LONG_LOOKUP_TOKENS still hit: a miss there is answered on the loop
         at once (the search stops at a full-attention group's first unloadable block)."""
         engine = self.ledger.state.engines.get(session.engine_id)
-        if engine is None or not LONG_LOOKUP_TOKENS < len(command.token_ids) <= MAX_LOOKUP_TOKENS \
-                or len(command.extra_keys) > MAX_EXTRA_KEYS:
+        if (
+            engine is None
+            or not LONG_LOOKUP_TOKENS < len(command.token_ids) <= MAX_LOOKUP_TOKENS
+            or len(command.extra_keys) > MAX_EXTRA_KEYS
+        ):
             return None  # short, or refused by the decider anyway
         head = msgspec.structs.replace(command, token_ids=command.token_ids[:LONG_LOOKUP_TOKENS])
         with switched_off(self.ledger.protections_off):
             quick = lookup(self.ledger.state, head, None, uncommitted)
         attention = any(pool.spec.kind == "attention" for pool in engine.pools.values())
-        if attention and isinstance(quick, PrefixLookedUp) and quick.reuse_unit \
-                and quick.boundary < LONG_LOOKUP_TOKENS // quick.reuse_unit * quick.reuse_unit:
+        if (
+            attention
+            and isinstance(quick, PrefixLookedUp)
+            and quick.reuse_unit
+            and quick.boundary < LONG_LOOKUP_TOKENS // quick.reuse_unit * quick.reuse_unit
+        ):
             return None
-        return await self.hub.heavy(hash_chains, engine.namespace_id, lookup_groups(engine), command.token_ids,
-                                    command.extra_keys)
+        return await self.hub.heavy(
+            hash_chains, engine.namespace_id, lookup_groups(engine), command.token_ids, command.extra_keys
+        )
 
     def _lookup_keys(self, session: Session, message: p.LookupKeys) -> p.ServerMessage:
         """Answered at once from the state, never waiting for a commit: what the groups in
@@ -844,29 +929,42 @@ class Sidecar:
             return p.Error(code=p.ErrorCode.INVALID_MESSAGE, message="a Step needs a command_id (unique per step)")
         started = time.perf_counter()
         bound = log.bind(engine=session.engine_id, step=message.step)
-        tx = LedgerStep(engine_id=session.engine_id, step=message.step, clock=message.clock,
-                        commands=message.commands, command_id=admission.scoped(session.engine_id, "step", message.command_id))
+        tx = LedgerStep(
+            engine_id=session.engine_id,
+            step=message.step,
+            clock=message.clock,
+            commands=message.commands,
+            command_id=admission.scoped(session.engine_id, "step", message.command_id),
+        )
         try:
             result = await self.committer.submit(tx)
         except ShuttingDown as error:
             return p.Error(code=p.ErrorCode.SHUTTING_DOWN, message=str(error), fatal=True)
         except Exception as error:  # noqa: BLE001 - the log failed: nothing of the step was committed
             bound.error("step_failed", error=str(error))
-            return p.Error(code=p.ErrorCode.COMMIT_FAILED, message=f"step {message.step} was not committed: {admission.told(error)}")
+            return p.Error(
+                code=p.ErrorCode.COMMIT_FAILED, message=f"step {message.step} was not committed: {admission.told(error)}"
+            )
         assert isinstance(result, StepCommit)
         commit = result.commit
         self._follow_own(session, commit.events)
-        reused = admission.retried_as_another_step(result, message) \
-            or admission.reused_for_other_content(commit, message.command_id, "step")
+        reused = admission.retried_as_another_step(result, message) or admission.reused_for_other_content(
+            commit, message.command_id, "step"
+        )
         if reused is not None:
             return reused
         self.metrics.step_seconds.observe(time.perf_counter() - started)
         bound.debug("step_committed", first_seq=commit.first_seq, last_seq=commit.last_seq, duplicate=commit.duplicate)
         return p.StepResult(
-            command_id=message.command_id, step=message.step, first_seq=commit.first_seq, last_seq=commit.last_seq,
-            duplicate=commit.duplicate, began=p.any_events(result.began), results=[p.any_events(r) for r in result.results],
+            command_id=message.command_id,
+            step=message.step,
+            first_seq=commit.first_seq,
+            last_seq=commit.last_seq,
+            duplicate=commit.duplicate,
+            began=p.any_events(result.began),
+            results=[p.any_events(r) for r in result.results],
             ended=p.any_events(result.ended),
-            decisions=p.decisions_for(commit.events, commit.first_seq, session.engine_id, 0),
+            decisions=decisions_for(commit.events, commit.first_seq, session.engine_id, 0),
         )
 
     async def _commit_single(self, session: Session, kind: str, command: AnyCommand, command_id: str) -> p.ServerMessage:
@@ -879,13 +977,21 @@ class Sidecar:
             return p.Error(code=p.ErrorCode.COMMIT_FAILED, message=f"not committed: {admission.told(error)}")
         commit = _commit_of(result)
         self._follow_own(session, commit.events)
-        reused = admission.reused_for_another_report(commit.events, command, command_id) \
-            if commit.duplicate and isinstance(command, ReportRank) else None
+        reused = (
+            admission.reused_for_another_report(commit.events, command, command_id)
+            if commit.duplicate and isinstance(command, ReportRank)
+            else None
+        )
         reused = reused or admission.reused_for_other_content(commit, command_id, kind)
         if reused is not None:
             return reused
-        return p.Committed(command_id=command_id, first_seq=commit.first_seq, last_seq=commit.last_seq,
-                           duplicate=commit.duplicate, events=p.any_events(commit.events))
+        return p.Committed(
+            command_id=command_id,
+            first_seq=commit.first_seq,
+            last_seq=commit.last_seq,
+            duplicate=commit.duplicate,
+            events=p.any_events(commit.events),
+        )
 
     async def _commit_reports(self, session: Session, message: p.Reports) -> p.ServerMessage:
         """A worker's reports of one pass, committed together (one group: submit_all)."""
@@ -897,8 +1003,10 @@ class Sidecar:
             if problem is not None:
                 return problem
             ids.append(sent.command_id or _report_id(sent))
-        txs = [Single(command=sent.report, command_id=admission.scoped(session.engine_id, "report", command_id))
-               for sent, command_id in zip(message.reports, ids, strict=True)]
+        txs = [
+            Single(command=sent.report, command_id=admission.scoped(session.engine_id, "report", command_id))
+            for sent, command_id in zip(message.reports, ids, strict=True)
+        ]
         try:
             results = await self.committer.submit_all(txs)
         except ShuttingDown as error:
@@ -908,12 +1016,20 @@ class Sidecar:
         committed = []
         for sent, command_id, result in zip(message.reports, ids, results, strict=True):
             commit = _commit_of(result)
-            reused = (admission.reused_for_another_report(commit.events, sent.report, command_id) if commit.duplicate
-                      else None) or admission.reused_for_other_content(commit, command_id, "report")
+            reused = (
+                admission.reused_for_another_report(commit.events, sent.report, command_id) if commit.duplicate else None
+            ) or admission.reused_for_other_content(commit, command_id, "report")
             if reused is not None:
                 return reused
-            committed.append(p.Committed(command_id=command_id, first_seq=commit.first_seq, last_seq=commit.last_seq,
-                                         duplicate=commit.duplicate, events=p.any_events(commit.events)))
+            committed.append(
+                p.Committed(
+                    command_id=command_id,
+                    first_seq=commit.first_seq,
+                    last_seq=commit.last_seq,
+                    duplicate=commit.duplicate,
+                    events=p.any_events(commit.events),
+                )
+            )
         return p.ReportsCommitted(results=committed)
 
     async def _subscribe(self, conn: Connection, session: Session, message: p.Subscribe, tasks: TaskGroup) -> None:
@@ -927,13 +1043,16 @@ class Sidecar:
         session.subscribed = True
         # An engine never decided on has no decision in the log: nothing to read (a Subscribe
         # from 0 for a made-up engine id used to read and decode the whole log).
-        from_seq = message.from_seq if session.engine_id in self.ledger.state.engines else max(message.from_seq, self.hub.last_seq)
+        from_seq = (
+            message.from_seq if session.engine_id in self.ledger.state.engines else max(message.from_seq, self.hub.last_seq)
+        )
         subscription = self.hub.register(session.engine_id, session.rank, from_seq)
         log.info("subscribed", engine=session.engine_id, rank=session.rank, from_seq=message.from_seq)
         tasks.start_soon(self._push, conn, session, subscription, tasks.cancel_scope)
 
-    async def _push(self, conn: Connection, session: Session, subscription: Subscription,
-                    connection_scope: anyio.CancelScope) -> None:
+    async def _push(
+        self, conn: Connection, session: Session, subscription: Subscription, connection_scope: anyio.CancelScope
+    ) -> None:
         self.metrics.subscribers.inc()
         try:
             async for decisions in self.hub.stream(subscription):
@@ -949,17 +1068,25 @@ class Sidecar:
                 subscription.send_scope = None
                 if sending.cancelled_caught:  # blocked past the grace: the peer stopped reading
                     self.metrics.slow_subscribers.inc()
-                    log.warning("subscriber_cut", engine=subscription.engine_id, rank=subscription.rank,
-                                resume_from=subscription.delivered, reason="stopped reading with its buffer full")
+                    log.warning(
+                        "subscriber_cut",
+                        engine=subscription.engine_id,
+                        rank=subscription.rank,
+                        resume_from=subscription.delivered,
+                        reason="stopped reading with its buffer full",
+                    )
                     connection_scope.cancel()
                     return
                 subscription.delivered = decisions[-1].seq
         except SlowSubscriber as slow:
             self.metrics.slow_subscribers.inc()
-            log.warning("subscriber_too_slow", engine=subscription.engine_id, rank=subscription.rank, resume_from=slow.resume_from)
+            log.warning(
+                "subscriber_too_slow", engine=subscription.engine_id, rank=subscription.rank, resume_from=slow.resume_from
+            )
             with anyio.move_on_after(5):
-                await conn.send(p.Error(code=p.ErrorCode.SLOW_SUBSCRIBER, message=str(slow), fatal=True,
-                                        resume_from=slow.resume_from))
+                await conn.send(
+                    p.Error(code=p.ErrorCode.SLOW_SUBSCRIBER, message=str(slow), fatal=True, resume_from=slow.resume_from)
+                )
             connection_scope.cancel()  # ends the connection: its reader too
         finally:
             self.hub.unregister(subscription)
@@ -1042,6 +1169,7 @@ async def run_sidecar(config: ServeConfig, *, on_started: Callable[[Sidecar], No
         ledger = await Ledger.open(event_log, snapshot_every=config.snapshot_every)
         sidecar = Sidecar(ledger, config)
         async with anyio.create_task_group() as tg:
+
             async def watch_signals() -> None:
                 with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                     async for signum in signals:

@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from coordinator.commands import AnyCommand
+from coordinator.core.commands import AnyCommand
 from coordinator.simulator.content import kv_bytes
 from events import BlockRef, Event, NamespaceSpec, PoolSpec
 
@@ -58,7 +58,15 @@ VOCABULARY = 50_000
 
 
 Phase = Literal[
-    "waiting", "admitting", "admitted", "load_alloc", "load_ready", "load_started", "loading", "prefill", "decode",
+    "waiting",
+    "admitting",
+    "admitted",
+    "load_alloc",
+    "load_ready",
+    "load_started",
+    "loading",
+    "prefill",
+    "decode",
     "finished",
 ]
 """A request's way: waiting -> admitting (StartOwner sent) -> admitted (an owner; next, its lookup)
@@ -176,15 +184,25 @@ class EncoderRunner:
 
 def namespace(world_size: int) -> NamespaceSpec:
     return NamespaceSpec(
-        model_id="org/hybrid-8b", weights_revision="sha256:weights-1", tokenizer_digest="sha256:tokenizer-1",
-        kv_dtype="bfloat16", kv_layout_version=1, block_sizes=(ATTENTION_BLOCK, STATE_BLOCK),
-        tensor_parallel_size=world_size, tenant="tenant-a",
+        model_id="org/hybrid-8b",
+        weights_revision="sha256:weights-1",
+        tokenizer_digest="sha256:tokenizer-1",
+        kv_dtype="bfloat16",
+        kv_layout_version=1,
+        block_sizes=(ATTENTION_BLOCK, STATE_BLOCK),
+        tensor_parallel_size=world_size,
+        tenant="tenant-a",
     )
 
 
 def pools() -> list[PoolSpec]:
     return [
-        PoolSpec(pool_id=ATTENTION, kind="attention", num_blocks=ATTENTION_BLOCKS, block_size=ATTENTION_BLOCK,
-                 bytes_per_block=BLOCK_BYTES),
+        PoolSpec(
+            pool_id=ATTENTION,
+            kind="attention",
+            num_blocks=ATTENTION_BLOCKS,
+            block_size=ATTENTION_BLOCK,
+            bytes_per_block=BLOCK_BYTES,
+        ),
         PoolSpec(pool_id=STATE, kind="state", num_blocks=STATE_BLOCKS, block_size=STATE_BLOCK, bytes_per_block=BLOCK_BYTES),
     ]

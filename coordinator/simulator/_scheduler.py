@@ -10,10 +10,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from coordinator.commands import (
+from coordinator.core.commands import (
     AllocateBlocks,
     AllocateEncoderEntry,
-    AnyCommand,
     FinishOwner,
     FreeEncoderEntry,
     LoadRequest,
@@ -23,33 +22,30 @@ from coordinator.commands import (
     StartOwner,
     StartStore,
 )
-from coordinator.keys import chain_keys, namespace_id
+from coordinator.core.keys import chain_keys, namespace_id
 from coordinator.simulator._requests import (
     ATTENTION,
-    STATE,
     ATTENTION_BLOCK,
-    STATE_BLOCK,
-    ENCODER_TOKENS,
-    TOKEN_BUDGET,
-    MAX_CHUNK,
     DECODE_TOKENS,
-    MAX_RUNNING,
-    STORE_DELAYS,
-    LOAD_DELAYS,
+    ENCODER_TOKENS,
     LATE_LOAD,
+    LOAD_DELAYS,
+    MAX_CHUNK,
+    MAX_RUNNING,
+    STATE,
+    STATE_BLOCK,
+    STORE_DELAYS,
+    TOKEN_BUDGET,
     VOCABULARY,
-    Request,
     Batch,
     EncoderRunner,
-    namespace,
-    pools,
+    Request,
 )
 from coordinator.simulator.harness import TIER, SimEngine
 
 if TYPE_CHECKING:
     from coordinator.simulator.workload import Workload
 from events import (
-    BlockRef,
     BlocksAllocated,
     EncoderEntryAllocated,
     Event,
@@ -58,9 +54,7 @@ from events import (
     JobSucceeded,
     KeyEvicted,
     LoadJobStarted,
-    NamespaceSpec,
     OwnerStarted,
-    PoolSpec,
     PrefixLookedUp,
     StepEnded,
     StoreJobStarted,
@@ -131,18 +125,28 @@ class WorkloadEngine:
         assert owner is not None
         if request.mark_attn is not None:
             first, end = request.mark_attn
-            batch.add(MarkComputed(
-                engine_id=engine_id, owner_id=owner, blocks=request.attention[first:end],
-                token_ids=request.tokens[first * ATTENTION_BLOCK : end * ATTENTION_BLOCK],
-                parent_key=self._parent(request, first * ATTENTION_BLOCK, ATTENTION_BLOCK), extra_keys=request.extra,
-            ))
+            batch.add(
+                MarkComputed(
+                    engine_id=engine_id,
+                    owner_id=owner,
+                    blocks=request.attention[first:end],
+                    token_ids=request.tokens[first * ATTENTION_BLOCK : end * ATTENTION_BLOCK],
+                    parent_key=self._parent(request, first * ATTENTION_BLOCK, ATTENTION_BLOCK),
+                    extra_keys=request.extra,
+                )
+            )
             request.mark_attn = None
         for boundary in request.mark_states:
-            batch.add(MarkComputed(
-                engine_id=engine_id, owner_id=owner, blocks=[request.states[boundary]],
-                token_ids=request.tokens[boundary - STATE_BLOCK : boundary],
-                parent_key=self._parent(request, boundary - STATE_BLOCK, STATE_BLOCK), extra_keys=request.extra,
-            ))
+            batch.add(
+                MarkComputed(
+                    engine_id=engine_id,
+                    owner_id=owner,
+                    blocks=[request.states[boundary]],
+                    token_ids=request.tokens[boundary - STATE_BLOCK : boundary],
+                    parent_key=self._parent(request, boundary - STATE_BLOCK, STATE_BLOCK),
+                    extra_keys=request.extra,
+                )
+            )
         request.mark_states = []
         if request.phase != "load_ready":
             return
@@ -295,8 +299,9 @@ class WorkloadEngine:
                 return
             (request.attention if pool_id == ATTENTION else request.spare).extend(got[0].blocks)
 
-        batch.add(AllocateBlocks(engine_id=self.engine.engine_id, owner_id=request.owner, pool_id=pool_id, count=count),
-                  allocated)
+        batch.add(
+            AllocateBlocks(engine_id=self.engine.engine_id, owner_id=request.owner, pool_id=pool_id, count=count), allocated
+        )
 
     def _encoder_for(self, request: Request, start: int, end: int, batch: Batch) -> bool:
         """The image's encoder output is cached before a chunk that covers its tokens; False
@@ -349,8 +354,7 @@ class WorkloadEngine:
         self._verify(request)
         for ref in request.held():
             room[ref.pool_id] += 1  # optimistic: a slot a store still pins frees later
-        batch.add(FinishOwner(engine_id=self.engine.engine_id, owner_id=request.owner, reason="preempted",
-                              req_id=request.req_id))
+        batch.add(FinishOwner(engine_id=self.engine.engine_id, owner_id=request.owner, reason="preempted", req_id=request.req_id))
         self._release_encoder(request)
         self.active.remove(request)
         self._requeue(request)
@@ -437,8 +441,10 @@ class WorkloadEngine:
         holdings += [(ref, request.tokens[:boundary]) for boundary, ref in request.states.items()]
         tally = self.workload.sim.tally
         for ref, prefix in holdings:
-            if any(not torch.equal(w.pools.block(ref), self.engine.expected_bytes(prefix, ref.pool_id, w.rank))
-                   for w in self.engine.workers):
+            if any(
+                not torch.equal(w.pools.block(ref), self.engine.expected_bytes(prefix, ref.pool_id, w.rank))
+                for w in self.engine.workers
+            ):
                 tally.wrong_reads += 1
         self.stats.blocks_verified += len(holdings)
 
@@ -507,4 +513,3 @@ class WorkloadEngine:
         self.free = {pool_id: set(range(1, spec.num_blocks)) for pool_id, spec in self.engine.pools.items()}
         self.encoder_entries, self.encoder_refs, self.encode_now = {}, {}, []
         self.runner.evict(list(self.runner.where))
-

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import blake3
 import torch
 
-from coordinator.keys import canonical_namespace
+from coordinator.core.keys import canonical_namespace
 from events import NamespaceSpec
 
 DOMAIN = b"kvledger-simulator-kv-content-v1"

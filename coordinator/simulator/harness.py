@@ -24,8 +24,9 @@ import torch
 from anyio.abc import TaskGroup
 
 from coordinator.client import Address, EngineClient, WorkerClient
-from coordinator.commands import AnyCommand, DeclareEngine
-from coordinator.protections import Protection
+from coordinator.core.commands import AnyCommand, DeclareEngine
+from coordinator.core.protections import Protection
+from coordinator.core.routing import Decision
 from coordinator.sidecar import protocol as p
 from coordinator.sidecar.embedded import embedded_sidecar
 from coordinator.sidecar.server import Sidecar
@@ -89,8 +90,8 @@ class SimEngine:
             Worker(self.engine_id, rank, DevicePools(declare.pools, CPU), sim.tiers[rank], protections_off=sim.off)
             for rank in range(declare.world_size)
         ]
-        self.received: list[list[p.Decision]] = [[] for _ in range(declare.world_size)]
-        self.expected: dict[int, p.Decision] = {}
+        self.received: list[list[Decision]] = [[] for _ in range(declare.world_size)]
+        self.expected: dict[int, Decision] = {}
         """Decisions committed for this engine (from step results), by sequence."""
         self.executed: set[int] = set()
         self.step_no = 0
@@ -149,7 +150,7 @@ class SimEngine:
         self.sim.tally.record(committed)
         return committed
 
-    async def _arrival(self, rank: int, seq: int) -> p.Decision:
+    async def _arrival(self, rank: int, seq: int) -> Decision:
         """The decision as the rank's subscription delivered it (never from the step result)."""
         with anyio.fail_after(30):
             while True:
@@ -162,8 +163,14 @@ class SimEngine:
 class Simulation:
     """One run: a fresh log and sidecar, engines, workers; `off` protections switched off."""
 
-    def __init__(self, directory: Path | None = None, off: frozenset[Protection] = frozenset(), *, world_size: int = 2,
-                 tier_slots: int = 4096) -> None:
+    def __init__(
+        self,
+        directory: Path | None = None,
+        off: frozenset[Protection] = frozenset(),
+        *,
+        world_size: int = 2,
+        tier_slots: int = 4096,
+    ) -> None:
         self._own_dir = tempfile.TemporaryDirectory(prefix="kvl-sim-") if directory is None else None
         self.directory: Path = Path(self._own_dir.name) if self._own_dir is not None else Path(str(directory))
         self.off = off
@@ -213,9 +220,14 @@ class Simulation:
         self, engine_id: str, namespace: NamespaceSpec, pools: Sequence[PoolSpec], *, encoder_cache_tokens: int = 0
     ) -> SimEngine:
         """Declare an engine (its Hello) and start its workers' subscriptions."""
-        declare = DeclareEngine(engine_id=engine_id, namespace=namespace, pools=list(pools),
-                                world_size=namespace.tensor_parallel_size, tiers=[TIER],
-                                encoder_cache_tokens=encoder_cache_tokens)
+        declare = DeclareEngine(
+            engine_id=engine_id,
+            namespace=namespace,
+            pools=list(pools),
+            world_size=namespace.tensor_parallel_size,
+            tiers=[TIER],
+            encoder_cache_tokens=encoder_cache_tokens,
+        )
         engine = SimEngine(self, declare)
         await engine.client.connect()
         assert engine.client.welcome is not None

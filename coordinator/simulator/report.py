@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from coordinator.protections import Protection
+from coordinator.core.protections import Protection
 from coordinator.simulator.harness import Simulation
 from coordinator.simulator.scenarios import SCENARIOS, Outcome, Scenario, run_scenario
 from coordinator.simulator.workload import TIER_SLOTS, WorkloadReport, run_workload
@@ -37,17 +37,28 @@ async def run_scenarios(chosen: Sequence[Scenario] | None = None, keep: Path | N
 
 def scenario_table(results: Sequence[Pair], title: str) -> Table:
     table = Table(title=title)
-    for column in ("scenario", "invariant", "baseline off (both runs)", "requests", "wrong reads off", "wrong reads on",
-                   "what kvledger recorded instead (on)", "events/s (on)"):
+    for column in (
+        "scenario",
+        "invariant",
+        "baseline off (both runs)",
+        "requests",
+        "wrong reads off",
+        "wrong reads on",
+        "what kvledger recorded instead (on)",
+        "events/s (on)",
+    ):
         table.add_column(column, overflow="fold")
     for on, off in results:
         recorded = ", ".join(f"{reason} x{count}" for reason, count in on.refusals.items()) or "-"
         table.add_row(
-            on.scenario, on.invariant, ", ".join(Protection(value).name.lower() for value in on.baseline) or "-",
+            on.scenario,
+            on.invariant,
+            ", ".join(Protection(value).name.lower() for value in on.baseline) or "-",
             str(on.requests),
             f"[bold red]{off.wrong_reads}[/]" if off.wrong_reads else "0",
             f"[bold red]{on.wrong_reads}[/]" if on.wrong_reads else "[green]0[/]",
-            recorded, f"{on.events / on.seconds:,.0f}" if on.seconds else "-",
+            recorded,
+            f"{on.events / on.seconds:,.0f}" if on.seconds else "-",
         )
     return table
 
@@ -69,15 +80,34 @@ async def mixed_workload(*, engines: int, steps: int, seed: int = 7, keep: Path 
 
 def workload_table(report: WorkloadReport, title: str) -> Table:
     table = Table(title=title)
-    for column in ("steps", "requests", "events", "wrong reads", "loads checked", "hits", "preemptions",
-                   "evictions", "events/s", "step p50 / p99", "coordinator share", "what kvledger refused or dropped"):
+    for column in (
+        "steps",
+        "requests",
+        "events",
+        "wrong reads",
+        "loads checked",
+        "hits",
+        "preemptions",
+        "evictions",
+        "events/s",
+        "step p50 / p99",
+        "coordinator share",
+        "what kvledger refused or dropped",
+    ):
         table.add_column(column, overflow="fold")
     share = report.coordinator_seconds / report.wall_seconds if report.wall_seconds else 0.0
     table.add_row(
-        str(report.steps), str(report.requests), f"{report.events:,}",
+        str(report.steps),
+        str(report.requests),
+        f"{report.events:,}",
         f"[bold red]{report.wrong_reads}[/]" if report.wrong_reads else "[green]0[/]",
-        str(report.loads_checked), str(report.hits), str(report.preemptions), str(report.evictions),
-        f"{report.events_per_second:,.0f}", f"{report.step_latency_p50_ms:.2f} / {report.step_latency_p99_ms:.2f} ms",
-        f"{share:.0%}", ", ".join(f"{k} x{v}" for k, v in sorted(report.refusals.items())) or "-",
+        str(report.loads_checked),
+        str(report.hits),
+        str(report.preemptions),
+        str(report.evictions),
+        f"{report.events_per_second:,.0f}",
+        f"{report.step_latency_p50_ms:.2f} / {report.step_latency_p99_ms:.2f} ms",
+        f"{share:.0%}",
+        ", ".join(f"{k} x{v}" for k, v in sorted(report.refusals.items())) or "-",
     )
     return table

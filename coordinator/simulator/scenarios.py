@@ -4,7 +4,7 @@ wrong-KV reads (proof the scenario bites); on must show none, for the reason the
 about (`evidence`: the refusal or decision kvledger recorded instead).
 
 A scenario's `baseline` names protections switched off in both runs, to reproduce the
-deployment of its seed where one protection backs up another (coordinator/protections.py): the
+deployment of its seed where one protection backs up another (coordinator/core/protections.py): the
 on/off comparison still toggles exactly one protection."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from pathlib import Path
 import msgspec
 import torch
 
-from coordinator.commands import (
+from coordinator.core.commands import (
     AllocateBlocks,
     AllocateEncoderEntry,
-    FreeEncoderEntry,
     FinishOwner,
+    FreeEncoderEntry,
     LoadRequest,
     MarkComputed,
     Move,
@@ -31,8 +31,8 @@ from coordinator.commands import (
     StartOwner,
     StartStore,
 )
-from coordinator.keys import chain_keys, namespace_id
-from coordinator.protections import Protection
+from coordinator.core.keys import chain_keys, namespace_id
+from coordinator.core.protections import Protection
 from coordinator.simulator.content import kv_bytes
 from coordinator.simulator.harness import TIER, SimEngine, Simulation, Tally
 from events import (
@@ -60,8 +60,14 @@ Run = Callable[[Simulation], Awaitable[None]]
 
 def namespace(*, weights: str = "sha256:weights-1", tenant: str = "tenant-a", tp: int = 2, blocks: int = 1) -> NamespaceSpec:
     return NamespaceSpec(
-        model_id="org/model-7b", weights_revision=weights, tokenizer_digest="sha256:tokenizer-1", kv_dtype="bfloat16",
-        kv_layout_version=1, block_sizes=(BLOCK,) * blocks, tensor_parallel_size=tp, tenant=tenant,
+        model_id="org/model-7b",
+        weights_revision=weights,
+        tokenizer_digest="sha256:tokenizer-1",
+        kv_dtype="bfloat16",
+        kv_layout_version=1,
+        block_sizes=(BLOCK,) * blocks,
+        tensor_parallel_size=tp,
+        tenant=tenant,
     )
 
 
@@ -97,10 +103,12 @@ async def compute(engine: SimEngine, owner: int, blocks: list[BlockRef], tokens:
 
 async def compute_and_store(engine: SimEngine, owner: int, blocks: list[BlockRef], tokens: Sequence[int]) -> StoreJobStarted:
     engine.compute(blocks, tokens)
-    result = await engine.step([
-        MarkComputed(engine_id=engine.engine_id, owner_id=owner, blocks=blocks, token_ids=list(tokens)),
-        StartStore(engine_id=engine.engine_id, tier=TIER, blocks=blocks),
-    ])
+    result = await engine.step(
+        [
+            MarkComputed(engine_id=engine.engine_id, owner_id=owner, blocks=blocks, token_ids=list(tokens)),
+            StartStore(engine_id=engine.engine_id, tier=TIER, blocks=blocks),
+        ]
+    )
     [decision] = result.decisions
     assert isinstance(decision.event, StoreJobStarted)
     return decision.event
@@ -124,8 +132,15 @@ async def load_prefix(
     workers run, and check what landed against recompute. False when the coordinator refused."""
     dests = await allocate(engine, owner, len(keys))
     assert dests is not None
-    result = await engine.step([StartLoad(engine_id=engine.engine_id, tier=TIER,
-                                          items=[LoadRequest(key, dest) for key, dest in zip(keys, dests, strict=True)])])
+    result = await engine.step(
+        [
+            StartLoad(
+                engine_id=engine.engine_id,
+                tier=TIER,
+                items=[LoadRequest(key, dest) for key, dest in zip(keys, dests, strict=True)],
+            )
+        ]
+    )
     if not result.decisions:
         engine.compute(dests, tokens, first_block=first_block)  # refused: the engine recomputes instead
         return False
@@ -237,10 +252,12 @@ async def duplicate_offload_with_different_bytes(sim: Simulation) -> None:
     await compute_and_store(a, owners[0], blocks[0], tokens)
     b.compute(blocks[1], tokens)
     b.workers[0].pools.block(blocks[1][1])[7] ^= 0x40  # a kernel wrote one wrong byte on rank 0
-    await b.step([
-        MarkComputed(engine_id=b.engine_id, owner_id=owners[1], blocks=blocks[1], token_ids=tokens),
-        StartStore(engine_id=b.engine_id, tier=TIER, blocks=blocks[1]),
-    ])
+    await b.step(
+        [
+            MarkComputed(engine_id=b.engine_id, owner_id=owners[1], blocks=blocks[1], token_ids=tokens),
+            StartStore(engine_id=b.engine_id, tier=TIER, blocks=blocks[1]),
+        ]
+    )
     await a.execute()
     await b.execute()  # the second store lands on the published keys with other bytes
     reader = await admit(a, "a-2")
@@ -263,8 +280,7 @@ async def load_before_compute_complete(sim: Simulation) -> None:
     first = await admit(engine, "r2")
     [slot] = await allocate(engine, first, 1) or []
     engine.compute([slot], prompt(98, 1))  # what the recycled slot held before
-    load = await engine.step([StartLoad(engine_id=engine.engine_id, tier=TIER,
-                                        items=[LoadRequest(stored.items[0].key, slot)])])
+    load = await engine.step([StartLoad(engine_id=engine.engine_id, tier=TIER, items=[LoadRequest(stored.items[0].key, slot)])])
     [decision] = load.decisions  # the load is slow: it has not run yet
     second = await admit(engine, "r3")
     reused = await engine.step([ReuseBlocks(engine_id=engine.engine_id, owner_id=second, blocks=[slot])])
@@ -298,10 +314,14 @@ async def null_state_publication(sim: Simulation) -> None:
         await engine.step([StartStore(engine_id=engine.engine_id, tier=TIER, blocks=positions)])
     else:  # refused (null block): mark only the real state, chained on the prefix before it
         parent = chain_keys(namespace_id(ns), tokens[:BLOCK], BLOCK)[-1]
-        await engine.step([
-            MarkComputed(engine_id=engine.engine_id, owner_id=owner, blocks=[last], token_ids=tokens[BLOCK:], parent_key=parent),
-            StartStore(engine_id=engine.engine_id, tier=TIER, blocks=[last]),
-        ])
+        await engine.step(
+            [
+                MarkComputed(
+                    engine_id=engine.engine_id, owner_id=owner, blocks=[last], token_ids=tokens[BLOCK:], parent_key=parent
+                ),
+                StartStore(engine_id=engine.engine_id, tier=TIER, blocks=[last]),
+            ]
+        )
     await engine.execute()
     await engine.step([FinishOwner(engine_id=engine.engine_id, owner_id=owner)])
     # r2 shares the first block of tokens only.
@@ -331,11 +351,13 @@ async def partial_hash_hit(sim: Simulation) -> None:
     assert attn_blocks is not None and state_blocks is not None
     engine.compute(attn_blocks, tokens)
     engine.compute(state_blocks, tokens)
-    await engine.step([
-        MarkComputed(engine_id=engine.engine_id, owner_id=owner, blocks=attn_blocks, token_ids=tokens),
-        MarkComputed(engine_id=engine.engine_id, owner_id=owner, blocks=state_blocks, token_ids=tokens),
-        StartStore(engine_id=engine.engine_id, tier=TIER, blocks=attn_blocks + state_blocks),
-    ])
+    await engine.step(
+        [
+            MarkComputed(engine_id=engine.engine_id, owner_id=owner, blocks=attn_blocks, token_ids=tokens),
+            MarkComputed(engine_id=engine.engine_id, owner_id=owner, blocks=state_blocks, token_ids=tokens),
+            StartStore(engine_id=engine.engine_id, tier=TIER, blocks=attn_blocks + state_blocks),
+        ]
+    )
     await engine.execute()
     await engine.step([FinishOwner(engine_id=engine.engine_id, owner_id=owner)])
     other = tokens[: 3 * BLOCK] + prompt(11, 1)  # diverges after 48 tokens
@@ -441,10 +463,12 @@ async def _slow_load_under_store_pressure(sim: Simulation, *, lease_seconds: flo
     engine.compute(blocks, others)
     # The tier is full: r1's keys are evicted unless a live lease holds them (I12), and then the
     # store is refused (TIER_FULL) and the load lands first.
-    await engine.step([
-        MarkComputed(engine_id=engine.engine_id, owner_id=writer, blocks=blocks, token_ids=others),
-        StartStore(engine_id=engine.engine_id, tier=TIER, blocks=blocks),
-    ])
+    await engine.step(
+        [
+            MarkComputed(engine_id=engine.engine_id, owner_id=writer, blocks=blocks, token_ids=others),
+            StartStore(engine_id=engine.engine_id, tier=TIER, blocks=blocks),
+        ]
+    )
     await engine.execute(hold=slow)  # r3's store lands in the slots r1's keys had
     use_or_recompute(engine, dests, tokens, await engine.execute(only=slow))
 
@@ -535,7 +559,7 @@ class Scenario(msgspec.Struct, frozen=True):
     """What the on run records instead of the wrong read (a refusal reason, or a decision)."""
     baseline: frozenset[Protection] = frozenset()
     """Protections off in both runs: the seed's deployment, where `protection` is the last
-    safety net left (coordinator/protections.py). Never includes `protection` itself."""
+    safety net left (coordinator/core/protections.py). Never includes `protection` itself."""
     tier_slots: int = 4096
     """The size of the simulation's shared tier (small: stores evict)."""
 
@@ -547,29 +571,66 @@ class Scenario(msgspec.Struct, frozen=True):
 SCENARIOS = {
     scenario.name: scenario
     for scenario in (
-        Scenario("req-id-reuse-after-preemption", Protection.JOB_IDENTITY, "I4", req_id_reuse_after_preemption,
-                 "Refused:unknown_owner"),
-        Scenario("reset-with-late-completions", Protection.FENCING, "I16", reset_with_late_completions,
-                 "FencedRankDone:late_report"),
-        Scenario("stale-encoder-eviction", Protection.END_OF_STEP, "I14", stale_encoder_eviction,
-                 "NoticeDropped:reallocated_in_step"),
+        Scenario(
+            "req-id-reuse-after-preemption", Protection.JOB_IDENTITY, "I4", req_id_reuse_after_preemption, "Refused:unknown_owner"
+        ),
+        Scenario(
+            "reset-with-late-completions", Protection.FENCING, "I16", reset_with_late_completions, "FencedRankDone:late_report"
+        ),
+        Scenario(
+            "stale-encoder-eviction", Protection.END_OF_STEP, "I14", stale_encoder_eviction, "NoticeDropped:reallocated_in_step"
+        ),
         Scenario("preempt-during-async-store", Protection.PINS, "I3", preempt_during_async_store, "Refused:pool_exhausted"),
         Scenario("overlapping-state-copy", Protection.ORDERED_COPIES, "I15", overlapping_state_copy, "ordered plan"),
-        Scenario("duplicate-keys-in-batch-load", Protection.LOAD_DEDUPE, "I11", duplicate_keys_in_batch_load,
-                 "every destination verified"),
-        Scenario("weights-revision-change-under-same-model-name", Protection.NAMESPACE_WEIGHTS, "I9", weights_revision_change,
-                 "Refused:key_not_published"),
+        Scenario(
+            "duplicate-keys-in-batch-load",
+            Protection.LOAD_DEDUPE,
+            "I11",
+            duplicate_keys_in_batch_load,
+            "every destination verified",
+        ),
+        Scenario(
+            "weights-revision-change-under-same-model-name",
+            Protection.NAMESPACE_WEIGHTS,
+            "I9",
+            weights_revision_change,
+            "Refused:key_not_published",
+        ),
         Scenario("cross-tenant-prefix", Protection.NAMESPACE_TENANT, "I9", cross_tenant_prefix, "Refused:key_not_published"),
-        Scenario("duplicate-offload-with-different-bytes", Protection.IDEMPOTENT_STORE, "I10",
-                 duplicate_offload_with_different_bytes, "KeyQuarantined:checksum_mismatch"),
+        Scenario(
+            "duplicate-offload-with-different-bytes",
+            Protection.IDEMPOTENT_STORE,
+            "I10",
+            duplicate_offload_with_different_bytes,
+            "KeyQuarantined:checksum_mismatch",
+        ),
         Scenario("partial-hash-hit", Protection.WHOLE_UNITS, "I7", partial_hash_hit, "boundary at a whole unit"),
         Scenario("null-state-publication", Protection.NULL_STATES, "I2", null_state_publication, "Refused:null_block"),
-        Scenario("load-before-compute-complete", Protection.VISIBLE_WHEN_COMPLETE, "I17", load_before_compute_complete,
-                 "Refused:not_computed"),
-        Scenario("lease-expiry-during-slow-load", Protection.LEASES, "I12", lease_expiry_during_slow_load,
-                 "JobFailed:lease_expired", baseline=frozenset({Protection.CHECKSUMS}), tier_slots=SMALL_TIER),
-        Scenario("eviction-under-store-pressure", Protection.CHECKSUMS, "I13", eviction_under_store_pressure,
-                 "JobFailed:checksum_mismatch", baseline=frozenset({Protection.LEASES}), tier_slots=SMALL_TIER),
+        Scenario(
+            "load-before-compute-complete",
+            Protection.VISIBLE_WHEN_COMPLETE,
+            "I17",
+            load_before_compute_complete,
+            "Refused:not_computed",
+        ),
+        Scenario(
+            "lease-expiry-during-slow-load",
+            Protection.LEASES,
+            "I12",
+            lease_expiry_during_slow_load,
+            "JobFailed:lease_expired",
+            baseline=frozenset({Protection.CHECKSUMS}),
+            tier_slots=SMALL_TIER,
+        ),
+        Scenario(
+            "eviction-under-store-pressure",
+            Protection.CHECKSUMS,
+            "I13",
+            eviction_under_store_pressure,
+            "JobFailed:checksum_mismatch",
+            baseline=frozenset({Protection.LEASES}),
+            tier_slots=SMALL_TIER,
+        ),
     )
 }
 
@@ -599,8 +660,16 @@ async def run_scenario(scenario: Scenario, *, protection_on: bool, directory: Pa
         tally: Tally = sim.tally
         where = str(sim.log_path) if directory is not None else ""
     return Outcome(
-        scenario=scenario.name, invariant=scenario.invariant, protection_on=protection_on, requests=tally.requests,
-        wrong_reads=tally.wrong_reads, loads_checked=tally.loads_checked, refusals=dict(sorted(tally.refusals.items())),
-        events=tally.events, seconds=time.perf_counter() - started, log=where,
-        baseline=sorted(p.value for p in scenario.baseline), protections_off=sorted(p.value for p in off),
+        scenario=scenario.name,
+        invariant=scenario.invariant,
+        protection_on=protection_on,
+        requests=tally.requests,
+        wrong_reads=tally.wrong_reads,
+        loads_checked=tally.loads_checked,
+        refusals=dict(sorted(tally.refusals.items())),
+        events=tally.events,
+        seconds=time.perf_counter() - started,
+        log=where,
+        baseline=sorted(p.value for p in scenario.baseline),
+        protections_off=sorted(p.value for p in off),
     )

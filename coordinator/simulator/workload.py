@@ -117,8 +117,9 @@ class Workload:
         self.engines: list[WorkloadEngine] = []
         self.system_prompts = [
             [rng.randrange(VOCABULARY) for _ in range(length)]
-            for length in (rng.randrange(5, 10) * ATTENTION_BLOCK + rng.randrange(1, ATTENTION_BLOCK)
-                           for _ in range(SYSTEM_PROMPTS))
+            for length in (
+                rng.randrange(5, 10) * ATTENTION_BLOCK + rng.randrange(1, ATTENTION_BLOCK) for _ in range(SYSTEM_PROMPTS)
+            )
         ]
         """A few long system prompts, each ending inside a block."""
         self.conversations = 0
@@ -151,8 +152,7 @@ class Workload:
             return
         engine = self.rng.choice(self.engines)
         tokens = request.tokens + turn
-        self._new(engine, Request(f"{request.req_id}.{len(tokens)}", tokens, len(tokens) + output, request.extra,
-                                  request.image))
+        self._new(engine, Request(f"{request.req_id}.{len(tokens)}", tokens, len(tokens) + output, request.extra, request.image))
 
     def _new(self, engine: WorkloadEngine, request: Request) -> None:
         self.stats.requests += 1
@@ -161,7 +161,12 @@ class Workload:
 
 
 async def run_workload(
-    sim: Simulation, *, engines: int = 2, steps: int = 200, seed: int = 7, world_size: int = 2,
+    sim: Simulation,
+    *,
+    engines: int = 2,
+    steps: int = 200,
+    seed: int = 7,
+    world_size: int = 2,
     late_loads_at_reset: bool = False,
 ) -> WorkloadReport:
     """Run `steps` scheduler iterations on each of `engines` engines (one namespace, one tier)
@@ -192,8 +197,11 @@ async def run_workload(
     reset_from, reset_by = steps // 2, steps // 2 + steps // 4
     for iteration in range(steps):
         for index, engine_load in enumerate(workload.engines):
-            if index == 0 and not workload.stats.resets and iteration >= reset_from and (
-                engine_load.in_flight(loads=late_loads_at_reset) or iteration >= reset_by
+            if (
+                index == 0
+                and not workload.stats.resets
+                and iteration >= reset_from
+                and (engine_load.in_flight(loads=late_loads_at_reset) or iteration >= reset_by)
             ):
                 await engine_load.reset(late_loads=late_loads_at_reset)
             workload.arrive(engine_load)

@@ -44,8 +44,9 @@ class KvledgerOffloadingConnector(OffloadingConnector):
         transfer = vllm_config.kv_transfer_config
         # Both roles check: the engine refuses to start (seen: the worker's connector, built
         # first, raises this) rather than fail a request or die at the first refused load.
-        check_connector_config(transfer.kv_load_failure_policy, transfer.kv_connector_extra_config,
-                               len(kv_cache_config.kv_cache_groups))
+        check_connector_config(
+            transfer.kv_load_failure_policy, transfer.kv_connector_extra_config, len(kv_cache_config.kv_cache_groups)
+        )
         super().__init__(vllm_config, role, kv_cache_config)
         self._load_errors = LoadErrors()
         if self.connector_worker is not None:
@@ -70,8 +71,11 @@ class KvledgerOffloadingConnector(OffloadingConnector):
             # Only requests still alive: one aborted meanwhile had request_finished already, and
             # marking it now would keep its id for ever.
             live = self.scheduler._req_status
-            self._refused_requests.update(req_id for req_id in connector_output.finished_recving or ()
-                                          if req_id in live and not live[req_id].req.is_finished())
+            self._refused_requests.update(
+                req_id
+                for req_id in connector_output.finished_recving or ()
+                if req_id in live and not live[req_id].req.is_finished()
+            )
         super().update_connector_output(connector_output)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -90,8 +94,11 @@ class KvledgerOffloadingConnector(OffloadingConnector):
         if status is None or status.transfer_jobs or request.skip_reading_prefix_cache:
             return  # vLLM asks nothing now
         status.update_offload_keys()  # idempotent: vLLM's own call finds nothing new to add
-        keys = [key for config, group in zip(scheduler.config.kv_group_configs, status.group_states, strict=True)
-                for key in group.offload_keys[num_computed_tokens // config.tokens_per_chunk:]]
+        keys = [
+            key
+            for config, group in zip(scheduler.config.kv_group_configs, status.group_states, strict=True)
+            for key in group.offload_keys[num_computed_tokens // config.tokens_per_chunk :]
+        ]
         scheduler.manager.ask(keys)
 
     def build_connector_meta(self, scheduler_output):

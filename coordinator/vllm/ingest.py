@@ -1,6 +1,6 @@
 """`kvledger ingest vllm`: subscribe to a vLLM engine's KV events and record them in the ledger.
 
-The I/O shell around coordinator/vllm/kv_events.py (decoding) and coordinator/_observe.py
+The I/O shell around coordinator/vllm/kv_events.py (decoding) and coordinator/core/observe.py
 (deciding). vLLM's ZMQ PUB socket *connects* to the configured endpoint (it binds only `*`, `::`,
 ipc and inproc endpoints: vllm/distributed/kv_events.py, `_is_bind_endpoint`), so this subscriber
 binds a SUB socket there. Per frame:
@@ -31,10 +31,10 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from coordinator.commands import AnyCommand, ObserveEngine, ObserveGap
-from coordinator.keys import namespace_id
+from coordinator.core.commands import AnyCommand, ObserveEngine, ObserveGap
+from coordinator.core.keys import namespace_id
+from coordinator.core.state import State
 from coordinator.ledger import Commit, Single, StepCommit, Submission
-from coordinator.state import State
 from coordinator.vllm.kv_events import DecodedBatch, Unreadable, decode_frames, is_replay_end, replay_request, sequence
 from events import NamespaceSpec, Refused
 from events.log import LogUnavailable
@@ -140,8 +140,14 @@ class Ingestor:
                 sub.setsockopt(zmq.SUBSCRIBE, self._topic)
                 sub.bind(self.config.endpoint)
                 self.endpoint = str(sub.getsockopt_string(zmq.LAST_ENDPOINT))
-                log.info("ingest_started", endpoint=self.endpoint, replay=self.config.replay, topic=self.config.topic,
-                         expected=self.stats.expected, global_seq=self.ledger.last_seq)
+                log.info(
+                    "ingest_started",
+                    endpoint=self.endpoint,
+                    replay=self.config.replay,
+                    topic=self.config.topic,
+                    expected=self.stats.expected,
+                    global_seq=self.ledger.last_seq,
+                )
                 if on_ready is not None:
                     on_ready(self)
                 await self._loop(sub)
@@ -184,8 +190,9 @@ class Ingestor:
         await self._flush()
 
     def _observe(self, reason: str) -> ObserveEngine:
-        return ObserveEngine(engine_id=self.config.engine_id, namespace=self.config.namespace,
-                             source=self.config.source, reason=reason)
+        return ObserveEngine(
+            engine_id=self.config.engine_id, namespace=self.config.namespace, source=self.config.source, reason=reason
+        )
 
     async def _live(self, frames: list[bytes]) -> None:
         if self._topic and frames and frames[0] != self._topic:
@@ -271,8 +278,11 @@ class Ingestor:
         finally:
             dealer.close(linger=0)
         if self.stats.expected <= last:
-            why = "the replay buffer did not hold them" if answered else (
-                f"the replay endpoint did not answer within {self.config.replay_timeout:g} s")
+            why = (
+                "the replay buffer did not hold them"
+                if answered
+                else (f"the replay endpoint did not answer within {self.config.replay_timeout:g} s")
+            )
             self._gap(self.stats.expected, last, why)
         log.info("replay_done", first_seq=first, last_seq=last, replayed=len(delivered), answered=answered)
 

@@ -14,7 +14,7 @@ keys is read too). Events come in two encodings:
 
 Fields this code does not know are ignored; a frame that cannot be read becomes `Unreadable` and an
 event that cannot be read or is of an unknown type becomes an ObservedKvEvent of kind "malformed"
-or "unknown": nothing here raises on bad input (the decider refuses them, coordinator/_observe.py).
+or "unknown": nothing here raises on bad input (the decider refuses them, coordinator/core/observe.py).
 
 Normalization: block hashes are bytes (vLLM's ExternalBlockHash). An int hash (older vLLM, or
 VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES) becomes its 8-byte big-endian two's complement: a signed
@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from coordinator.commands import ObservedKvEvent, ObserveKvEvents, ObserveMalformed
+from coordinator.core.commands import ObservedKvEvent, ObserveKvEvents, ObserveMalformed
 
 SEQ_BYTES = 8
 END_SEQ = -1
@@ -42,8 +42,17 @@ DEFAULT_MEDIUM = "GPU"
 MAX_DETAIL = 300
 _MASK64 = (1 << 64) - 1
 
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                  "lora_name", "extra_keys", "group_idx")
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+)
 """BlockStored's fields in array order (after the tag), as far as this code reads them."""
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 _REQUIRED = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
@@ -98,8 +107,10 @@ def decode_frames(frames: Sequence[bytes]) -> DecodedBatch | Unreadable:
     """One multipart message as vLLM's PUB socket sends it: (topic, seq, payload)."""
     seq = sequence(frames[1]) if len(frames) >= 2 else None
     if len(frames) != 3:
-        return Unreadable(seq=-1 if seq is None or seq < 0 else seq,
-                          detail=f"{len(frames)} frames, expected 3 (topic, sequence number, payload)")
+        return Unreadable(
+            seq=-1 if seq is None or seq < 0 else seq,
+            detail=f"{len(frames)} frames, expected 3 (topic, sequence number, payload)",
+        )
     if seq is None:
         return Unreadable(seq=-1, detail=f"a sequence-number frame of {len(frames[1])} bytes, expected {SEQ_BYTES}")
     if seq < 0:
@@ -157,8 +168,9 @@ def decode_event(raw: Any) -> ObservedKvEvent:
     if fields is None:
         values = raw[1:]
         if len(values) < _REQUIRED[name]:
-            return ObservedKvEvent(kind="malformed", type_name=name,
-                                   detail=f"{len(values)} fields, {name} has at least {_REQUIRED[name]}")
+            return ObservedKvEvent(
+                kind="malformed", type_name=name, detail=f"{len(values)} fields, {name} has at least {_REQUIRED[name]}"
+            )
         order = _STORED_FIELDS if name == "BlockStored" else _REMOVED_FIELDS
         fields = dict(zip(order, values, strict=False))
     try:
@@ -173,9 +185,14 @@ def _stored(fields: dict[str, Any]) -> ObservedKvEvent:
             raise _Bad(f"no {name}")
     parent = fields["parent_block_hash"]
     return ObservedKvEvent(
-        kind="stored", type_name="BlockStored", medium=_medium(fields), group=_group(fields),
-        block_hashes=_hashes(fields["block_hashes"]), parent_hash=None if parent is None else hash_bytes(parent),
-        token_ids=_ints(fields["token_ids"], "token_ids"), block_size=_int(fields["block_size"], "block_size"),
+        kind="stored",
+        type_name="BlockStored",
+        medium=_medium(fields),
+        group=_group(fields),
+        block_hashes=_hashes(fields["block_hashes"]),
+        parent_hash=None if parent is None else hash_bytes(parent),
+        token_ids=_ints(fields["token_ids"], "token_ids"),
+        block_size=_int(fields["block_size"], "block_size"),
         lora_id=None if fields.get("lora_id") is None else _int(fields["lora_id"], "lora_id"),
     )
 
@@ -183,8 +200,13 @@ def _stored(fields: dict[str, Any]) -> ObservedKvEvent:
 def _removed(fields: dict[str, Any]) -> ObservedKvEvent:
     if "block_hashes" not in fields:
         raise _Bad("no block_hashes")
-    return ObservedKvEvent(kind="removed", type_name="BlockRemoved", medium=_medium(fields), group=_group(fields),
-                           block_hashes=_hashes(fields["block_hashes"]))
+    return ObservedKvEvent(
+        kind="removed",
+        type_name="BlockRemoved",
+        medium=_medium(fields),
+        group=_group(fields),
+        block_hashes=_hashes(fields["block_hashes"]),
+    )
 
 
 def _cleared(fields: dict[str, Any]) -> ObservedKvEvent:
@@ -192,7 +214,9 @@ def _cleared(fields: dict[str, Any]) -> ObservedKvEvent:
 
 
 _KINDS: dict[str, Callable[[dict[str, Any]], ObservedKvEvent]] = {
-    "BlockStored": _stored, "BlockRemoved": _removed, "AllBlocksCleared": _cleared,
+    "BlockStored": _stored,
+    "BlockRemoved": _removed,
+    "AllBlocksCleared": _cleared,
 }
 
 

@@ -59,7 +59,7 @@ from vllm.v1.kv_offload.base import (
     get_offload_group_idx,
 )
 
-from coordinator.commands import ExternalKey, ReportRank
+from coordinator.core.commands import ExternalKey, ReportRank
 from coordinator.vllm.offload_client import (
     CONNECTOR_MODULE,
     CONNECTOR_NAME,
@@ -168,8 +168,12 @@ class KvledgerOffloadingManager(OffloadingManager):
             if facts.hash_algorithm is None:
                 facts = msgspec.structs.replace(facts, hash_algorithm=engine_hash_algorithm())
             self._session = LedgerSession(self.settings, facts)
-            log.info("kvledger_engine_declared", engine=self._session.engine_id, tier=self._session.tier.name,
-                     hash_algorithm=facts.hash_algorithm)
+            log.info(
+                "kvledger_engine_declared",
+                engine=self._session.engine_id,
+                tier=self._session.tier.name,
+                hash_algorithm=facts.hash_algorithm,
+            )
         return self._session
 
     @staticmethod
@@ -205,7 +209,7 @@ class KvledgerOffloadingManager(OffloadingManager):
         return spec
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        """Recency is kvledger's: a successful load touches its keys (coordinator/projector.py)."""
+        """Recency is kvledger's: a successful load touches its keys (coordinator/core/projector.py)."""
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """The workers reported the job to the sidecar, which ended it and its leases."""
@@ -222,8 +226,9 @@ class KvledgerOffloadingManager(OffloadingManager):
         spec = KvledgerSpec([ref.engine_key for ref in pending.keys])
         self._stores.append((spec, pending))
         # Evictions are kvledger's, decided at the flush: vLLM hears of them as removal events.
-        return PrepareStoreOutput(keys_to_store=[OffloadKey(ref.engine_key) for ref in pending.keys],
-                                  store_spec=spec, evicted_keys=[])
+        return PrepareStoreOutput(
+            keys_to_store=[OffloadKey(ref.engine_key) for ref in pending.keys], store_spec=spec, evicted_keys=[]
+        )
 
     def flush(self) -> None:
         """Commit this pass's loads and stores in one kvledger step and fill their specs, before
@@ -235,8 +240,12 @@ class KvledgerOffloadingManager(OffloadingManager):
         for spec, pending, req_context in loads:
             spec.fill(pending.job, pending.refused)
             if pending.job is None:
-                log.warning("kvledger_load_not_started", request=req_context.req_id, error=pending.refused,
-                            keys=[ref.engine_key.hex() for ref in pending.keys])
+                log.warning(
+                    "kvledger_load_not_started",
+                    request=req_context.req_id,
+                    error=pending.refused,
+                    keys=[ref.engine_key.hex() for ref in pending.keys],
+                )
         evicted_keys: list[OffloadKey] = []
         for spec, pending in stores:
             spec.fill(pending.job, pending.refused)
@@ -277,18 +286,27 @@ class KvledgerOffloadingManager(OffloadingManager):
 class KvledgerOffloadingWorker(OffloadingWorker):
     """Worker side: copies between vLLM's KV-cache rows and the tier, synchronously, verified."""
 
-    def __init__(self, settings: OffloadSettings, facts: EngineFacts, rank: int, kv_caches: CanonicalKVCaches,
-                 blocks_per_chunk: int, load_errors: LoadErrors) -> None:
+    def __init__(
+        self,
+        settings: OffloadSettings,
+        facts: EngineFacts,
+        rank: int,
+        kv_caches: CanonicalKVCaches,
+        blocks_per_chunk: int,
+        load_errors: LoadErrors,
+    ) -> None:
         if blocks_per_chunk != 1:
             raise ValueError(f"kvledger's spec stores one vLLM block per tier slot; blocks_per_chunk is {blocks_per_chunk}")
         self.rank = rank
         self.tensors = [t.tensor for t in kv_caches.tensors]
-        self.group_tensors = {group: [ref.tensor_idx for ref in refs]
-                              for group, refs in enumerate(kv_caches.group_data_refs)}
+        self.group_tensors = {group: [ref.tensor_idx for ref in refs] for group, refs in enumerate(kv_caches.group_data_refs)}
         spec = tier_spec(settings, facts)
         device = torch.device("cpu")
-        self.tier: Tier = (DiskTier(spec.name, _rank_dir(settings.tier_dir, rank), device) if settings.tier_dir
-                           else SlotTier(spec.name, device, spec.num_slots, spec.bytes_per_slot))
+        self.tier: Tier = (
+            DiskTier(spec.name, _rank_dir(settings.tier_dir, rank), device)
+            if settings.tier_dir
+            else SlotTier(spec.name, device, spec.num_slots, spec.bytes_per_slot)
+        )
         self.reporter = Reporter(settings.socket, engine_id(settings, facts), rank)
         self.load_errors = load_errors
         self.finished: list[TransferResult] = []
@@ -326,8 +344,9 @@ class KvledgerOffloadingWorker(OffloadingWorker):
                 size += data.numel()
         except (TierError, OSError) as error:
             log.warning("kvledger_store_write_failed", job_id=dst_spec.job_id, rank=self.rank, error=str(error))
-            report = ReportRank(job_id=dst_spec.job_id, rank=self.rank, ok=False, checksums=[],
-                                error=f"tier_write_failed: {error}"[:500])
+            report = ReportRank(
+                job_id=dst_spec.job_id, rank=self.rank, ok=False, checksums=[], error=f"tier_write_failed: {error}"[:500]
+            )
         kvledger_job = dst_spec.job_id
 
         def reported(events: list | None) -> None:
@@ -344,17 +363,32 @@ class KvledgerOffloadingWorker(OffloadingWorker):
         self._report(report or ReportRank(job_id=kvledger_job, rank=self.rank, ok=True, checksums=checksums), reported)
         return True
 
-    def _refuse(self, job_id: int, block_ids: list[int], reason: str, *, kvledger_job: int | None, keys: list[str],
-                events: list | None = None) -> bool:
+    def _refuse(
+        self,
+        job_id: int,
+        block_ids: list[int],
+        reason: str,
+        *,
+        kvledger_job: int | None,
+        keys: list[str],
+        events: list | None = None,
+    ) -> bool:
         """vLLM recomputes the blocks (the connector names them as load errors); the transfer is
         "done" without a size, so vLLM neither crashes (it asserts success) nor counts it as loaded bytes."""
         self.load_errors.refuse(block_ids)
         self.finished.append(TransferResult(job_id, True))
         events = events or []
-        log.warning("kvledger_load_refused", job_id=kvledger_job, vllm_job_id=job_id, rank=self.rank, reason=reason,
-                    keys=keys, blocks=block_ids,
-                    quarantined=[e.key.hex() for e in events if isinstance(e, KeyQuarantined)],
-                    job_failed=[f"{e.reason}: {e.detail}" for e in events if isinstance(e, JobFailed)])
+        log.warning(
+            "kvledger_load_refused",
+            job_id=kvledger_job,
+            vllm_job_id=job_id,
+            rank=self.rank,
+            reason=reason,
+            keys=keys,
+            blocks=block_ids,
+            quarantined=[e.key.hex() for e in events if isinstance(e, KeyQuarantined)],
+            job_failed=[f"{e.reason}: {e.detail}" for e in events if isinstance(e, JobFailed)],
+        )
         return True
 
     def _report(self, report: ReportRank, reported) -> None:
@@ -379,8 +413,13 @@ class KvledgerOffloadingWorker(OffloadingWorker):
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         assert isinstance(src_spec, KvledgerSpec), src_spec
         if src_spec.job_id is None:  # a load kvledger would not start: refused, vLLM recomputes
-            return self._refuse(job_id, [int(b) for b in np.asarray(dst_spec.block_ids)], src_spec.refused,
-                                kvledger_job=None, keys=[key.hex() for key in src_spec.offered])
+            return self._refuse(
+                job_id,
+                [int(b) for b in np.asarray(dst_spec.block_ids)],
+                src_spec.refused,
+                kvledger_job=None,
+                keys=[key.hex() for key in src_spec.offered],
+            )
         started = time.perf_counter()
         block_ids = self._blocks(src_spec, dst_spec)
         keys = [item[2].hex() for item in src_spec.items]
@@ -400,9 +439,12 @@ class KvledgerOffloadingWorker(OffloadingWorker):
         if mismatched:
             # I13: not one byte of it reaches vLLM's cache. Reported, so the key is quarantined.
             error = f"checksum_mismatch: {mismatched}" + (f"; unreadable: {unreadable}" if unreadable else "")
-            self._report(ReportRank(job_id=src_spec.job_id, rank=self.rank, ok=False, checksums=sums, error=error),
-                         lambda events: self._refuse(job_id, block_ids, error, kvledger_job=src_spec.job_id,
-                                                     keys=mismatched, events=events))
+            self._report(
+                ReportRank(job_id=src_spec.job_id, rank=self.rank, ok=False, checksums=sums, error=error),
+                lambda events: self._refuse(
+                    job_id, block_ids, error, kvledger_job=src_spec.job_id, keys=mismatched, events=events
+                ),
+            )
             return True
         landed = []
         size = 0
@@ -411,24 +453,32 @@ class KvledgerOffloadingWorker(OffloadingWorker):
             rows = self._rows(group, block_id)
             for row in rows:
                 length = row.numel() * row.element_size()
-                row.view(-1).view(torch.uint8).copy_(data[offset:offset + length])
+                row.view(-1).view(torch.uint8).copy_(data[offset : offset + length])
                 offset += length
             landed.append(checksum(torch.cat([row.reshape(-1) for row in rows]).view(torch.uint8)))
             size += offset
+
         def reported(events: list | None) -> None:
             failed = [e for e in events or [] if isinstance(e, JobFailed)]
             if landed != sums or failed or events is None:
                 # A load that does not count (lease expired, key evicted or quarantined meanwhile,
                 # I12; bytes that changed on their way in; a report the sidecar never got): the
                 # blocks it wrote are recomputed over, before vLLM hears the pass's transfers ended.
-                reason = ("verify_failed" if landed != sums else f"job_failed: {failed[0].reason}" if failed
-                          else "not_reported")
+                reason = "verify_failed" if landed != sums else f"job_failed: {failed[0].reason}" if failed else "not_reported"
                 self._refuse(job_id, block_ids, reason, kvledger_job=src_spec.job_id, keys=keys, events=events)
                 return
             self.finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
 
-        self._report(ReportRank(job_id=src_spec.job_id, rank=self.rank, ok=landed == sums, checksums=landed,
-                                error="" if landed == sums else "verify_failed"), reported)
+        self._report(
+            ReportRank(
+                job_id=src_spec.job_id,
+                rank=self.rank,
+                ok=landed == sums,
+                checksums=landed,
+                error="" if landed == sums else "verify_failed",
+            ),
+            reported,
+        )
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -461,10 +511,13 @@ class KvledgerOffloadingSpec(OffloadingSpec):
         self.settings = OffloadSettings.parse(self.extra_config)
         parallel = config.parallel
         self.facts = EngineFacts(
-            vllm_engine_id=str(config.engine_id), model=str(config.model.name), dtype=str(config.model.dtype),
+            vllm_engine_id=str(config.engine_id),
+            model=str(config.model.name),
+            dtype=str(config.model.dtype),
             groups=[(int(g.group_id), int(g.tokens_per_block)) for g in config.groups],
             bytes_per_block=int(config.worker_kv_bytes_per_block),
-            tensor_parallel_size=int(parallel.tp_size), pipeline_parallel_size=int(parallel.pp_size),
+            tensor_parallel_size=int(parallel.tp_size),
+            pipeline_parallel_size=int(parallel.pp_size),
         )
         self.rank = int(parallel.rank)
         self.load_errors: LoadErrors | None = None
@@ -480,10 +533,13 @@ class KvledgerOffloadingSpec(OffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self.load_errors is None:
             # Under vLLM's own OffloadingConnector a refused load could only crash the worker.
-            raise SettingsError(f"{type(self).__name__} needs kv_connector {CONNECTOR_NAME!r} with "
-                                f"kv_connector_module_path {CONNECTOR_MODULE!r} (and kv_load_failure_policy "
-                                f"\"recompute\"), not vLLM's OffloadingConnector")
+            raise SettingsError(
+                f"{type(self).__name__} needs kv_connector {CONNECTOR_NAME!r} with "
+                f"kv_connector_module_path {CONNECTOR_MODULE!r} (and kv_load_failure_policy "
+                f'"recompute"), not vLLM\'s OffloadingConnector'
+            )
         if self._worker is None:
-            self._worker = KvledgerOffloadingWorker(self.settings, self.facts, self.rank, kv_caches, self.blocks_per_chunk,
-                                                    self.load_errors)
+            self._worker = KvledgerOffloadingWorker(
+                self.settings, self.facts, self.rank, kv_caches, self.blocks_per_chunk, self.load_errors
+            )
         return self._worker

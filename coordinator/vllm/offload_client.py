@@ -9,7 +9,7 @@ How the two vLLM processes talk to `kvledger serve` (both over its Unix socket):
   pools (vLLM's KV-cache groups: vLLM allocates those blocks, kvledger never names one) and the
   tier. Lookups are answered at once from the committed state (LookupKeys, one per request per
   scheduler pass) and recorded in the log afterwards; the loads and stores of one scheduler pass
-  are one kvledger step (LoadExternal, StoreExternal, coordinator/_external.py), committed to the
+  are one kvledger step (LoadExternal, StoreExternal, coordinator/core/external.py), committed to the
   log before vLLM ships the pass to its workers: kvledger picks the tier slots, evicts, leases,
   names the jobs;
 * the **worker** (each of vLLM's worker processes) learns its jobs from the LoadStoreSpec vLLM
@@ -18,7 +18,7 @@ How the two vLLM processes talk to `kvledger serve` (both over its Unix socket):
   is published only once every rank's report with its checksum is committed (I5).
 
 The tier keys are made by kvledger from vLLM's offload keys in the engine's namespace
-(coordinator._external.external_key): vLLM's block hash ignores the weights revision, the tier
+(coordinator.core.external.external_key): vLLM's block hash ignores the weights revision, the tier
 key does not.
 
 A load the worker refuses (bytes that differ from the published checksum, a job the sidecar
@@ -35,8 +35,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
+
 from coordinator.client import Address, SidecarError, SidecarUnavailable, SyncEngineClient, SyncWorkerClient
-from coordinator.commands import (
+from coordinator.core.commands import (
     AnyCommand,
     DeclareEngine,
     ExternalKey,
@@ -47,16 +48,15 @@ from coordinator.commands import (
 from coordinator.sidecar import protocol as p
 from events import (
     Event,
-    JobSucceeded,
-    StepBegan,
-    StepEnded,
     ExternalLoadStarted,
     ExternalStoreStarted,
+    JobSucceeded,
     KeyEvicted,
     NamespaceSpec,
     PoolSpec,
-    Reason,
     Refused,
+    StepBegan,
+    StepEnded,
     TierSpec,
 )
 
@@ -99,16 +99,22 @@ class OffloadSettings(msgspec.Struct, frozen=True, kw_only=True):
         namespace = extra.get("kvledger_namespace")
         if not isinstance(namespace, Mapping):
             raise SettingsError("kv_connector_extra_config needs kvledger_namespace: an object of NamespaceSpec fields")
-        missing = [name for name in ("weights_revision", "tokenizer_digest", "tenant", "block_sizes", "hash_algorithm")
-                   if not namespace.get(name)]
+        missing = [
+            name
+            for name in ("weights_revision", "tokenizer_digest", "tenant", "block_sizes", "hash_algorithm")
+            if not namespace.get(name)
+        ]
         if missing:
             raise SettingsError(f"kvledger_namespace lacks {missing}: declare what the engine must run")
         try:
-            return cls(socket=str(extra["kvledger_socket"]), namespace=dict(namespace),
-                       engine_id=str(extra.get("kvledger_engine_id", "")),
-                       tier_slots=int(extra.get("kvledger_tier_slots", 256)),
-                       tier_dir=str(extra.get("kvledger_tier_dir", "")),
-                       lease_seconds=float(extra.get("kvledger_lease_seconds", 60.0)))
+            return cls(
+                socket=str(extra["kvledger_socket"]),
+                namespace=dict(namespace),
+                engine_id=str(extra.get("kvledger_engine_id", "")),
+                tier_slots=int(extra.get("kvledger_tier_slots", 256)),
+                tier_dir=str(extra.get("kvledger_tier_dir", "")),
+                lease_seconds=float(extra.get("kvledger_lease_seconds", 60.0)),
+            )
         except (TypeError, ValueError) as error:
             raise SettingsError(f"kv_connector_extra_config: {error}") from error
 
@@ -127,15 +133,21 @@ def check_connector_config(load_failure_policy: str, extra: Mapping[str, Any], n
     (the engine dies) on block ids of a model with several KV-cache groups
     (vllm/v1/core/sched/scheduler.py, _handle_invalid_blocks)."""
     if load_failure_policy != "recompute":
-        raise SettingsError(f"{CONNECTOR_NAME} needs kv_transfer_config kv_load_failure_policy \"recompute\" "
-                            f"(it is {load_failure_policy!r}): a load kvledger refuses is recomputed by vLLM, "
-                            f"never served")
+        raise SettingsError(
+            f'{CONNECTOR_NAME} needs kv_transfer_config kv_load_failure_policy "recompute" '
+            f"(it is {load_failure_policy!r}): a load kvledger refuses is recomputed by vLLM, "
+            f"never served"
+        )
     if extra.get("spec_name") != SPEC_NAME:
-        raise SettingsError(f"{CONNECTOR_NAME} needs kv_connector_extra_config spec_name {SPEC_NAME!r} "
-                            f"(spec_module_path \"coordinator.vllm.offload\"), not {extra.get('spec_name')!r}")
+        raise SettingsError(
+            f"{CONNECTOR_NAME} needs kv_connector_extra_config spec_name {SPEC_NAME!r} "
+            f'(spec_module_path "coordinator.vllm.offload"), not {extra.get("spec_name")!r}'
+        )
     if num_kv_cache_groups != 1:
-        raise SettingsError(f"{CONNECTOR_NAME}: this model has {num_kv_cache_groups} KV-cache groups; vLLM 0.32 "
-                            f"recomputes refused blocks only for a model with one")
+        raise SettingsError(
+            f"{CONNECTOR_NAME}: this model has {num_kv_cache_groups} KV-cache groups; vLLM 0.32 "
+            f"recomputes refused blocks only for a model with one"
+        )
 
 
 class LoadErrors:
@@ -159,8 +171,11 @@ class LoadErrors:
 
 def unverified(published: Sequence[Sequence[bytes]], read: Sequence[bytes], rank: int) -> list[int]:
     """Indexes of the items whose bytes this rank read differ from (or lack) the published checksum (I13)."""
-    return [index for index, (checksums, found) in enumerate(zip(published, read, strict=True))
-            if rank >= len(checksums) or not found or found != checksums[rank]]
+    return [
+        index
+        for index, (checksums, found) in enumerate(zip(published, read, strict=True))
+        if rank >= len(checksums) or not found or found != checksums[rank]
+    ]
 
 
 class EngineFacts(msgspec.Struct, frozen=True, kw_only=True):
@@ -198,8 +213,11 @@ def declaration(settings: OffloadSettings, facts: EngineFacts) -> tuple[DeclareE
     """The engine's Hello: the declared namespace, the engine's real pools and key hash algorithm
     (the decider refuses a block size or an algorithm that differs, naming both)."""
     fields: dict[str, Any] = {
-        "model_id": facts.model, "kv_dtype": facts.dtype, "kv_layout_version": 1,
-        "tensor_parallel_size": facts.tensor_parallel_size, "pipeline_parallel_size": facts.pipeline_parallel_size,
+        "model_id": facts.model,
+        "kv_dtype": facts.dtype,
+        "kv_layout_version": 1,
+        "tensor_parallel_size": facts.tensor_parallel_size,
+        "pipeline_parallel_size": facts.pipeline_parallel_size,
         **settings.namespace,
     }
     fields["block_sizes"] = tuple(fields["block_sizes"])
@@ -208,11 +226,24 @@ def declaration(settings: OffloadSettings, facts: EngineFacts) -> tuple[DeclareE
     except msgspec.ValidationError as error:
         raise SettingsError(f"kvledger_namespace: {error}") from error
     tier = tier_spec(settings, facts)
-    pools = [PoolSpec(pool_id=group_id, kind="attention", num_blocks=NOMINAL_BLOCKS, block_size=block_size,
-                      bytes_per_block=facts.bytes_per_block, managed=False) for group_id, block_size in facts.groups]
+    pools = [
+        PoolSpec(
+            pool_id=group_id,
+            kind="attention",
+            num_blocks=NOMINAL_BLOCKS,
+            block_size=block_size,
+            bytes_per_block=facts.bytes_per_block,
+            managed=False,
+        )
+        for group_id, block_size in facts.groups
+    ]
     declare = DeclareEngine(
-        engine_id=engine_id(settings, facts), namespace=namespace, pools=pools, world_size=facts.world_size,
-        tiers=[tier.name], key_hash_algorithm=HASH_PREFIX + facts.hash_algorithm if facts.hash_algorithm else "",
+        engine_id=engine_id(settings, facts),
+        namespace=namespace,
+        pools=pools,
+        world_size=facts.world_size,
+        tiers=[tier.name],
+        key_hash_algorithm=HASH_PREFIX + facts.hash_algorithm if facts.hash_algorithm else "",
     )
     return declare, tier
 
@@ -265,8 +296,7 @@ class LedgerSession:
         self.declare, self.tier = declaration(settings, facts)
         self.engine_id = self.declare.engine_id
         # Raises SidecarError (code REFUSED, "namespace_mismatch: ... both values") on a bad Hello.
-        self.client = SyncEngineClient(Address(socket_path=settings.socket), self.declare, tiers=[self.tier],
-                                       retry_for=retry_for)
+        self.client = SyncEngineClient(Address(socket_path=settings.socket), self.declare, tiers=[self.tier], retry_for=retry_for)
         self._step = 0
         self._clock = 0.0
         self._answers: dict[ExternalKey, bool] = {}
@@ -347,7 +377,7 @@ class LedgerSession:
                 load.refused = f"LoadExternal refused: {refused[0].reason}: {refused[0].detail}"
             else:
                 (load.job,) = [e for e in events if isinstance(e, ExternalLoadStarted)]
-        for store, events in zip(stores, results[len(loads):], strict=True):
+        for store, events in zip(stores, results[len(loads) :], strict=True):
             refused = [e for e in events if isinstance(e, Refused)]
             if refused:  # TIER_FULL: every slot leased or being written (I12); nothing is stored
                 store.refused = f"StoreExternal refused: {refused[0].reason}: {refused[0].detail}"
@@ -395,8 +425,12 @@ def per_command(events: Sequence[Event], commands: int) -> list[list[Event]]:
             groups.append([])
     groups = [group for group in groups if group]
     if len(groups) != commands:
-        raise SidecarError(p.Error(code=p.ErrorCode.INVALID_MESSAGE,
-                                   message=f"a retried step answered {len(groups)} decisions for {commands} commands"))
+        raise SidecarError(
+            p.Error(
+                code=p.ErrorCode.INVALID_MESSAGE,
+                message=f"a retried step answered {len(groups)} decisions for {commands} commands",
+            )
+        )
     return groups
 
 

@@ -39,9 +39,9 @@ import msgspec
 import structlog
 import zmq
 
-from coordinator.keys import namespace_problems
+from coordinator.core.keys import namespace_problems
+from coordinator.core.state import State
 from coordinator.ledger import Commit, StepCommit, Submission
-from coordinator.state import State
 from coordinator.vllm.ingest import IngestConfig, Ingestor
 from events import NamespaceSpec
 
@@ -97,8 +97,16 @@ def load_ingest_file(path: str | Path) -> list[IngestConfig]:
             raise IngestFileError(f"{where}: replay {entry.replay!r} is not a ZMQ endpoint: {problem}")
         seen_ids.add(entry.engine_id)
         seen_endpoints.add(entry.endpoint)
-        configs.append(IngestConfig(endpoint=entry.endpoint, engine_id=entry.engine_id, namespace=entry.namespace,
-                                    topic=entry.topic, replay=entry.replay, replay_timeout=entry.replay_timeout))
+        configs.append(
+            IngestConfig(
+                endpoint=entry.endpoint,
+                engine_id=entry.engine_id,
+                namespace=entry.namespace,
+                topic=entry.topic,
+                replay=entry.replay,
+                replay_timeout=entry.replay_timeout,
+            )
+        )
     return configs
 
 
@@ -135,8 +143,13 @@ class SidecarLedger:
         return await self.sidecar.committer.submit_all(transactions)
 
 
-async def run_ingestors(sidecar: Sidecar, configs: Sequence[IngestConfig], stop: anyio.Event,
-                        *, task_status: anyio.abc.TaskStatus[list[Ingestor]] = anyio.TASK_STATUS_IGNORED) -> None:
+async def run_ingestors(
+    sidecar: Sidecar,
+    configs: Sequence[IngestConfig],
+    stop: anyio.Event,
+    *,
+    task_status: anyio.abc.TaskStatus[list[Ingestor]] = anyio.TASK_STATUS_IGNORED,
+) -> None:
     """Run one Ingestor per config on the sidecar until `stop` is set; each commits what it holds
     before returning. Started (task_status) once every one has bound its endpoint."""
     ingestors = [Ingestor(SidecarLedger(sidecar), config) for config in configs]
@@ -153,8 +166,9 @@ async def run_ingestors(sidecar: Sidecar, configs: Sequence[IngestConfig], stop:
             await ingestor.run(on_ready=on_ready)
         except zmq.ZMQError as error:
             if ingestor not in ready:  # e.g. the endpoint is taken: say which engine and where
-                raise IngestFileError(f"--ingest-vllm: engine {ingestor.config.engine_id!r} cannot bind "
-                                      f"{ingestor.config.endpoint}: {error}") from None
+                raise IngestFileError(
+                    f"--ingest-vllm: engine {ingestor.config.engine_id!r} cannot bind {ingestor.config.endpoint}: {error}"
+                ) from None
             log.error("ingest_failed", engine=ingestor.config.engine_id, error=f"{type(error).__name__}: {error}")
         except Exception as error:  # noqa: BLE001 - one engine's ingestion must not stop the sidecar serving the rest
             if ingestor not in ready:

@@ -105,8 +105,15 @@ class StoredStep(msgspec.Struct, frozen=True, gc=False):
             end = offset + entry.length
             stored.append(
                 StoredEvent(
-                    self.first_seq + index, entry.event_id, self.stream_id, self.first_version + index,
-                    entry.step, entry.recorded_at, entry.event_type, entry.schema_version, payload[offset:end],
+                    self.first_seq + index,
+                    entry.event_id,
+                    self.stream_id,
+                    self.first_version + index,
+                    entry.step,
+                    entry.recorded_at,
+                    entry.event_type,
+                    entry.schema_version,
+                    payload[offset:end],
                 )
             )
             offset = end

@@ -73,6 +73,7 @@ import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # type: ignore[import-untyped]
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError, OffsetOutOfRangeError  # type: ignore[import-untyped]
 
+from events.log import _schema as t
 from events.log._contract import (
     AppendBatch,
     AppendRejected,
@@ -88,7 +89,6 @@ from events.log._contract import (
 )
 from events.log._kafka_fold import AppendRecord, ClaimRecord, KafkaFold, StepPart, encode_append, encode_claim
 from events.log._kafka_target import KafkaTarget, ensure_topic, one_line
-from events.log import _schema as t
 from events.log._sql import SqlEventLog, SqlProjectionTransaction, events_of
 
 log = structlog.get_logger("kvledger.log")
@@ -141,13 +141,22 @@ class KafkaEventLog(SqlEventLog):
         """Create the topic if needed, read it whole, and check the state store against it."""
         await ensure_topic(target)
         producer = AIOKafkaProducer(
-            bootstrap_servers=target.bootstrap, acks="all", enable_idempotence=False, linger_ms=0,
-            request_timeout_ms=target.request_timeout_ms, client_id=f"kvledger-{target.topic}",
+            bootstrap_servers=target.bootstrap,
+            acks="all",
+            enable_idempotence=False,
+            linger_ms=0,
+            request_timeout_ms=target.request_timeout_ms,
+            client_id=f"kvledger-{target.topic}",
         )
         consumer = AIOKafkaConsumer(
-            bootstrap_servers=target.bootstrap, group_id=None, enable_auto_commit=False, auto_offset_reset="none",
-            isolation_level="read_uncommitted", fetch_max_wait_ms=target.fetch_wait_ms,
-            request_timeout_ms=target.request_timeout_ms, client_id=f"kvledger-{target.topic}",
+            bootstrap_servers=target.bootstrap,
+            group_id=None,
+            enable_auto_commit=False,
+            auto_offset_reset="none",
+            isolation_level="read_uncommitted",
+            fetch_max_wait_ms=target.fetch_wait_ms,
+            request_timeout_ms=target.request_timeout_ms,
+            client_id=f"kvledger-{target.topic}",
         )
         event_log = cls(target, state, producer, consumer)
         try:
@@ -174,8 +183,14 @@ class KafkaEventLog(SqlEventLog):
             with anyio.CancelScope(shield=True):
                 await event_log.close()
             raise
-        log.info("kafka_log_opened", url=target.url, records=event_log._fold.next_offset, global_seq=event_log._fold.head,
-                 streams=len(event_log._fold.versions), state=state.url)
+        log.info(
+            "kafka_log_opened",
+            url=target.url,
+            records=event_log._fold.next_offset,
+            global_seq=event_log._fold.head,
+            streams=len(event_log._fold.versions),
+            state=state.url,
+        )
         return event_log
 
     @property
@@ -246,10 +261,20 @@ class KafkaEventLog(SqlEventLog):
         for batch in batches:
             schemas, header, payload = pack_step(batch.events)
             first = batch.events[0] if batch.events else None
-            parts.append(StepPart(
-                batch.stream_id, self._held[batch.stream_id], batch.expected_version, batch.command_id,
-                first.step if first else -1, first.recorded_at if first else 0.0, schemas, header, payload, batch.digest,
-            ))
+            parts.append(
+                StepPart(
+                    batch.stream_id,
+                    self._held[batch.stream_id],
+                    batch.expected_version,
+                    batch.command_id,
+                    first.step if first else -1,
+                    first.recorded_at if first else 0.0,
+                    schemas,
+                    header,
+                    payload,
+                    batch.digest,
+                )
+            )
         record = AppendRecord(uuid.uuid4().hex, self.writer_id, parts)
         verdict = await self._send(record.append_id, *encode_append(record), key=batches[0].stream_id)
         if isinstance(verdict, LogError):
@@ -309,11 +334,13 @@ class KafkaEventLog(SqlEventLog):
         verdict = self._fold.verdicts.pop(record_id, None)
         if verdict is None:
             self._fold.awaited.discard(record_id)
-            self._fail(LogDiverged(
-                f"topic {self.target.topic!r} on {self.url}: the broker acknowledged this writer's record at offset "
-                f"{offset}, but the record read at that offset is another: the topic went backwards (committed "
-                "records were lost) and was written again; refusing to continue a forked history"
-            ))
+            self._fail(
+                LogDiverged(
+                    f"topic {self.target.topic!r} on {self.url}: the broker acknowledged this writer's record at offset "
+                    f"{offset}, but the record read at that offset is another: the topic went backwards (committed "
+                    "records were lost) and was written again; refusing to continue a forked history"
+                )
+            )
             self._check()
         return verdict
 
@@ -420,10 +447,12 @@ class KafkaEventLog(SqlEventLog):
         except asyncio.CancelledError:
             raise
         except OffsetOutOfRangeError as error:
-            self._fail(LogDiverged(
-                f"topic {self.target.topic!r} on {self.url} has no record at offset {self._fold.next_offset}, the next "
-                f"one this log reads ({one_line(error)}): the topic went backwards; refusing to continue a forked history"
-            ))
+            self._fail(
+                LogDiverged(
+                    f"topic {self.target.topic!r} on {self.url} has no record at offset {self._fold.next_offset}, the next "
+                    f"one this log reads ({one_line(error)}): the topic went backwards; refusing to continue a forked history"
+                )
+            )
         except Exception as error:  # noqa: BLE001 - the fetcher's end: recorded, and raised by every later call
             self._fail(LogUnavailable(f"reading {self.url} failed: {one_line(error)}"))
 
@@ -469,10 +498,13 @@ class KafkaEventLog(SqlEventLog):
         waited = now - self._hole[1]
         if waited < HOLE_TIMEOUT_S:
             return False
-        self._fail(LogDiverged(
-            f"topic {self.target.topic!r} on {self.url} holds no readable record at offsets {expected}..{offset - 1} "
-            f"after {waited:.1f} s, below the record at {offset}: a topic kvledger reads must hold every offset "
-            "(no transactional writer, no compaction); refusing to fold past records this reader may never see"))
+        self._fail(
+            LogDiverged(
+                f"topic {self.target.topic!r} on {self.url} holds no readable record at offsets {expected}..{offset - 1} "
+                f"after {waited:.1f} s, below the record at {offset}: a topic kvledger reads must hold every offset "
+                "(no transactional writer, no compaction); refusing to fold past records this reader may never see"
+            )
+        )
         return True
 
     def _fold_record(self, offset: int, headers: Sequence[tuple[str, bytes]], value: bytes | None) -> bool:
@@ -524,11 +556,13 @@ class KafkaEventLog(SqlEventLog):
                 behind_since = now
                 log.debug("kafka_end_behind", url=self.url, end=end, read_to=self._fold.next_offset - 1)
             elif now - behind_since >= END_SETTLE_S:
-                self._fail(LogDiverged(
-                    f"topic {self.target.topic!r} on {self.url} now ends at offset {end}, but this log has read up "
-                    f"to offset {self._fold.next_offset - 1}: the broker lost committed records; refusing to "
-                    "continue a forked history"
-                ))
+                self._fail(
+                    LogDiverged(
+                        f"topic {self.target.topic!r} on {self.url} now ends at offset {end}, but this log has read up "
+                        f"to offset {self._fold.next_offset - 1}: the broker lost committed records; refusing to "
+                        "continue a forked history"
+                    )
+                )
                 self._check()
             await anyio.sleep(HOLE_RETRY_S)
 
@@ -586,8 +620,11 @@ class KafkaEventLog(SqlEventLog):
     async def _progress(self) -> int:
         """The highest projection checkpoint in the state store (0: none)."""
         async with self.engine.connect() as conn:
-            found = (await conn.execute(sa.select(sa.func.max(t.checkpoints.c.global_seq))
-                                        .where(t.checkpoints.c.name != ORIGIN_CHECKPOINT))).scalar()
+            found = (
+                await conn.execute(
+                    sa.select(sa.func.max(t.checkpoints.c.global_seq)).where(t.checkpoints.c.name != ORIGIN_CHECKPOINT)
+                )
+            ).scalar()
         return int(found or 0)
 
     @asynccontextmanager

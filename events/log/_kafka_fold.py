@@ -233,11 +233,15 @@ class KafkaFold:
             new_ids |= seen
             count = len(ids)
             first, last = (head + 1, head + count) if count else (0, 0)
-            result = AppendResult(stream_id=stream, first_seq=first, last_seq=last, stream_version=actual + count,
-                                  digest=part.digest)
+            result = AppendResult(
+                stream_id=stream, first_seq=first, last_seq=last, stream_version=actual + count, digest=part.digest
+            )
             if count:
-                steps.append(StoredStep(first, last, stream, actual + 1, part.schemas, part.header, part.payload,
-                                        part.step, part.recorded_at))
+                steps.append(
+                    StoredStep(
+                        first, last, stream, actual + 1, part.schemas, part.header, part.payload, part.step, part.recorded_at
+                    )
+                )
                 keys[key] = (digest, result)
                 head = last
             versions[stream] = actual + count

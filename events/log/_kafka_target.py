@@ -87,8 +87,15 @@ def parse_kafka_url(url: str) -> KafkaTarget:
         raise ValueError(f"{shown}: replication_factor, fetch_wait_ms and request_timeout_ms are integers") from None
     if request_timeout < 100:
         raise ValueError(f"{shown}: request_timeout_ms {request_timeout} is below 100")
-    return KafkaTarget(url=shown, bootstrap=bootstrap, topic=topic, state_url=state,
-                       replication_factor=replication, fetch_wait_ms=fetch_wait, request_timeout_ms=request_timeout)
+    return KafkaTarget(
+        url=shown,
+        bootstrap=bootstrap,
+        topic=topic,
+        state_url=state,
+        replication_factor=replication,
+        fetch_wait_ms=fetch_wait,
+        request_timeout_ms=request_timeout,
+    )
 
 
 async def probe(target: KafkaTarget) -> None:

@@ -174,11 +174,14 @@ async def _open_sqlite_read_only(target: sa.URL) -> SqlEventLog:
     if revision is None:
         problem = NotALog(f"{path} is not a kvledger log: it has no kvledger schema")
     elif not migrations.known(revision):
-        problem = SchemaMismatch(f"log {masked} was written by a newer kvledger (schema {revision}); "
-                                 f"this one knows up to {migrations.head()}")
+        problem = SchemaMismatch(
+            f"log {masked} was written by a newer kvledger (schema {revision}); this one knows up to {migrations.head()}"
+        )
     elif revision != migrations.head():
-        problem = SchemaMismatch(f"log {masked} is at schema {revision}, this kvledger reads {migrations.head()}: "
-                                 f"run `kvledger db upgrade --log {masked}` (read-only commands change nothing)")
+        problem = SchemaMismatch(
+            f"log {masked} is at schema {revision}, this kvledger reads {migrations.head()}: "
+            f"run `kvledger db upgrade --log {masked}` (read-only commands change nothing)"
+        )
     if problem is not None:
         await engine.dispose()
         raise problem
@@ -190,8 +193,7 @@ async def _check_not_newer(engine: AsyncEngine, target: sa.URL) -> str | None:
         revision: str | None = await conn.run_sync(migrations.current)
     if revision is not None and not migrations.known(revision):
         raise SchemaMismatch(
-            f"log {mask(target)} was written by a newer kvledger (schema {revision}); "
-            f"this one knows up to {migrations.head()}"
+            f"log {mask(target)} was written by a newer kvledger (schema {revision}); this one knows up to {migrations.head()}"
         )
     return revision
 

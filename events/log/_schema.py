@@ -229,7 +229,7 @@ sa.Index("ix_kvl_audit_steps_first", audit_steps.c.first_seq)
 audit_observed = sa.Table(
     "kvl_audit_observed",
     metadata,
-    # What an observed engine (vLLM, from its own KV events; coordinator/_observe.py) said of one
+    # What an observed engine (vLLM, from its own KV events; coordinator/core/observe.py) said of one
     # block hash: stored or removed, by which incarnation, in which medium and group; seq is the
     # global sequence, source_seq the engine's own batch number. A `cleared` row (every hash of a
     # medium dropped) has an empty hash and group -1. Migration 0004.

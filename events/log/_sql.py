@@ -39,7 +39,6 @@ from events.log._contract import (
     WrongExpectedVersion,
     pack_step,
 )
-from events.log._urls import mask
 
 log = structlog.get_logger("kvledger.log")
 
@@ -80,6 +79,7 @@ def _lost_postgres_connection(error: BaseException) -> bool:
         orig = getattr(current, "orig", None)
         current = orig if isinstance(orig, BaseException) else current.__cause__
     return False
+
 
 KEEP_SNAPSHOTS = 5
 """Snapshots kept in the log's database: the newest, and four older in case it fails its digest."""
@@ -189,8 +189,10 @@ class SqlEventLog:
             if is_outage(error):
                 # As the Kafka log says it: callers retry an outage, and only an outage.
                 first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-                raise LogUnavailable(f"append to {self.url} failed ({type(error).__name__}: {first}): it may or may not "
-                                     "be committed; retry it with the same command id") from error
+                raise LogUnavailable(
+                    f"append to {self.url} failed ({type(error).__name__}: {first}): it may or may not "
+                    "be committed; retry it with the same command id"
+                ) from error
             raise
         self._wake()
         return results
@@ -279,8 +281,14 @@ class SqlEventLog:
         async with self.engine.connect() as conn:
             rows = (await conn.execute(query)).all()
         return {
-            row.command_id: AppendResult(stream_id=row.stream_id, first_seq=row.first_seq, last_seq=row.last_seq,
-                                         stream_version=row.stream_version, duplicate=True, digest=row.digest)
+            row.command_id: AppendResult(
+                stream_id=row.stream_id,
+                first_seq=row.first_seq,
+                last_seq=row.last_seq,
+                stream_version=row.stream_version,
+                duplicate=True,
+                digest=row.digest,
+            )
             for row in rows
         }
 
@@ -344,7 +352,13 @@ class SqlEventLog:
         async with self.engine.connect() as conn:
             rows = (await conn.execute(query)).all()
         return [
-            Snapshot(global_seq=r.global_seq, schema_version=r.schema_version, digest=r.digest, state=bytes(r.state), created_at=r.created_at)
+            Snapshot(
+                global_seq=r.global_seq,
+                schema_version=r.schema_version,
+                digest=r.digest,
+                state=bytes(r.state),
+                created_at=r.created_at,
+            )
             for r in rows
         ]
 
@@ -396,8 +410,9 @@ def _append_sync(conn: sa.Connection, batches: Sequence[AppendBatch]) -> list[Ap
             )
             rows.set_stream_version(batch.stream_id, actual + count, new=current is None)
         next_seq += count
-        result = AppendResult(stream_id=batch.stream_id, first_seq=first, last_seq=last, stream_version=actual + count,
-                              digest=batch.digest)
+        result = AppendResult(
+            stream_id=batch.stream_id, first_seq=first, last_seq=last, stream_version=actual + count, digest=batch.digest
+        )
         if batch.command_id is not None:
             rows.insert_command(batch.command_id, result)
         results.append(result)
@@ -441,8 +456,9 @@ class _SqliteRows:
         ).fetchone()
         if row is None:
             return None
-        return AppendResult(stream_id=row[0], first_seq=row[1], last_seq=row[2], stream_version=row[3], duplicate=True,
-                            digest=row[4])
+        return AppendResult(
+            stream_id=row[0], first_seq=row[1], last_seq=row[2], stream_version=row[3], duplicate=True, digest=row[4]
+        )
 
     def stream_version(self, stream_id: str) -> int | None:
         row = self.driver.execute("SELECT version FROM kvl_streams WHERE stream_id = ?", (stream_id,)).fetchone()
@@ -479,8 +495,14 @@ class _CoreRows:
         done = self.conn.execute(sa.select(t.commands).where(t.commands.c.command_id == command_id)).first()
         if done is None:
             return None
-        return AppendResult(stream_id=done.stream_id, first_seq=done.first_seq, last_seq=done.last_seq,
-                            stream_version=done.stream_version, duplicate=True, digest=done.digest)
+        return AppendResult(
+            stream_id=done.stream_id,
+            first_seq=done.first_seq,
+            last_seq=done.last_seq,
+            stream_version=done.stream_version,
+            duplicate=True,
+            digest=done.digest,
+        )
 
     def stream_version(self, stream_id: str) -> int | None:
         value = self.conn.execute(sa.select(t.streams.c.version).where(t.streams.c.stream_id == stream_id)).scalar()
@@ -498,6 +520,12 @@ class _CoreRows:
 
     def insert_command(self, command_id: str, result: AppendResult) -> None:
         self.conn.execute(
-            t.commands.insert().values(command_id=command_id, stream_id=result.stream_id, first_seq=result.first_seq,
-                                       last_seq=result.last_seq, stream_version=result.stream_version, digest=result.digest)
+            t.commands.insert().values(
+                command_id=command_id,
+                stream_id=result.stream_id,
+                first_seq=result.first_seq,
+                last_seq=result.last_seq,
+                stream_version=result.stream_version,
+                digest=result.digest,
+            )
         )

@@ -23,7 +23,17 @@ depends_on = None
 
 _Seq = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 _BATCH = 10_000
-_EVENT_COLUMNS = ("global_seq", "event_id", "stream_id", "stream_version", "step", "recorded_at", "event_type", "schema_version", "payload")
+_EVENT_COLUMNS = (
+    "global_seq",
+    "event_id",
+    "stream_id",
+    "stream_version",
+    "step",
+    "recorded_at",
+    "event_type",
+    "schema_version",
+    "payload",
+)
 
 
 def _create_step_tables() -> None:
@@ -52,7 +62,23 @@ def upgrade() -> None:
     _create_step_tables()
     bind = op.get_bind()
     events = sa.table("kvl_events", *(sa.column(name) for name in _EVENT_COLUMNS))
-    steps = sa.table("kvl_steps", *(sa.column(name) for name in ("first_seq", "last_seq", "stream_id", "first_version", "step", "recorded_at", "schemas", "header", "payload")))
+    steps = sa.table(
+        "kvl_steps",
+        *(
+            sa.column(name)
+            for name in (
+                "first_seq",
+                "last_seq",
+                "stream_id",
+                "first_version",
+                "step",
+                "recorded_at",
+                "schemas",
+                "header",
+                "payload",
+            )
+        ),
+    )
     ids = sa.table("kvl_event_ids", sa.column("event_id"), sa.column("global_seq"))
     last = 0
     while rows := bind.execute(
@@ -60,12 +86,28 @@ def upgrade() -> None:
     ).all():
         step_rows, id_rows = [], []
         for row in rows:
-            pending = PendingEvent(event_id=row.event_id, step=row.step, recorded_at=row.recorded_at,
-                                   event_type=row.event_type, schema_version=row.schema_version, payload=bytes(row.payload))
+            pending = PendingEvent(
+                event_id=row.event_id,
+                step=row.step,
+                recorded_at=row.recorded_at,
+                event_type=row.event_type,
+                schema_version=row.schema_version,
+                payload=bytes(row.payload),
+            )
             schemas, header, payload = pack_step([pending])
-            step_rows.append({"first_seq": row.global_seq, "last_seq": row.global_seq, "stream_id": row.stream_id,
-                              "first_version": row.stream_version, "step": row.step, "recorded_at": row.recorded_at,
-                              "schemas": schemas, "header": header, "payload": payload})
+            step_rows.append(
+                {
+                    "first_seq": row.global_seq,
+                    "last_seq": row.global_seq,
+                    "stream_id": row.stream_id,
+                    "first_version": row.stream_version,
+                    "step": row.step,
+                    "recorded_at": row.recorded_at,
+                    "schemas": schemas,
+                    "header": header,
+                    "payload": payload,
+                }
+            )
             id_rows.append({"event_id": row.event_id, "global_seq": row.global_seq})
         bind.execute(steps.insert(), step_rows)
         bind.execute(ids.insert(), id_rows)
@@ -88,19 +130,43 @@ def downgrade() -> None:
         sa.UniqueConstraint("stream_id", "stream_version", name="uq_kvl_events_stream_version"),
     )
     bind = op.get_bind()
-    steps = sa.table("kvl_steps", *(sa.column(name) for name in ("first_seq", "last_seq", "stream_id", "first_version", "schemas", "header", "payload")))
+    steps = sa.table(
+        "kvl_steps",
+        *(sa.column(name) for name in ("first_seq", "last_seq", "stream_id", "first_version", "schemas", "header", "payload")),
+    )
     events = sa.table("kvl_events", *(sa.column(name) for name in _EVENT_COLUMNS))
     last = 0
-    while rows := bind.execute(
-        sa.select(steps).where(steps.c.first_seq > last).order_by(steps.c.first_seq).limit(_BATCH)
-    ).all():
+    while rows := bind.execute(sa.select(steps).where(steps.c.first_seq > last).order_by(steps.c.first_seq).limit(_BATCH)).all():
         stored = [
             event
             for row in rows
-            for event in StoredStep(row.first_seq, row.last_seq, row.stream_id, row.first_version, row.schemas,
-                                    bytes(row.header), bytes(row.payload)).events()
+            for event in StoredStep(
+                row.first_seq, row.last_seq, row.stream_id, row.first_version, row.schemas, bytes(row.header), bytes(row.payload)
+            ).events()
         ]
-        bind.execute(events.insert(), [dict(zip(_EVENT_COLUMNS, (e.global_seq, e.event_id, e.stream_id, e.stream_version, e.step, e.recorded_at, e.event_type, e.schema_version, e.payload), strict=True)) for e in stored])
+        bind.execute(
+            events.insert(),
+            [
+                dict(
+                    zip(
+                        _EVENT_COLUMNS,
+                        (
+                            e.global_seq,
+                            e.event_id,
+                            e.stream_id,
+                            e.stream_version,
+                            e.step,
+                            e.recorded_at,
+                            e.event_type,
+                            e.schema_version,
+                            e.payload,
+                        ),
+                        strict=True,
+                    )
+                )
+                for e in stored
+            ],
+        )
         last = rows[-1].first_seq
     op.drop_table("kvl_event_ids")
     op.drop_table("kvl_steps")

@@ -18,8 +18,17 @@ down_revision = "0002"
 branch_labels = None
 depends_on = None
 
-_TABLES = (t.audit_slots, t.audit_owners, t.audit_jobs, t.audit_keys, t.audit_refusals, t.audit_engines,
-           t.audit_namespaces, t.audit_decisions, t.audit_steps)
+_TABLES = (
+    t.audit_slots,
+    t.audit_owners,
+    t.audit_jobs,
+    t.audit_keys,
+    t.audit_refusals,
+    t.audit_engines,
+    t.audit_namespaces,
+    t.audit_decisions,
+    t.audit_steps,
+)
 
 
 # Created from the metadata as it stands at this revision. A later revision that changes one of

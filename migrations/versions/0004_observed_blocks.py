@@ -40,8 +40,17 @@ _observed = sa.Table(
 )
 sa.Index("ix_kvl_audit_observed_hash", _observed.c.hash, _observed.c.seq)
 
-_INDEX_TABLES_0003 = ("kvl_audit_slots", "kvl_audit_owners", "kvl_audit_jobs", "kvl_audit_keys", "kvl_audit_refusals",
-                      "kvl_audit_engines", "kvl_audit_namespaces", "kvl_audit_decisions", "kvl_audit_steps")
+_INDEX_TABLES_0003 = (
+    "kvl_audit_slots",
+    "kvl_audit_owners",
+    "kvl_audit_jobs",
+    "kvl_audit_keys",
+    "kvl_audit_refusals",
+    "kvl_audit_engines",
+    "kvl_audit_namespaces",
+    "kvl_audit_decisions",
+    "kvl_audit_steps",
+)
 
 
 def upgrade() -> None:

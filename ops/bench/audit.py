@@ -64,8 +64,16 @@ async def build_log(event_log: SqlEventLog, count: int, seed: int) -> None:
                 if isinstance(event, StepBegan):
                     step, clock = event.step, event.clock
                 event_type, schema_version, payload = codec.encode(event)
-                batch.append(PendingEvent(event_id=uuid_utils.uuid7().hex, step=step, recorded_at=1.8e9 + clock,
-                                          event_type=event_type, schema_version=schema_version, payload=payload))
+                batch.append(
+                    PendingEvent(
+                        event_id=uuid_utils.uuid7().hex,
+                        step=step,
+                        recorded_at=1.8e9 + clock,
+                        event_type=event_type,
+                        schema_version=schema_version,
+                        payload=payload,
+                    )
+                )
             if batch:
                 version = await _append(event_log, batch, version)
             written += len(events)
@@ -73,8 +81,9 @@ async def build_log(event_log: SqlEventLog, count: int, seed: int) -> None:
 
 
 async def _append(event_log: SqlEventLog, batch: list[PendingEvent], version: int) -> int:
-    await event_log.append([AppendBatch(stream_id=f"engine/{ENGINE}", expected_version=version, events=batch,
-                                        command_id=uuid.uuid4().hex)])
+    await event_log.append(
+        [AppendBatch(stream_id=f"engine/{ENGINE}", expected_version=version, events=batch, command_id=uuid.uuid4().hex)]
+    )
     return version + len(batch)
 
 
@@ -86,8 +95,10 @@ async def timed_queries(name: str, count: int, make: Callable[[random.Random], A
         latencies.append((time.perf_counter() - start) * 1000)
     latencies.sort()
     p99 = percentile(latencies, 0.99)
-    out(f"audit {name:<9} {count} queries: p50 {percentile(latencies, 0.5):.2f} ms, p99 {p99:.2f} ms, "
-        f"max {latencies[-1]:.2f} ms; target p99 <= {TARGET_MS:.0f} ms: {'met' if p99 <= TARGET_MS else 'MISSED'}")
+    out(
+        f"audit {name:<9} {count} queries: p50 {percentile(latencies, 0.5):.2f} ms, p99 {p99:.2f} ms, "
+        f"max {latencies[-1]:.2f} ms; target p99 <= {TARGET_MS:.0f} ms: {'met' if p99 <= TARGET_MS else 'MISSED'}"
+    )
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -136,12 +147,22 @@ async def queries(event_log: SqlEventLog, head: int, count: int, seed: int) -> N
     audit = Audit(event_log)
     rng = random.Random(seed)
     async with event_log.engine.connect() as conn:
-        keys = [bytes(r[0]).hex() for r in await conn.execute(
-            sa.text("SELECT key FROM kvl_audit_keys WHERE kind = 'published' ORDER BY random() LIMIT :n"), {"n": count})]
-        req_ids = [r[0] for r in await conn.execute(
-            sa.text("SELECT req_id FROM kvl_audit_owners WHERE kind = 'started' ORDER BY random() LIMIT :n"), {"n": count})]
-        pools = {int(r[0]): int(r[1]) for r in await conn.execute(
-            sa.text("SELECT pool, max(block) FROM kvl_audit_slots GROUP BY pool"))}
+        keys = [
+            bytes(r[0]).hex()
+            for r in await conn.execute(
+                sa.text("SELECT key FROM kvl_audit_keys WHERE kind = 'published' ORDER BY random() LIMIT :n"), {"n": count}
+            )
+        ]
+        req_ids = [
+            r[0]
+            for r in await conn.execute(
+                sa.text("SELECT req_id FROM kvl_audit_owners WHERE kind = 'started' ORDER BY random() LIMIT :n"), {"n": count}
+            )
+        ]
+        pools = {
+            int(r[0]): int(r[1])
+            for r in await conn.execute(sa.text("SELECT pool, max(block) FROM kvl_audit_slots GROUP BY pool"))
+        }
 
     async def block(r: random.Random) -> Any:
         pool = r.choice(sorted(pools))
@@ -167,7 +188,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--log", help="Reuse (and keep) this SQLite log; it is extended to --events if shorter.")
     parser.add_argument("--build-only", action="store_true", help="Only build the log (with --log: to reuse it later).")
-    parser.add_argument("--reuse-index", action="store_true", help="Keep the log's audit index (only catch it up) instead of rebuilding it.")
+    parser.add_argument(
+        "--reuse-index", action="store_true", help="Keep the log's audit index (only catch it up) instead of rebuilding it."
+    )
     args = parser.parse_args()
     anyio.run(run, args)
 

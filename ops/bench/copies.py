@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from coordinator.copy_plan import PlannedMove, plan_copies  # noqa: E402
+from coordinator.core.copy_plan import PlannedMove, plan_copies  # noqa: E402
 from events import BlockRef, Region  # noqa: E402
 from gpu.copies import execute_plan, validate_plan  # noqa: E402
 
@@ -69,6 +69,7 @@ def load() -> str:
 
 def best_of(repeats: int, device: torch.device, run: Callable[[], object]) -> float:
     """Best wall time of `repeats` runs after one warm-up, synchronising on CUDA."""
+
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -92,9 +93,7 @@ def byte_index(moves: list[Move], bytes_per_block: int, device: torch.device) ->
 
 
 def planned(moves: list[Move]) -> list[PlannedMove]:
-    return [
-        PlannedMove(Region(BlockRef(0, s, 1), so, n), Region(BlockRef(0, d, 1), do, n)) for s, so, d, do, n in moves
-    ]
+    return [PlannedMove(Region(BlockRef(0, s, 1), so, n), Region(BlockRef(0, d, 1), do, n)) for s, so, d, do, n in moves]
 
 
 def expected_of(original: torch.Tensor, moves: list[Move]) -> torch.Tensor:
@@ -140,7 +139,7 @@ def scenario(
     src_idx, dst_idx = byte_index(moves, bytes_per_block, device)
 
     def bytes_baseline() -> None:
-        flat.index_copy_(0, dst_idx, flat.index_select(0, src_idx))
+        flat.index_copy_(0, dst_idx, flat.index_select(0, src_idx))  # noqa: F821 - bound above (ruff sees the del below)
 
     reset()
     bytes_baseline()
@@ -178,14 +177,20 @@ def scenario(
     out(f"  ours (execute_plan: validate + index + gather + scatter):     {ours_s * 1e3:8.3f} ms  {gbps(nbytes, ours_s)}")
     ratio = bytes_s / ours_s
     out(f"    of which validate_plan alone:                               {validate_s * 1e3:8.3f} ms")
-    out(f"  ratio baseline/ours: bytes {ratio:.2f} (target >= 0.9: {'met' if ratio >= 0.9 else 'MISSED'}), "
-        f"rows {rows_s / ours_s:.2f}, loop {loop_s / ours_s:.2f}")
+    out(
+        f"  ratio baseline/ours: bytes {ratio:.2f} (target >= 0.9: {'met' if ratio >= 0.9 else 'MISSED'}), "
+        f"rows {rows_s / ours_s:.2f}, loop {loop_s / ours_s:.2f}"
+    )
     out(f"  planning (plan_copies of {len(moves):,} moves, not in the figures above): {plan_s * 1e3:.3f} ms")
     return ours_s, plan_s
 
 
 def overlap_case(
-    name: str, moves: list[Move], pool: torch.Tensor, original: torch.Tensor, args: argparse.Namespace,
+    name: str,
+    moves: list[Move],
+    pool: torch.Tensor,
+    original: torch.Tensor,
+    args: argparse.Namespace,
     disjoint: tuple[float, float],
 ) -> None:
     """The same moves, a fraction of them replaced by a shift inside the destination block."""
@@ -217,16 +222,20 @@ def overlap_case(
     ours_s = best_of(args.repeats, device, ours)
     nbytes = sum(m[4] for m in mixed)
     disjoint_s, disjoint_plan_s = disjoint
-    out(f"  with {args.overlap:.0%} shifts by {shift} bytes ({ordered} ordered ops, still one batch): "
+    out(
+        f"  with {args.overlap:.0%} shifts by {shift} bytes ({ordered} ordered ops, still one batch): "
         f"{ours_s * 1e3:.3f} ms {gbps(nbytes, ours_s)}, {ours_s / disjoint_s:.2f}x the all-disjoint time; "
-        f"planning {plan_s * 1e3:.3f} ms ({plan_s / disjoint_plan_s:.2f}x)")
+        f"planning {plan_s * 1e3:.3f} ms ({plan_s / disjoint_plan_s:.2f}x)"
+    )
 
 
 def ceiling(nbytes: int, device: torch.device, repeats: int) -> None:
     a = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     b = torch.empty_like(a)
     seconds = best_of(repeats, device, lambda: b.copy_(a))
-    out(f"ceiling: one contiguous copy_ of {nbytes / 2**20:,.1f} MiB on {device}: {seconds * 1e3:.3f} ms  {gbps(nbytes, seconds)}")
+    out(
+        f"ceiling: one contiguous copy_ of {nbytes / 2**20:,.1f} MiB on {device}: {seconds * 1e3:.3f} ms  {gbps(nbytes, seconds)}"
+    )
 
 
 def main() -> None:
@@ -246,8 +255,9 @@ def main() -> None:
         parser.error("--overlap is in [0, 1]; --shift-bytes in (0, block_bytes / 2)")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = torch.device(
+        "cuda" if args.device == "auto" and torch.cuda.is_available() else "cpu" if args.device == "auto" else args.device
+    )
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 
-from coordinator.simulator.workload import percentile as workload_percentile
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from coordinator.simulator.workload import percentile as workload_percentile
 
 console = Console(stderr=True)
 
@@ -15,8 +16,13 @@ console = Console(stderr=True)
 def progress() -> Progress:
     """A progress bar on stderr, shown only on a terminal."""
     return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True, disable=not console.is_terminal,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
     )
 
 

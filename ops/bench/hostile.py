@@ -78,9 +78,9 @@ import structlog  # noqa: E402
 from figures import console, load, out, percentile  # noqa: E402
 from sidecar import TIER, EngineLoad, cpu_seconds, server_output, stop, wait_ready  # noqa: E402
 
-from coordinator._checks import MAX_LOOKUP_TOKENS  # noqa: E402
 from coordinator.client import Address, EngineClient  # noqa: E402
-from coordinator.commands import (  # noqa: E402
+from coordinator.core.checks import MAX_LOOKUP_TOKENS  # noqa: E402
+from coordinator.core.commands import (  # noqa: E402
     AnyCommand,
     BeginStep,
     DeclareEngine,
@@ -103,8 +103,12 @@ OBSERVER_TOKEN = "observer-" + "o" * 24
 MALLORY_TOKEN = "mallory-" + "m" * 24
 NUM_BLOCKS = 1 << 16
 MALLORY_BLOCKS = 4096
-BUDGET = {"--max-tier-slots": 2 * TIER.num_slots, "--max-pool-blocks": NUM_BLOCKS + 4 * MALLORY_BLOCKS,
-          "--max-owners-per-engine": 4096, "--frame-timeout": 2}
+BUDGET = {
+    "--max-tier-slots": 2 * TIER.num_slots,
+    "--max-pool-blocks": NUM_BLOCKS + 4 * MALLORY_BLOCKS,
+    "--max-owners-per-engine": 4096,
+    "--frame-timeout": 2,
+}
 P99_RATIO_TARGET = 2.0
 P99_TARGET_MS = 50.0
 RSS_TARGET_MIB = 50.0
@@ -133,8 +137,13 @@ tenant = "{MALLORY}"
 
 
 def declaration(engine_id: str, tenant: str, num_blocks: int) -> DeclareEngine:
-    return DeclareEngine(engine_id=engine_id, namespace=b.namespace(tenant=tenant), world_size=2, tiers=[b.TIER],
-                         pools=[b.attention_pool(num_blocks=num_blocks)])
+    return DeclareEngine(
+        engine_id=engine_id,
+        namespace=b.namespace(tenant=tenant),
+        world_size=2,
+        tiers=[b.TIER],
+        pools=[b.attention_pool(num_blocks=num_blocks)],
+    )
 
 
 def rss_mib(pid: int) -> float:
@@ -149,8 +158,12 @@ def rss_mib(pid: int) -> float:
 
 class Legit:
     def __init__(self, socket_path: str, commands: int, seed: int) -> None:
-        self.client = EngineClient(Address(socket_path=socket_path, token=LEGIT_TOKEN),
-                                   declaration(LEGIT, "legit", NUM_BLOCKS), tiers=[TIER], retry_for=60.0)
+        self.client = EngineClient(
+            Address(socket_path=socket_path, token=LEGIT_TOKEN),
+            declaration(LEGIT, "legit", NUM_BLOCKS),
+            tiers=[TIER],
+            retry_for=60.0,
+        )
         self.load = EngineLoad(LEGIT, commands, seed)
 
     async def steps(self, count: int) -> list[float]:
@@ -159,8 +172,9 @@ class Legit:
             commands, concern = self.load.plan()
             self.load.step += 1
             before = time.perf_counter()
-            result = await self.client.step(self.load.step, self.load.step * 0.01, commands,
-                                            command_id=self.load.next_command_id())
+            result = await self.client.step(
+                self.load.step, self.load.step * 0.01, commands, command_id=self.load.next_command_id()
+            )
             latencies.append(time.perf_counter() - before)
             self.load.follow(result, concern)
         return latencies
@@ -188,7 +202,7 @@ def hello(role: str, engine_id: str = "", **fields: object) -> bytes:
 
 def _with_id(frame: bytes, command_id: str) -> bytes:
     """A Step frame encoded with command id "{id}", with `command_id` in its place (re-framed)."""
-    body = frame[p.HEADER_BYTES:].replace(b"\xa4{id}", msgspec.msgpack.encode(command_id), 1)
+    body = frame[p.HEADER_BYTES :].replace(b"\xa4{id}", msgspec.msgpack.encode(command_id), 1)
     return len(body).to_bytes(p.HEADER_BYTES, "big") + body
 
 
@@ -241,13 +255,19 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
 
     async def engine(name: str, engine_id: str) -> Raw:
         conn = await Raw.open(Path(socket_path))
-        await ask(name, conn, hello("engine", engine_id, declare=declaration(engine_id, MALLORY, MALLORY_BLOCKS),
-                                    tiers=[TIER], takeover=True))
+        await ask(
+            name,
+            conn,
+            hello("engine", engine_id, declare=declaration(engine_id, MALLORY, MALLORY_BLOCKS), tiers=[TIER], takeover=True),
+        )
         return conn
 
     async def forge() -> None:
-        for frame in (hello("worker", LEGIT, rank=0), hello("engine", LEGIT, declare=declaration(LEGIT, MALLORY, NUM_BLOCKS)),
-                      hello("operator")):
+        for frame in (
+            hello("worker", LEGIT, rank=0),
+            hello("engine", LEGIT, declare=declaration(LEGIT, MALLORY, NUM_BLOCKS)),
+            hello("operator"),
+        ):
             conn = await Raw.open(Path(socket_path))
             await ask("forge", conn, frame)
             await conn.aclose()
@@ -273,8 +293,10 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
             await ask("poison", conn, step(1 + n, 1e18, [], f"c{n}"))
         await conn.aclose()
 
-    control = [step(1, 1.0, [BeginStep(engine_id="mallory-control", step=5, clock=5.0)], "bs"),
-               p.frame(p.Execute(command=EndStep(engine_id="mallory-control"), command_id="es"))]
+    control = [
+        step(1, 1.0, [BeginStep(engine_id="mallory-control", step=5, clock=5.0)], "bs"),
+        p.frame(p.Execute(command=EndStep(engine_id="mallory-control"), command_id="es")),
+    ]
 
     async def step_control() -> None:
         conn = await engine("step-control", "mallory-control")
@@ -283,10 +305,14 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
                 await ask("step-control", conn, frame)
         await conn.aclose()
 
-    heavy = [p.frame(p.lookup_message(TIER.name, [rng.randrange(50_000) for _ in range(n)]))
-             for n in (MAX_LOOKUP_TOKENS, p.MAX_LISTED_TOKENS)]  # packed, and the longest list
-    over = [p.frame(p.lookup_message(TIER.name, list(range(MAX_LOOKUP_TOKENS + 1)))),
-            p.frame(p.Lookup(tier=TIER.name, token_ids=list(range(MAX_LOOKUP_TOKENS + 1))))]
+    heavy = [
+        p.frame(p.lookup_message(TIER.name, [rng.randrange(50_000) for _ in range(n)]))
+        for n in (MAX_LOOKUP_TOKENS, p.MAX_LISTED_TOKENS)
+    ]  # packed, and the longest list
+    over = [
+        p.frame(p.lookup_message(TIER.name, list(range(MAX_LOOKUP_TOKENS + 1)))),
+        p.frame(p.Lookup(tier=TIER.name, token_ids=list(range(MAX_LOOKUP_TOKENS + 1)))),
+    ]
 
     async def lookups() -> None:
         conn = await engine("lookups", "mallory-lookups")
@@ -306,6 +332,7 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
                 while True:
                     tally.note("catch-up", await conn.receive())
             await conn.aclose()
+
         return subscribe
 
     big = [FinishOwner(engine_id="mallory-big", owner_id=10**9 + i) for i in range(MAX_COMMANDS_PER_STEP)]
@@ -323,8 +350,10 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
 
     # The largest frame the sidecar takes, as many ints as it can hold (one byte each): decoding it
     # holds the GIL longest (refused afterwards: owner 1 is unknown).
-    fill = [MarkComputed(engine_id="mallory-huge", owner_id=1, blocks=[], token_ids=[i % 128 for i in range(n)])
-            for n in (p.MAX_REQUEST_FRAME - 256,)]
+    fill = [
+        MarkComputed(engine_id="mallory-huge", owner_id=1, blocks=[], token_ids=[i % 128 for i in range(n)])
+        for n in (p.MAX_REQUEST_FRAME - 256,)
+    ]
     huge_frame = step(1, 1.0, fill, "huge")
 
     async def huge_frames() -> None:
@@ -333,12 +362,16 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
             await ask("huge-frames", conn, huge_frame)
         await conn.aclose()
 
-    huge_tier = p.frame(p.Execute(command=DeclareTier(spec=TierSpec(name="huge", num_slots=1 << 24, bytes_per_slot=64)),
-                                  command_id="t"))
-    many_pools = DeclareEngine(engine_id="mallory-pools", namespace=b.namespace(tenant=MALLORY, block_sizes=(b.BLOCK,) * 64),
-                               world_size=2, tiers=[b.TIER],
-                               pools=[b.attention_pool(pool_id=i, num_blocks=1 << 24)
-                                      for i in range(64)])
+    huge_tier = p.frame(
+        p.Execute(command=DeclareTier(spec=TierSpec(name="huge", num_slots=1 << 24, bytes_per_slot=64)), command_id="t")
+    )
+    many_pools = DeclareEngine(
+        engine_id="mallory-pools",
+        namespace=b.namespace(tenant=MALLORY, block_sizes=(b.BLOCK,) * 64),
+        world_size=2,
+        tiers=[b.TIER],
+        pools=[b.attention_pool(pool_id=i, num_blocks=1 << 24) for i in range(64)],
+    )
 
     async def tiers_pools() -> None:
         conn = await engine("tiers-pools", "mallory-tiers")
@@ -348,8 +381,10 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
         await ask("tiers-pools", conn, hello("engine", "mallory-pools", declare=many_pools))
         await conn.aclose()
 
-    owner_frames = [step(n, float(n), [StartOwner(engine_id="mallory-owners", req_id=f"o{n}-{i}") for i in range(1000)],
-                         "{id}") for n in range(1, 8)]
+    owner_frames = [
+        step(n, float(n), [StartOwner(engine_id="mallory-owners", req_id=f"o{n}-{i}") for i in range(1000)], "{id}")
+        for n in range(1, 8)
+    ]
 
     async def owners() -> None:
         nonlocal rounds
@@ -366,6 +401,7 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
             with anyio.move_on_after(30):
                 tally.note("stalls", await conn.receive())  # cut after the frame timeout
             await conn.aclose()
+
         return stall
 
     async def garbage() -> None:
@@ -378,9 +414,19 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
             tally.note("garbage", await conn.receive())
         await conn.aclose()
 
-    attacks += [("forge", forge), ("takeover", takeover), ("collide", collide), ("poison", poison),
-                ("step-control", step_control), ("lookups", lookups), ("big-steps", big_steps),
-                ("tiers-pools", tiers_pools), ("owners", owners), ("garbage", garbage), ("huge-frames", huge_frames)]
+    attacks += [
+        ("forge", forge),
+        ("takeover", takeover),
+        ("collide", collide),
+        ("poison", poison),
+        ("step-control", step_control),
+        ("lookups", lookups),
+        ("big-steps", big_steps),
+        ("tiers-pools", tiers_pools),
+        ("owners", owners),
+        ("garbage", garbage),
+        ("huge-frames", huge_frames),
+    ]
     attacks += [("catch-up", subscriber(i)) for i in range(SUBSCRIBERS)]
     attacks += [("stalls", staller(i)) for i in range(STALLERS)]
     if only:
@@ -444,8 +490,18 @@ def main() -> int:
         credentials = directory / "credentials.toml"
         credentials.write_text(CREDENTIALS)
         credentials.chmod(0o600)
-        command = [str(kvledger), "serve", "--socket", socket_path, "--log", str(directory / "log.sqlite"), "--http", "off",
-                   "--credentials", str(credentials)] + [str(x) for option, value in BUDGET.items() for x in (option, value)]
+        command = [
+            str(kvledger),
+            "serve",
+            "--socket",
+            socket_path,
+            "--log",
+            str(directory / "log.sqlite"),
+            "--http",
+            "off",
+            "--credentials",
+            str(credentials),
+        ] + [str(x) for option, value in BUDGET.items() for x in (option, value)]
         output = directory / "serve.log"
         env = {**os.environ, "KVLEDGER_DATA_DIR": str(directory)}
         with output.open("wb") as sink:
@@ -477,8 +533,13 @@ async def run(args: argparse.Namespace, server: subprocess.Popen[bytes], socket_
         alone_wall, cpu1 = time.perf_counter() - started, cpu_seconds(server.pid)
         rss_before = rss_mib(server.pid)
         console.print("phase 2: the attacker starts")
-        attack = subprocess.Popen([sys.executable, __file__, "--attacker", socket_path, "--attacks", args.attacks], stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, cwd=ROOT, text=True)
+        attack = subprocess.Popen(
+            [sys.executable, __file__, "--attacker", socket_path, "--attacks", args.attacks],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            cwd=ROOT,
+            text=True,
+        )
         try:
             assert attack.stdout is not None
             with anyio.fail_after(START_TIMEOUT):
@@ -499,7 +560,11 @@ async def run(args: argparse.Namespace, server: subprocess.Popen[bytes], socket_
                 cpu2, attack_cpu0 = cpu_seconds(server.pid), cpu_seconds(attack.pid)[1]
                 started = time.perf_counter()
                 attacked = await legit.steps(args.steps)
-                attacked_wall, cpu3, attack_cpu1 = time.perf_counter() - started, cpu_seconds(server.pid), cpu_seconds(attack.pid)[1]
+                attacked_wall, cpu3, attack_cpu1 = (
+                    time.perf_counter() - started,
+                    cpu_seconds(server.pid),
+                    cpu_seconds(attack.pid)[1],
+                )
                 tg.cancel_scope.cancel()
             peak = max(peak, rss_mib(server.pid))
         finally:
@@ -515,18 +580,30 @@ async def run(args: argparse.Namespace, server: subprocess.Popen[bytes], socket_
     ratio = h99 / a99
     growth = peak - rss_before
     out(f"legit engine, {args.steps} steps of {args.commands} commands each phase (after {args.warmup} warmup steps)")
-    out(f"alone: p50 {a50:.2f} ms, p99 {a99:.2f} ms, max {amax:.2f} ms in {alone_wall:.2f} s; "
-        f"sidecar CPU {cpu1[1] - cpu0[1]:.2f} s" if cpu0[1] is not None and cpu1[1] is not None else "")
-    attacker_cpu = f", attacker CPU {attack_cpu1 - attack_cpu0:.2f} s" if attack_cpu0 is not None and attack_cpu1 is not None else ""
-    out(f"under attack: p50 {h50:.2f} ms, p99 {h99:.2f} ms, max {hmax:.2f} ms in {attacked_wall:.2f} s; "
-        f"sidecar CPU {cpu3[1] - cpu2[1]:.2f} s{attacker_cpu}" if cpu2[1] is not None and cpu3[1] is not None else "")
+    out(
+        f"alone: p50 {a50:.2f} ms, p99 {a99:.2f} ms, max {amax:.2f} ms in {alone_wall:.2f} s; "
+        f"sidecar CPU {cpu1[1] - cpu0[1]:.2f} s"
+        if cpu0[1] is not None and cpu1[1] is not None
+        else ""
+    )
+    attacker_cpu = (
+        f", attacker CPU {attack_cpu1 - attack_cpu0:.2f} s" if attack_cpu0 is not None and attack_cpu1 is not None else ""
+    )
+    out(
+        f"under attack: p50 {h50:.2f} ms, p99 {h99:.2f} ms, max {hmax:.2f} ms in {attacked_wall:.2f} s; "
+        f"sidecar CPU {cpu3[1] - cpu2[1]:.2f} s{attacker_cpu}"
+        if cpu2[1] is not None and cpu3[1] is not None
+        else ""
+    )
     out(f"sidecar RSS {rss_before:.1f} MiB after phase 1, peak {peak:.1f} MiB under attack")
     refused = sum(legit.load.refused for _ in [0])
     out(f"legit commands refused: {refused} (0 expected)")
     met = [h99 <= P99_RATIO_TARGET * a99, h99 <= P99_TARGET_MS, growth <= RSS_TARGET_MIB]
-    out(f"targets: p99 under attack <= {P99_RATIO_TARGET:g}x alone: {'met' if met[0] else 'MISSED'}; "
+    out(
+        f"targets: p99 under attack <= {P99_RATIO_TARGET:g}x alone: {'met' if met[0] else 'MISSED'}; "
         f"<= {P99_TARGET_MS:g} ms: {'met' if met[1] else 'MISSED'}; RSS growth <= {RSS_TARGET_MIB:g} MiB: "
-        f"{'met' if met[2] else 'MISSED'}")
+        f"{'met' if met[2] else 'MISSED'}"
+    )
     out(f"host at end: {load()}")
     out(f"p99 alone ms {a99:.2f}")
     out(f"p99 under attack ms {h99:.2f}")

@@ -12,7 +12,7 @@ with EventCodec into PendingEvents (not timed). Then, per backend, on an empty l
 2. replay: coordinator.recovery.replay(log, EventCodec()) over everything appended (read +
    decode + fold), events/s; then the same work split into its parts, each timed on its own:
    read (log.read_steps in replay's batch size, no decode), decode (coordinator.recovery.
-   decode_step of every stored step: one msgspec call a step), fold (coordinator.projector.project of the decoded list). Replay is also run once
+   decode_step of every stored step: one msgspec call a step), fold (coordinator.core.projector.project of the decoded list). Replay is also run once
    more with the cyclic GC disabled, to show what the collector costs it.
 
 SQLite is a file in a temporary directory. PostgreSQL is a database created for the run on the
@@ -38,11 +38,11 @@ import sys
 import tempfile
 import time
 import uuid
-
-import uuid_utils
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
+
+import uuid_utils
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -50,13 +50,13 @@ import anyio  # noqa: E402
 import asyncpg  # noqa: E402
 import structlog  # noqa: E402
 from figures import console, load, out, percentile, progress  # noqa: E402
+from workload import ENGINE, Workload  # noqa: E402
 
-from coordinator.projector import project  # noqa: E402
+from coordinator.core.projector import project  # noqa: E402
+from coordinator.core.state import State, state_digest  # noqa: E402
 from coordinator.recovery import READ_BATCH, decode_step, replay  # noqa: E402
-from coordinator.state import State, state_digest  # noqa: E402
 from events import Event, EventCodec, StepBegan, event_tag  # noqa: E402
 from events.log import AppendBatch, PendingEvent, SqlEventLog, StoredStep, open_log, upgrade_log  # noqa: E402
-from workload import ENGINE, Workload  # noqa: E402
 
 PG_URL = os.environ.get("KVLEDGER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 APPEND_TARGET = 250_000
@@ -67,13 +67,8 @@ TARGETED = ("sqlite", "kafka")
 T = TypeVar("T")
 
 
-
-
-
-
 def target(rate: float, goal: int) -> str:
     return f"target >= {goal:,} events/s: {'met' if rate >= goal else 'MISSED'}"
-
 
 
 # --- the events ------------------------------------------------------------------------------
@@ -99,8 +94,12 @@ def encode_all(workload: Workload) -> list[PendingEvent]:
         event_type, schema_version, payload = codec.encode(event)
         pending.append(
             PendingEvent(
-                event_id=uuid_utils.uuid7().hex, step=step, recorded_at=clock,
-                event_type=event_type, schema_version=schema_version, payload=payload,
+                event_id=uuid_utils.uuid7().hex,
+                step=step,
+                recorded_at=clock,
+                event_type=event_type,
+                schema_version=schema_version,
+                payload=payload,
             )
         )
     return pending
@@ -164,11 +163,15 @@ async def bench_backend(name: str, url: str, workload: Workload, pending: list[P
         latencies.sort()
         rate = n / elapsed
         goal = f"; {target(rate, APPEND_TARGET)}" if name in TARGETED else ""
-        out(f"{name} append: {n:,} events in {elapsed:.2f} s = {rate:,.0f} events/s, "
-            f"{len(latencies) / elapsed:,.1f} steps/s ({step_size} events/step){goal}")
-        out(f"{name} append latency per step: p50 {percentile(latencies, 0.50) * 1e3:.2f} ms, "
+        out(
+            f"{name} append: {n:,} events in {elapsed:.2f} s = {rate:,.0f} events/s, "
+            f"{len(latencies) / elapsed:,.1f} steps/s ({step_size} events/step){goal}"
+        )
+        out(
+            f"{name} append latency per step: p50 {percentile(latencies, 0.50) * 1e3:.2f} ms, "
             f"p99 {percentile(latencies, 0.99) * 1e3:.2f} ms, max {latencies[-1] * 1e3:.2f} ms "
-            f"(the sidecar's step target, socket included, is p50 <= 1 ms, p99 <= 5 ms)")
+            f"(the sidecar's step target, socket included, is p50 <= 1 ms, p99 <= 5 ms)"
+        )
         if name == "sqlite":
             size = Path(str(log.engine.url.database)).stat().st_size
             out(f"{name} file: {size / 2**20:,.1f} MiB, {size / n:,.0f} bytes/event (main file; WAL not counted)")
@@ -177,7 +180,8 @@ async def bench_backend(name: str, url: str, workload: Workload, pending: list[P
             await bench_kafka_open(url, n)
 
         elapsed, (state, last) = await timed(
-            f"{name}: replay (read + decode + fold)", n,
+            f"{name}: replay (read + decode + fold)",
+            n,
             lambda report: replay(log, EventCodec(), on_progress=report),
         )
         assert last == n, (last, n)
@@ -192,8 +196,10 @@ async def bench_backend(name: str, url: str, workload: Workload, pending: list[P
             no_gc, _ = await timed(f"{name}: replay, GC off", n, lambda report: replay(log, EventCodec(), on_progress=report))
         finally:
             gc.enable()
-        out(f"{name} replay with the cyclic GC off: {n / no_gc:,.0f} events/s ({no_gc:.2f} s; "
-            f"the GC is {1 - no_gc / elapsed:.0%} of replay)")
+        out(
+            f"{name} replay with the cyclic GC off: {n / no_gc:,.0f} events/s ({no_gc:.2f} s; "
+            f"the GC is {1 - no_gc / elapsed:.0%} of replay)"
+        )
 
         # The parts run as replay runs them: with the cyclic GC paused.
         gc.disable()
@@ -202,10 +208,12 @@ async def bench_backend(name: str, url: str, workload: Workload, pending: list[P
         finally:
             gc.enable()
         parts = read_s + decode_s + fold_s
-        out(f"{name} replay split: read {n / read_s:,.0f} events/s ({read_s:.2f} s, {read_s / parts:.0%}), "
+        out(
+            f"{name} replay split: read {n / read_s:,.0f} events/s ({read_s:.2f} s, {read_s / parts:.0%}), "
             f"decode {n / decode_s:,.0f} events/s ({decode_s:.2f} s, {decode_s / parts:.0%}), "
             f"fold {n / fold_s:,.0f} events/s ({fold_s:.2f} s, {fold_s / parts:.0%}); "
-            f"parts sum {parts:.2f} s vs replay {elapsed:.2f} s")
+            f"parts sum {parts:.2f} s vs replay {elapsed:.2f} s"
+        )
     finally:
         await log.close()
 
@@ -216,7 +224,7 @@ async def replay_parts(name: str, log: SqlEventLog, n: int) -> tuple[float, floa
     read_s, stored = await timed(f"{name}: read only", n, lambda report: read_all(log, report))
 
     async def decode_all(report: Callable[[int], None]) -> list[Event]:
-        return [event for step in stored for event in decode_step(codec, step)]
+        return [event for step in stored for event in decode_step(codec, step)]  # noqa: F821 - bound above (ruff sees the del below)
 
     decode_s, decoded = await timed(f"{name}: decode only", n, decode_all)
     del stored
@@ -244,8 +252,10 @@ async def bench_kafka_open(url: str, n: int) -> None:
 
     elapsed, head = await timed("kafka: open (a fresh reader folds the topic)", n, open_and_close)
     assert head == n, (head, n)
-    out(f"kafka open (a fresh reader fetches and folds the whole topic): {n:,} events in {elapsed:.2f} s = "
-        f"{n / elapsed:,.0f} events/s")
+    out(
+        f"kafka open (a fresh reader fetches and folds the whole topic): {n:,} events in {elapsed:.2f} s = "
+        f"{n / elapsed:,.0f} events/s"
+    )
 
 
 async def bench_kafka(workload: Workload, pending: list[PendingEvent], step_size: int) -> None:
@@ -313,14 +323,18 @@ async def run(args: argparse.Namespace) -> None:
     workload = generate(args.events, args.seed)
     events = workload.core.events
     mix = collections.Counter(event_tag(type(e)) for e in events)
-    console.print(f"generated in {time.perf_counter() - start:.1f} s; mix: "
-                  + ", ".join(f"{tag} {k / len(events):.1%}" for tag, k in mix.most_common(8)))
+    console.print(
+        f"generated in {time.perf_counter() - start:.1f} s; mix: "
+        + ", ".join(f"{tag} {k / len(events):.1%}" for tag, k in mix.most_common(8))
+    )
     start = time.perf_counter()
     pending = encode_all(workload)
     encode_s = time.perf_counter() - start
     payload = sum(len(p.payload) for p in pending) / len(pending)
-    out(f"workload: {len(events):,} events over {workload.step:,} decider steps (seed {args.seed}), "
-        f"payload {payload:.0f} bytes/event on average; encoding + PendingEvent took {encode_s:.2f} s (not timed below)")
+    out(
+        f"workload: {len(events):,} events over {workload.step:,} decider steps (seed {args.seed}), "
+        f"payload {payload:.0f} bytes/event on average; encoding + PendingEvent took {encode_s:.2f} s (not timed below)"
+    )
     # The workload and its encoded copy are millions of live objects a real sidecar or replay
     # would not hold; freezing them keeps the cyclic GC from rescanning them in the timed phases.
     gc.collect()
@@ -348,8 +362,13 @@ def backends(text: str) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=300_000, help="at least this many events (default 300000)")
-    parser.add_argument("--backends", "--backend", type=backends, default=["sqlite", "postgresql"],
-                        help="a comma-separated subset of sqlite,postgresql,kafka (default sqlite,postgresql)")
+    parser.add_argument(
+        "--backends",
+        "--backend",
+        type=backends,
+        default=["sqlite", "postgresql"],
+        help="a comma-separated subset of sqlite,postgresql,kafka (default sqlite,postgresql)",
+    )
     parser.add_argument("--step-size", type=int, default=256, help="events per append call (default 256)")
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args()

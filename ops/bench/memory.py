@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from figures import console, load, out  # noqa: E402
 
-from coordinator.commands import (  # noqa: E402
+from coordinator.core import CoordinatorCore  # noqa: E402
+from coordinator.core.commands import (  # noqa: E402
     AllocateBlocks,
     BeginStep,
     DeclareEngine,
@@ -44,8 +45,17 @@ from coordinator.commands import (  # noqa: E402
     StartOwner,
     StartStore,
 )
-from coordinator.core import CoordinatorCore  # noqa: E402
-from events import BlocksAllocated, BlocksComputed, NamespaceSpec, NoticeDropped, OwnerStarted, PoolSpec, Refused, StoreJobStarted, TierSpec  # noqa: E402
+from events import (  # noqa: E402
+    BlocksAllocated,
+    BlocksComputed,
+    NamespaceSpec,
+    NoticeDropped,
+    OwnerStarted,
+    PoolSpec,
+    Refused,
+    StoreJobStarted,
+    TierSpec,
+)
 
 ENGINE = "bench-engine"
 TIER = "host"
@@ -57,9 +67,16 @@ CHUNK = 4096
 
 
 def namespace(world_size: int) -> NamespaceSpec:
-    return NamespaceSpec(model_id="bench/model", weights_revision="sha256:bench", tokenizer_digest="sha256:tok",
-                         kv_dtype="bfloat16", kv_layout_version=1, block_sizes=(BLOCK,), tensor_parallel_size=world_size,
-                         tenant="bench")
+    return NamespaceSpec(
+        model_id="bench/model",
+        weights_revision="sha256:bench",
+        tokenizer_digest="sha256:tok",
+        kv_dtype="bfloat16",
+        kv_layout_version=1,
+        block_sizes=(BLOCK,),
+        tensor_parallel_size=world_size,
+        tenant="bench",
+    )
 
 
 def ok(events: list[object]) -> list[object]:
@@ -77,8 +94,11 @@ def heap() -> int:
 def declare(core: CoordinatorCore, slots: int, tier_slots: int, world_size: int) -> None:
     ok(core.execute(DeclareTier(spec=TierSpec(name=TIER, num_slots=tier_slots, bytes_per_slot=1 << 20))))
     pool = PoolSpec(pool_id=0, kind="attention", num_blocks=slots + 1, block_size=BLOCK, bytes_per_block=1 << 20)
-    ok(core.execute(DeclareEngine(engine_id=ENGINE, namespace=namespace(world_size), pools=[pool], world_size=world_size,
-                                  tiers=[TIER])))
+    ok(
+        core.execute(
+            DeclareEngine(engine_id=ENGINE, namespace=namespace(world_size), pools=[pool], world_size=world_size, tiers=[TIER])
+        )
+    )
 
 
 def compute_chunk(core: CoordinatorCore, index: int, count: int) -> tuple[int, list[object]]:
@@ -88,8 +108,9 @@ def compute_chunk(core: CoordinatorCore, index: int, count: int) -> tuple[int, l
     [allocated] = ok(core.execute(AllocateBlocks(engine_id=ENGINE, owner_id=started.owner_id, pool_id=0, count=count)))
     assert isinstance(allocated, BlocksAllocated)
     tokens = [index * 1_000_003 + i for i in range(count * BLOCK)]
-    [computed] = ok(core.execute(MarkComputed(engine_id=ENGINE, owner_id=started.owner_id, blocks=allocated.blocks,
-                                              token_ids=tokens)))
+    [computed] = ok(
+        core.execute(MarkComputed(engine_id=ENGINE, owner_id=started.owner_id, blocks=allocated.blocks, token_ids=tokens))
+    )
     assert isinstance(computed, BlocksComputed)
     return started.owner_id, list(allocated.blocks)
 
@@ -139,9 +160,11 @@ def measure_slots(slots: int, world_size: int) -> None:
     pool = core.state.engines[ENGINE].pools[0]
     assert sum(1 for r in pool.refs if r) == slots, "every slot is held"
     per_free, per_held = (declared - before) / slots, (tracked - before) / slots
-    out(f"slots: {slots:,} declared (free): {per_free:,.1f} B/slot; all held and computed (a generation, a ref, a "
+    out(
+        f"slots: {slots:,} declared (free): {per_free:,.1f} B/slot; all held and computed (a generation, a ref, a "
         f"content key each): {per_held:,.1f} B/slot [target <= {SLOT_TARGET}: {'met' if per_held <= SLOT_TARGET else 'MISSED'}] "
-        f"(built in {time.perf_counter() - started:.1f} s)")
+        f"(built in {time.perf_counter() - started:.1f} s)"
+    )
 
 
 def measure_keys(keys: int, world_size: int) -> None:
@@ -157,9 +180,11 @@ def measure_keys(keys: int, world_size: int) -> None:
     published = sum(len(group) for group in tier.entries.values())
     assert published == keys, f"{published} keys published of {keys}"
     per_key = (after - before) / keys
-    out(f"keys: {keys:,} published in a tier of {keys:,} slots, {world_size} ranks' 16-byte checksums each: "
+    out(
+        f"keys: {keys:,} published in a tier of {keys:,} slots, {world_size} ranks' 16-byte checksums each: "
         f"{per_key:,.1f} B/key [target <= {KEY_TARGET}: {'met' if per_key <= KEY_TARGET else 'MISSED'}] "
-        f"(built in {time.perf_counter() - started:.1f} s)")
+        f"(built in {time.perf_counter() - started:.1f} s)"
+    )
 
 
 def main() -> None:

@@ -21,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
-
-from coordinator.projector import project  # noqa: E402
-from coordinator.state import state_digest  # noqa: E402
-from events import event_tag  # noqa: E402
 from workload import Workload  # noqa: E402
+
+from coordinator.core.projector import project  # noqa: E402
+from coordinator.core.state import state_digest  # noqa: E402
+from events import event_tag  # noqa: E402
 
 
 def main() -> None:
@@ -43,8 +43,10 @@ def main() -> None:
             progress.update(task, completed=count)
     events = workload.core.events
     mix = collections.Counter(event_tag(type(e)) for e in events)
-    console.print(f"{len(events):,} events over {workload.step:,} steps; mix: "
-                  + ", ".join(f"{tag} {n / len(events):.1%}" for tag, n in mix.most_common(10)))
+    console.print(
+        f"{len(events):,} events over {workload.step:,} steps; mix: "
+        + ", ".join(f"{tag} {n / len(events):.1%}" for tag, n in mix.most_common(10))
+    )
 
     rates = []
     for attempt in range(args.repeat):
@@ -57,8 +59,10 @@ def main() -> None:
         rates.append(len(events) / elapsed)
         console.print(f"run {attempt + 1}: {len(events):,} events in {elapsed:.3f} s = {rates[-1]:,.0f} events/s")
     assert state_digest(state) == state_digest(workload.core.state), "fold disagrees with the live state"
-    print(f"projector fold: best {max(rates):,.0f} events/s, median {statistics.median(rates):,.0f} events/s "
-          f"({len(events):,} events, target 1,000,000 events/s)")
+    print(
+        f"projector fold: best {max(rates):,.0f} events/s, median {statistics.median(rates):,.0f} events/s "
+        f"({len(events):,} events, target 1,000,000 events/s)"
+    )
 
 
 if __name__ == "__main__":

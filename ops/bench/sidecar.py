@@ -80,7 +80,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream  # noqa: E402
 from figures import console, load, out, percentile, progress  # noqa: E402
 
 from coordinator.client import Address, EngineClient  # noqa: E402
-from coordinator.commands import (  # noqa: E402
+from coordinator.core.commands import (  # noqa: E402
     AllocateBlocks,
     AnyCommand,
     DeclareEngine,
@@ -115,11 +115,6 @@ READ_LIMIT = 10_000
 """Events a read_steps call asks for when the sidecar's log is read back."""
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 30.0
-
-
-
-
-
 
 
 def verdict(ok: bool) -> str:
@@ -175,21 +170,24 @@ class EngineLoad:
             if len(commands) >= budget:
                 break
             if owner.broken or (owner.allocated >= owner.allocations and not owner.uncomputed):
-                commands.append(FinishOwner(engine_id=engine, owner_id=owner.owner_id,
-                                            reason="aborted" if owner.broken else "finished"))
+                commands.append(
+                    FinishOwner(engine_id=engine, owner_id=owner.owner_id, reason="aborted" if owner.broken else "finished")
+                )
                 concern.append(owner)
                 del self.owners[owner.owner_id]
                 continue
             if owner.uncomputed:
                 blocks, owner.uncomputed = owner.uncomputed, []
                 tokens = [rng.randrange(50_000) for _ in range(b.BLOCK * len(blocks))]
-                commands.append(MarkComputed(engine_id=engine, owner_id=owner.owner_id, blocks=blocks,
-                                             token_ids=tokens, parent_key=owner.parent_key))
+                commands.append(
+                    MarkComputed(
+                        engine_id=engine, owner_id=owner.owner_id, blocks=blocks, token_ids=tokens, parent_key=owner.parent_key
+                    )
+                )
                 concern.append(owner)
             if len(commands) < budget and owner.allocated < owner.allocations:
                 owner.allocated += 1
-                commands.append(AllocateBlocks(engine_id=engine, owner_id=owner.owner_id, pool_id=0,
-                                               count=rng.randint(1, 2)))
+                commands.append(AllocateBlocks(engine_id=engine, owner_id=owner.owner_id, pool_id=0, count=rng.randint(1, 2)))
                 concern.append(owner)
         while len(commands) < budget:
             self.requests += 1
@@ -228,7 +226,10 @@ class EngineLoad:
 
 def declaration(engine_id: str) -> DeclareEngine:
     return DeclareEngine(
-        engine_id=engine_id, namespace=b.namespace(tenant="bench"), world_size=2, tiers=[b.TIER],
+        engine_id=engine_id,
+        namespace=b.namespace(tenant="bench"),
+        world_size=2,
+        tiers=[b.TIER],
         pools=[b.attention_pool(num_blocks=NUM_BLOCKS)],
     )
 
@@ -319,8 +320,9 @@ async def bench(args: argparse.Namespace, socket_path: str, server_pid: int) -> 
 
     with progress() as bar:
         warm_task = bar.add_task(f"warmup: {args.engines} engines x {args.warmup} steps", total=args.engines * args.warmup)
-        timed_task = bar.add_task(f"timed: {args.engines} engines x {args.steps} steps of {args.commands} commands",
-                                  total=args.engines * args.steps)
+        timed_task = bar.add_task(
+            f"timed: {args.engines} engines x {args.steps} steps of {args.commands} commands", total=args.engines * args.steps
+        )
 
         async def engine(load: EngineLoad) -> None:
             nonlocal warmed
@@ -368,31 +370,43 @@ def report(args: argparse.Namespace, totals: Totals, loads: list[EngineLoad]) ->
     steps = len(latencies)
     p50, p99, worst = (percentile(latencies, 0.50) * 1e3, percentile(latencies, 0.99) * 1e3, latencies[-1] * 1e3)
     rate = totals.timed_events / elapsed
-    out(f"timed: {args.engines} engine(s) x {args.steps} steps of {args.commands} commands "
+    out(
+        f"timed: {args.engines} engine(s) x {args.steps} steps of {args.commands} commands "
         f"({args.warmup} warmup steps each not timed), {steps:,} steps, {totals.timed_events:,} events in {elapsed:.2f} s "
-        f"({totals.timed_events / steps:,.1f} events/step)")
-    out(f"step latency (send to reply): p50 {p50:.2f} ms, p99 {p99:.2f} ms, max {worst:.2f} ms, mean {sum(latencies) / steps * 1e3:.2f} ms")
+        f"({totals.timed_events / steps:,.1f} events/step)"
+    )
+    out(
+        f"step latency (send to reply): p50 {p50:.2f} ms, p99 {p99:.2f} ms, max {worst:.2f} ms, mean {sum(latencies) / steps * 1e3:.2f} ms"
+    )
     out(f"step latency p50 {p50:.2f} ms, target <= {P50_TARGET_MS:g} ms: {verdict(p50 <= P50_TARGET_MS)}")
     out(f"step latency p99 {p99:.2f} ms, target <= {P99_TARGET_MS:g} ms: {verdict(p99 <= P99_TARGET_MS)}")
     out(f"throughput: {steps / elapsed:,.1f} steps/s, {rate:,.0f} events/s, {steps * args.commands / elapsed:,.0f} commands/s")
-    refused = sum(load.refused for load in loads)
-    dropped = sum(load.dropped for load in loads)
+    refused = sum(engine_load.refused for engine_load in loads)
+    dropped = sum(engine_load.dropped for engine_load in loads)
     reasons: dict[str, int] = {}
-    for load in loads:
-        for reason, n in load.reasons.items():
+    for engine_load in loads:
+        for reason, n in engine_load.reasons.items():
             reasons[reason] = reasons.get(reason, 0) + n
     detail = f" ({', '.join(f'{r} {n}' for r, n in sorted(reasons.items()))})" if reasons else ""
-    out(f"refused: {refused:,} commands, notices dropped: {dropped:,}, over all {sum(load.step for load in loads):,} steps "
-        f"(warmup included){detail}")
-    out(f"owners running at the end: {sum(len(load.owners) for load in loads):,}, "
-        f"owners started: {sum(load.requests for load in loads):,}")
+    out(
+        f"refused: {refused:,} commands, notices dropped: {dropped:,}, over all {sum(load.step for load in loads):,} steps "
+        f"(warmup included){detail}"
+    )
+    out(
+        f"owners running at the end: {sum(len(load.owners) for load in loads):,}, "
+        f"owners started: {sum(load.requests for load in loads):,}"
+    )
     (mine0, side0), (mine1, side1) = totals.cpu_started, totals.cpu_finished
     sidecar_cpu = f"the sidecar {side1 - side0:.2f} s" if side0 is not None and side1 is not None else "the sidecar unknown"
-    out(f"CPU in the timed phase: the engines (this process) {mine1 - mine0:.2f} s, {sidecar_cpu}, "
-        f"of {elapsed:.2f} s wall on {os.cpu_count()} cores")
-    out(f"targets: p50 <= {P50_TARGET_MS:g} ms: {verdict(p50 <= P50_TARGET_MS)}; "
+    out(
+        f"CPU in the timed phase: the engines (this process) {mine1 - mine0:.2f} s, {sidecar_cpu}, "
+        f"of {elapsed:.2f} s wall on {os.cpu_count()} cores"
+    )
+    out(
+        f"targets: p50 <= {P50_TARGET_MS:g} ms: {verdict(p50 <= P50_TARGET_MS)}; "
         f"p99 <= {P99_TARGET_MS:g} ms: {verdict(p99 <= P99_TARGET_MS)}; "
-        f">= {EVENTS_TARGET:,} events/s: {verdict(rate >= EVENTS_TARGET)}")
+        f">= {EVENTS_TARGET:,} events/s: {verdict(rate >= EVENTS_TARGET)}"
+    )
     return rate
 
 
@@ -404,10 +418,11 @@ async def run(
     totals, loads = await bench(args, socket_path, server.pid)
     rate = report(args, totals, loads)
     head = (await health(socket_path)).head_seq
-    out(f"log head sequence {head:,}; events counted in the Welcome and StepResult replies {totals.all_events:,}: "
-        f"{'equal' if head == totals.all_events else 'DIFFERENT'}")
-    sizes = [(directory / name).stat().st_size if (directory / name).exists() else 0
-             for name in ("log.sqlite", "log.sqlite-wal")]
+    out(
+        f"log head sequence {head:,}; events counted in the Welcome and StepResult replies {totals.all_events:,}: "
+        f"{'equal' if head == totals.all_events else 'DIFFERENT'}"
+    )
+    sizes = [(directory / name).stat().st_size if (directory / name).exists() else 0 for name in ("log.sqlite", "log.sqlite-wal")]
     out(f"sqlite files before shutdown: main {sizes[0] / 2**20:,.1f} MiB, WAL {sizes[1] / 2**20:,.1f} MiB")
     return totals, loads, rate
 
@@ -436,21 +451,38 @@ def appends_of(rows: list[StoredStep], command_ids: dict[int, str]) -> list[list
             appends.append([])
             group_time = row.recorded_at
         events = [
-            PendingEvent(event_id=e.event_id, step=e.step, recorded_at=e.recorded_at, event_type=e.event_type,
-                         schema_version=e.schema_version, payload=e.payload)
+            PendingEvent(
+                event_id=e.event_id,
+                step=e.step,
+                recorded_at=e.recorded_at,
+                event_type=e.event_type,
+                schema_version=e.schema_version,
+                payload=e.payload,
+            )
             for e in row.events()
         ]
-        appends[-1].append(AppendBatch(stream_id=row.stream_id, expected_version=row.first_version - 1, events=events,
-                                       command_id=command_ids.get(row.first_seq)))
+        appends[-1].append(
+            AppendBatch(
+                stream_id=row.stream_id,
+                expected_version=row.first_version - 1,
+                events=events,
+                command_id=command_ids.get(row.first_seq),
+            )
+        )
     return appends
 
 
-async def log_only(args: argparse.Namespace, directory: Path, totals: Totals, loads: list[EngineLoad], sidecar_rate: float) -> float:
+async def log_only(
+    args: argparse.Namespace, directory: Path, totals: Totals, loads: list[EngineLoad], sidecar_rate: float
+) -> float:
     """Append the sidecar's committed events again to a fresh SQLite log, the timed phase's timed;
     prints the figures and returns the ratio of the sidecar's events/s to the log's."""
     # Every step's command id as the sidecar logged it; the timed phase's are the boundary.
-    logged = {scoped(load.engine_id, "step", command_id): step > args.warmup
-              for load in loads for step, command_id in load.command_ids.items()}
+    logged = {
+        scoped(load.engine_id, "step", command_id): step > args.warmup
+        for load in loads
+        for step, command_id in load.command_ids.items()
+    }
     source = await open_log(str(directory / "log.sqlite"))
     try:
         rows = await read_back(source)
@@ -462,16 +494,20 @@ async def log_only(args: argparse.Namespace, directory: Path, totals: Totals, lo
     start = timed.index(True) if True in timed else len(rows)
     strays = sum(1 for is_timed in timed[start:] if not is_timed)
     if strays or len(found) != len(logged):
-        console.print(f"[yellow]log-only: {len(found):,} of {len(logged):,} step command ids found in the sidecar's log; "
-                      f"{strays} rows after the first timed step are not timed steps (appended, and timed, anyway)")
+        console.print(
+            f"[yellow]log-only: {len(found):,} of {len(logged):,} step command ids found in the sidecar's log; "
+            f"{strays} rows after the first timed step are not timed steps (appended, and timed, anyway)"
+        )
     warm, hot = appends_of(rows[:start], command_ids), appends_of(rows[start:], command_ids)
     if not hot:
         raise RuntimeError("the sidecar's log holds none of the timed steps' command ids")
     events = sum(row.count for row in rows[start:])
     steps = len(rows) - start
-    out(f"log-only: read back {len(rows):,} rows, {sum(row.count for row in rows):,} events from the sidecar's log; "
+    out(
+        f"log-only: read back {len(rows):,} rows, {sum(row.count for row in rows):,} events from the sidecar's log; "
         f"timed phase {steps:,} rows, {events:,} events (counted in the replies {totals.timed_events:,}: "
-        f"{'equal' if events == totals.timed_events else 'DIFFERENT'})")
+        f"{'equal' if events == totals.timed_events else 'DIFFERENT'})"
+    )
 
     target = await open_log(str(directory / "log-only.sqlite"))
     latencies: list[float] = []
@@ -501,14 +537,20 @@ async def log_only(args: argparse.Namespace, directory: Path, totals: Totals, lo
 
     rate = events / elapsed
     latencies.sort()
-    out(f"log-only append {rate:,.0f} events/s ({events:,} events of the timed phase in {elapsed:.2f} s; "
+    out(
+        f"log-only append {rate:,.0f} events/s ({events:,} events of the timed phase in {elapsed:.2f} s; "
         f"{steps:,} steps in {len(hot):,} appends, {steps / len(hot):.2f} steps/append as the sidecar's group commit "
-        f"grouped them; the {len(rows) - steps:,} rows before (warmup, declarations) appended first, not timed; fresh SQLite log, EventLog.append)")
-    out(f"log-only append latency per append: p50 {percentile(latencies, 0.50) * 1e3:.2f} ms, "
-        f"p99 {percentile(latencies, 0.99) * 1e3:.2f} ms, max {latencies[-1] * 1e3:.2f} ms")
+        f"grouped them; the {len(rows) - steps:,} rows before (warmup, declarations) appended first, not timed; fresh SQLite log, EventLog.append)"
+    )
+    out(
+        f"log-only append latency per append: p50 {percentile(latencies, 0.50) * 1e3:.2f} ms, "
+        f"p99 {percentile(latencies, 0.99) * 1e3:.2f} ms, max {latencies[-1] * 1e3:.2f} ms"
+    )
     ratio = sidecar_rate / rate
-    out(f"sidecar/log ratio target >= {RATIO_TARGET:g}: {verdict(ratio >= RATIO_TARGET)} "
-        f"(sidecar {sidecar_rate:,.0f} events/s over log-only {rate:,.0f} events/s = {ratio:.2f})")
+    out(
+        f"sidecar/log ratio target >= {RATIO_TARGET:g}: {verdict(ratio >= RATIO_TARGET)} "
+        f"(sidecar {sidecar_rate:,.0f} events/s over log-only {rate:,.0f} events/s = {ratio:.2f})"
+    )
     return ratio
 
 

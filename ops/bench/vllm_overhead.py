@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import shutil
@@ -160,9 +159,17 @@ def run_engine(args: argparse.Namespace) -> None:
     from vllm.config import KVTransferConfig
 
     engine_args: dict[str, Any] = dict(
-        model=str(args.model), tokenizer=str(args.model), dtype="float32", block_size=BLOCK_SIZE,
-        max_model_len=MAX_MODEL_LEN, max_num_seqs=args.max_num_seqs, num_gpu_blocks_override=args.gpu_blocks,
-        kv_cache_memory_bytes=64 * 1024 * 1024, enforce_eager=True, seed=0, enable_prefix_caching=True,
+        model=str(args.model),
+        tokenizer=str(args.model),
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=args.max_num_seqs,
+        num_gpu_blocks_override=args.gpu_blocks,
+        kv_cache_memory_bytes=64 * 1024 * 1024,
+        enforce_eager=True,
+        seed=0,
+        enable_prefix_caching=True,
     )
     if args.phase == "kvledger":
         extra: dict[str, Any] = {
@@ -175,8 +182,12 @@ def run_engine(args: argparse.Namespace) -> None:
         if args.tier_dir is not None:
             extra["kvledger_tier_dir"] = str(args.tier_dir)
         engine_args["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KvledgerOffloadingConnector", kv_connector_module_path="coordinator.vllm.connector",
-            kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+            kv_connector="KvledgerOffloadingConnector",
+            kv_connector_module_path="coordinator.vllm.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=extra,
+        )
     texts = prompts(args.prompts)
     started = time.monotonic()
     llm = LLM(**engine_args)
@@ -192,15 +203,21 @@ def run_engine(args: argparse.Namespace) -> None:
         results: list[dict[str, Any]] = []
         for output in outputs:
             completion = output.outputs[0]
-            results.append({
-                "prompt_tokens": len(output.prompt_token_ids or []),
-                "num_cached_tokens": output.num_cached_tokens or 0,
-                "token_ids": list(completion.token_ids),
-                "logprobs": [step[token].logprob for step, token in zip(completion.logprobs or [], completion.token_ids)],
-            })
+            results.append(
+                {
+                    "prompt_tokens": len(output.prompt_token_ids or []),
+                    "num_cached_tokens": output.num_cached_tokens or 0,
+                    "token_ids": list(completion.token_ids),
+                    "logprobs": [step[token].logprob for step, token in zip(completion.logprobs or [], completion.token_ids)],
+                }
+            )
         rounds.append({"seconds": seconds, "results": results})
-        print(f"vllm_overhead: {args.phase} round {round_index}: {seconds:.2f} s, cached tokens "
-              f"{sum(r['num_cached_tokens'] for r in results)}", file=sys.stderr, flush=True)
+        print(
+            f"vllm_overhead: {args.phase} round {round_index}: {seconds:.2f} s, cached tokens "
+            f"{sum(r['num_cached_tokens'] for r in results)}",
+            file=sys.stderr,
+            flush=True,
+        )
     llm.llm_engine.engine_core.shutdown()
     Path(args.out).write_text(json.dumps({"engine_up_s": up, "rounds": rounds}) + "\n")
 
@@ -218,10 +235,28 @@ def _pump(source: IO[bytes], sinks: list[IO[bytes]]) -> None:
 def child(args: argparse.Namespace, phase: str, workdir: Path, socket: Path | None) -> dict[str, Any]:
     """One engine in a child process; its output goes to stderr and to workdir/PHASE.out."""
     result_path = workdir / f"{phase}.json"
-    command = [sys.executable, str(Path(__file__).resolve()), "--phase", phase, "--model", str(args.model),
-               "--out", str(result_path), "--prompts", str(args.prompts), "--rounds", str(args.rounds),
-               "--max-tokens", str(args.max_tokens), "--gpu-blocks", str(args.gpu_blocks),
-               "--max-num-seqs", str(args.max_num_seqs), "--tier-slots", str(args.tier_slots)]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--phase",
+        phase,
+        "--model",
+        str(args.model),
+        "--out",
+        str(result_path),
+        "--prompts",
+        str(args.prompts),
+        "--rounds",
+        str(args.rounds),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--gpu-blocks",
+        str(args.gpu_blocks),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--tier-slots",
+        str(args.tier_slots),
+    ]
     if socket is not None:
         command += ["--socket", str(socket)]
         if not args.memory_tier:
@@ -258,8 +293,9 @@ def stop(sidecar: subprocess.Popen[bytes]) -> int:
 
 def read_log(kvledger: Path, log_path: Path) -> list[dict[str, Any]]:
     """Every committed event of the sidecar's log, as `kvledger export` writes them."""
-    done = subprocess.run([str(kvledger), "export", "--log", str(log_path), "--format", "jsonl"],
-                          capture_output=True, check=False)
+    done = subprocess.run(
+        [str(kvledger), "export", "--log", str(log_path), "--format", "jsonl"], capture_output=True, check=False
+    )
     if done.returncode != 0:
         raise fail(f"kvledger export failed ({done.returncode}): {done.stderr.decode(errors='replace').strip()[-400:]}")
     return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
@@ -268,7 +304,8 @@ def read_log(kvledger: Path, log_path: Path) -> list[dict[str, Any]]:
 def committed_steps(events: list[dict[str, Any]]) -> tuple[int, Counter[str]]:
     """StepBegan events per engine: the steps the sidecar committed for each engine."""
     per_engine: Counter[str] = Counter(
-        str(line["event"]["engine_id"]) for line in events if line["type"] == "step_began" and line.get("event"))
+        str(line["event"]["engine_id"]) for line in events if line["type"] == "step_began" and line.get("event")
+    )
     return sum(per_engine.values()), per_engine
 
 
@@ -282,8 +319,10 @@ def check_environment(kvledger: Path) -> None:
         import vllm  # noqa: F401
     except ImportError as error:
         where = "" if VLLM_VENV.exists() else f" ({VLLM_VENV} does not exist)"
-        raise fail(f"the vLLM environment is missing{where}: build it with `make vllm-env` and run this script with "
-                   f"{VLLM_VENV / 'bin' / 'python'} (this is {sys.executable}: {error})") from None
+        raise fail(
+            f"the vLLM environment is missing{where}: build it with `make vllm-env` and run this script with "
+            f"{VLLM_VENV / 'bin' / 'python'} (this is {sys.executable}: {error})"
+        ) from None
     if not os.access(kvledger, os.X_OK):
         raise fail(f"the kvledger command {kvledger} is missing: `make run` or `make test` builds .venv")
 
@@ -291,17 +330,25 @@ def check_environment(kvledger: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--prompts", type=int, default=48, help="prompts per round (default 48)")
-    parser.add_argument("--rounds", type=int, default=6, help="rounds, reset_prefix_cache() between (default 6: the best of few sub-second rounds is noisy)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=6,
+        help="rounds, reset_prefix_cache() between (default 6: the best of few sub-second rounds is noisy)",
+    )
     parser.add_argument("--max-tokens", type=int, default=16, help="new tokens per prompt (default 16)")
     parser.add_argument("--gpu-blocks", type=int, default=64, help="num_gpu_blocks_override (default 64)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="max_num_seqs (default 16)")
-    parser.add_argument("--tier-slots", type=int, default=0,
-                        help=f"kvledger_tier_slots (default 0: prompts x {TIER_BLOCKS_PER_PROMPT})")
-    parser.add_argument("--memory-tier", action="store_true",
-                        help="keep the tier in the worker's memory (default: in files, as prove.py)")
+    parser.add_argument(
+        "--tier-slots", type=int, default=0, help=f"kvledger_tier_slots (default 0: prompts x {TIER_BLOCKS_PER_PROMPT})"
+    )
+    parser.add_argument(
+        "--memory-tier", action="store_true", help="keep the tier in the worker's memory (default: in files, as prove.py)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (model, log, outputs)")
-    parser.add_argument("--kvledger", type=Path, default=DEFAULT_KVLEDGER,
-                        help="the project's kvledger command (its own venv, not this one)")
+    parser.add_argument(
+        "--kvledger", type=Path, default=DEFAULT_KVLEDGER, help="the project's kvledger command (its own venv, not this one)"
+    )
     parser.add_argument("--engine-timeout", type=float, default=900.0, help="seconds per engine child (default 900)")
     parser.add_argument("--phase", choices=["plain", "kvledger"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)
@@ -324,10 +371,12 @@ def main() -> None:
     try:
         out(f"host at start: {load()}")
         texts = prompts(args.prompts)
-        say(f"{args.prompts} prompts of a {PREFIX_WORDS}-word common prefix and a short tail "
+        say(
+            f"{args.prompts} prompts of a {PREFIX_WORDS}-word common prefix and a short tail "
             f"({len(texts[0].split())} words the first), {args.rounds} rounds, {args.max_tokens} new tokens each; "
             f"engine cache {args.gpu_blocks} blocks of {BLOCK_SIZE}, max_num_seqs {args.max_num_seqs}; "
-            f"tier {args.tier_slots} slots ({'memory' if args.memory_tier else 'files'}); workdir {workdir}")
+            f"tier {args.tier_slots} slots ({'memory' if args.memory_tier else 'files'}); workdir {workdir}"
+        )
         import tiny_model
 
         args.model = tiny_model.build(workdir / "model")
@@ -337,8 +386,11 @@ def main() -> None:
         log_path = workdir / "log.sqlite"
         socket = socket_dir / "s.sock"
         with open(workdir / "sidecar.log", "wb") as sidecar_log:
-            sidecar = subprocess.Popen([str(args.kvledger), "serve", "--log", str(log_path), "--socket", str(socket),
-                                        "--http", "off"], stdout=sidecar_log, stderr=subprocess.STDOUT)
+            sidecar = subprocess.Popen(
+                [str(args.kvledger), "serve", "--log", str(log_path), "--socket", str(socket), "--http", "off"],
+                stdout=sidecar_log,
+                stderr=subprocess.STDOUT,
+            )
             try:
                 from prove import wait_for_socket  # ops/vllm/prove.py, on sys.path as namespace_of's
 
@@ -358,25 +410,30 @@ def main() -> None:
         kvledger_times = [one["seconds"] for one in ledgered["rounds"]]
         plain_results, kvledger_results = flat(plain), flat(ledgered)
         tokens_equal = [a["token_ids"] for a in plain_results] == [b["token_ids"] for b in kvledger_results]
-        logprob_gap = max((abs(x - y) for a, b in zip(plain_results, kvledger_results)
-                           for x, y in zip(a["logprobs"], b["logprobs"])), default=0.0)
+        logprob_gap = max(
+            (abs(x - y) for a, b in zip(plain_results, kvledger_results) for x, y in zip(a["logprobs"], b["logprobs"])),
+            default=0.0,
+        )
         ratio = min(kvledger_times) / min(plain_times)
         per_request = steps / requests
         prompt_tokens = [r["prompt_tokens"] for r in plain["rounds"][0]["results"]]
 
-        out(f"workload: {args.prompts} prompts x {args.rounds} rounds = {requests} requests, prompt tokens "
+        out(
+            f"workload: {args.prompts} prompts x {args.rounds} rounds = {requests} requests, prompt tokens "
             f"{min(prompt_tokens)}-{max(prompt_tokens)}, {args.max_tokens} new tokens each, "
             f"engine cache {args.gpu_blocks} blocks of {BLOCK_SIZE}, max_num_seqs {args.max_num_seqs}, "
-            f"tier {args.tier_slots} slots in {'memory' if args.memory_tier else 'files'}")
+            f"tier {args.tier_slots} slots in {'memory' if args.memory_tier else 'files'}"
+        )
         out(f"plain rounds s: {' '.join(f'{s:.2f}' for s in plain_times)} (engine up {plain['engine_up_s']:.1f} s)")
-        out(f"kvledger rounds s: {' '.join(f'{s:.2f}' for s in kvledger_times)} "
-            f"(engine up {ledgered['engine_up_s']:.1f} s)")
+        out(f"kvledger rounds s: {' '.join(f'{s:.2f}' for s in kvledger_times)} (engine up {ledgered['engine_up_s']:.1f} s)")
         for name, run in (("plain", plain), ("kvledger", ledgered)):
             per_round = [sum(r["num_cached_tokens"] for r in one["results"]) for one in run["rounds"]]
             out(f"{name} cached tokens per round: {' '.join(str(n) for n in per_round)}")
-        out(f"kvledger log: {len(events)} events, {steps} steps, {types['external_keys_looked_up']} lookups, "
+        out(
+            f"kvledger log: {len(events)} events, {steps} steps, {types['external_keys_looked_up']} lookups, "
             f"{types['external_store_started']} stores, {types['external_load_started']} loads, "
-            f"{types['key_published']} keys published, {types['key_evicted']} evicted; sidecar exit {sidecar_exit}")
+            f"{types['key_published']} keys published, {types['key_evicted']} evicted; sidecar exit {sidecar_exit}"
+        )
         out(f"logprobs max difference {logprob_gap:.3g}")
         out(f"host at end: {load()}")
         out(f"plain best round {min(plain_times):.2f} s")

@@ -11,7 +11,8 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-from coordinator.commands import (
+from coordinator.core import CoordinatorCore
+from coordinator.core.commands import (
     AllocateBlocks,
     AllocateEncoderEntry,
     BeginStep,
@@ -30,7 +31,6 @@ from coordinator.commands import (
     StartOwner,
     StartStore,
 )
-from coordinator.core import CoordinatorCore
 from events import (
     BlockRef,
     BlocksAllocated,
@@ -63,17 +63,28 @@ class Workload:
         self.encoder: list[str] = []
         self.prompts = [[self.rng.randrange(50_000) for _ in range(512)] for _ in range(8)]
         ns = NamespaceSpec(
-            model_id="bench/model", weights_revision="sha256:bench", tokenizer_digest="sha256:tok",
-            kv_dtype="bfloat16", kv_layout_version=1, block_sizes=(BLOCK, STATE_BLOCK),
-            tensor_parallel_size=WORLD, tenant="bench",
+            model_id="bench/model",
+            weights_revision="sha256:bench",
+            tokenizer_digest="sha256:tok",
+            kv_dtype="bfloat16",
+            kv_layout_version=1,
+            block_sizes=(BLOCK, STATE_BLOCK),
+            tensor_parallel_size=WORLD,
+            tenant="bench",
         )
         self.core.execute(DeclareTier(spec=TierSpec(name="host", num_slots=tier_slots, bytes_per_slot=1 << 16)))
         self.core.execute(
             DeclareEngine(
-                engine_id=ENGINE, namespace=ns, world_size=WORLD, tiers=["host"], encoder_cache_tokens=4096,
+                engine_id=ENGINE,
+                namespace=ns,
+                world_size=WORLD,
+                tiers=["host"],
+                encoder_cache_tokens=4096,
                 pools=[
                     PoolSpec(pool_id=ATTN, kind="attention", num_blocks=num_blocks, block_size=BLOCK, bytes_per_block=1 << 16),
-                    PoolSpec(pool_id=STATE, kind="state", num_blocks=num_blocks // 4, block_size=STATE_BLOCK, bytes_per_block=1 << 16),
+                    PoolSpec(
+                        pool_id=STATE, kind="state", num_blocks=num_blocks // 4, block_size=STATE_BLOCK, bytes_per_block=1 << 16
+                    ),
                 ],
             )
         )
@@ -118,11 +129,20 @@ class Workload:
         if hit.boundary:
             keys = hit.hits[0].keys
             loaded = len(keys)
-            self._track(self._x(StartLoad(engine_id=ENGINE, tier="host", items=[LoadRequest(k, b) for k, b in zip(keys, blocks)])))
+            self._track(
+                self._x(StartLoad(engine_id=ENGINE, tier="host", items=[LoadRequest(k, b) for k, b in zip(keys, blocks)]))
+            )
         if n_attn > loaded:
             parent = hit.hits[0].keys[-1] if hit.boundary else None
-            self._x(MarkComputed(engine_id=ENGINE, owner_id=owner.owner_id, blocks=blocks[loaded:n_attn],
-                                 token_ids=tokens[loaded * BLOCK : n_attn * BLOCK], parent_key=parent))
+            self._x(
+                MarkComputed(
+                    engine_id=ENGINE,
+                    owner_id=owner.owner_id,
+                    blocks=blocks[loaded:n_attn],
+                    token_ids=tokens[loaded * BLOCK : n_attn * BLOCK],
+                    parent_key=parent,
+                )
+            )
         if len(tokens) >= STATE_BLOCK:
             self._x(MarkComputed(engine_id=ENGINE, owner_id=owner.owner_id, blocks=state.blocks, token_ids=tokens[:STATE_BLOCK]))
         self.running[owner.owner_id] = {ATTN: list(blocks), STATE: state.blocks}
@@ -145,17 +165,28 @@ class Workload:
             progress = self.decoding[owner_id]
             progress[0] += 1
             if progress[0] == BLOCK:
-                self._x(MarkComputed(engine_id=ENGINE, owner_id=owner_id, blocks=[blocks[ATTN][-1]],
-                                     token_ids=[self.rng.randrange(50_000) for _ in range(BLOCK)],
-                                     parent_key=self.core.state.engines[ENGINE].pools[ATTN].keys[blocks[ATTN][-2].block_id] if len(blocks[ATTN]) > 1 else None))
+                self._x(
+                    MarkComputed(
+                        engine_id=ENGINE,
+                        owner_id=owner_id,
+                        blocks=[blocks[ATTN][-1]],
+                        token_ids=[self.rng.randrange(50_000) for _ in range(BLOCK)],
+                        parent_key=self.core.state.engines[ENGINE].pools[ATTN].keys[blocks[ATTN][-2].block_id]
+                        if len(blocks[ATTN]) > 1
+                        else None,
+                    )
+                )
                 if not self._grow(owner_id):
                     self._finish(owner_id, "preempted")
 
     def _finish(self, owner_id: int, reason: str) -> None:
         blocks = self.running.pop(owner_id)
         del self.decoding[owner_id]
-        computed = [b for b in blocks[ATTN] + blocks[STATE]
-                    if self.core.state.engines[ENGINE].pools[b.pool_id].keys[b.block_id] is not None]
+        computed = [
+            b
+            for b in blocks[ATTN] + blocks[STATE]
+            if self.core.state.engines[ENGINE].pools[b.pool_id].keys[b.block_id] is not None
+        ]
         if computed and self.rng.random() < 0.7:
             self._track(self._x(StartStore(engine_id=ENGINE, tier="host", blocks=computed)))
         if self.rng.random() < 0.1 and len(blocks[STATE]) == 1:

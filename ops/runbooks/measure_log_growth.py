@@ -54,16 +54,25 @@ def steps_of(count: int, seed: int) -> list[list[PendingEvent]]:
             if isinstance(event, StepBegan):
                 step, clock = event.step, event.clock
         event_type, schema_version, payload = codec.encode(event)
-        steps[-1].append(PendingEvent(event_id=uuid_utils.uuid7().hex, step=step, recorded_at=clock,
-                                      event_type=event_type, schema_version=schema_version, payload=payload))
+        steps[-1].append(
+            PendingEvent(
+                event_id=uuid_utils.uuid7().hex,
+                step=step,
+                recorded_at=clock,
+                event_type=event_type,
+                schema_version=schema_version,
+                payload=payload,
+            )
+        )
     return steps
 
 
 async def fill(event_log: SqlEventLog, steps: list[list[PendingEvent]]) -> None:
     version = 0
     for events in steps:
-        await event_log.append([AppendBatch(stream_id=ENGINE, expected_version=version, events=events,
-                                            command_id=uuid.uuid4().hex)])
+        await event_log.append(
+            [AppendBatch(stream_id=ENGINE, expected_version=version, events=events, command_id=uuid.uuid4().hex)]
+        )
         version += len(events)
 
 
@@ -81,8 +90,10 @@ def sqlite_encoded(url: str, events: int) -> None:
     with sqlite3.connect(url) as db:
         (encoded,) = db.execute("SELECT SUM(LENGTH(schemas) + LENGTH(header) + LENGTH(payload)) FROM kvl_steps").fetchone()
         (ids,) = db.execute("SELECT SUM(pgsize) FROM dbstat WHERE name LIKE '%kvl_event_ids%'").fetchone()
-    print(f"  encoded steps (schemas + header + payload): {encoded:,} B = {encoded / events:.0f} B/event; "
-          f"the event-id table: {ids:,} B = {ids / events:.0f} B/event")
+    print(
+        f"  encoded steps (schemas + header + payload): {encoded:,} B = {encoded / events:.0f} B/event; "
+        f"the event-id table: {ids:,} B = {ids / events:.0f} B/event"
+    )
 
 
 async def pg_sizes(url: str) -> tuple[int, int]:
@@ -92,7 +103,8 @@ async def pg_sizes(url: str) -> tuple[int, int]:
         await connection.execute("VACUUM ANALYZE")
         rows = await connection.fetch(
             "SELECT c.relname, pg_total_relation_size(c.oid) AS size FROM pg_class c "
-            "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'public' AND c.relkind = 'r'")
+            "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'public' AND c.relkind = 'r'"
+        )
     finally:
         await connection.close()
     audit = sum(row["size"] for row in rows if row["relname"].startswith("kvl_audit"))
@@ -101,14 +113,19 @@ async def pg_sizes(url: str) -> tuple[int, int]:
 
 def report(backend: str, events: int, steps: int, log_bytes: int, index_bytes: int) -> None:
     print(f"{backend}: {events:,} events in {steps:,} appends ({events / steps:.1f} events a step)")
-    print(f"  log (steps, event ids, commands, streams, snapshots): {log_bytes:,} B = {log_bytes / events:.0f} B/event, "
-          f"{log_bytes / steps:,.0f} B/step")
-    print(f"  audit index (kvl_audit_*): {index_bytes:,} B = {index_bytes / events:.0f} B/event; "
-          f"log + index {(log_bytes + index_bytes) / events:.0f} B/event")
+    print(
+        f"  log (steps, event ids, commands, streams, snapshots): {log_bytes:,} B = {log_bytes / events:.0f} B/event, "
+        f"{log_bytes / steps:,.0f} B/step"
+    )
+    print(
+        f"  audit index (kvl_audit_*): {index_bytes:,} B = {index_bytes / events:.0f} B/event; "
+        f"log + index {(log_bytes + index_bytes) / events:.0f} B/event"
+    )
 
 
-async def measure(backend: str, url: str, steps: list[list[PendingEvent]],
-                  sizes: Callable[[str], Awaitable[tuple[int, int]]]) -> None:
+async def measure(
+    backend: str, url: str, steps: list[list[PendingEvent]], sizes: Callable[[str], Awaitable[tuple[int, int]]]
+) -> None:
     events = sum(len(s) for s in steps)
     await upgrade_log(url)
     event_log = await open_log(url)

@@ -45,7 +45,8 @@ REPO = HERE.parent.parent
 DEFAULT_OUT = REPO / "tests" / "fixtures" / "vllm" / "kv_events_0_32.msgpack-frames"
 
 sys.path.insert(0, str(HERE))
-from tiny_model import PROMPT_PREFIX as PREFIX, PROMPT_TAILS as TAILS  # noqa: E402 - the prompts both scripts send
+from tiny_model import PROMPT_PREFIX as PREFIX  # noqa: E402 - the prompts both scripts send
+from tiny_model import PROMPT_TAILS as TAILS  # noqa: E402
 
 
 def _hexify(value: Any) -> Any:
@@ -186,31 +187,34 @@ def write_frames(path: Path, frames: list[list[bytes]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=Path("/tmp/kvledger-tiny-llama"),
-                        help="tiny model directory; built by tiny_model.py if missing")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=Path("/tmp/kvledger-tiny-llama"),
+        help="tiny model directory; built by tiny_model.py if missing",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--port", type=int, default=5599)
     parser.add_argument("--topic", default="kv")
-    parser.add_argument("--replay-port", type=int, default=None,
-                        help="vLLM binds its ROUTER replay socket here (default: --port + 1)")
+    parser.add_argument(
+        "--replay-port", type=int, default=None, help="vLLM binds its ROUTER replay socket here (default: --port + 1)"
+    )
     parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--num-blocks", type=int, default=8,
-                        help="num_gpu_blocks_override: small, so that the engine evicts")
+    parser.add_argument("--num-blocks", type=int, default=8, help="num_gpu_blocks_override: small, so that the engine evicts")
     parser.add_argument("--max-tokens", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="how many times the prompt list is sent, one prompt at a time")
-    parser.add_argument("--reset-between-rounds", action="store_true",
-                        help="reset_prefix_cache() between rounds: later rounds must come from "
-                             "the connector (or be recomputed, without one)")
-    parser.add_argument("--connector-spec", default=None,
-                        help="OffloadingConnector spec class name (with --connector-module)")
-    parser.add_argument("--connector-module", default=None,
-                        help="importable module name holding the spec (spec_module_path)")
-    parser.add_argument("--connector-extra", default="{}",
-                        help="JSON merged into kv_connector_extra_config")
+    parser.add_argument("--rounds", type=int, default=2, help="how many times the prompt list is sent, one prompt at a time")
+    parser.add_argument(
+        "--reset-between-rounds",
+        action="store_true",
+        help="reset_prefix_cache() between rounds: later rounds must come from the connector (or be recomputed, without one)",
+    )
+    parser.add_argument("--connector-spec", default=None, help="OffloadingConnector spec class name (with --connector-module)")
+    parser.add_argument("--connector-module", default=None, help="importable module name holding the spec (spec_module_path)")
+    parser.add_argument("--connector-extra", default="{}", help="JSON merged into kv_connector_extra_config")
     parser.add_argument("--no-events", action="store_true", help="run without KV events")
-    parser.add_argument("--no-prefix-caching", action="store_true",
-                        help="a truly cold engine: every prompt computed from scratch")
+    parser.add_argument(
+        "--no-prefix-caching", action="store_true", help="a truly cold engine: every prompt computed from scratch"
+    )
     args = parser.parse_args()
 
     # vLLM's CPU backend reserves one core for the engine-core process, and one MORE when any
@@ -261,12 +265,12 @@ def main() -> None:
         extra.update(json.loads(args.connector_extra))
         connector: dict[str, Any] = {"kv_connector": "OffloadingConnector"}
         if args.connector_spec == "KvledgerOffloadingSpec":  # runs only under kvledger's connector
-            connector = {"kv_connector": "KvledgerOffloadingConnector",
-                         "kv_connector_module_path": "coordinator.vllm.connector",
-                         "kv_load_failure_policy": "recompute"}
-        engine_args["kv_transfer_config"] = KVTransferConfig(
-            **connector, kv_role="kv_both", kv_connector_extra_config=extra
-        )
+            connector = {
+                "kv_connector": "KvledgerOffloadingConnector",
+                "kv_connector_module_path": "coordinator.vllm.connector",
+                "kv_load_failure_policy": "recompute",
+            }
+        engine_args["kv_transfer_config"] = KVTransferConfig(**connector, kv_role="kv_both", kv_connector_extra_config=extra)
 
     started = time.monotonic()
     llm = LLM(**engine_args)
@@ -290,10 +294,7 @@ def main() -> None:
                     "prompt_token_ids": output.prompt_token_ids,
                     "num_cached_tokens": output.num_cached_tokens,
                     "token_ids": list(completion.token_ids),
-                    "logprobs": [
-                        step[token].logprob
-                        for step, token in zip(completion.logprobs or [], completion.token_ids)
-                    ],
+                    "logprobs": [step[token].logprob for step, token in zip(completion.logprobs or [], completion.token_ids)],
                 }
             )
     llm.reset_prefix_cache()
@@ -319,17 +320,11 @@ def main() -> None:
     summary["replay"] = {
         "frames": len(replayed),
         "end_marker": [part.hex() for part in replayed[-1]] if replayed else None,
-        "payloads_equal_live": all(
-            live.get(frame[2]) == frame[3] for frame in replayed[:-1] if len(frame) == 4
-        ),
+        "payloads_equal_live": all(live.get(frame[2]) == frame[3] for frame in replayed[:-1] if len(frame) == 4),
     }
-    summary["engine"] = {
-        key: str(value) for key, value in engine_args.items() if key not in ("model", "tokenizer")
-    }
+    summary["engine"] = {key: str(value) for key, value in engine_args.items() if key not in ("model", "tokenizer")}
     summary["env"] = {
-        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": os.environ.get(
-            "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "(unset: 1)"
-        ),
+        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "(unset: 1)"),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"],
     }
     Path(f"{args.out}.json").write_text(json.dumps(summary, indent=1) + "\n")

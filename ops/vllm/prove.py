@@ -52,7 +52,8 @@ REPO = HERE.parent.parent
 DEFAULT_KVLEDGER = REPO / ".venv" / "bin" / "kvledger"
 
 sys.path.insert(0, str(HERE))
-from tiny_model import PROMPT_PREFIX as PREFIX, PROMPT_TAILS as TAILS  # noqa: E402 - the prompts both scripts send
+from tiny_model import PROMPT_PREFIX as PREFIX  # noqa: E402 - the prompts both scripts send
+from tiny_model import PROMPT_TAILS as TAILS  # noqa: E402
 
 
 def digest(path: Path) -> str:
@@ -84,8 +85,7 @@ def corrupt_a_loaded_key(args: argparse.Namespace) -> dict[str, Any]:
     data = path.read_bytes()
     path.write_bytes(bytes(byte ^ 0xFF for byte in data))
     print(f"prove: corrupted tier key {key} ({path}, {len(data)} bytes) of load job {load['event']['job_id']}", flush=True)
-    return {"key": key, "path": str(path), "load_job": load["event"]["job_id"],
-            "last_seq": max(line["seq"] for line in lines)}
+    return {"key": key, "path": str(path), "load_job": load["event"]["job_id"], "last_seq": max(line["seq"] for line in lines)}
 
 
 def run_engine(args: argparse.Namespace) -> None:
@@ -95,10 +95,16 @@ def run_engine(args: argparse.Namespace) -> None:
     from vllm.config import KVTransferConfig
 
     engine_args: dict[str, Any] = dict(
-        model=str(args.model), tokenizer=str(args.model), dtype="float32", block_size=args.block_size,
+        model=str(args.model),
+        tokenizer=str(args.model),
+        dtype="float32",
+        block_size=args.block_size,
         max_model_len=(args.num_blocks - 1) * args.block_size,  # one block is vLLM's null block
-        max_num_seqs=4, num_gpu_blocks_override=args.num_blocks, kv_cache_memory_bytes=64 * 1024 * 1024,
-        enforce_eager=True, seed=0,
+        max_num_seqs=4,
+        num_gpu_blocks_override=args.num_blocks,
+        kv_cache_memory_bytes=64 * 1024 * 1024,
+        enforce_eager=True,
+        seed=0,
     )
     if args.phase == "cold":
         engine_args["enable_prefix_caching"] = False
@@ -113,8 +119,12 @@ def run_engine(args: argparse.Namespace) -> None:
         }
         engine_args["enable_prefix_caching"] = True
         engine_args["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KvledgerOffloadingConnector", kv_connector_module_path="coordinator.vllm.connector",
-            kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+            kv_connector="KvledgerOffloadingConnector",
+            kv_connector_module_path="coordinator.vllm.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=extra,
+        )
     started = time.monotonic()
     llm = LLM(**engine_args)
     up = time.monotonic() - started
@@ -131,16 +141,20 @@ def run_engine(args: argparse.Namespace) -> None:
         for prompt_index, tail in enumerate(TAILS):
             (output,) = llm.generate([PREFIX + tail], params, use_tqdm=False)
             completion = output.outputs[0]
-            results.append({
-                "round": round_index, "prompt": prompt_index,
-                "prompt_token_ids": list(output.prompt_token_ids or []),
-                "num_cached_tokens": output.num_cached_tokens,
-                "token_ids": list(completion.token_ids),
-                "logprobs": [step[token].logprob for step, token in zip(completion.logprobs or [], completion.token_ids)],
-            })
+            results.append(
+                {
+                    "round": round_index,
+                    "prompt": prompt_index,
+                    "prompt_token_ids": list(output.prompt_token_ids or []),
+                    "num_cached_tokens": output.num_cached_tokens,
+                    "token_ids": list(completion.token_ids),
+                    "logprobs": [step[token].logprob for step, token in zip(completion.logprobs or [], completion.token_ids)],
+                }
+            )
     llm.llm_engine.engine_core.shutdown()
-    Path(args.out).write_text(json.dumps({"engine_up_s": up, "total_s": time.monotonic() - started,
-                                          "results": results, "corrupted": corrupted}) + "\n")
+    Path(args.out).write_text(
+        json.dumps({"engine_up_s": up, "total_s": time.monotonic() - started, "results": results, "corrupted": corrupted}) + "\n"
+    )
 
 
 def wait_for_socket(path: Path, sidecar: subprocess.Popen[bytes], limit_s: float = 60.0) -> None:
@@ -155,10 +169,30 @@ def wait_for_socket(path: Path, sidecar: subprocess.Popen[bytes], limit_s: float
 
 
 def child(args: argparse.Namespace, phase: str, out: Path, socket: Path | None, timeout_s: float) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--phase", phase, "--model", str(args.model), "--out", str(out),
-               "--num-blocks", str(args.num_blocks), "--block-size", str(args.block_size),
-               "--max-tokens", str(args.max_tokens), "--rounds", str(args.rounds), "--tier-slots", str(args.tier_slots),
-               "--corrupt-round", str(args.corrupt_round), "--kvledger", str(args.kvledger)]
+    command = [
+        sys.executable,
+        __file__,
+        "--phase",
+        phase,
+        "--model",
+        str(args.model),
+        "--out",
+        str(out),
+        "--num-blocks",
+        str(args.num_blocks),
+        "--block-size",
+        str(args.block_size),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--rounds",
+        str(args.rounds),
+        "--tier-slots",
+        str(args.tier_slots),
+        "--corrupt-round",
+        str(args.corrupt_round),
+        "--kvledger",
+        str(args.kvledger),
+    ]
     if socket is not None:
         command += ["--socket", str(socket), "--log", str(args.log), "--tier-dir", str(args.tier_dir)]
     started = time.monotonic()
@@ -174,15 +208,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="where the JSON result goes")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the model, log and outputs here")
-    parser.add_argument("--kvledger", type=Path, default=DEFAULT_KVLEDGER,
-                        help="the project's kvledger command (its own venv, not this one)")
+    parser.add_argument(
+        "--kvledger", type=Path, default=DEFAULT_KVLEDGER, help="the project's kvledger command (its own venv, not this one)"
+    )
     parser.add_argument("--model", type=Path, default=None, help="tiny model directory (built when missing)")
     parser.add_argument("--num-blocks", type=int, default=8, help="num_gpu_blocks_override: small, so vLLM evicts")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--corrupt-round", type=int, default=2,
-                        help="corrupt one loaded key's tier file before this round (0: never)")
+    parser.add_argument(
+        "--corrupt-round", type=int, default=2, help="corrupt one loaded key's tier file before this round (0: never)"
+    )
     parser.add_argument("--tier-slots", type=int, default=64)
     parser.add_argument("--engine-timeout", type=float, default=300.0, help="seconds per engine child")
     parser.add_argument("--phase", choices=["cold", "kvledger"], default=None, help=argparse.SUPPRESS)
@@ -217,8 +253,11 @@ def main() -> None:
     print(f"prove: cold run done in {cold['wall_s']:.1f} s", flush=True)
 
     sidecar_log = open(workdir / "sidecar.log", "wb")  # noqa: SIM115 - closed below
-    sidecar = subprocess.Popen([str(args.kvledger), "serve", "--log", str(log_path), "--socket", str(socket),
-                                "--http", "off"], stdout=sidecar_log, stderr=subprocess.STDOUT)
+    sidecar = subprocess.Popen(
+        [str(args.kvledger), "serve", "--log", str(log_path), "--socket", str(socket), "--http", "off"],
+        stdout=sidecar_log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_for_socket(socket, sidecar)
         cached = child(args, "kvledger", workdir / "kvledger.json", socket, args.engine_timeout)
@@ -245,14 +284,24 @@ def main() -> None:
         "workdir": str(workdir),
         "kept": keep,
         "namespace": namespace_of(args.model, args.block_size),
-        "seconds": {"cold": cold["wall_s"], "kvledger": cached["wall_s"], "total": time.monotonic() - started,
-                    "engine_up_cold": cold["engine_up_s"], "engine_up_kvledger": cached["engine_up_s"]},
+        "seconds": {
+            "cold": cold["wall_s"],
+            "kvledger": cached["wall_s"],
+            "total": time.monotonic() - started,
+            "engine_up_cold": cold["engine_up_s"],
+            "engine_up_kvledger": cached["engine_up_s"],
+        },
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    same = [a["token_ids"] == b["token_ids"] and a["logprobs"] == b["logprobs"]
-            for a, b in zip(result["cold"], result["kvledger"], strict=True)]
-    print(f"prove: {sum(same)}/{len(same)} generations equal to the cold run; cached tokens per request "
-          f"{[r['num_cached_tokens'] for r in result['kvledger']]}; log {log_path}; wrote {args.out}", flush=True)
+    same = [
+        a["token_ids"] == b["token_ids"] and a["logprobs"] == b["logprobs"]
+        for a, b in zip(result["cold"], result["kvledger"], strict=True)
+    ]
+    print(
+        f"prove: {sum(same)}/{len(same)} generations equal to the cold run; cached tokens per request "
+        f"{[r['num_cached_tokens'] for r in result['kvledger']]}; log {log_path}; wrote {args.out}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

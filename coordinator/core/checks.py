@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from coordinator.state import EngineState, OwnerState, PoolState, State, TierState
+from coordinator.core.state import EngineState, OwnerState, PoolState, State, TierState
 from events import NULL_BLOCK_ID, BlockRef, Reason
 
 MAX_BLOCKS_PER_POOL = 1 << 24
@@ -74,7 +74,7 @@ def owner(state: State, eng: EngineState, owner_id: int) -> OwnerState:
 
 def block(eng: EngineState, ref: BlockRef, *, allow_null: bool = False) -> PoolState:
     """A reference to a real, current slot (I1, I2); returns its pool. `allow_null` exists only
-    for the simulator's null-state-publication scenario (coordinator.protections)."""
+    for the simulator's null-state-publication scenario (coordinator.core.protections)."""
     found = pool(eng, ref.pool_id)
     if ref.block_id == NULL_BLOCK_ID:
         if allow_null:
@@ -86,8 +86,7 @@ def block(eng: EngineState, ref: BlockRef, *, allow_null: bool = False) -> PoolS
     if ref.generation != current:
         raise Refusal(
             Reason.STALE_GENERATION,
-            f"block {ref.pool_id}/{ref.block_id} is at generation {current}, "
-            f"not {ref.generation}",
+            f"block {ref.pool_id}/{ref.block_id} is at generation {current}, not {ref.generation}",
         )
     return found
 

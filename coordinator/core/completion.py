@@ -1,21 +1,21 @@
 """Completing a job once every rank reported: one path for the jobs kvledger decides on its own
 blocks (StoreJobStarted, LoadJobStarted, StateCopyPlanned) and for an engine's own blocks
-(ExternalStoreStarted, ExternalLoadStarted: vLLM's, coordinator/_external.py).
+(ExternalStoreStarted, ExternalLoadStarted: vLLM's, coordinator/core/external.py).
 
 Both kinds keep the same invariants and honour the same protection switches: a key is published
 only when every rank reported success with a checksum (I5, I11); a re-store with other bytes
 quarantines the key (I10; with IDEMPOTENT_STORE off the last writer wins, as in seed 002); a load
 counts only while its lease holds (I12; LEASES off: no lease check), its keys were not evicted
 meanwhile, and every rank read the published bytes (I13; CHECKSUMS off: nothing is compared).
-Reached from ReportRank (coordinator/_jobs.py). Pure.
+Reached from ReportRank (coordinator/core/jobs.py). Pure.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from coordinator.protections import Protection, is_off
-from coordinator.state import KeyEntry, State, TierState
+from coordinator.core.protections import Protection, is_off
+from coordinator.core.state import KeyEntry, State, TierState
 from events import (
     Event,
     ExternalItem,
@@ -81,21 +81,40 @@ def _publish(state: State, tier: TierState, decision: Store, per_rank: list[list
     for index, item in enumerate(items):
         pool_id = pool_of(item)
         checksums = [sums[index] for sums in per_rank]
-        published = KeyPublished(tier=tier.spec.name, namespace_id=engine.namespace_id, pool_id=pool_id, key=item.key,
-                                 tier_slot=item.tier_slot, tier_generation=item.tier_generation, checksums=checksums,
-                                 size_bytes=engine.pools[pool_id].spec.bytes_per_block, source_job=decision.job_id)
+        published = KeyPublished(
+            tier=tier.spec.name,
+            namespace_id=engine.namespace_id,
+            pool_id=pool_id,
+            key=item.key,
+            tier_slot=item.tier_slot,
+            tier_generation=item.tier_generation,
+            checksums=checksums,
+            size_bytes=engine.pools[pool_id].spec.bytes_per_block,
+            source_job=decision.job_id,
+        )
         existing = tier.entry(pool_id, item.key)
         if existing is None:
             events.append(published)
         elif existing.checksums != checksums and is_off(Protection.IDEMPOTENT_STORE):
             # The naive store of seed 002: the last writer wins.
-            events += [KeyEvicted(tier=tier.spec.name, pool_id=pool_id, key=item.key, tier_slot=existing.tier_slot,
-                                  engine_id=decision.engine_id), published]
+            events += [
+                KeyEvicted(
+                    tier=tier.spec.name, pool_id=pool_id, key=item.key, tier_slot=existing.tier_slot, engine_id=decision.engine_id
+                ),
+                published,
+            ]
         elif existing.checksums != checksums and not existing.quarantined:
             # I10: the same key with other bytes. Someone stored the wrong KV; trust neither.
-            events.append(KeyQuarantined(tier=tier.spec.name, pool_id=pool_id, key=item.key, reason=Reason.CHECKSUM_MISMATCH,
-                                         job_id=decision.job_id,
-                                         detail=f"re-store by job {decision.job_id} differs from job {existing.source_job}"))
+            events.append(
+                KeyQuarantined(
+                    tier=tier.spec.name,
+                    pool_id=pool_id,
+                    key=item.key,
+                    reason=Reason.CHECKSUM_MISMATCH,
+                    job_id=decision.job_id,
+                    detail=f"re-store by job {decision.job_id} differs from job {existing.source_job}",
+                )
+            )
     return events
 
 
@@ -106,8 +125,13 @@ def _verify_load(state: State, tier: TierState, decision: Load, per_rank: list[l
     naive_leases = is_off(Protection.LEASES)  # seed 002's offload read path: no lease check
     clock = state.engines[decision.engine_id].clock
     if clock >= decision.lease_expires_at and not naive_leases:  # a lease is live while clock < expiry
-        return [JobFailed(job_id=job_id, reason=Reason.LEASE_EXPIRED,
-                          detail=f"completed at {clock}, lease expired at {decision.lease_expires_at}")]
+        return [
+            JobFailed(
+                job_id=job_id,
+                reason=Reason.LEASE_EXPIRED,
+                detail=f"completed at {clock}, lease expired at {decision.lease_expires_at}",
+            )
+        ]
     verify = not is_off(Protection.CHECKSUMS)  # off: MOONCAKE_STORE_CHECKSUM unset (seed 002)
     quarantined: dict[tuple[int, bytes], None] = {}
     unverified = 0
@@ -128,8 +152,17 @@ def _verify_load(state: State, tier: TierState, decision: Load, per_rank: list[l
     if not unverified:
         return [JobSucceeded(job_id=job_id)]
     return [
-        *(KeyQuarantined(tier=tier.spec.name, pool_id=pool_id, key=key, reason=Reason.CHECKSUM_MISMATCH, job_id=job_id,
-                         detail="loaded bytes differ from the published checksum") for pool_id, key in quarantined),
+        *(
+            KeyQuarantined(
+                tier=tier.spec.name,
+                pool_id=pool_id,
+                key=key,
+                reason=Reason.CHECKSUM_MISMATCH,
+                job_id=job_id,
+                detail="loaded bytes differ from the published checksum",
+            )
+            for pool_id, key in quarantined
+        ),
         JobFailed(job_id=job_id, reason=Reason.CHECKSUM_MISMATCH, detail=f"{unverified} items failed verification"),
     ]
 
@@ -168,9 +201,21 @@ def _load_mismatches(state: State, decision: Load, reports: dict[int, RankReport
     if not mismatched:
         return []
     return [
-        *(KeyQuarantined(tier=tier.spec.name, pool_id=pool_id, key=key, reason=Reason.CHECKSUM_MISMATCH,
-                         job_id=decision.job_id, detail="a worker read other bytes than the published checksum")
-          for pool_id, key in keys if not tier.entries[pool_id][key].quarantined),
-        JobFailed(job_id=decision.job_id, reason=Reason.CHECKSUM_MISMATCH,
-                  detail=f"{mismatched} reads differ from the published checksums"),
+        *(
+            KeyQuarantined(
+                tier=tier.spec.name,
+                pool_id=pool_id,
+                key=key,
+                reason=Reason.CHECKSUM_MISMATCH,
+                job_id=decision.job_id,
+                detail="a worker read other bytes than the published checksum",
+            )
+            for pool_id, key in keys
+            if not tier.entries[pool_id][key].quarantined
+        ),
+        JobFailed(
+            job_id=decision.job_id,
+            reason=Reason.CHECKSUM_MISMATCH,
+            detail=f"{mismatched} reads differ from the published checksums",
+        ),
     ]

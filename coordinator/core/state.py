@@ -1,4 +1,4 @@
-"""The coordinator's domain state: pure data, folded from events by coordinator.projector.
+"""The coordinator's domain state: pure data, folded from events by coordinator.core.projector.
 
 Every type here is a msgspec Struct, so the whole state encodes to msgpack in one call; that
 encoding is the snapshot, and its digest is what I18 compares. Containers are dicts and lists
@@ -15,9 +15,9 @@ import msgspec
 
 from events import (
     NULL_BLOCK_ID,
+    BlockRef,
     ExternalLoadStarted,
     ExternalStoreStarted,
-    BlockRef,
     LoadJobStarted,
     NamespaceSpec,
     PoolSpec,
@@ -182,7 +182,7 @@ class TierState(msgspec.Struct, kw_only=True, dict=True):
 
 
 JobDecision = StoreJobStarted | LoadJobStarted | StateCopyPlanned | ExternalStoreStarted | ExternalLoadStarted
-"""External jobs (coordinator/_external.py) move blocks the engine owns: they pin no kvledger slot."""
+"""External jobs (coordinator/core/external.py) move blocks the engine owns: they pin no kvledger slot."""
 
 
 class JobState(msgspec.Struct, kw_only=True):
@@ -240,7 +240,7 @@ class State(msgspec.Struct, kw_only=True):
     fenced: dict[int, FencedJob] = msgspec.field(default_factory=dict)
     """Fenced jobs still draining (I16): by job id."""
     observed: dict[str, ObservedEngine] = msgspec.field(default_factory=dict)
-    """Engines kvledger observes (coordinator/_observe.py), by engine id."""
+    """Engines kvledger observes (coordinator/core/observe.py), by engine id."""
     next_owner_id: int = 1
     next_job_id: int = 1
     last_event: int = 0

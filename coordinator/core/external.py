@@ -16,8 +16,8 @@ still decides everything about the tier, under the same invariants as for its ow
 * a load leases its keys (I12) and carries the published checksums; a rank that read other bytes
   quarantines the key (I13); a load that completes after its lease expired fails (I12).
 
-Jobs are counted per (job_id, rank) by the ordinary ReportRank (I4, coordinator/_jobs.py) and
-completed as kvledger's own are (coordinator/completion.py). Pure, like the rest of the decider.
+Jobs are counted per (job_id, rank) by the ordinary ReportRank (I4, coordinator/core/jobs.py) and
+completed as kvledger's own are (coordinator/core/completion.py). Pure, like the rest of the decider.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from typing import Any
 import blake3
 import msgspec
 
-from coordinator import _checks as check
-from coordinator import _jobs
-from coordinator._checks import Refusal
-from coordinator.commands import Command, ExternalKey, LoadExternal, LookupExternal, StoreExternal
-from coordinator.keys import KEY_BYTES, KEY_SEED_DIGEST
-from coordinator.state import EngineState, KeyEntry, PoolState, State, TierState
+from coordinator.core import checks as check
+from coordinator.core import jobs
+from coordinator.core.checks import Refusal
+from coordinator.core.commands import Command, ExternalKey, LoadExternal, LookupExternal, StoreExternal
+from coordinator.core.keys import KEY_BYTES, KEY_SEED_DIGEST
+from coordinator.core.state import EngineState, KeyEntry, PoolState, State, TierState
 from events import (
     Event,
     ExternalItem,
@@ -53,7 +53,7 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 def external_key(namespace_id: bytes, pool_id: int, engine_key: bytes) -> bytes:
-    """The tier key of an engine's own block key: blake3 keyed by the chain seed (coordinator.keys)
+    """The tier key of an engine's own block key: blake3 keyed by the chain seed (coordinator.core.keys)
     over ("external", namespace_id, pool_id, engine_key), 16 bytes. The namespace roots it, as it
     roots every content key (I8): the same vLLM hash under another weights revision, tokenizer or
     tenant is another key."""
@@ -69,11 +69,14 @@ def _pools(eng: EngineState, keys: list[ExternalKey]) -> None:
         if pool.spec.kind == "encoder":
             raise Refusal(Reason.INVALID_ARGUMENT, f"key {index}: pool {ref.pool_id} is an encoder pool")
         if pool.spec.managed:
-            raise Refusal(Reason.INVALID_ARGUMENT,
-                          f"key {index}: pool {ref.pool_id} is managed by kvledger; store its blocks with StartStore")
+            raise Refusal(
+                Reason.INVALID_ARGUMENT,
+                f"key {index}: pool {ref.pool_id} is managed by kvledger; store its blocks with StartStore",
+            )
         if not 0 < len(ref.engine_key) <= MAX_ENGINE_KEY_BYTES:
-            raise Refusal(Reason.INVALID_ARGUMENT,
-                          f"key {index} is {len(ref.engine_key)} bytes; an engine key is 1..{MAX_ENGINE_KEY_BYTES}")
+            raise Refusal(
+                Reason.INVALID_ARGUMENT, f"key {index} is {len(ref.engine_key)} bytes; an engine key is 1..{MAX_ENGINE_KEY_BYTES}"
+            )
 
 
 def _loadable(entry: KeyEntry | None, eng: EngineState) -> bool:
@@ -101,8 +104,13 @@ def answer_lookup(state: State, command: LookupExternal, uncommitted: Container[
     for ref in command.keys:
         key = external_key(eng.namespace_id, ref.pool_id, ref.engine_key)
         loadable.append(key not in uncommitted and _loadable(tier.entry(ref.pool_id, key), eng))
-    return ExternalKeysLookedUp(engine_id=eng.engine_id, tier=tier.spec.name, pool_ids=[k.pool_id for k in command.keys],
-                                engine_keys=[k.engine_key for k in command.keys], loadable=loadable)
+    return ExternalKeysLookedUp(
+        engine_id=eng.engine_id,
+        tier=tier.spec.name,
+        pool_ids=[k.pool_id for k in command.keys],
+        engine_keys=[k.engine_key for k in command.keys],
+        loadable=loadable,
+    )
 
 
 # --- store -------------------------------------------------------------------------------------
@@ -136,16 +144,24 @@ def _store_external(state: State, command: StoreExternal) -> list[Event]:
             continue
         seen.add(place)
         to_store.append((ref, key))
-    slots, evictions = _jobs.reserve_tier_slots(tier, eng, len(to_store), kept)
+    slots, evictions = jobs.reserve_tier_slots(tier, eng, len(to_store), kept)
     job_id = state.next_job_id
     items = [
         ExternalItem(ref.pool_id, ref.engine_key, key, slot, tier.generations[slot] + 1)
         for (ref, key), slot in zip(to_store, slots, strict=True)
     ]
     events: list[Event] = [*evictions]
-    events.append(ExternalStoreStarted(job_id=job_id, engine_id=eng.engine_id, incarnation=eng.incarnation,
-                                       tier=tier.spec.name, world_size=eng.world_size, items=items,
-                                       already_published=skipped))
+    events.append(
+        ExternalStoreStarted(
+            job_id=job_id,
+            engine_id=eng.engine_id,
+            incarnation=eng.incarnation,
+            tier=tier.spec.name,
+            world_size=eng.world_size,
+            items=items,
+            already_published=skipped,
+        )
+    )
     if not items:
         events.append(JobSucceeded(job_id=job_id))
     return events
@@ -166,16 +182,26 @@ def _load_external(state: State, command: LoadExternal) -> list[Event]:
         key = external_key(eng.namespace_id, ref.pool_id, ref.engine_key)
         entry = tier.entry(ref.pool_id, key)
         if entry is None or entry.namespace_id != eng.namespace_id:
-            raise Refusal(Reason.KEY_NOT_PUBLISHED,
-                          f"engine key {ref.engine_key.hex()} of group {ref.pool_id} is not published in tier "
-                          f"{tier.spec.name!r}")
+            raise Refusal(
+                Reason.KEY_NOT_PUBLISHED,
+                f"engine key {ref.engine_key.hex()} of group {ref.pool_id} is not published in tier {tier.spec.name!r}",
+            )
         if entry.quarantined:
             raise Refusal(Reason.KEY_QUARANTINED, f"engine key {ref.engine_key.hex()} (tier key {key.hex()}) is quarantined")
-        items.append(ExternalItem(ref.pool_id, ref.engine_key, key, entry.tier_slot, entry.tier_generation,
-                                  list(entry.checksums)))
-    return [ExternalLoadStarted(job_id=state.next_job_id, engine_id=eng.engine_id, incarnation=eng.incarnation,
-                                tier=tier.spec.name, world_size=eng.world_size, items=items,
-                                lease_expires_at=eng.clock + command.lease_seconds)]
+        items.append(
+            ExternalItem(ref.pool_id, ref.engine_key, key, entry.tier_slot, entry.tier_generation, list(entry.checksums))
+        )
+    return [
+        ExternalLoadStarted(
+            job_id=state.next_job_id,
+            engine_id=eng.engine_id,
+            incarnation=eng.incarnation,
+            tier=tier.spec.name,
+            world_size=eng.world_size,
+            items=items,
+            lease_expires_at=eng.clock + command.lease_seconds,
+        )
+    ]
 
 
 HANDLERS: dict[type[Command], Handler] = {

@@ -27,9 +27,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, cast, get_args
 
-from coordinator._checks import Refusal
-from coordinator.commands import Command, DecideNamespace, ReleaseNamespace
-from coordinator.state import KeyEntry, State
+from coordinator.core.checks import Refusal
+from coordinator.core.commands import Command, DecideNamespace, ReleaseNamespace
+from coordinator.core.state import KeyEntry, State
 from events import Event, KeyEvicted, KeyQuarantined, NamespaceDecided, NamespaceOutcome, NamespaceReleased, Reason
 
 Handler = Callable[[State, Any], list[Event]]
@@ -91,8 +91,12 @@ def _decide_namespace(state: State, command: DecideNamespace) -> list[Event]:
             if not entry.quarantined
         ]
     decided = NamespaceDecided(
-        from_namespace=source, to_namespace=target, outcome=cast(NamespaceOutcome, command.outcome),  # checked above
-        rationale=rationale, evidence=evidence, affected_keys=len(quarantines),
+        from_namespace=source,
+        to_namespace=target,
+        outcome=cast(NamespaceOutcome, command.outcome),  # checked above
+        rationale=rationale,
+        evidence=evidence,
+        affected_keys=len(quarantines),
     )
     return [decided, *quarantines]
 
@@ -111,8 +115,7 @@ def _release_namespace(state: State, command: ReleaseNamespace) -> list[Event]:
     if held:
         raise Refusal(
             Reason.NAMESPACE_IN_USE,
-            f"namespace {namespace.hex()} has keys under live leases of load jobs {sorted(held)} (I12): "
-            "release it when they end",
+            f"namespace {namespace.hex()} has keys under live leases of load jobs {sorted(held)} (I12): release it when they end",
         )
     return [NamespaceReleased(namespace_id=namespace, rationale=rationale, evicted_keys=len(evictions)), *evictions]
 

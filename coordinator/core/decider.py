@@ -12,11 +12,10 @@ from typing import Any
 
 import msgspec
 
-from coordinator import _checks as check
-from coordinator import _external, _jobs, _namespaces, _observe
-from coordinator._checks import Refusal
-from coordinator.commands import (
-    LookupExternal,
+from coordinator.core import checks as check
+from coordinator.core import external, jobs, namespaces, observe
+from coordinator.core.checks import Refusal
+from coordinator.core.commands import (
     NOTICES,
     AllocateBlocks,
     AllocateEncoderEntry,
@@ -29,6 +28,7 @@ from coordinator.commands import (
     FinishOwner,
     FreeBlocks,
     FreeEncoderEntry,
+    LookupExternal,
     LookupPrefix,
     MarkComputed,
     ReportRank,
@@ -37,11 +37,10 @@ from coordinator.commands import (
     StartOwner,
     command_tag,
 )
-from coordinator.keys import content_key, namespace_id, namespace_problems
-from coordinator.protections import Protection, is_off
-from coordinator.state import EngineState, SlotStatus, State
+from coordinator.core.keys import content_key, namespace_id, namespace_problems
+from coordinator.core.protections import Protection, is_off
+from coordinator.core.state import EngineState, SlotStatus, State
 from events import (
-    ExternalKeysLookedUp,
     NULL_BLOCK_ID,
     BlockRef,
     BlocksAllocated,
@@ -54,6 +53,7 @@ from events import (
     EngineDeclared,
     EngineReset,
     Event,
+    ExternalKeysLookedUp,
     JobFenced,
     NamespaceRegistered,
     NamespaceSpec,
@@ -80,26 +80,29 @@ def decide(state: State, command: AnyCommand) -> list[Event]:
         return [_refusal_event(state, command, refusal)]
 
 
-def lookup(state: State, command: LookupPrefix, hashed: _jobs.Chains | None = None,
-           uncommitted: Container[bytes] = frozenset()) -> PrefixLookedUp | Refused:
+def lookup(
+    state: State, command: LookupPrefix, hashed: jobs.Chains | None = None, uncommitted: Container[bytes] = frozenset()
+) -> PrefixLookedUp | Refused:
     """The read-only fast path of LookupPrefix: the same answer, outside any step, recorded
     nowhere (the sidecar's Lookup). A refusal comes back as the Refused event it would be.
-    `hashed`: its chain keys, hashed beforehand (`_jobs.hash_chains`), used if still right;
+    `hashed`: its chain keys, hashed beforehand (`jobs.hash_chains`), used if still right;
     a key in `uncommitted` (changed by a group not yet in the log) is not loadable."""
     try:
-        return _jobs.prefix_hit(state, command, check.engine(state, command.engine_id), hashed, uncommitted)
+        return jobs.prefix_hit(state, command, check.engine(state, command.engine_id), hashed, uncommitted)
     except Refusal as refusal:
         event = _refusal_event(state, command, refusal)
         assert isinstance(event, Refused)
         return event
 
 
-def lookup_keys(state: State, command: LookupExternal, uncommitted: Container[bytes] = frozenset()) -> ExternalKeysLookedUp | Refused:
+def lookup_keys(
+    state: State, command: LookupExternal, uncommitted: Container[bytes] = frozenset()
+) -> ExternalKeysLookedUp | Refused:
     """The read-only fast path of LookupExternal: the same answer, outside any step (the
     sidecar's LookupKeys, recorded in the log afterwards). A refusal comes back as the Refused
     event it would be."""
     try:
-        return _external.answer_lookup(state, command, uncommitted)
+        return external.answer_lookup(state, command, uncommitted)
     except Refusal as refusal:
         event = _refusal_event(state, command, refusal)
         assert isinstance(event, Refused)
@@ -113,9 +116,7 @@ def _refusal_event(state: State, command: Command, refusal: Refusal) -> Event:
         job = state.jobs.get(command.job_id)
         engine_id = job.decision.engine_id if job is not None else ""
     if isinstance(command, NOTICES):
-        return NoticeDropped(
-            engine_id=engine_id, notice=tag, reason=refusal.reason, detail=refusal.detail
-        )
+        return NoticeDropped(engine_id=engine_id, notice=tag, reason=refusal.reason, detail=refusal.detail)
     return Refused(engine_id=engine_id, command=tag, reason=refusal.reason, detail=refusal.detail)
 
 
@@ -225,13 +226,13 @@ def _weakened(ns: NamespaceSpec) -> NamespaceSpec:
 def _reset_events(state: State, eng: EngineState, incarnation: int, reason: str) -> list[Event]:
     """Fence the old incarnation's jobs (I16), then reset its device state."""
     events: list[Event] = [
-        JobFenced(job_id=job.job_id,
-                  pending=[rank for rank in range(job.decision.world_size) if rank not in job.reports])
+        JobFenced(job_id=job.job_id, pending=[rank for rank in range(job.decision.world_size) if rank not in job.reports])
         for job in state.jobs.values()
         if job.decision.engine_id == eng.engine_id and not is_off(Protection.FENCING)
     ]
-    events.append(EngineReset(engine_id=eng.engine_id, incarnation=incarnation, reason=reason,
-                              keep_pins=not is_off(Protection.FENCING)))
+    events.append(
+        EngineReset(engine_id=eng.engine_id, incarnation=incarnation, reason=reason, keep_pins=not is_off(Protection.FENCING))
+    )
     return events
 
 
@@ -251,16 +252,19 @@ def _begin_step(state: State, command: BeginStep) -> list[Event]:
         raise Refusal(Reason.STEP_NOT_ADVANCING, f"step {command.step} after step {eng.step}")
     first = eng.step < 0  # the first step of this incarnation: a declaration starts steps afresh
     if first and command.step > check.MAX_FIRST_STEP:
-        raise Refusal(Reason.STEP_JUMP, f"step {command.step} is above {check.MAX_FIRST_STEP:,}, the largest first "
-                                        "step of an incarnation")
+        raise Refusal(
+            Reason.STEP_JUMP, f"step {command.step} is above {check.MAX_FIRST_STEP:,}, the largest first step of an incarnation"
+        )
     if not first and command.step - eng.step > check.MAX_STEP_JUMP:
         raise Refusal(Reason.STEP_JUMP, f"step {command.step} leaps more than {check.MAX_STEP_JUMP:,} past step {eng.step}")
     check.finite(command.clock, "clock", low=-1e18, high=1e18)
     if command.clock < eng.clock and not first:
         raise Refusal(Reason.CLOCK_REGRESSED, f"clock {command.clock} < {eng.clock}")
     if not first and command.clock - eng.clock > check.MAX_CLOCK_JUMP:
-        raise Refusal(Reason.STEP_JUMP, f"clock {command.clock} leaps more than {check.MAX_CLOCK_JUMP:,.0f} s "
-                                        f"past the engine's clock {eng.clock}")
+        raise Refusal(
+            Reason.STEP_JUMP,
+            f"clock {command.clock} leaps more than {check.MAX_CLOCK_JUMP:,.0f} s past the engine's clock {eng.clock}",
+        )
     return [StepBegan(engine_id=eng.engine_id, step=command.step, clock=command.clock)]
 
 
@@ -275,18 +279,15 @@ def _end_step(state: State, command: EndStep) -> list[Event]:
     events: list[Event] = []
 
     def drop(notice: str, detail: str) -> None:
-        events.append(
-            NoticeDropped(
-                engine_id=eng.engine_id, notice=notice, reason=Reason.REALLOCATED_IN_STEP, detail=detail
-            )
-        )
+        events.append(NoticeDropped(engine_id=eng.engine_id, notice=notice, reason=Reason.REALLOCATED_IN_STEP, detail=detail))
 
     freed_blocks = []
     for ref in dict.fromkeys(eng.pending_freed_blocks):  # freed, reused, freed: one notice
         pool = eng.pools[ref.pool_id]
-        still_free = pool.generations[ref.block_id] == ref.generation and pool.status(
-            ref.block_id
-        ) in (SlotStatus.FREE, SlotStatus.CACHED_FREE)
+        still_free = pool.generations[ref.block_id] == ref.generation and pool.status(ref.block_id) in (
+            SlotStatus.FREE,
+            SlotStatus.CACHED_FREE,
+        )
         if still_free:
             freed_blocks.append(ref)
         else:
@@ -361,9 +362,7 @@ def _allocate_blocks(state: State, command: AllocateBlocks) -> list[Event]:
             raise Refusal(Reason.INVALID_ARGUMENT, f"pool {pool.spec.pool_id} is managed: do not name block_ids")
         available = len(pool.free) + len(pool.cached)
         if command.count > available:
-            raise Refusal(
-                Reason.POOL_EXHAUSTED, f"pool {pool.spec.pool_id} has {available} free, asked {command.count}"
-            )
+            raise Refusal(Reason.POOL_EXHAUSTED, f"pool {pool.spec.pool_id} has {available} free, asked {command.count}")
         # Clean free slots first, then cached-free ones, least recently freed first (LRU).
         # Pinned, draining and null slots are in neither list, so they are never chosen (I2, I3).
         chosen: list[int] = []
@@ -491,8 +490,8 @@ _HANDLERS: dict[type[Command], Handler] = {
     MarkComputed: _mark_computed,
     AllocateEncoderEntry: _allocate_encoder_entry,
     FreeEncoderEntry: _free_encoder_entry,
-    **_jobs.HANDLERS,
-    **_namespaces.HANDLERS,
-    **_observe.HANDLERS,
-    **_external.HANDLERS,
+    **jobs.HANDLERS,
+    **namespaces.HANDLERS,
+    **observe.HANDLERS,
+    **external.HANDLERS,
 }

@@ -28,8 +28,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from coordinator._checks import Refusal
-from coordinator.commands import (
+from coordinator.core.checks import Refusal
+from coordinator.core.commands import (
     Command,
     ObservedKvEvent,
     ObserveEngine,
@@ -38,8 +38,8 @@ from coordinator.commands import (
     ObserveMalformed,
     command_tag,
 )
-from coordinator.keys import namespace_id, namespace_problems
-from coordinator.state import ObservedEngine, State, observed_place
+from coordinator.core.keys import namespace_id, namespace_problems
+from coordinator.core.state import ObservedEngine, State, observed_place
 from events import (
     EngineObserved,
     Event,
@@ -88,10 +88,15 @@ def _observe_engine(state: State, command: ObserveEngine) -> list[Event]:
     ns_id = namespace_id(command.namespace)
     if ns_id not in state.namespaces:
         events.append(NamespaceRegistered(namespace_id=ns_id, spec=command.namespace))
-    events.append(EngineObserved(
-        engine_id=command.engine_id, incarnation=1 if known is None else known.incarnation + 1, namespace_id=ns_id,
-        source=command.source, reason=command.reason or ("first_seen" if known is None else "restart"),
-    ))
+    events.append(
+        EngineObserved(
+            engine_id=command.engine_id,
+            incarnation=1 if known is None else known.incarnation + 1,
+            namespace_id=ns_id,
+            source=command.source,
+            reason=command.reason or ("first_seen" if known is None else "restart"),
+        )
+    )
     return events
 
 
@@ -102,12 +107,22 @@ def _observe_gap(state: State, command: ObserveGap) -> list[Event]:
     if command.first_seq < 0 or command.last_seq < command.first_seq:
         raise Refusal(Reason.INVALID_ARGUMENT, f"gap {command.first_seq}..{command.last_seq} is not a range of sequence numbers")
     if command.last_seq < eng.next_seq:
-        raise Refusal(Reason.DUPLICATE_BATCH, f"gap {command.first_seq}..{command.last_seq}: batches up to "
-                      f"{eng.next_seq - 1} of incarnation {eng.incarnation} are recorded")
+        raise Refusal(
+            Reason.DUPLICATE_BATCH,
+            f"gap {command.first_seq}..{command.last_seq}: batches up to "
+            f"{eng.next_seq - 1} of incarnation {eng.incarnation} are recorded",
+        )
     if len(command.reason) > MAX_TEXT:
         raise Refusal(Reason.INVALID_ARGUMENT, f"reason has {len(command.reason)} characters, at most {MAX_TEXT}")
-    return [ObservedEventsMissed(engine_id=eng.engine_id, incarnation=eng.incarnation, first_seq=eng.next_seq,
-                                 last_seq=command.last_seq, reason=command.reason)]
+    return [
+        ObservedEventsMissed(
+            engine_id=eng.engine_id,
+            incarnation=eng.incarnation,
+            first_seq=eng.next_seq,
+            last_seq=command.last_seq,
+            reason=command.reason,
+        )
+    ]
 
 
 def _observe_malformed(state: State, command: ObserveMalformed) -> list[Event]:
@@ -123,23 +138,44 @@ def _observe_kv_events(state: State, command: ObserveKvEvents) -> list[Event]:
     if command.seq < 0:
         raise Refusal(Reason.INVALID_ARGUMENT, f"batch sequence number {command.seq} < 0")
     if command.seq < eng.next_seq:
-        raise Refusal(Reason.DUPLICATE_BATCH, f"batch {command.seq}: batches up to {eng.next_seq - 1} of incarnation "
-                      f"{eng.incarnation} are recorded")
+        raise Refusal(
+            Reason.DUPLICATE_BATCH,
+            f"batch {command.seq}: batches up to {eng.next_seq - 1} of incarnation {eng.incarnation} are recorded",
+        )
     if not math.isfinite(command.ts):
         raise Refusal(Reason.INVALID_ARGUMENT, f"batch {command.seq}: timestamp {command.ts} is not finite")
     if command.dp_rank is not None and not 0 <= command.dp_rank <= MAX_DP_RANK:
         # The audit index holds it as a 32-bit integer: a larger one stopped every catch-up of it.
-        raise Refusal(Reason.INVALID_ARGUMENT, f"batch {command.seq}: data-parallel rank {command.dp_rank} is outside 0..{MAX_DP_RANK}")
+        raise Refusal(
+            Reason.INVALID_ARGUMENT, f"batch {command.seq}: data-parallel rank {command.dp_rank} is outside 0..{MAX_DP_RANK}"
+        )
     if len(command.events) > MAX_EVENTS_PER_BATCH:
-        raise Refusal(Reason.INVALID_COUNT, f"batch {command.seq} has {len(command.events)} events, at most {MAX_EVENTS_PER_BATCH}")
+        raise Refusal(
+            Reason.INVALID_COUNT, f"batch {command.seq} has {len(command.events)} events, at most {MAX_EVENTS_PER_BATCH}"
+        )
     events: list[Event] = []
     complete = eng.complete
     if command.seq > eng.next_seq:
-        events.append(ObservedEventsMissed(engine_id=eng.engine_id, incarnation=eng.incarnation, first_seq=eng.next_seq,
-                                           last_seq=command.seq - 1, reason=f"not received before batch {command.seq}"))
+        events.append(
+            ObservedEventsMissed(
+                engine_id=eng.engine_id,
+                incarnation=eng.incarnation,
+                first_seq=eng.next_seq,
+                last_seq=command.seq - 1,
+                reason=f"not received before batch {command.seq}",
+            )
+        )
         complete = False
-    events.append(ObservedBatch(engine_id=eng.engine_id, incarnation=eng.incarnation, source_seq=command.seq,
-                                ts=command.ts, dp_rank=command.dp_rank, events=len(command.events)))
+    events.append(
+        ObservedBatch(
+            engine_id=eng.engine_id,
+            incarnation=eng.incarnation,
+            source_seq=command.seq,
+            ts=command.ts,
+            dp_rank=command.dp_rank,
+            events=len(command.events),
+        )
+    )
     view = _View(state, eng, complete, command)
     for index, observed_event in enumerate(command.events):
         try:
@@ -171,8 +207,12 @@ class _View:
 
     def refused(self, index: int, event: ObservedKvEvent, reason: Reason, detail: str) -> Refused:
         name = event.type_name or event.kind
-        return Refused(engine_id=self.eng.engine_id, command=command_tag(ObserveKvEvents), reason=reason,
-                       detail=f"batch {self.command.seq} event {index} ({name[:80]}): {detail}")
+        return Refused(
+            engine_id=self.eng.engine_id,
+            command=command_tag(ObserveKvEvents),
+            reason=reason,
+            detail=f"batch {self.command.seq} event {index} ({name[:80]}): {detail}",
+        )
 
     def apply(self, index: int, event: ObservedKvEvent) -> list[Event]:
         """The events recording the batch's `index`th event, or a Refusal raised."""
@@ -194,13 +234,20 @@ class _View:
         return self._removed(index, event)
 
     def _common(self) -> dict[str, Any]:
-        return {"engine_id": self.eng.engine_id, "incarnation": self.eng.incarnation, "source_seq": self.command.seq,
-                "dp_rank": self.command.dp_rank}
+        return {
+            "engine_id": self.eng.engine_id,
+            "incarnation": self.eng.incarnation,
+            "source_seq": self.command.seq,
+            "dp_rank": self.command.dp_rank,
+        }
 
     def _group(self, event: ObservedKvEvent) -> str:
         if not 0 <= event.group < len(self.block_sizes):
-            raise Refusal(Reason.NAMESPACE_MISMATCH, f"group {event.group}, but the namespace declares "
-                          f"{len(self.block_sizes)} groups (block sizes {list(self.block_sizes)})")
+            raise Refusal(
+                Reason.NAMESPACE_MISMATCH,
+                f"group {event.group}, but the namespace declares "
+                f"{len(self.block_sizes)} groups (block sizes {list(self.block_sizes)})",
+            )
         return observed_place(event.medium, event.group)
 
     def _stored(self, event: ObservedKvEvent) -> list[Event]:
@@ -208,20 +255,31 @@ class _View:
         declared = self.block_sizes[event.group]
         placeholder = event.block_size == 0 and not event.token_ids  # vLLM's offload events without metadata
         if not placeholder and event.block_size != declared:
-            raise Refusal(Reason.NAMESPACE_MISMATCH, f"block size {event.block_size} in group {event.group}, "
-                          f"the namespace says {declared}")
+            raise Refusal(
+                Reason.NAMESPACE_MISMATCH, f"block size {event.block_size} in group {event.group}, the namespace says {declared}"
+            )
         parent = event.parent_hash
         if self.complete and event.medium == GPU and parent is not None and not self.has(place, parent):
-            raise Refusal(Reason.BROKEN_PARENT_CHAIN, f"parent {parent.hex()} of {event.block_hashes[0].hex()} is not "
-                          f"stored in {place}")
+            raise Refusal(
+                Reason.BROKEN_PARENT_CHAIN, f"parent {parent.hex()} of {event.block_hashes[0].hex()} is not stored in {place}"
+            )
         added = self.added.setdefault(place, {})
         removed = self.removed.get(place, {})
         for block_hash in event.block_hashes:
             added[block_hash] = None
             removed.pop(block_hash, None)
-        return [ObservedBlocksStored(**self._common(), medium=event.medium, group=event.group,
-                                     block_hashes=list(event.block_hashes), parent_hash=parent,
-                                     token_ids=list(event.token_ids), block_size=event.block_size, lora_id=event.lora_id)]
+        return [
+            ObservedBlocksStored(
+                **self._common(),
+                medium=event.medium,
+                group=event.group,
+                block_hashes=list(event.block_hashes),
+                parent_hash=parent,
+                token_ids=list(event.token_ids),
+                block_size=event.block_size,
+                lora_id=event.lora_id,
+            )
+        ]
 
     def _removed(self, index: int, event: ObservedKvEvent) -> list[Event]:
         place = self._group(event)
@@ -235,11 +293,15 @@ class _View:
         for block_hash in known:
             added.pop(block_hash, None)
             removed[block_hash] = None
-        events: list[Event] = [ObservedBlocksRemoved(**self._common(), medium=event.medium, group=event.group,
-                                                     block_hashes=known)]
+        events: list[Event] = [
+            ObservedBlocksRemoved(**self._common(), medium=event.medium, group=event.group, block_hashes=known)
+        ]
         if missing:
-            events.append(self.refused(index, event, Reason.UNKNOWN_BLOCK_HASH,
-                                       f"{_hexes(missing)} not stored in {place} (the others were removed)"))
+            events.append(
+                self.refused(
+                    index, event, Reason.UNKNOWN_BLOCK_HASH, f"{_hexes(missing)} not stored in {place} (the others were removed)"
+                )
+            )
         return events
 
     def _cleared(self, event: ObservedKvEvent) -> list[Event]:

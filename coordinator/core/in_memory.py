@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from coordinator.commands import AnyCommand, BeginStep, EndStep
-from coordinator.decider import decide
-from coordinator.projector import apply
-from coordinator.protections import Protection, switched_off
-from coordinator.state import State
+from coordinator.core.commands import AnyCommand, BeginStep, EndStep
+from coordinator.core.decider import decide
+from coordinator.core.projector import apply
+from coordinator.core.protections import Protection, switched_off
+from coordinator.core.state import State
 from events import Event
 
 
@@ -50,9 +50,7 @@ class CoordinatorCore:
         if self._keep_events:
             self.events.extend(events)
 
-    def run_step(
-        self, engine_id: str, step: int, clock: float, commands: Sequence[AnyCommand]
-    ) -> list[Event]:
+    def run_step(self, engine_id: str, step: int, clock: float, commands: Sequence[AnyCommand]) -> list[Event]:
         """One scheduler iteration: begin, the commands in order, end-of-step reconciliation."""
         emitted = self.execute(BeginStep(engine_id=engine_id, step=step, clock=clock))
         for command in commands:

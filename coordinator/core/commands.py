@@ -219,7 +219,7 @@ class ReleaseFencedRank(Command, frozen=True, tag="release_fenced_rank"):
 
 
 # --- observed engines: an engine kvledger does not coordinate, read from its own KV events --------
-# (coordinator/vllm/ decodes vLLM's; coordinator/_observe.py decides these)
+# (coordinator/vllm/ decodes vLLM's; coordinator/core/observe.py decides these)
 
 ObservedKind = Literal["stored", "removed", "cleared", "unknown", "malformed"]
 
@@ -281,7 +281,7 @@ class ObserveMalformed(Command, frozen=True, tag="observe_malformed"):
 
 
 # --- external keys: the engine owns its device blocks and names its keys (vLLM's offloading) -------
-# (coordinator/_external.py decides these; the tier key is made from the engine's key by kvledger)
+# (coordinator/core/external.py decides these; the tier key is made from the engine's key by kvledger)
 
 
 class ExternalKey(msgspec.Struct, frozen=True, array_like=True):

@@ -132,9 +132,7 @@ def plan_copies(moves: Sequence[PlannedMove]) -> tuple[list[list[CopyOp]], int]:
             ready = sorted(drop_out_edges(victim))
             continue
         ready.sort()
-        batches.append(
-            [CopyOp(source[i], moves[i].dst, _overlap(source[i], moves[i].dst)) for i in ready]
-        )
+        batches.append([CopyOp(source[i], moves[i].dst, _overlap(source[i], moves[i].dst)) for i in ready])
         freed: list[int] = []
         for i in ready:
             del remaining[i]
@@ -161,9 +159,7 @@ def run_plan_on_bytes(
             buffer(op.dst)[op.dst.offset : op.dst.offset + op.dst.length] = data
 
 
-def parallel_assignment_on_bytes(
-    blocks: dict[int, bytearray], moves: Sequence[tuple[BlockRef, int, BlockRef, int, int]]
-) -> None:
+def parallel_assignment_on_bytes(blocks: dict[int, bytearray], moves: Sequence[tuple[BlockRef, int, BlockRef, int, int]]) -> None:
     """What the batch means: every move reads the untouched original (the test oracle)."""
     original = {block_id: bytes(data) for block_id, data in blocks.items()}
     for src, src_offset, dst, dst_offset, length in moves:

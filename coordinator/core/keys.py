@@ -61,9 +61,7 @@ def namespace_problems(spec: NamespaceSpec) -> list[str]:
     return problems
 
 
-def content_key(
-    namespace: bytes, parent_key: bytes | None, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
-) -> bytes:
+def content_key(namespace: bytes, parent_key: bytes | None, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> bytes:
     """The key of one full block: its namespace, its parent block's key, its tokens, extras."""
     payload = _encoder.encode((namespace, parent_key or b"", list(token_ids), list(extra_keys)))
     return blake3.blake3(payload, key=KEY_SEED_DIGEST).digest(KEY_BYTES)
@@ -93,8 +91,9 @@ def iter_chain_keys(
     extras = list(extra_keys)
     encode, hasher, seed = _encoder.encode, blake3.blake3, KEY_SEED_DIGEST
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hasher(encode((namespace, parent, list(token_ids[start : start + block_size]), extras)),
-                        key=seed).digest(KEY_BYTES)
+        parent = hasher(encode((namespace, parent, list(token_ids[start : start + block_size]), extras)), key=seed).digest(
+            KEY_BYTES
+        )
         yield parent
 
 

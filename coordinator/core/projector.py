@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from coordinator.state import (
+from coordinator.core.state import (
     EngineState,
     FencedJob,
     JobState,
@@ -26,10 +26,6 @@ from coordinator.state import (
     removed,
 )
 from events import (
-    FencedRankReleased,
-    ExternalKeysLookedUp,
-    ExternalLoadStarted,
-    ExternalStoreStarted,
     NULL_BLOCK_ID,
     BlockRef,
     BlocksAllocated,
@@ -42,9 +38,13 @@ from events import (
     EngineObserved,
     EngineReset,
     Event,
+    ExternalKeysLookedUp,
+    ExternalLoadStarted,
+    ExternalStoreStarted,
+    FencedRankDone,
+    FencedRankReleased,
     JobFailed,
     JobFenced,
-    FencedRankDone,
     JobSucceeded,
     KeyEvicted,
     KeyPublished,
@@ -510,13 +510,14 @@ def _encoder_entry_freed(state: State, event: EncoderEntryFreed) -> None:
     engine.pending_freed_encoder.append(event.entry_id)
 
 
-# --- observed engines (coordinator/_observe.py) ---------------------------------------------------
+# --- observed engines (coordinator/core/observe.py) ---------------------------------------------------
 
 
 def _engine_observed(state: State, event: EngineObserved) -> None:
     """A new observed incarnation starts with nothing stored and expects the engine's batch 0."""
     state.observed[event.engine_id] = ObservedEngine(
-        engine_id=event.engine_id, incarnation=event.incarnation, namespace_id=event.namespace_id, source=event.source)
+        engine_id=event.engine_id, incarnation=event.incarnation, namespace_id=event.namespace_id, source=event.source
+    )
 
 
 def _observed_batch(state: State, event: ObservedBatch) -> None:

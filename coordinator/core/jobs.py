@@ -8,21 +8,21 @@ from typing import Any
 
 import msgspec
 
-from coordinator import _checks as check
-from coordinator._checks import Refusal
-from coordinator.completion import complete
-from coordinator.commands import Command, LookupPrefix, PlanStateCopy, ReleaseFencedRank, ReportRank, StartLoad, StartStore
-from coordinator.copy_plan import PlannedMove, overlapping_destinations, plan_copies
-from coordinator.keys import chain_keys, iter_chain_keys, reuse_unit
-from coordinator.protections import Protection, is_off
-from coordinator.state import EngineState, PoolState, SlotStatus, State, TierState
+from coordinator.core import checks as check
+from coordinator.core.checks import Refusal
+from coordinator.core.commands import Command, LookupPrefix, PlanStateCopy, ReleaseFencedRank, ReportRank, StartLoad, StartStore
+from coordinator.core.completion import complete
+from coordinator.core.copy_plan import PlannedMove, overlapping_destinations, plan_copies
+from coordinator.core.keys import chain_keys, iter_chain_keys, reuse_unit
+from coordinator.core.protections import Protection, is_off
+from coordinator.core.state import EngineState, PoolState, SlotStatus, State, TierState
 from events import (
-    FencedRankReleased,
-    FencedRankDone,
     NULL_BLOCK_ID,
-    CopyOp,
     BlockRef,
+    CopyOp,
     Event,
+    FencedRankDone,
+    FencedRankReleased,
     GroupHit,
     JobSucceeded,
     KeyEvicted,
@@ -63,37 +63,48 @@ def lookup_groups(eng: EngineState) -> dict[int, int]:
     return {pool.spec.pool_id: pool.spec.block_size for pool in eng.pools.values() if pool.spec.kind != "encoder"}
 
 
-def hash_chains(namespace_id: bytes, block_sizes: dict[int, int], token_ids: Sequence[int],
-                extra_keys: Sequence[str]) -> Chains:
+def hash_chains(namespace_id: bytes, block_sizes: dict[int, int], token_ids: Sequence[int], extra_keys: Sequence[str]) -> Chains:
     """Pure, and touches no state: it can run on any thread."""
-    return Chains(namespace_id, dict(block_sizes),
-                  {pool_id: chain_keys(namespace_id, token_ids, size, extra_keys) for pool_id, size in block_sizes.items()})
+    return Chains(
+        namespace_id,
+        dict(block_sizes),
+        {pool_id: chain_keys(namespace_id, token_ids, size, extra_keys) for pool_id, size in block_sizes.items()},
+    )
 
 
-def prefix_hit(state: State, command: LookupPrefix, eng: EngineState, hashed: Chains | None = None,
-               uncommitted: Container[bytes] = frozenset()) -> PrefixLookedUp:
+def prefix_hit(
+    state: State,
+    command: LookupPrefix,
+    eng: EngineState,
+    hashed: Chains | None = None,
+    uncommitted: Container[bytes] = frozenset(),
+) -> PrefixLookedUp:
     """The longest boundary that is a whole reuse unit (I7) at which every group needed to
     resume has a loadable key (I6), in this engine's namespace only (I9)."""
     tier = check.tier(state, eng, command.tier)
     if len(command.token_ids) > check.MAX_LOOKUP_TOKENS:
-        raise Refusal(Reason.INVALID_COUNT, f"a lookup hashes at most {check.MAX_LOOKUP_TOKENS:,} token ids, "
-                                            f"not {len(command.token_ids):,}")
+        raise Refusal(
+            Reason.INVALID_COUNT, f"a lookup hashes at most {check.MAX_LOOKUP_TOKENS:,} token ids, not {len(command.token_ids):,}"
+        )
     if len(command.extra_keys) > check.MAX_EXTRA_KEYS:
-        raise Refusal(Reason.INVALID_COUNT, f"a lookup takes at most {check.MAX_EXTRA_KEYS:,} extra keys, "
-                                            f"not {len(command.extra_keys):,}")
+        raise Refusal(
+            Reason.INVALID_COUNT, f"a lookup takes at most {check.MAX_EXTRA_KEYS:,} extra keys, not {len(command.extra_keys):,}"
+        )
     groups = [p for p in eng.pools.values() if p.spec.kind != "encoder"]
     unit = reuse_unit((p.spec.kind, p.spec.block_size) for p in groups)
     if is_off(Protection.WHOLE_UNITS) and groups:
         unit = min(p.spec.block_size for p in groups)  # the naive, finer granularity
     tokens = command.token_ids
-    precomputed = hashed.keys if hashed is not None and hashed.namespace_id == eng.namespace_id \
-        and hashed.block_sizes == lookup_groups(eng) else None
+    precomputed = (
+        hashed.keys
+        if hashed is not None and hashed.namespace_id == eng.namespace_id and hashed.block_sizes == lookup_groups(eng)
+        else None
+    )
 
     def loadable(pool: PoolState, key: bytes) -> bool:
         """A key this engine may load (I9: this namespace), committed (not in `uncommitted`)."""
         entry = tier.entries.get(pool.spec.pool_id, {}).get(key)
-        return entry is not None and not entry.quarantined and entry.namespace_id == eng.namespace_id \
-            and key not in uncommitted
+        return entry is not None and not entry.quarantined and entry.namespace_id == eng.namespace_id and key not in uncommitted
 
     def keys_of(pool: PoolState, blocks: int | None = None) -> Iterator[bytes]:
         size = pool.spec.block_size
@@ -147,9 +158,7 @@ def prefix_hit(state: State, command: LookupPrefix, eng: EngineState, hashed: Ch
                 boundary = candidate
                 break
     hits = (
-        [GroupHit(p.spec.pool_id, [chains[p.spec.pool_id][i] for i in needed(p, boundary)]) for p in groups]
-        if boundary
-        else []
+        [GroupHit(p.spec.pool_id, [chains[p.spec.pool_id][i] for i in needed(p, boundary)]) for p in groups] if boundary else []
     )
     return PrefixLookedUp(
         engine_id=eng.engine_id,
@@ -193,8 +202,7 @@ def reserve_tier_slots(
     if len(slots) < needed:
         raise Refusal(
             Reason.TIER_FULL,
-            f"tier {tier.spec.name!r} can give {len(slots)} of {needed} slots: the rest are leased "
-            "or being stored",
+            f"tier {tier.spec.name!r} can give {len(slots)} of {needed} slots: the rest are leased or being stored",
         )
     return slots, evictions
 
@@ -225,10 +233,7 @@ def _start_store(state: State, command: StartStore) -> list[Event]:
         to_store.append((ref, key))
     slots, evictions = reserve_tier_slots(tier, eng, len(to_store), kept)
     job_id = state.next_job_id
-    items = [
-        StoreItem(ref, key, slot, tier.generations[slot] + 1)
-        for (ref, key), slot in zip(to_store, slots, strict=True)
-    ]
+    items = [StoreItem(ref, key, slot, tier.generations[slot] + 1) for (ref, key), slot in zip(to_store, slots, strict=True)]
     events: list[Event] = [*evictions]
     events.append(
         StoreJobStarted(
@@ -325,9 +330,7 @@ def _plan_state_copy(state: State, command: PlanStateCopy) -> list[Event]:
         if pool.pins[move.dst.block_id]:
             raise Refusal(Reason.SLOT_PINNED, f"move {index} writes block {move.dst.block_id}, which a job reads")
         planned.append(
-            PlannedMove(
-                Region(move.src, move.src_offset, move.length), Region(move.dst, move.dst_offset, move.length)
-            )
+            PlannedMove(Region(move.src, move.src_offset, move.length), Region(move.dst, move.dst_offset, move.length))
         )
         touched[move.src] = None
         touched[move.dst] = None
@@ -401,19 +404,24 @@ def _release_fenced_rank(state: State, command: ReleaseFencedRank) -> list[Event
     waiting on that rank's late report is done with it, as if it had reported, so its slots,
     reserved tier slots and leases go when its last rank is done. Refused when nothing waits on
     the rank, so a mistyped engine or rank is seen rather than recorded as a release."""
-    eng = check.engine(state, command.engine_id)
+    check.engine(state, command.engine_id)  # an unknown engine is refused
     if command.rank < 0:
         raise Refusal(Reason.RANK_OUT_OF_RANGE, f"rank {command.rank} < 0")
     # No upper bound from the engine's world size now: a restart may have shrunk it, and the
     # fenced jobs of the old incarnation still wait on their own ranks (`waiting` below decides).
     if not command.reason.strip():
         raise Refusal(Reason.INVALID_ARGUMENT, "a release names its reason (the audit record of why the worker is gone)")
-    waiting = [job_id for job_id, fenced in state.fenced.items()
-               if fenced.job.decision.engine_id == command.engine_id and command.rank in fenced.pending]
+    waiting = [
+        job_id
+        for job_id, fenced in state.fenced.items()
+        if fenced.job.decision.engine_id == command.engine_id and command.rank in fenced.pending
+    ]
     if not waiting:
         raise Refusal(Reason.STALE_JOB, f"no fenced job of engine {command.engine_id!r} waits on rank {command.rank}")
-    return [FencedRankReleased(engine_id=command.engine_id, rank=command.rank, job_ids=waiting, reason=command.reason),
-            *(FencedRankDone(job_id=job_id, rank=command.rank) for job_id in waiting)]
+    return [
+        FencedRankReleased(engine_id=command.engine_id, rank=command.rank, job_ids=waiting, reason=command.reason),
+        *(FencedRankDone(job_id=job_id, rank=command.rank) for job_id in waiting),
+    ]
 
 
 HANDLERS: dict[type[Command], Handler] = {
