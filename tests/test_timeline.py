@@ -23,12 +23,12 @@ from coordinator.audit.timeline import (
     Timeline,
     TimelineError,
     build_timeline,
-    draw_timeline,
     load_timeline,
     output_format,
     parse_steps,
 )
 from coordinator.audit.timeline_cli import timeline_command
+from coordinator.audit.timeline_draw import draw_timeline
 from coordinator.recovery import decode, stored_steps
 from coordinator.simulator.report import mixed_workload
 from events import BlocksAllocated, EngineReset, EventCodec, NoticeDropped, OwnerStarted
@@ -244,9 +244,9 @@ async def test_png_is_a_real_picture_drawn_off_the_event_loop(
     meanwhile. Not a timing bound: a C call inside matplotlib may hold the GIL for a while on a
     loaded machine (0.62 s was seen in CI), so the test asserts where the drawing ran and that the
     loop went on serving while it did. Drawn on the loop, no tick could land inside the drawing."""
-    from coordinator.audit import _timeline_draw
+    from coordinator.audit import timeline_draw
 
-    real_render = _timeline_draw.render
+    real_render = timeline_draw.render
     drawn: list[tuple[int, float, float]] = []
 
     def spy(timeline: Timeline, out: Path, kind: Format) -> None:  # the real drawing, with where and when it ran
@@ -254,7 +254,7 @@ async def test_png_is_a_real_picture_drawn_off_the_event_loop(
         real_render(timeline, out, kind)
         drawn.append((threading.get_ident(), started, _monotonic()))
 
-    monkeypatch.setattr(_timeline_draw, "render", spy)
+    monkeypatch.setattr(timeline_draw, "render", spy)
     ticks: list[float] = []
 
     async def tick() -> None:

@@ -3,7 +3,7 @@ of engine steps, with pins, jobs and refusals marked. The picture for an inciden
 
 Three layers (STYLE.md 1): `read_rows` is the SQL shell over the audit index (kvl_audit_*,
 built by coordinator/audit/store.py); `build_timeline` is pure and turns those rows into a plain
-model (`Timeline`: bars, pins, job and refusal marks); coordinator/audit/_timeline_draw.py renders
+model (`Timeline`: bars, pins, job and refusal marks); coordinator/audit/timeline_draw.py renders
 the model to PNG (matplotlib) or self-contained HTML (plotly). `draw_timeline` does all three.
 
 A bar is one *hold* of one generation of a slot: from its allocation (or a reuse of its cached
@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import anyio
 import msgspec
 import sqlalchemy as sa
 import structlog
@@ -574,40 +573,3 @@ async def load_timeline(
     """The model of one pool's slots over steps first_step..last_step, from the audit index."""
     rows = await read_rows(event_log, pool=pool, first_step=first_step, last_step=last_step, engine=engine, max_steps=max_steps)
     return build_timeline(rows, max_slots=max_slots)
-
-
-async def draw_timeline(
-    event_log: SqlEventLog,
-    *,
-    pool: int,
-    first_step: int,
-    last_step: int,
-    out: Path,
-    engine: str | None = None,
-    max_steps: int = MAX_STEPS,
-    max_slots: int = MAX_SLOTS,
-) -> Timeline:
-    """Read the range from the index and draw it to `out` (.png or .html); returns the model."""
-    kind = output_format(out)  # before any query: a bad name fails fast
-    if not await anyio.Path(out.parent).is_dir():
-        raise TimelineError(f"--out {str(out)!r}: the directory {str(out.parent)!r} does not exist")
-    timeline = await load_timeline(
-        event_log, pool=pool, first_step=first_step, last_step=last_step, engine=engine, max_steps=max_steps, max_slots=max_slots
-    )
-    # Imported here: matplotlib and plotly take seconds to import, and every other `kvledger`
-    # command would pay for it at start-up.
-    from coordinator.audit._timeline_draw import render
-
-    # Drawing is seconds of CPU and a file write: off the event loop (STYLE.md 10).
-    await anyio.to_thread.run_sync(render, timeline, out, kind)
-    log.debug(
-        "audit_timeline_drawn",
-        engine=timeline.engine,
-        pool=pool,
-        first_step=timeline.first_step,
-        last_step=timeline.last_step,
-        bars=len(timeline.bars),
-        pins=len(timeline.pins),
-        out=str(out),
-    )
-    return timeline

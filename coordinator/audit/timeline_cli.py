@@ -16,7 +16,8 @@ import typer
 
 from coordinator.audit.queries import AuditError
 from coordinator.audit.store import sync_index
-from coordinator.audit.timeline import Timeline, draw_timeline, output_format, parse_steps
+from coordinator.audit.timeline import Timeline, output_format, parse_steps
+from coordinator.audit.timeline_draw import draw_timeline
 from events.log import LogError, normalize, open_log
 from events.log._urls import is_kafka
 

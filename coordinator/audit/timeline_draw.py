@@ -5,7 +5,8 @@ Both draw the same picture: one lane per slot (pool/block), a bar per hold colou
 labelled with its generation and owner, the tail after the last owner let go paler (the slot is
 freed at the end of the step, I14, or later when a job pins it: draining, I3), a thin dark band per pin coloured by job kind, and two lanes on
 top for jobs (start and end) and for refusals that name no slot; a refusal that names a slot is
-marked on its lane.
+marked on its lane. matplotlib and plotly are imported only when a picture is drawn: they take
+seconds to import, and every other `kvledger` command would pay for it at start-up.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from coordinator.audit.timeline import Bar, Format, Timeline
+import anyio
+import structlog
+
+from coordinator.audit.timeline import MAX_SLOTS, MAX_STEPS, Bar, Format, Timeline, TimelineError, load_timeline, output_format
+from events.log import SqlEventLog
+
+log = structlog.get_logger("kvledger.audit.timeline")
 
 # ColorBrewer Set3: light enough that the pin bands and markers stay readable on top.
 OWNER_COLORS = [
@@ -41,6 +48,39 @@ PIN_OFFSET = 0.2
 """Pins run in the lower part of their lane, below the hold's label."""
 LABELS_UP_TO = 400
 """Bars labelled in the PNG at most (past that the labels are unreadable anyway)."""
+
+
+async def draw_timeline(
+    event_log: SqlEventLog,
+    *,
+    pool: int,
+    first_step: int,
+    last_step: int,
+    out: Path,
+    engine: str | None = None,
+    max_steps: int = MAX_STEPS,
+    max_slots: int = MAX_SLOTS,
+) -> Timeline:
+    """Read the range from the index and draw it to `out` (.png or .html); returns the model."""
+    kind = output_format(out)  # before any query: a bad name fails fast
+    if not await anyio.Path(out.parent).is_dir():
+        raise TimelineError(f"--out {str(out)!r}: the directory {str(out.parent)!r} does not exist")
+    timeline = await load_timeline(
+        event_log, pool=pool, first_step=first_step, last_step=last_step, engine=engine, max_steps=max_steps, max_slots=max_slots
+    )
+    # Drawing is seconds of CPU and a file write: off the event loop (STYLE.md 10).
+    await anyio.to_thread.run_sync(render, timeline, out, kind)
+    log.debug(
+        "audit_timeline_drawn",
+        engine=timeline.engine,
+        pool=pool,
+        first_step=timeline.first_step,
+        last_step=timeline.last_step,
+        bars=len(timeline.bars),
+        pins=len(timeline.pins),
+        out=str(out),
+    )
+    return timeline
 
 
 def render(timeline: Timeline, out: Path, kind: Format) -> None:
