@@ -53,6 +53,7 @@ from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
 from coordinator.audit.api import TokenFileError, Tokens, load_tokens
 from coordinator.audit.queries import AuditError
 from coordinator.audit.store import IndexProgress, indexed_seq, sync_index
+from coordinator.cli._common import configure_json_logs, host_port
 from coordinator.fleet_http import FleetHealth, fleet_app
 from events.log import LogError, LogUnavailable, SqlEventLog, is_outage, mask, normalize, open_log
 from events.log._kafka_target import CALL_TIMEOUT_S, REQUEST_TIMEOUT_MS, KafkaTarget, one_line, parse_kafka_url
@@ -378,13 +379,12 @@ def fleet_command(
     """Index every engine's stream of a Kafka log into one audit database, exactly once, and keep
     tailing it (until SIGTERM or SIGINT): `kvledger audit ... --log 'kafka://HOST:PORT/TOPIC?state=DB'`
     then answers for the whole fleet."""
-    from coordinator.cli import _address, configure_json_logs
     from coordinator.sidecar.server import _is_loopback
 
     try:
         url = fleet_url(log_url, db)
         try:
-            address = _address(http, "--http")
+            address = host_port(http, "--http")
         except typer.BadParameter:
             raise FleetError(f"--http {http!r} is not HOST:PORT (or 'off')") from None
         if address is not None and not allow_remote and not _is_loopback(address[0]):

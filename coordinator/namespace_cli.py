@@ -31,6 +31,7 @@ import structlog
 import typer
 import uuid_utils
 
+from coordinator.audit.opening import open_existing
 from coordinator.core.commands import AnyCommand, DecideNamespace, ReleaseNamespace
 from events import Event, KeyEvicted, KeyQuarantined, NamespaceDecided, NamespaceReleased, Refused
 
@@ -226,7 +227,6 @@ async def _through_sidecar(
 async def _on_the_log(
     log_url: str | None, commands: Sequence[AnyCommand], command_ids: Sequence[str], summary: Summary
 ) -> list[Recorded]:
-    from coordinator.audit.cli import open_existing
     from coordinator.ledger import Ledger
     from events.log import data_dir
 
@@ -365,7 +365,6 @@ def gc(
 ) -> None:
     """Release abandoned namespaces: evict every key of each namespace last used (published or
     loaded, by the audit index) longer ago than --older-than."""
-    from coordinator.audit.cli import open_existing
     from coordinator.audit.queries import Audit, AuditError
     from coordinator.audit.store import sync_index
     from coordinator.audit.times import read_time

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from coordinator.audit.queries import Audit, AuditError, NotFound, OutOfScope, parse_time
 from coordinator.audit.store import indexed_seq, sync_index
-from coordinator.cli import app
+from coordinator.cli.main import app
 from coordinator.core.state import State, state_digest
 from coordinator.recovery import decode, replay
 from coordinator.simulator.report import mixed_workload

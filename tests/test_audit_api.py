@@ -31,7 +31,7 @@ from typer.testing import CliRunner
 
 from coordinator.audit.api import INDEXED_SEQ_HEADER, TokenFileError, Tokens, load_tokens
 from coordinator.audit.queries import Audit
-from coordinator.cli import app as cli
+from coordinator.cli.main import app as cli
 from coordinator.core.commands import AllocateBlocks, DeclareTier, StartOwner
 from coordinator.sidecar.server import ConfigError, ServeConfig, Sidecar, check_config
 from coordinator.simulator.harness import Simulation

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 import migrations
-from coordinator.cli import app
+from coordinator.cli.main import app
 
 runner = CliRunner()
 

@@ -32,7 +32,7 @@ from typer.testing import CliRunner
 import tests.builders as b
 from coordinator.audit.api import Grant, Tokens, audit_app
 from coordinator.audit.store import indexed_seq, sync_index
-from coordinator.cli import app
+from coordinator.cli.main import app
 from coordinator.core.commands import (
     AllocateBlocks,
     DeclareEngine,

@@ -158,7 +158,7 @@ def test_a_forensic_command_pointed_at_a_file_that_is_no_log_is_one_line_exit_2_
     refused to run."""
     from typer.testing import CliRunner
 
-    from coordinator.cli import app
+    from coordinator.cli.main import app
 
     passwd = tmp_path / "passwd"
     passwd.write_text("root:x:0:0:root:/root:/bin/bash\n")
@@ -174,7 +174,7 @@ def test_a_forensic_command_pointed_at_a_file_that_is_no_log_is_one_line_exit_2_
 def test_read_only_commands_read_a_log_and_create_no_file(tmp_path: Path, command: list[str]) -> None:
     from typer.testing import CliRunner
 
-    from coordinator.cli import app
+    from coordinator.cli.main import app
 
     log = _written_log(tmp_path)
     before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
@@ -189,7 +189,7 @@ def test_a_sqlite_file_without_kvledgers_schema_is_not_a_log(tmp_path: Path) -> 
 
     from typer.testing import CliRunner
 
-    from coordinator.cli import app
+    from coordinator.cli.main import app
 
     other = tmp_path / "other.db"
     with sqlite3.connect(other) as conn:

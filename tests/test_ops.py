@@ -39,7 +39,7 @@ import typer
 import yaml  # type: ignore[import-untyped]
 from prometheus_client import generate_latest
 
-from coordinator.cli import app
+from coordinator.cli.main import app
 from coordinator.fleet_http import FleetHealth
 from events.log import open_log
 from tests.sidecar_kit import sidecar_on

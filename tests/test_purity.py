@@ -62,3 +62,48 @@ def test_importing_the_core_loads_no_io_library() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert json.loads(out.stdout) == []
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """No import cycle between modules (issue 18 found five: jobs <-> external, the timeline and
+    its drawing, the sidecar's server, HTTP side and vLLM ingestion, the simulator's scheduler and
+    workload, and seven CLI modules in one loop). An import made only for type checking counts
+    too: it is a dependency all the same. Tarjan's strongly connected components of grimp's graph
+    (grimp comes with import-linter, which checks the floors in `make test`)."""
+    import grimp
+
+    graph = grimp.build_graph("coordinator", "events", "gpu", cache_dir=None)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for imported in sorted(graph.find_modules_directly_imported_by(module)):
+            if imported not in graph.modules:
+                continue
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in on_stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for module in sorted(graph.modules):
+        if module not in index:
+            visit(module)
+    assert not cycles, f"modules that import each other: {cycles}"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner, Result
 
-from coordinator.cli import app
+from coordinator.cli.main import app
 from coordinator.core import CoordinatorCore
 from coordinator.core.commands import ReleaseFencedRank, ReportRank, ResetCache
 from coordinator.core.state import SlotStatus

@@ -32,7 +32,7 @@ from typer.testing import CliRunner
 from coordinator.audit.queries import Audit
 from coordinator.audit.store import sync_index
 from coordinator.audit.verify_run import verify_log
-from coordinator.cli import app
+from coordinator.cli.main import app
 from coordinator.core import CoordinatorCore
 from coordinator.core.commands import ObserveEngine
 from coordinator.core.state import state_digest

@@ -14,12 +14,12 @@ from typing import Any, TypeVar
 import anyio
 import msgspec
 import sqlalchemy as sa
-import structlog
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from coordinator.audit.opening import open_existing
 from coordinator.audit.queries import (
     Audit,
     AuditError,
@@ -35,8 +35,8 @@ from coordinator.audit.queries import (
 from coordinator.audit.store import IndexProgress, sync_index
 from coordinator.audit.timeline_cli import timeline_command
 from coordinator.audit.times import read_time
-from events.log import LogError, NotALog, SqlEventLog, check_sqlite_file, normalize, open_log
-from events.log._urls import is_kafka
+from coordinator.cli._common import quiet_logs
+from events.log import LogError, NotALog, SqlEventLog
 
 audit_app = typer.Typer(help="Who owned what, when: point-in-time answers from the log's audit index.", no_args_is_help=True)
 audit_app.command("timeline")(timeline_command)
@@ -113,35 +113,6 @@ def _naming(out: Path | None) -> Iterator[None]:
         if error.filename is None and out is not None:
             error.filename = str(out)
         raise
-
-
-def quiet_logs() -> None:
-    """Forensic commands print answers on stdout; their logs go to stderr, warnings and up
-    unless $KVLEDGER_LOG_LEVEL says otherwise."""
-    import logging
-    import os
-
-    level = logging.getLevelNamesMapping().get(os.environ.get("KVLEDGER_LOG_LEVEL", "warning").upper(), logging.WARNING)
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(level), logger_factory=structlog.PrintLoggerFactory(sys.stderr)
-    )
-
-
-async def open_existing(log_url: str | None, *, read_only: bool = False) -> SqlEventLog:
-    """The log to examine. Forensics never creates one: a SQLite file that is not there is an
-    error naming the path (a typo must not answer "0 events, all fine"), and one that is not a
-    SQLite database is refused before anything opens it (NotALog: `kvledger verify --log
-    /etc/passwd` left /etc/passwd.lock). `read_only` (verify, export, a replay that needs no
-    index): the file is opened read-only and nothing is created anywhere. A Kafka log's topic must
-    exist, and its index lives in its state store (coordinator/fleet.py, open_for_audit)."""
-    if is_kafka(log_url):
-        from coordinator.fleet import open_for_audit
-
-        return await open_for_audit(str(log_url))
-    target = normalize(log_url)
-    if target.get_backend_name() == "sqlite" and target.database:
-        await check_sqlite_file(Path(target.database))
-    return await open_log(log_url, read_only=read_only)
 
 
 def _run(command: str, log_url: str | None, query: Callable[[Audit], Awaitable[T]]) -> T:

@@ -18,6 +18,8 @@ from coordinator.audit.queries import AuditError
 from coordinator.audit.store import sync_index
 from coordinator.audit.timeline import Timeline, output_format, parse_steps
 from coordinator.audit.timeline_draw import draw_timeline
+from coordinator.cli._common import quiet_logs
+from coordinator.fleet import open_for_audit
 from events.log import LogError, normalize, open_log
 from events.log._urls import is_kafka
 
@@ -41,7 +43,6 @@ def timeline_command(
 ) -> None:
     """Draw which generation and owner held each slot of one pool over a range of steps, with
     pins, jobs and refusals marked: the picture for an incident report."""
-    from coordinator.audit.cli import quiet_logs  # that module registers this command
 
     quiet_logs()
     try:
@@ -73,8 +74,6 @@ def timeline_command(
 
 async def _run(target: str, pool: int, first_step: int, last_step: int, out: Path, engine: str | None) -> Timeline:
     if is_kafka(target):  # its topic must exist; the index lives in its state store
-        from coordinator.fleet import open_for_audit
-
         event_log = await open_for_audit(target)
     else:
         event_log = await open_log(target)

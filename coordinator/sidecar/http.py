@@ -9,24 +9,31 @@ Nothing here changes state (the audit API brings its index, a projection, up to 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from coordinator.audit.api import AuditMount, audit_app, load_tokens
+from coordinator.ledger import Ledger
 from events.log import SqlEventLog
 
-if TYPE_CHECKING:
-    from coordinator.sidecar.server import Sidecar
 
-
-def make_app(sidecar: Sidecar) -> Starlette:
-    expected = sidecar.config.metrics_token.encode()
+def make_app(
+    ledger: Ledger,
+    registry: CollectorRegistry,
+    readiness: Callable[[], tuple[bool, str]],
+    *,
+    metrics_token: str = "",
+    audit_tokens: str | None = None,
+) -> Starlette:
+    """/metrics (`registry`, read from the committed state; a bearer `metrics_token` if given),
+    /healthz, /readyz (`readiness`), and the HTTP audit API where the log is a SQL one."""
+    expected = metrics_token.encode()
 
     async def metrics(request: Request) -> Response:
         if expected:
@@ -41,15 +48,15 @@ def make_app(sidecar: Sidecar) -> Starlette:
                 )
         # The gauges are read from the state at scrape time: from the committed state, so a group
         # still being appended (which may yet fail) never shows in them.
-        async with sidecar.ledger.committed():
-            body = generate_latest(sidecar.metrics.registry)
+        async with ledger.committed():
+            body = generate_latest(registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def healthz(_: Request) -> Response:
-        return JSONResponse({"alive": True, "global_seq": sidecar.ledger.last_seq})
+        return JSONResponse({"alive": True, "global_seq": ledger.last_seq})
 
     async def readyz(_: Request) -> Response:
-        ready, reason = sidecar.readiness()
+        ready, reason = readiness()
         return JSONResponse({"ready": ready, "reason": reason}, status_code=200 if ready else 503)
 
     routes: list[BaseRoute] = [
@@ -57,8 +64,7 @@ def make_app(sidecar: Sidecar) -> Starlette:
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
     ]
-    if isinstance(sidecar.ledger.log, SqlEventLog):  # the audit index lives in a SQL log's database
+    if isinstance(ledger.log, SqlEventLog):  # the audit index lives in a SQL log's database
         # Read once, at start (check_config has validated it): rotating tokens is a restart.
-        path = sidecar.config.audit_tokens
-        routes.append(AuditMount(audit_app(sidecar.ledger.log, load_tokens(Path(path)) if path else None)))
+        routes.append(AuditMount(audit_app(ledger.log, load_tokens(Path(audit_tokens)) if audit_tokens else None)))
     return Starlette(routes=routes)

@@ -333,7 +333,9 @@ class Sidecar:
         assert self.config.ingest_vllm is not None
         try:
             async with anyio.create_task_group() as inner:
-                self.ingestors = await inner.start(run_ingestors, self, load_ingest_file(self.config.ingest_vllm), stop)
+                self.ingestors = await inner.start(
+                    run_ingestors, self.ledger, self.committer.submit_all, load_ingest_file(self.config.ingest_vllm), stop
+                )
                 task_status.started()
         finally:
             done.set()
@@ -403,7 +405,20 @@ class Sidecar:
         sock.listen(128)
         sock.setblocking(False)
         self.http_address = sock.getsockname()[:2]
-        server = _HttpServer(uvicorn.Config(make_app(self), log_config=None, access_log=False, lifespan="off"))
+        server = _HttpServer(
+            uvicorn.Config(
+                make_app(
+                    self.ledger,
+                    self.metrics.registry,
+                    self.readiness,
+                    metrics_token=self.config.metrics_token,
+                    audit_tokens=self.config.audit_tokens,
+                ),
+                log_config=None,
+                access_log=False,
+                lifespan="off",
+            )
+        )
         task_status.started()
         try:
             await server.serve(sockets=[sock])

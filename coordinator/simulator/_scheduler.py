@@ -3,10 +3,11 @@ coordinator/simulator/workload.py says what a run covers, runs it and reports.""
 
 from __future__ import annotations
 
+import random
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -40,11 +41,9 @@ from coordinator.simulator._requests import (
     Batch,
     EncoderRunner,
     Request,
+    Stats,
 )
-from coordinator.simulator.harness import TIER, SimEngine
-
-if TYPE_CHECKING:
-    from coordinator.simulator.workload import Workload
+from coordinator.simulator.harness import TIER, SimEngine, Simulation
 from events import (
     BlocksAllocated,
     EncoderEntryAllocated,
@@ -59,6 +58,19 @@ from events import (
     StepEnded,
     StoreJobStarted,
 )
+
+
+class Workload(Protocol):
+    """What an engine's scheduler needs of the workload that drives it (coordinator/simulator/
+    workload.py): its randomness and counters, where each key was stored, the simulation's
+    tally, and the next turn of a finished request's conversation."""
+
+    rng: random.Random
+    stats: Stats
+    stored_by: dict[bytes, str]
+    sim: Simulation
+
+    def follow_up(self, request: Request) -> None: ...
 
 
 class WorkloadEngine:

@@ -21,6 +21,7 @@ import signal
 import anyio
 import typer
 
+from coordinator.cli._common import configure_json_logs
 from coordinator.core.keys import namespace_problems
 from events import NamespaceSpec
 
@@ -68,7 +69,6 @@ def vllm(
 ) -> None:
     """Subscribe to a vLLM engine's KV events and record them: blocks stored, removed and cleared,
     per incarnation, medium and group, with gaps, restarts and refusals. Stops on SIGTERM/SIGINT."""
-    from coordinator.cli import configure_json_logs
     from coordinator.ledger import Ledger
     from coordinator.vllm.ingest import IngestConfig, Ingestor
     from events.log import LogError, open_log

@@ -29,9 +29,8 @@ one id or one endpoint) stops `serve` before it starts, naming the file and what
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
@@ -41,12 +40,9 @@ import zmq
 
 from coordinator.core.keys import namespace_problems
 from coordinator.core.state import State
-from coordinator.ledger import Commit, StepCommit, Submission
+from coordinator.ledger import Commit, Ledger, StepCommit, Submission
 from coordinator.vllm.ingest import IngestConfig, Ingestor
 from events import NamespaceSpec
-
-if TYPE_CHECKING:
-    from coordinator.sidecar.server import Sidecar
 
 log = structlog.get_logger("kvledger.ingest")
 
@@ -125,34 +121,41 @@ def _endpoint_problem(endpoint: str) -> str | None:
     return None
 
 
+SubmitAll = Callable[[Sequence[Submission]], Awaitable[list[StepCommit | Commit]]]
+"""The sidecar's group commit (Committer.submit_all): transactions committed together, in order."""
+
+
 class SidecarLedger:
     """The sidecar's ledger, committed to through its group commit (an `IngestLedger`)."""
 
-    def __init__(self, sidecar: Sidecar) -> None:
-        self.sidecar = sidecar
+    def __init__(self, ledger: Ledger, submit_all: SubmitAll) -> None:
+        self.ledger = ledger
+        self.submit_all = submit_all
 
     @property
     def state(self) -> State:
-        return self.sidecar.ledger.state
+        return self.ledger.state
 
     @property
     def last_seq(self) -> int:
-        return self.sidecar.ledger.last_seq
+        return self.ledger.last_seq
 
     async def commit_group(self, transactions: Sequence[Submission]) -> list[StepCommit | Commit]:
-        return await self.sidecar.committer.submit_all(transactions)
+        return await self.submit_all(transactions)
 
 
 async def run_ingestors(
-    sidecar: Sidecar,
+    ledger: Ledger,
+    submit_all: SubmitAll,
     configs: Sequence[IngestConfig],
     stop: anyio.Event,
     *,
     task_status: anyio.abc.TaskStatus[list[Ingestor]] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run one Ingestor per config on the sidecar until `stop` is set; each commits what it holds
-    before returning. Started (task_status) once every one has bound its endpoint."""
-    ingestors = [Ingestor(SidecarLedger(sidecar), config) for config in configs]
+    """Run one Ingestor per config on the sidecar's ledger, committing through its group commit
+    (`submit_all`), until `stop` is set; each commits what it holds before returning. Started
+    (task_status) once every one has bound its endpoint."""
+    ingestors = [Ingestor(SidecarLedger(ledger, submit_all), config) for config in configs]
     bound = anyio.Event()
     ready: list[Ingestor] = []
 

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from coordinator.audit.cli import audit_app, export_command, replay_command, verify_command
+from coordinator.cli._common import configure_json_logs, host_port
 from coordinator.fleet import fleet_command
 from coordinator.jobs_cli import jobs_app
 from coordinator.namespace_cli import namespace_app
@@ -155,43 +156,11 @@ def db_status(log_url: str | None = LOG_OPTION) -> None:
     typer.echo(f"{mask(normalize(log_url))}: schema {revision or 'none'}, head {head}: {verdict}")
 
 
-def _address(text: str | None, option: str) -> tuple[str, int] | None:
-    """HOST:PORT (IPv6 in brackets) as a tuple; "off" or empty: None."""
-    if not text or text.lower() == "off":
-        return None
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise typer.BadParameter(f"{text!r} is not HOST:PORT", param_hint=option)
-    return host.strip("[]"), int(port)
-
-
 def quiet_torch() -> None:
     """torch warns once at import when numpy is absent; kvledger does not use numpy."""
     import warnings
 
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
-
-
-def configure_json_logs() -> None:
-    """structlog JSON lines on stderr: what a sidecar's log collector reads. The level comes
-    from $KVLEDGER_LOG_LEVEL (default info; debug adds a line per committed step)."""
-    import logging
-    import os
-    import sys
-
-    level = logging.getLevelNamesMapping().get(os.environ.get("KVLEDGER_LOG_LEVEL", "info").upper(), logging.INFO)
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
-    )
 
 
 @app.command()
@@ -330,9 +299,9 @@ def serve(
     config = ServeConfig(
         log_url=log_url,
         socket_path=socket_path or str(data_dir() / "kvledger.sock"),
-        tcp=_address(tcp, "--tcp"),
+        tcp=host_port(tcp, "--tcp"),
         token=token,
-        http=_address(http, "--http"),
+        http=host_port(http, "--http"),
         max_frame=max_frame,
         subscriber_buffer=subscriber_buffer,
         snapshot_every=snapshot_every,

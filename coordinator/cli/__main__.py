@@ -1,0 +1,5 @@
+"""`python -m coordinator.cli ...` is `kvledger ...`."""
+
+from coordinator.cli.main import app
+
+app()

@@ -1,0 +1,47 @@
+"""What every `kvledger` command shares: how it logs, and how it reads an address."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import structlog
+import typer
+
+
+def host_port(text: str | None, option: str) -> tuple[str, int] | None:
+    """HOST:PORT (IPv6 in brackets) as a tuple; "off" or empty: None."""
+    if not text or text.lower() == "off":
+        return None
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise typer.BadParameter(f"{text!r} is not HOST:PORT", param_hint=option)
+    return host.strip("[]"), int(port)
+
+
+def configure_json_logs() -> None:
+    """structlog JSON lines on stderr: what a sidecar's log collector reads. The level comes
+    from $KVLEDGER_LOG_LEVEL (default info; debug adds a line per committed step)."""
+    level = logging.getLevelNamesMapping().get(os.environ.get("KVLEDGER_LOG_LEVEL", "info").upper(), logging.INFO)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def quiet_logs() -> None:
+    """Forensic commands print answers on stdout; their logs go to stderr, warnings and up
+    unless $KVLEDGER_LOG_LEVEL says otherwise."""
+    level = logging.getLevelNamesMapping().get(os.environ.get("KVLEDGER_LOG_LEVEL", "warning").upper(), logging.WARNING)
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(level), logger_factory=structlog.PrintLoggerFactory(sys.stderr)
+    )
