@@ -17,7 +17,7 @@ import anyio
 from anyio.abc import ByteStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from coordinator.client import EngineClient
+from coordinator.client import Address, EngineClient
 from coordinator.core.commands import AllocateBlocks, DeclareEngine, FinishOwner, MarkComputed, StartOwner, StartStore
 from coordinator.sidecar import protocol as p
 from coordinator.sidecar.embedded import embedded_sidecar
@@ -41,6 +41,11 @@ def declaration(
         world_size=world_size,
         tiers=[b.TIER],
     )
+
+
+def engine_client(socket_path: Path, engine_id: str, **kw: object) -> EngineClient:
+    """An engine's client on `socket_path`, declaring `engine_id` (`declaration`) and the test tier."""
+    return EngineClient(Address(socket_path=str(socket_path)), declaration(engine_id, **kw), tiers=[TIER_SPEC])  # type: ignore[arg-type]
 
 
 def sidecar_on(event_log: EventLog, socket_path: Path, **options: Any) -> AbstractAsyncContextManager[Sidecar]:

@@ -250,7 +250,7 @@ ENGINE_COMMANDS: dict[str, Callable[[World, str], AnyCommand]] = {
 
 
 @pytest.mark.parametrize("name", sorted(ENGINE_COMMANDS))
-def test_unknown_engine(world: World, name: str) -> None:
+def test_every_engine_command_naming_an_unknown_engine_is_refused_and_the_core_serves_on(world: World, name: str) -> None:
     event = assert_rejected(world.core, ENGINE_COMMANDS[name](world, UNKNOWN_ENGINE), Reason.UNKNOWN_ENGINE, repr(UNKNOWN_ENGINE))
     assert event.engine_id == UNKNOWN_ENGINE
     if name == "begin_step":  # the real engine's step is open: end it, then begin anew
@@ -324,7 +324,7 @@ def test_generation_from_the_future(world: World, name: str) -> None:
 
 @pytest.mark.parametrize("pool_id", [ATTENTION, REPORTED])
 @pytest.mark.parametrize("name", sorted(BLOCK_COMMANDS))
-def test_null_block(world: World, name: str, pool_id: int) -> None:
+def test_I2_every_block_command_on_the_null_block_is_refused(world: World, name: str, pool_id: int) -> None:
     """I2: block 0 is never freed, reused, computed, stored, loaded or copied."""
     null = BlockRef(pool_id, 0, 0)
     assert_rejected(world.core, BLOCK_COMMANDS[name](world, null), Reason.NULL_BLOCK, "block 0", f"pool {pool_id}")

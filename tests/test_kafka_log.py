@@ -196,7 +196,7 @@ def test_the_kafka_log_reads_and_writes_every_event_through_the_topic() -> None:
     # with a store's first checkpoint (test_a_reader_killed_before_close_...).
 
 
-def test_kafka_urls() -> None:
+def test_a_kafka_url_names_brokers_topic_and_state_store_and_a_bad_one_is_refused_without_its_password() -> None:
     target = parse_kafka_url("kafka://b1:9093,b2/events.prod?replication_factor=3&state=/var/kvl/state.sqlite")
     assert (target.bootstrap, target.topic, target.state_url, target.replication_factor) == (
         ["b1:9093", "b2:9092"],

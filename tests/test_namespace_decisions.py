@@ -287,7 +287,7 @@ def test_a_cross_tenant_refusal_names_no_tenant() -> None:
         (" 7D ", 7 * DAY),
     ],
 )
-def test_durations_parse(text: str, seconds: float) -> None:
+def test_a_duration_in_weeks_days_hours_minutes_or_seconds_is_read_as_seconds(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
 

@@ -100,8 +100,7 @@ def test_a_release_that_names_nothing_waiting_is_refused_and_changes_nothing(com
 async def test_kvledger_jobs_release_through_the_sidecar(event_log: EventLog, tmp_path: Path) -> None:
     from coordinator.core.commands import AllocateBlocks, MarkComputed, StartOwner, StartStore
     from events import BlocksAllocated, OwnerStarted
-    from tests.sidecar_kit import declaration
-    from tests.test_sidecar import engine_client
+    from tests.sidecar_kit import declaration, engine_client
 
     sock = tmp_path / "s.sock"
     async with sidecar_on(event_log, sock) as sidecar:

@@ -23,8 +23,7 @@ from coordinator.recovery import replay
 from coordinator.vllm.sidecar_ingest import IngestFileError, load_ingest_file
 from events import EventCodec, ObservedBlocksRemoved, ObservedBlocksStored, Refused
 from events.log import EventLog, SqlEventLog
-from tests.sidecar_kit import ROOT, sidecar_on
-from tests.test_sidecar import engine_client
+from tests.sidecar_kit import ROOT, engine_client, sidecar_on
 from tests.test_vllm_ingest import BLOCK, TOPIC, FakeVllm, h, removed, stored
 
 pytestmark = pytest.mark.anyio
