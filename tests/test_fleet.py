@@ -1,4 +1,4 @@
-"""The fleet audit service (coordinator/fleet.py) on a real Kafka-protocol broker (Tansu) and the
+"""The fleet audit service (coordinator/audit/fleet.py) on a real Kafka-protocol broker (Tansu) and the
 real PostgreSQL: two engines write their streams to ONE topic and share a tier; the service
 indexes both into one PostgreSQL database, exactly once across stops and restarts; the audit
 CLI answers fleet-wide from it; bad input is one line and exit code 2 or 1.
@@ -31,6 +31,7 @@ from typer.testing import CliRunner
 
 import tests.builders as b
 from coordinator.audit.api import Grant, Tokens, audit_app
+from coordinator.audit.fleet import fleet_url, open_fleet_log, run_fleet
 from coordinator.audit.store import indexed_seq, sync_index
 from coordinator.cli.main import app
 from coordinator.core.commands import (
@@ -45,7 +46,6 @@ from coordinator.core.commands import (
     StartOwner,
     StartStore,
 )
-from coordinator.fleet import fleet_url, open_fleet_log, run_fleet
 from coordinator.ledger import Ledger
 from events import BlocksAllocated, LoadJobStarted, OwnerStarted, StoreJobStarted, TierSpec
 from events.log import SqlEventLog, mask, open_log, upgrade_log

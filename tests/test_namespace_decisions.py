@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from coordinator.audit.queries import Audit, OutOfScope
 from coordinator.audit.store import sync_index
+from coordinator.cli.namespace import namespace_app, parse_duration
 from coordinator.client import Address, EngineClient, OperatorClient, SidecarError
 from coordinator.core import CoordinatorCore
 from coordinator.core.commands import (
@@ -41,7 +42,6 @@ from coordinator.core.commands import (
 )
 from coordinator.core.keys import namespace_id
 from coordinator.ledger import NAMESPACE_STREAM, Ledger
-from coordinator.namespace_cli import namespace_app, parse_duration
 from coordinator.sidecar import protocol as p
 from coordinator.sidecar.embedded import embedded_sidecar
 from events import (
@@ -559,7 +559,7 @@ async def test_decisions_through_the_sidecar(tmp_path: Path) -> None:
                     await engine.step(1000, 1e6, [decide("clear")])
 
             env = {**os.environ, "KVLEDGER_DATA_DIR": str(tmp_path)}  # the sidecar is on the default socket
-            cli = [sys.executable, "-c", "from coordinator.namespace_cli import namespace_app; namespace_app()"]
+            cli = [sys.executable, "-c", "from coordinator.cli.namespace import namespace_app; namespace_app()"]
             behind = await anyio.run_process(
                 [
                     *cli,
@@ -611,7 +611,7 @@ async def test_decisions_through_the_sidecar(tmp_path: Path) -> None:
 def test_the_cli_runs_as_a_subprocess_module() -> None:
     """The sub-app imports on its own (the lead registers it in coordinator/cli.py)."""
     out = subprocess.run(
-        [sys.executable, "-c", "from coordinator.namespace_cli import namespace_app; namespace_app()", "--help"],
+        [sys.executable, "-c", "from coordinator.cli.namespace import namespace_app; namespace_app()", "--help"],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -39,8 +39,8 @@ import typer
 import yaml  # type: ignore[import-untyped]
 from prometheus_client import generate_latest
 
+from coordinator.audit.fleet_http import FleetHealth
 from coordinator.cli.main import app
-from coordinator.fleet_http import FleetHealth
 from events.log import open_log
 from tests.sidecar_kit import sidecar_on
 
@@ -479,7 +479,7 @@ async def exported_names() -> set[str]:
                 scan(await anyio.to_thread.run_sync(get))
         finally:
             await event_log.close()
-    health = FleetHealth()  # what `kvledger fleet --http` renders on /metrics (coordinator/fleet_http.py)
+    health = FleetHealth()  # what `kvledger fleet --http` renders on /metrics (coordinator/audit/fleet_http.py)
     health.progressed(10, 12)
     scan(generate_latest(health.registry).decode())
     return names

@@ -27,8 +27,8 @@ from coordinator.audit.timeline import (
     output_format,
     parse_steps,
 )
-from coordinator.audit.timeline_cli import timeline_command
 from coordinator.audit.timeline_draw import draw_timeline
+from coordinator.cli.timeline import timeline_command
 from coordinator.recovery import decode, stored_steps
 from coordinator.simulator.report import mixed_workload
 from events import BlocksAllocated, EngineReset, EventCodec, NoticeDropped, OwnerStarted
@@ -483,7 +483,7 @@ def test_a_pool_past_what_a_log_holds_is_bad_input(sim_log: SimLog, tmp_path: Pa
 
 
 def test_the_command_prints_no_debug_lines(sim_log: SimLog, tmp_path: Path) -> None:
-    """Like every audit command (coordinator/audit/cli.py quiet_logs): the answer on stdout, and
+    """Like every audit command (coordinator/cli/audit.py quiet_logs): the answer on stdout, and
     only warnings and up on stderr."""
     out = tmp_path / "x.png"
     result = runner.invoke(_app(), ["timeline", "0", "--steps", "1:3", "--out", str(out), "--log", str(sim_log.indexed)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coordinator.fleet import open_for_audit
+from coordinator.audit.fleet import open_for_audit
 from events.log import SqlEventLog, check_sqlite_file, normalize, open_log
 from events.log._urls import is_kafka
 
@@ -16,7 +16,7 @@ async def open_existing(log_url: str | None, *, read_only: bool = False) -> SqlE
     SQLite database is refused before anything opens it (NotALog: `kvledger verify --log
     /etc/passwd` left /etc/passwd.lock). `read_only` (verify, export, a replay that needs no
     index): the file is opened read-only and nothing is created anywhere. A Kafka log's topic must
-    exist, and its index lives in its state store (coordinator/fleet.py, open_for_audit)."""
+    exist, and its index lives in its state store (coordinator/audit/fleet.py, open_for_audit)."""
     if is_kafka(log_url):
         return await open_for_audit(str(log_url))
     target = normalize(log_url)

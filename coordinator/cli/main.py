@@ -1,5 +1,5 @@
 """`kvledger`: the command line: demo, simulate, serve, worker, db, and the forensic commands
-(audit, replay, export: coordinator/audit/cli.py)."""
+(audit, replay, export: coordinator/cli/audit.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from coordinator.audit.cli import audit_app, export_command, replay_command, verify_command
 from coordinator.cli._common import configure_json_logs, host_port
-from coordinator.fleet import fleet_command
-from coordinator.jobs_cli import jobs_app
-from coordinator.namespace_cli import namespace_app
-from coordinator.vllm.cli import ingest_app
+from coordinator.cli.audit import audit_app, export_command, replay_command, verify_command
+from coordinator.cli.fleet import fleet_command
+from coordinator.cli.ingest import ingest_app
+from coordinator.cli.jobs import jobs_app
+from coordinator.cli.namespace import namespace_app
 
 app = typer.Typer(help="kvledger: an event-sourced coordinator for LLM KV caches.", no_args_is_help=True)
 log = structlog.get_logger("kvledger.cli")
@@ -53,7 +53,7 @@ def demo(
 ) -> None:
     """Play the seeds' failures against the pure core, step by step; then run them as fault
     scenarios on a real sidecar and real workers, protection on and off."""
-    from coordinator.demo import run_demo
+    from coordinator.cli.demo import run_demo
 
     result = run_demo()
     if json_output:

@@ -19,7 +19,7 @@ import stat
 import struct
 import sys
 import time
-from collections.abc import Awaitable, Callable, Container, Iterator
+from collections.abc import Awaitable, Callable, Container
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from coordinator.sidecar import admission
 from coordinator.sidecar import protocol as p
 from coordinator.sidecar.committer import Committer, ShuttingDown, freeze_long_lived
 from coordinator.sidecar.credentials import ALL, Credential, Credentials, load_credentials, permits
-from coordinator.sidecar.http import make_app
+from coordinator.sidecar.http import HttpServer, is_loopback, make_app
 from coordinator.sidecar.hub import DEFAULT_BUFFER, DecisionHub, SlowSubscriber, Subscription
 from coordinator.sidecar.memory import limit_arenas
 from coordinator.sidecar.metrics import SidecarMetrics
@@ -113,7 +113,7 @@ def check_config(config: ServeConfig) -> None:
             "--tcp needs a token (--token or KVLEDGER_TOKEN, or a token in --credentials): TCP clients must authenticate"
         )
     for name, address in (("--tcp", config.tcp), ("--http", config.http)):
-        if address is not None and not config.allow_remote and not _is_loopback(address[0]):
+        if address is not None and not config.allow_remote and not is_loopback(address[0]):
             raise ConfigError(f"{name} {address[0]} is not a loopback address; pass --allow-remote to listen on it")
     if config.max_frame < 1024:
         raise ConfigError(f"--max-frame {config.max_frame} is below 1024 bytes")
@@ -138,10 +138,6 @@ def _load_credentials(config: ServeConfig) -> Credentials | None:
         return load_credentials(Path(config.credentials))
     except TokenFileError as error:
         raise ConfigError(str(error)) from None
-
-
-def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 class Session:
@@ -405,7 +401,7 @@ class Sidecar:
         sock.listen(128)
         sock.setblocking(False)
         self.http_address = sock.getsockname()[:2]
-        server = _HttpServer(
+        server = HttpServer(
             uvicorn.Config(
                 make_app(
                     self.ledger,
@@ -1127,14 +1123,6 @@ class _PerSecond:
             return None
         self._window[key] = (start, logged + 1, 0)
         return left_out
-
-
-class _HttpServer(uvicorn.Server):
-    """uvicorn, minus its signal handlers: the sidecar handles SIGTERM itself (and drains)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 _GONE = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError)

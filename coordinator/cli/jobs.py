@@ -23,8 +23,8 @@ import msgspec
 import typer
 import uuid_utils
 
+from coordinator.cli.namespace import COMMAND_ID, JSON, LOG, SOCKET, TCP, TOKEN, Recorded, RecordError, _record, _run, _target
 from coordinator.core.commands import AnyCommand, ReleaseFencedRank
-from coordinator.namespace_cli import COMMAND_ID, JSON, LOG, SOCKET, TCP, TOKEN, Recorded, RecordError, _record, _run, _target
 from events import Event, FencedRankReleased, Refused
 
 jobs_app = typer.Typer(help="Operator actions on jobs: release a dead worker's rank of fenced jobs.", no_args_is_help=True)

@@ -24,7 +24,7 @@ database is unreachable (a connection refused or dropped: `database_outage`) lik
 in flight having rolled back with its checkpoint. A topic that went backwards (LogDiverged), or
 a database that refuses what it is asked (a schema problem), ends it with the reason, exit 1.
 
-HTTP (`--http HOST:PORT`, coordinator/fleet_http.py): the audit API under /audit/ for the whole
+HTTP (`--http HOST:PORT`, coordinator/audit/fleet_http.py): the audit API under /audit/ for the whole
 fleet (tokens from `--audit-tokens`, as the sidecar's), /healthz, /readyz (503 with the reason
 during an outage) and /metrics (indexed sequence, head, lag, outages).
 
@@ -45,16 +45,15 @@ from pathlib import Path
 import anyio
 import sqlalchemy as sa
 import structlog
-import typer
 import uvicorn
 from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped]
 from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
 
-from coordinator.audit.api import TokenFileError, Tokens, load_tokens
+from coordinator.audit.api import Tokens
+from coordinator.audit.fleet_http import FleetHealth, fleet_app
 from coordinator.audit.queries import AuditError
 from coordinator.audit.store import IndexProgress, indexed_seq, sync_index
-from coordinator.cli._common import configure_json_logs, host_port
-from coordinator.fleet_http import FleetHealth, fleet_app
+from coordinator.sidecar.http import HttpServer
 from events.log import LogError, LogUnavailable, SqlEventLog, is_outage, mask, normalize, open_log
 from events.log._kafka_target import CALL_TIMEOUT_S, REQUEST_TIMEOUT_MS, KafkaTarget, one_line, parse_kafka_url
 from events.log._urls import is_kafka
@@ -287,7 +286,9 @@ async def _close_quietly(event_log: SqlEventLog) -> None:
             log.warning("fleet_close_failed", error=one_line(error))
 
 
-async def _serve(url: str, batch: int, poll_s: float, http: tuple[str, int] | None = None, tokens: Tokens | None = None) -> int:
+async def serve_fleet(
+    url: str, batch: int, poll_s: float, http: tuple[str, int] | None = None, tokens: Tokens | None = None
+) -> int:
     """run_fleet until SIGTERM or SIGINT (the first stops after the batch in flight, a second at
     once), with the HTTP side on `http` if given."""
     stop = anyio.Event()
@@ -326,7 +327,6 @@ async def _serve_http(
     *,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    from coordinator.sidecar.server import _HttpServer
 
     host, port = address
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -339,76 +339,10 @@ async def _serve_http(
     sock.listen(128)
     sock.setblocking(False)
     bound = sock.getsockname()[:2]
-    server = _HttpServer(uvicorn.Config(fleet_app(health, tokens), log_config=None, access_log=False, lifespan="off"))
+    server = HttpServer(uvicorn.Config(fleet_app(health, tokens), log_config=None, access_log=False, lifespan="off"))
     log.info("fleet_http", url=f"http://{bound[0]}:{bound[1]}", audit_tokens=tokens is not None)
     task_status.started()
     try:
         await server.serve(sockets=[sock])
     finally:
         sock.close()
-
-
-def fleet_command(
-    log_url: str | None = typer.Option(
-        None, "--log", envvar="KVLEDGER_LOG", help="The fleet's Kafka log: kafka://HOST:PORT/TOPIC."
-    ),
-    db: str | None = typer.Option(
-        None,
-        "--db",
-        envvar="KVLEDGER_FLEET_DB",
-        help="The audit index's database: postgresql://... (or a SQLite file); it becomes the log's ?state= store.",
-    ),
-    batch: int = typer.Option(DEFAULT_BATCH, "--batch", min=1, max=1_000_000, help="Events indexed per transaction."),
-    poll: float = typer.Option(
-        DEFAULT_POLL_S, "--poll", min=0.01, max=3600.0, help="Seconds between looks at the topic's head once caught up."
-    ),
-    http: str = typer.Option(
-        "off",
-        "--http",
-        envvar="KVLEDGER_FLEET_HTTP",
-        help="HOST:PORT for the fleet-wide audit API under /audit/, /metrics, /healthz and /readyz; 'off' (default) serves none.",
-    ),
-    audit_tokens: str | None = typer.Option(
-        None,
-        "--audit-tokens",
-        envvar="KVLEDGER_AUDIT_TOKENS",
-        help="Tokens file of the HTTP audit API (as `kvledger serve --audit-tokens`); without it /audit/ answers 401.",
-    ),
-    allow_remote: bool = typer.Option(False, "--allow-remote", help="Allow --http on a non-loopback address."),
-) -> None:
-    """Index every engine's stream of a Kafka log into one audit database, exactly once, and keep
-    tailing it (until SIGTERM or SIGINT): `kvledger audit ... --log 'kafka://HOST:PORT/TOPIC?state=DB'`
-    then answers for the whole fleet."""
-    from coordinator.sidecar.server import _is_loopback
-
-    try:
-        url = fleet_url(log_url, db)
-        try:
-            address = host_port(http, "--http")
-        except typer.BadParameter:
-            raise FleetError(f"--http {http!r} is not HOST:PORT (or 'off')") from None
-        if address is not None and not allow_remote and not _is_loopback(address[0]):
-            raise FleetError(f"--http {address[0]} is not a loopback address; pass --allow-remote to listen on it")
-        try:
-            tokens = load_tokens(Path(audit_tokens)) if audit_tokens else None
-        except TokenFileError as error:
-            raise FleetError(str(error)) from None
-    except FleetError as error:
-        typer.echo(f"kvledger fleet: {error}", err=True)
-        raise typer.Exit(code=2) from None
-    configure_json_logs()
-    quiet_kafka_client()
-    try:
-        anyio.run(_serve, url, batch, poll, address, tokens)
-    except FleetError as error:
-        typer.echo(f"kvledger fleet: {error}", err=True)
-        raise typer.Exit(code=2) from None
-    except LogError as error:
-        typer.echo(f"kvledger fleet: {error}", err=True)
-        raise typer.Exit(code=1) from None
-    except sa.exc.SQLAlchemyError as error:
-        typer.echo(f"kvledger fleet: the audit database failed: {one_line(error)}", err=True)
-        raise typer.Exit(code=1) from None
-    except OSError as error:
-        typer.echo(f"kvledger fleet: {error.strerror or error}", err=True)
-        raise typer.Exit(code=1) from None

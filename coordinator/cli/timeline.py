@@ -14,12 +14,12 @@ import anyio
 import sqlalchemy as sa
 import typer
 
+from coordinator.audit.fleet import open_for_audit
 from coordinator.audit.queries import AuditError
 from coordinator.audit.store import sync_index
 from coordinator.audit.timeline import Timeline, output_format, parse_steps
 from coordinator.audit.timeline_draw import draw_timeline
 from coordinator.cli._common import quiet_logs
-from coordinator.fleet import open_for_audit
 from events.log import LogError, normalize, open_log
 from events.log._urls import is_kafka
 

@@ -33,9 +33,9 @@ from coordinator.audit.queries import (
     RequestAnswer,
 )
 from coordinator.audit.store import IndexProgress, sync_index
-from coordinator.audit.timeline_cli import timeline_command
 from coordinator.audit.times import read_time
 from coordinator.cli._common import quiet_logs
+from coordinator.cli.timeline import timeline_command
 from events.log import LogError, NotALog, SqlEventLog
 
 audit_app = typer.Typer(help="Who owned what, when: point-in-time answers from the log's audit index.", no_args_is_help=True)

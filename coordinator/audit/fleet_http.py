@@ -1,7 +1,7 @@
 """The fleet audit service's HTTP side (`kvledger fleet --http HOST:PORT`): the audit API under
 /audit/ for the whole fleet, with /healthz, /readyz and /metrics, as the sidecar serves them.
 
-The service reopens its Kafka log after an outage (coordinator/fleet.py), so the audit API is
+The service reopens its Kafka log after an outage (coordinator/audit/fleet.py), so the audit API is
 bound to whichever log is open at the moment of the request: while none is (the broker or the
 audit database is down), /audit/... answers 503 with the reason, and /readyz says the same.
 
