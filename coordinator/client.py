@@ -723,3 +723,24 @@ class SyncWorkerClient:
 
     def close(self) -> None:
         self._requester.drop()
+
+
+async def sidecar_answers(socket_path: str) -> bool:
+    """Whether something serves this socket: a stale socket file refuses the connection. Once
+    connected, any answer to a Hello (even UNAUTHORIZED from a sidecar with a token), or none
+    within two seconds (a busy one), counts as a sidecar."""
+    try:
+        stream = await Address(socket_path=socket_path).connect()
+    except OSError:
+        return False
+    channel = _Channel(stream, p.DEFAULT_MAX_FRAME)
+    try:
+        with anyio.move_on_after(2.0):
+            await channel.send(p.Hello(protocol=p.PROTOCOL_VERSION, role="observer"))
+            await channel.receive()
+    except (OSError, anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, ValueError):
+        return False  # it hung up without a word: not a sidecar
+    finally:
+        with anyio.CancelScope(shield=True):
+            await channel.aclose()
+    return True

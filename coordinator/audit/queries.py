@@ -598,7 +598,7 @@ class Audit:
         for row in rows:
             by_job.setdefault(row.job_id, []).append(row)
         touched = {e.job_id: e for e in touches}
-        return [_job_touch(job_id, by_job.get(job_id, []), touched[job_id].seq, at_seq) for job_id in ids]
+        return [job_touch(job_id, by_job.get(job_id, []), touched[job_id].seq, at_seq) for job_id in ids]
 
     # --- owners and requests --------------------------------------------------------------
 
@@ -739,7 +739,7 @@ class Audit:
                     r.engine,
                     r.job_id,
                     _where(r, engine=False),
-                    _job_touch(r.job_id, outcomes.get(r.job_id, []), r.seq, r.seq).outcome,
+                    job_touch(r.job_id, outcomes.get(r.job_id, []), r.seq, r.seq).outcome,
                 )
                 for r in loads
             ],
@@ -1032,7 +1032,7 @@ def _where(row: Any, *, engine: bool = True) -> str:
     return f"{who}{row.pool}/{row.block}@g{row.generation}"
 
 
-def _job_touch(job_id: int, rows: Sequence[Any], touched_seq: int, at_seq: int) -> JobTouch:
+def job_touch(job_id: int, rows: Sequence[Any], touched_seq: int, at_seq: int) -> JobTouch:
     started = next((r for r in rows if r.kind in ("store", "load", "copy")), None)
     kind = started.kind if started is not None else "?"
     start = started.seq if started is not None else touched_seq

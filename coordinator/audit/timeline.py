@@ -24,7 +24,7 @@ import msgspec
 import sqlalchemy as sa
 import structlog
 
-from coordinator.audit.queries import Audit, AuditError, NotFound, _job_touch
+from coordinator.audit.queries import Audit, AuditError, NotFound, job_touch
 from events.log import SqlEventLog
 from events.log import _schema as t
 
@@ -319,7 +319,7 @@ def build_timeline(rows: IndexRows, *, max_slots: int = MAX_SLOTS) -> Timeline:
     job_rows: dict[int, list[Any]] = {}
     for job_id, seq, kind, detail in sorted(rows.jobs, key=lambda r: r[1]):
         job_rows.setdefault(job_id, []).append(_JobRowView(seq, kind, detail))
-    touches = {job_id: _job_touch(job_id, found, found[0].seq, last_seq) for job_id, found in job_rows.items()}
+    touches = {job_id: job_touch(job_id, found, found[0].seq, last_seq) for job_id, found in job_rows.items()}
     pins: list[Pin] = []
     job_blocks: dict[int, set[int]] = {}
     for block, generation, seq, _kind, _owner, job in pins_touched:
@@ -390,7 +390,7 @@ def build_timeline(rows: IndexRows, *, max_slots: int = MAX_SLOTS) -> Timeline:
 
 
 class _JobRowView(msgspec.Struct, frozen=True):
-    """A kvl_audit_jobs row as `_job_touch` reads it (attributes seq, kind, detail)."""
+    """A kvl_audit_jobs row as `job_touch` reads it (attributes seq, kind, detail)."""
 
     seq: int
     kind: str

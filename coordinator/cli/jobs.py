@@ -23,7 +23,7 @@ import msgspec
 import typer
 import uuid_utils
 
-from coordinator.cli.namespace import COMMAND_ID, JSON, LOG, SOCKET, TCP, TOKEN, Recorded, RecordError, _record, _run, _target
+from coordinator.cli._operator import COMMAND_ID, JSON, LOG, SOCKET, TCP, TOKEN, Recorded, RecordError, record, run, target_of
 from coordinator.core.commands import AnyCommand, ReleaseFencedRank
 from events import Event, FencedRankReleased, Refused
 
@@ -68,13 +68,13 @@ def release(
     json_output: bool = JSON,
 ) -> None:
     """Release one rank of an engine's fenced jobs: its worker is gone, so what they hold goes (I16)."""
-    target = _target(log_url, socket_path, tcp, token)
+    target = target_of(log_url, socket_path, tcp, token)
     command = ReleaseFencedRank(engine_id=engine, rank=rank, reason=reason)
 
     async def main() -> list[Recorded]:
-        return await _record(target, [command], [command_id or uuid_utils.uuid7().hex], _released)
+        return await record(target, [command], [command_id or uuid_utils.uuid7().hex], _released)
 
-    [recorded] = _run("release", main, group="jobs")
+    [recorded] = run("release", main, group="jobs")
     if json_output:
         typer.echo(msgspec.json.encode(recorded).decode())
     elif not recorded.refused:

@@ -17,21 +17,20 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
-import logging
 import math
 import re
-import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
-import anyio
 import msgspec
-import structlog
 import typer
 import uuid_utils
 
 from coordinator.audit.opening import open_existing
+from coordinator.audit.queries import Audit, AuditError
+from coordinator.audit.store import sync_index
+from coordinator.audit.times import read_time
+from coordinator.cli._operator import COMMAND_ID, JSON, LOG, SOCKET, TCP, TOKEN, Recorded, RecordError, record, run, target_of
 from coordinator.core.commands import AnyCommand, DecideNamespace, ReleaseNamespace
 from events import Event, KeyEvicted, KeyQuarantined, NamespaceDecided, NamespaceReleased, Refused
 
@@ -40,45 +39,11 @@ namespace_app = typer.Typer(
     no_args_is_help=True,
 )
 
-LOG = typer.Option(
-    None,
-    "--log",
-    envvar="KVLEDGER_LOG",
-    help="Record directly on this log (SQLite path or URL, or PostgreSQL URL) when no sidecar serves it.",
-)
-SOCKET = typer.Option(None, "--socket", envvar="KVLEDGER_SOCKET", help="Record through the sidecar on this Unix socket.")
-TCP = typer.Option(None, "--tcp", envvar="KVLEDGER_TCP", help="Record through the sidecar at TCP HOST:PORT (needs --token).")
-TOKEN = typer.Option(
-    "",
-    "--token",
-    envvar="KVLEDGER_TOKEN",
-    help="The sidecar's shared secret (TCP), or a token of its --credentials (TCP or socket).",
-    show_default=False,
-)
-COMMAND_ID = typer.Option(None, "--command-id", help="Make a retry exactly once: the same id returns the committed result.")
-JSON = typer.Option(False, "--json", help="Print JSON instead of text.")
-
 
 class Outcome(enum.StrEnum):
     new = "new"
     compatible = "compatible"
     clear = "clear"
-
-
-class Recorded(msgspec.Struct, frozen=True, kw_only=True):
-    """What one command came to: committed events, or the refusal that was recorded instead."""
-
-    command: str
-    refused: bool
-    reason: str = ""
-    detail: str = ""
-    first_seq: int = 0
-    last_seq: int = 0
-    duplicate: bool = False
-    affected_keys: int = 0
-    """Keys quarantined (clear) or evicted (release)."""
-    released_jobs: int = 0
-    """Fenced jobs let go (`kvledger jobs release`)."""
 
 
 class Candidate(msgspec.Struct, frozen=True, kw_only=True):
@@ -120,138 +85,6 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
-# --- where commands are recorded -----------------------------------------------------------------
-
-
-class _Target(msgspec.Struct, frozen=True, kw_only=True):
-    log_url: str | None
-    socket_path: str | None
-    tcp: tuple[str, int] | None
-    token: str
-
-    @property
-    def via_sidecar(self) -> bool:
-        return self.socket_path is not None or self.tcp is not None
-
-
-def _tcp_address(text: str | None) -> tuple[str, int] | None:
-    """HOST:PORT (IPv6 in brackets) as a tuple; "off" or empty: None."""
-    if not text or text.lower() == "off":
-        return None
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise typer.BadParameter(f"{text!r} is not HOST:PORT", param_hint="--tcp")
-    return host.strip("[]"), int(port)
-
-
-def _target(log_url: str | None, socket_path: str | None, tcp: str | None, token: str) -> _Target:
-    """Through the sidecar named by --socket or --tcp; else on the log named by --log; else
-    through a sidecar that answers on the default socket; else on the default log. (gc reads its
-    inventory from the log whichever records.)"""
-    from events.log import data_dir
-
-    address = _tcp_address(tcp)
-    if socket_path is not None and address is not None:
-        raise typer.BadParameter("give one of --socket and --tcp", param_hint="--socket")
-    if address is not None and not token:
-        raise typer.BadParameter("a sidecar on TCP needs its --token (or KVLEDGER_TOKEN)", param_hint="--token")
-    if socket_path is None and address is None and log_url is None:
-        default = data_dir() / "kvledger.sock"
-        if default.exists() and anyio.run(_sidecar_answers, str(default)):
-            socket_path = str(default)
-    return _Target(log_url=log_url, socket_path=socket_path, tcp=address, token=token)
-
-
-async def _sidecar_answers(socket_path: str) -> bool:
-    """Whether something serves this socket: a stale socket file refuses the connection. Once
-    connected, any answer to a Hello (even UNAUTHORIZED from a sidecar with a token), or none
-    within two seconds (a busy one), counts as a sidecar."""
-    from coordinator.client import Address, _Channel
-    from coordinator.sidecar import protocol as p
-
-    try:
-        stream = await Address(socket_path=socket_path).connect()
-    except OSError:
-        return False
-    channel = _Channel(stream, p.DEFAULT_MAX_FRAME)
-    try:
-        with anyio.move_on_after(2.0):
-            await channel.send(p.Hello(protocol=p.PROTOCOL_VERSION, role="observer"))
-            await channel.receive()
-    except (OSError, anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, ValueError):
-        return False  # it hung up without a word: not a sidecar
-    finally:
-        with anyio.CancelScope(shield=True):
-            await channel.aclose()
-    return True
-
-
-class RecordError(Exception):
-    """The command could not be recorded (no sidecar, no log, a sidecar behind the log)."""
-
-
-Summary = Callable[[AnyCommand, Sequence[Event], int, int, bool], "Recorded"]
-
-
-async def _record(
-    target: _Target, commands: Sequence[AnyCommand], command_ids: Sequence[str], summary: Summary | None = None
-) -> list[Recorded]:
-    """Record each command in order and say what it came to (`summary`: what a decision looks
-    like; by default a namespace decision's)."""
-    if target.via_sidecar:
-        return await _through_sidecar(target, commands, command_ids, summary or _summary)
-    return await _on_the_log(target.log_url, commands, command_ids, summary or _summary)
-
-
-async def _through_sidecar(
-    target: _Target, commands: Sequence[AnyCommand], command_ids: Sequence[str], summary: Summary
-) -> list[Recorded]:
-    from coordinator.client import Address, OperatorClient, SidecarError, SidecarUnavailable
-
-    address = (
-        Address(socket_path=target.socket_path, token=target.token)
-        if target.socket_path
-        else Address(tcp=target.tcp, token=target.token)
-    )
-    client = OperatorClient(address, retry_for=10.0)
-    recorded = []
-    for command, command_id in zip(commands, command_ids, strict=True):
-        try:
-            committed = await client.execute(command, command_id=command_id)
-        except (SidecarError, SidecarUnavailable, OSError) as error:
-            raise RecordError(f"the sidecar at {address} did not record it: {error}") from error
-        recorded.append(summary(command, list(committed.events), committed.first_seq, committed.last_seq, committed.duplicate))
-    return recorded
-
-
-async def _on_the_log(
-    log_url: str | None, commands: Sequence[AnyCommand], command_ids: Sequence[str], summary: Summary
-) -> list[Recorded]:
-    from coordinator.ledger import Ledger
-    from events.log import data_dir
-
-    default = data_dir() / "kvledger.sock"
-    if default.exists() and await _sidecar_answers(str(default)):
-        raise RecordError(
-            f"a sidecar answers on {default}: record through it with --socket {default} (appending to its log "
-            "behind its back would fork its state from the log)"
-        )
-    # A decision names namespaces the log already holds: a mistyped --log must not create a new,
-    # empty log (where the decision would only be refused), so a missing SQLite file is an error.
-    event_log = await open_existing(log_url)
-    try:
-        ledger = await Ledger.open(event_log)
-        recorded = []
-        for command, command_id in zip(commands, command_ids, strict=True):
-            # Scoped as the sidecar scopes an operator's ids ("/<id>"): a retry through either
-            # path finds the first one's result.
-            commit = await ledger.execute(command, command_id=f"/{command_id}")
-            recorded.append(summary(command, commit.events, commit.first_seq, commit.last_seq, commit.duplicate))
-        return recorded
-    finally:
-        await event_log.close()
-
-
 def _summary(command: AnyCommand, events: Sequence[Event], first_seq: int, last_seq: int, duplicate: bool) -> Recorded:
     tag = type(command).__struct_config__.tag
     assert isinstance(tag, str)
@@ -272,30 +105,6 @@ def _summary(command: AnyCommand, events: Sequence[Event], first_seq: int, last_
     return Recorded(
         command=tag, refused=False, first_seq=first_seq, last_seq=last_seq, duplicate=duplicate, affected_keys=affected
     )
-
-
-T = TypeVar("T")
-
-
-def _run(command: str, main: Callable[[], Awaitable[T]], group: str = "namespace") -> T:
-    """Run `main`; a log or recording error ends with one line and exit code 1. Logs below
-    warning are dropped and the rest go to stderr, so stdout holds the answer (--json) alone;
-    the logging configuration is restored after (the CLI may run inside another program)."""
-    from events.log import LogError
-
-    saved = structlog.get_config()
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=False,
-    )
-    try:
-        return anyio.run(main)
-    except (RecordError, LogError) as error:
-        typer.echo(f"kvledger {group} {command}: {error}", err=True)
-        raise typer.Exit(code=1) from None
-    finally:
-        structlog.configure(**saved)
 
 
 # --- commands -------------------------------------------------------------------------------------
@@ -325,15 +134,15 @@ def decide(
     json_output: bool = JSON,
 ) -> None:
     """Record a release decision from namespace A to namespace B (seed 003)."""
-    target = _target(log_url, socket_path, tcp, token)
+    target = target_of(log_url, socket_path, tcp, token)
     command = DecideNamespace(
         from_namespace=from_namespace, to_namespace=to_namespace, outcome=outcome.value, reason=reason, evidence=evidence
     )
 
     async def main() -> list[Recorded]:
-        return await _record(target, [command], [command_id or uuid_utils.uuid7().hex])
+        return await record(target, [command], [command_id or uuid_utils.uuid7().hex], _summary)
 
-    [recorded] = _run("decide", main)
+    [recorded] = run("decide", main)
     if json_output:
         typer.echo(msgspec.json.encode(recorded).decode())
     elif not recorded.refused:
@@ -365,16 +174,13 @@ def gc(
 ) -> None:
     """Release abandoned namespaces: evict every key of each namespace last used (published or
     loaded, by the audit index) longer ago than --older-than."""
-    from coordinator.audit.queries import Audit, AuditError
-    from coordinator.audit.store import sync_index
-    from coordinator.audit.times import read_time
 
     try:
         seconds = parse_duration(older_than)
         at = time.time() if now is None else read_time(now)
     except (ValueError, AuditError) as error:
         raise typer.BadParameter(str(error), param_hint="--older-than" if isinstance(error, ValueError) else "--now") from None
-    target = _target(log_url, socket_path, tcp, token)
+    target = target_of(log_url, socket_path, tcp, token)
     batch = command_id or uuid_utils.uuid7().hex
 
     async def main() -> GcReport:
@@ -407,10 +213,10 @@ def gc(
             )
             for c in candidates
         ]
-        released = await _record(target, commands, [f"{batch}/{c.namespace_id}" for c in candidates])
+        released = await record(target, commands, [f"{batch}/{c.namespace_id}" for c in candidates], _summary)
         return GcReport(now=at, older_than_seconds=seconds, dry_run=False, candidates=candidates, released=released)
 
-    report = _run("gc", main)
+    report = run("gc", main)
     if json_output:
         typer.echo(msgspec.json.encode(report).decode())
     else:
