@@ -5,9 +5,18 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import sqlalchemy as sa
 import structlog
 import typer
+
+from coordinator.audit.queries import AuditError
+from events.log import LogError, NotALog
+
+BAD_INPUT: tuple[type[Exception], ...] = (AuditError, NotALog)
+"""What a command was asked wrongly (exit code 2); a log that fails is exit code 1."""
 
 
 def host_port(text: str | None, option: str) -> tuple[str, int] | None:
@@ -45,3 +54,25 @@ def quiet_logs() -> None:
     structlog.configure(
         wrapper_class=structlog.make_filtering_bound_logger(level), logger_factory=structlog.PrintLoggerFactory(sys.stderr)
     )
+
+
+@contextmanager
+def exits(command: str, *, bad_input: tuple[type[Exception], ...] = BAD_INPUT) -> Iterator[None]:
+    """The one mapping of errors to exit codes: bad input ends with its message and exit code
+    2; a log, its database or a file that cannot be written, with exit code 1; never a traceback."""
+    try:
+        yield
+    except bad_input as error:
+        typer.echo(f"kvledger {command}: {error}", err=True)
+        raise typer.Exit(code=2) from None
+    except LogError as error:
+        typer.echo(f"kvledger {command}: {error}", err=True)
+        raise typer.Exit(code=1) from None
+    except sa.exc.SQLAlchemyError as error:  # the database failed mid-read (locked, connection lost)
+        first = str(error).splitlines()[0]
+        typer.echo(f"kvledger {command}: the log's database failed: {first}", err=True)
+        raise typer.Exit(code=1) from None
+    except OSError as error:  # mostly writing --out: a full disk, no permission
+        where = f"{error.filename}: " if error.filename else ""
+        typer.echo(f"kvledger {command}: {where}{error.strerror or error}", err=True)
+        raise typer.Exit(code=1) from None

@@ -13,7 +13,6 @@ from typing import Any, TypeVar
 
 import anyio
 import msgspec
-import sqlalchemy as sa
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -34,9 +33,9 @@ from coordinator.audit.queries import (
 )
 from coordinator.audit.store import IndexProgress, sync_index
 from coordinator.audit.times import read_time
-from coordinator.cli._common import quiet_logs
+from coordinator.cli._common import exits, quiet_logs
 from coordinator.cli.timeline import timeline_command
-from events.log import LogError, NotALog, SqlEventLog
+from events.log import SqlEventLog
 
 audit_app = typer.Typer(help="Who owned what, when: point-in-time answers from the log's audit index.", no_args_is_help=True)
 audit_app.command("timeline")(timeline_command)
@@ -73,28 +72,6 @@ def _progress() -> Progress:
     )
 
 
-@contextmanager
-def _errors(command: str) -> Iterator[None]:
-    """Bad input and unreadable logs end with a message and exit code 2 (1 for the log or a
-    file that cannot be written), never a traceback."""
-    try:
-        yield
-    except (AuditError, NotALog) as error:
-        typer.echo(f"kvledger {command}: {error}", err=True)
-        raise typer.Exit(code=2) from None
-    except LogError as error:
-        typer.echo(f"kvledger {command}: {error}", err=True)
-        raise typer.Exit(code=1) from None
-    except sa.exc.SQLAlchemyError as error:
-        first = str(error).splitlines()[0]
-        typer.echo(f"kvledger {command}: the log's database failed: {first}", err=True)
-        raise typer.Exit(code=1) from None
-    except OSError as error:  # mostly writing --out: a full disk, no permission
-        where = f"{error.filename}: " if error.filename else ""
-        typer.echo(f"kvledger {command}: {where}{error.strerror or error}", err=True)
-        raise typer.Exit(code=1) from None
-
-
 def _writable(out: Path | None) -> None:
     """--out names a file in a directory that exists (checked before any work: an hour of replay
     must not end in 'no such directory')."""
@@ -126,7 +103,7 @@ def _run(command: str, log_url: str | None, query: Callable[[Audit], Awaitable[T
         finally:
             await event_log.close()
 
-    with _errors(command):
+    with exits(command):
         return anyio.run(main)
 
 
@@ -171,7 +148,7 @@ def block(
     """Which generation held the slot at that point: its owner, allocation and free, and the
     pins and jobs that touched it."""
 
-    with _errors("audit block"):  # before the log is opened and indexed
+    with exits("audit block"):  # before the log is opened and indexed
         when = None if at_time is None else read_time(at_time, "--at-time")
 
     async def query(audit: Audit) -> BlockAnswer:
@@ -407,7 +384,7 @@ def refusals(
 ) -> None:
     """What the coordinator refused or dropped, the jobs it failed and the keys it quarantined."""
 
-    with _errors("audit refusals"):
+    with exits("audit refusals"):
         since_time = None if since is None else read_time(since, "--since")
 
     async def query(audit: Audit) -> list[RefusalEntry]:
@@ -550,7 +527,7 @@ def replay_command(
         }
 
     quiet_logs()
-    with _errors("replay"):
+    with exits("replay"):
         summary = anyio.run(main)
     if json_output:
         typer.echo(msgspec.json.encode(summary).decode())
@@ -597,7 +574,7 @@ def export_command(
         return count
 
     quiet_logs()
-    with _errors("export"):
+    with exits("export"):
         count = anyio.run(main)
     if out is not None:
         typer.echo(f"exported {count} events to {out}", err=True)
@@ -627,7 +604,7 @@ def verify_command(
             await event_log.close()
 
     quiet_logs()
-    with _errors("verify"):
+    with exits("verify"):
         report = anyio.run(main)
     if json_output:
         typer.echo(msgspec.json.encode(report).decode())

@@ -8,10 +8,8 @@ stderr and exit code 2; a log that cannot be reached is one line and exit code 1
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NoReturn
 
 import anyio
-import sqlalchemy as sa
 import typer
 
 from coordinator.audit.fleet import open_for_audit
@@ -19,8 +17,8 @@ from coordinator.audit.queries import AuditError
 from coordinator.audit.store import sync_index
 from coordinator.audit.timeline import Timeline, output_format, parse_steps
 from coordinator.audit.timeline_draw import draw_timeline
-from coordinator.cli._common import quiet_logs
-from events.log import LogError, normalize, open_log
+from coordinator.cli._common import BAD_INPUT, exits, quiet_logs
+from events.log import normalize, open_log
 from events.log._urls import is_kafka
 
 COMMAND = "kvledger audit timeline"
@@ -45,24 +43,14 @@ def timeline_command(
     pins, jobs and refusals marked: the picture for an incident report."""
 
     quiet_logs()
-    try:
+    with exits("audit timeline", bad_input=(*BAD_INPUT, ValueError)):
         first_step, last_step = parse_steps(steps)
         if last_step > MAX_STEP:
             raise AuditError(f"--steps {steps!r}: a step is at most {MAX_STEP}")
         output_format(out)
         target = _existing_log(log_url)
-    except (AuditError, ValueError) as error:
-        _fail(str(error), code=2)
-    try:
+    with exits("audit timeline"):
         timeline = anyio.run(lambda: _run(target, pool, first_step, last_step, out, engine))
-    except AuditError as error:
-        _fail(str(error), code=2)
-    except LogError as error:
-        _fail(str(error), code=1)
-    except sa.exc.SQLAlchemyError as error:  # the database failed mid-read (locked, connection lost)
-        _fail(f"reading the audit index failed: {str(error).splitlines()[0]}", code=1)
-    except OSError as error:  # writing the picture
-        _fail(f"cannot write {str(out)!r}: {error.strerror or error}", code=1)
     typer.echo(
         f"{out}: engine {timeline.engine} pool {timeline.pool}, steps {timeline.first_step}..{timeline.last_step}: "
         f"{len(timeline.slots)} slots, {len(timeline.bars)} holds, {len(timeline.pins)} pins, "
@@ -93,8 +81,3 @@ def _existing_log(log_url: str | None) -> str:
     if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:" and not Path(url.database).exists():
         raise AuditError(f"there is no log at {url.database!r}: name it with --log or $KVLEDGER_LOG")
     return url.render_as_string(hide_password=False)
-
-
-def _fail(message: str, *, code: int) -> NoReturn:
-    typer.echo(f"{COMMAND}: {message}", err=True)
-    raise typer.Exit(code=code)
