@@ -52,6 +52,7 @@ class SidecarError(Exception):
 
     def __init__(self, error: p.Error) -> None:
         super().__init__(f"{error.code}: {error.message}")
+        self.error = error
         self.code = error.code
         self.fatal = error.fatal
         self.resume_from = error.resume_from
@@ -150,6 +151,20 @@ def _engine_hello(client: EngineClient | SyncEngineClient) -> p.Hello:
     )
 
 
+async def _said_hello(address: Address, max_frame: int, hello: p.Hello, timeout: float) -> tuple[_Channel, p.Welcome]:
+    """A new connection that said `hello`, and the Welcome it got: the one handshake every client
+    makes. Closed again, and SidecarError, when the answer is not a Welcome."""
+    channel = _Channel(await address.connect(), max_frame)
+    try:
+        with anyio.fail_after(timeout):
+            await channel.send(hello)
+            welcome = _welcomed(await channel.receive())
+    except BaseException:
+        await _close_quietly(channel)
+        raise
+    return channel, welcome
+
+
 def _welcomed(reply: p.ServerMessage) -> p.Welcome:
     """The Hello's answer: a Welcome, or SidecarError."""
     if isinstance(reply, p.Error):
@@ -232,16 +247,8 @@ class EngineClient:
             return await self._connect()
 
     async def _connect(self) -> p.Welcome:
-        stream = await self.address.connect()
-        channel = _Channel(stream, self.max_frame)
         first = self.incarnation == 0
-        try:
-            with anyio.fail_after(self.reply_timeout):
-                await channel.send(_engine_hello(self))
-                reply = _welcomed(await channel.receive())
-        except BaseException:
-            await channel.aclose()
-            raise
+        channel, reply = await _said_hello(self.address, self.max_frame, _engine_hello(self), self.reply_timeout)
         self.incarnation = reply.incarnation
         self.welcome = reply
         self.reconnects += not first
@@ -345,14 +352,8 @@ class WorkerClient:
         return self.last_welcome
 
     async def _open(self) -> _Channel:
-        channel = _Channel(await self.address.connect(), self.max_frame)
-        try:
-            with anyio.fail_after(self.retry_for):
-                await channel.send(_hello("worker", self.engine_id, self.address.token, rank=self.rank))
-                self.last_welcome = _welcomed(await channel.receive())
-        except BaseException:
-            await channel.aclose()
-            raise
+        hello = _hello("worker", self.engine_id, self.address.token, rank=self.rank)
+        channel, self.last_welcome = await _said_hello(self.address, self.max_frame, hello, self.retry_for)
         return channel
 
     async def decisions(self, from_seq: int | None = None) -> AsyncIterator[Decision]:
@@ -467,13 +468,13 @@ class OperatorClient:
             await anyio.sleep(0.05)
 
     async def _exchange(self, message: p.Message) -> p.ServerMessage:
-        channel = _Channel(await self.address.connect(), self.max_frame)
+        try:
+            hello = _hello("operator", "", self.address.token)
+            channel, _ = await _said_hello(self.address, self.max_frame, hello, self.reply_timeout)
+        except SidecarError as refused:
+            return refused.error  # retried or raised by the caller, as any reply
         try:
             with anyio.fail_after(self.reply_timeout):
-                await channel.send(_hello("operator", "", self.address.token))
-                welcome = await channel.receive()
-                if not isinstance(welcome, p.Welcome):
-                    return welcome
                 await channel.send(message)
                 return await channel.receive()
         finally:
