@@ -27,11 +27,12 @@ import structlog
 import uuid_utils
 
 from coordinator.core import CoordinatorCore
-from coordinator.core.commands import AnyCommand, BeginStep, DecideNamespace, DeclareTier, EndStep, ReleaseNamespace, ReportRank
+from coordinator.core.commands import AnyCommand
 from coordinator.core.decider import END_OF_STEP_NOTICES
 from coordinator.core.projector import read_effects
 from coordinator.core.protections import Protection
 from coordinator.core.state import State
+from coordinator.core.step import run_step, stream_for
 from coordinator.recovery import decode, make_snapshot, recover
 from events import Event, EventCodec, NoticeDropped, StepBegan, StepEnded
 from events.log import (
@@ -61,25 +62,6 @@ class Commit(msgspec.Struct, frozen=True, kw_only=True):
     reused: bool = False
     """A duplicate whose command id was committed with other content (`content_digest`): the
     caller must not take `events` for what it sent (the sidecar refuses it `command_id_reused`)."""
-
-
-NAMESPACE_STREAM = "namespaces"
-"""The stream of operators' namespace decisions and releases (`kvledger namespace`)."""
-
-
-def stream_for(state: State, command: AnyCommand) -> str:
-    """Each engine writes its own stream; tiers have theirs; a report joins its job's engine;
-    namespace decisions go to one stream of their own."""
-    if isinstance(command, DeclareTier):
-        return f"tier/{command.spec.name}"
-    if isinstance(command, (DecideNamespace, ReleaseNamespace)):
-        return NAMESPACE_STREAM
-    if isinstance(command, ReportRank):
-        job = state.jobs.get(command.job_id)
-        if job is None and command.job_id in state.fenced:
-            job = state.fenced[command.job_id].job
-        return f"engine/{job.decision.engine_id}" if job is not None else "reports"
-    return f"engine/{command.engine_id}"
 
 
 class Step(msgspec.Struct, frozen=True, kw_only=True):
@@ -475,11 +457,11 @@ class Ledger:
                         first_of[command_id] = index
                     if isinstance(tx, Step):
                         stream, step = f"engine/{tx.engine_id}", tx.step
-                        began = self.core.execute(BeginStep(engine_id=tx.engine_id, step=tx.step, clock=tx.clock))
-                        per_command = [self.core.execute(command) for command in tx.commands]
-                        ended = self.core.execute(EndStep(engine_id=tx.engine_id))
-                        events = began + [e for produced in per_command for e in produced] + ended
-                        detail = StepCommit(commit=_PLACEHOLDER, began=began, results=per_command, ended=ended)
+                        decided_step = run_step(self.core.execute, tx.engine_id, tx.step, tx.clock, tx.commands)
+                        events = decided_step.all()
+                        detail = StepCommit(
+                            commit=_PLACEHOLDER, began=decided_step.began, results=decided_step.results, ended=decided_step.ended
+                        )
                     else:
                         stream, step = stream_for(self.state, tx.command), -1
                         events = self.core.execute(tx.command)

@@ -41,7 +41,8 @@ from coordinator.core.commands import (
     StartStore,
 )
 from coordinator.core.keys import namespace_id
-from coordinator.ledger import NAMESPACE_STREAM, Ledger
+from coordinator.core.step import NAMESPACE_STREAM
+from coordinator.ledger import Ledger
 from coordinator.sidecar import protocol as p
 from coordinator.sidecar.embedded import embedded_sidecar
 from events import (

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from coordinator.core.commands import AnyCommand, BeginStep, EndStep
+from coordinator.core.commands import AnyCommand
 from coordinator.core.decider import decide
 from coordinator.core.projector import apply
 from coordinator.core.protections import Protection, switched_off
 from coordinator.core.state import State
+from coordinator.core.step import run_step
 from events import Event
 
 
@@ -52,8 +53,4 @@ class CoordinatorCore:
 
     def run_step(self, engine_id: str, step: int, clock: float, commands: Sequence[AnyCommand]) -> list[Event]:
         """One scheduler iteration: begin, the commands in order, end-of-step reconciliation."""
-        emitted = self.execute(BeginStep(engine_id=engine_id, step=step, clock=clock))
-        for command in commands:
-            emitted += self.execute(command)
-        emitted += self.execute(EndStep(engine_id=engine_id))
-        return emitted
+        return run_step(self.execute, engine_id, step, clock, commands).all()

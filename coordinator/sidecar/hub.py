@@ -187,7 +187,7 @@ class DecisionHub:
     def _decisions_in(self, steps: list[StoredStep], subscription: Subscription, after_seq: int) -> list[Decision]:
         # A decision is an event of its engine's own command (StartStore, StartLoad, PlanStateCopy,
         # their external forms), and every command naming an engine is committed to the engine's
-        # stream (coordinator.ledger.stream_for): other streams' steps are not decoded at all.
+        # stream (coordinator.core.step.stream_for): other streams' steps are not decoded at all.
         stream = f"engine/{subscription.engine_id}"
         decisions = []
         for step in steps:
