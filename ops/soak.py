@@ -90,7 +90,7 @@ from rich.table import Table  # noqa: E402
 from coordinator.audit.verify_run import VerifyReport, verify_log  # noqa: E402
 from coordinator.client import Address, EngineClient, SidecarError, SidecarUnavailable, WorkerClient  # noqa: E402
 from coordinator.core.commands import AnyCommand, DeclareEngine, ReportRank  # noqa: E402
-from coordinator.recovery import decode_step, stored_steps  # noqa: E402
+from coordinator.ledger.recovery import decode_step, stored_steps  # noqa: E402
 from coordinator.sidecar import protocol as p  # noqa: E402
 from coordinator.sidecar.admission import scoped  # noqa: E402
 from coordinator.simulator._requests import ENCODER_TOKENS, namespace, pools  # noqa: E402

@@ -19,7 +19,7 @@ from coordinator.audit.queries import Audit, AuditError, NotFound, OutOfScope, p
 from coordinator.audit.store import indexed_seq, sync_index
 from coordinator.cli.main import app
 from coordinator.core.state import State, state_digest
-from coordinator.recovery import decode, replay
+from coordinator.ledger.recovery import decode, replay
 from coordinator.simulator.report import mixed_workload
 from events import EventCodec, OwnerStarted
 from events.log import SqlEventLog, open_log
@@ -450,7 +450,7 @@ async def test_a_store_decided_without_its_pin_is_not_shown_as_pinning(tmp_path:
     pinned=False: `audit block` must not claim it pinned the slot while in flight."""
     from coordinator.core.commands import AllocateBlocks, MarkComputed, StartOwner, StartStore
     from coordinator.core.protections import Protection
-    from coordinator.ledger import Ledger
+    from coordinator.ledger.ledger import Ledger
     from events import BlocksAllocated, StoreJobStarted
     from tests import builders as b
     from tests.sidecar_kit import TIER_SPEC, declaration

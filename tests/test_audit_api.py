@@ -640,7 +640,7 @@ ODD = [  # (the request, its status, the parameter a 422 names)
 
 async def test_odd_input_is_404_or_422_never_500_on_each_backend(event_log: SqlEventLog) -> None:
     from coordinator.audit.api import AuditApi, Grant
-    from coordinator.ledger import Ledger
+    from coordinator.ledger.ledger import Ledger
 
     ledger = await Ledger.open(event_log)
     await ledger.execute(DeclareTier(spec=TIER_SPEC))

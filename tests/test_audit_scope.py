@@ -29,8 +29,8 @@ from coordinator.core.commands import (
     StartOwner,
     StartStore,
 )
-from coordinator.ledger import Ledger
-from coordinator.recovery import replay
+from coordinator.ledger.ledger import Ledger
+from coordinator.ledger.recovery import replay
 from events import BlockRef, BlocksAllocated, EventCodec, OwnerStarted, StoreJobStarted, TierSpec
 from events.log import SqlEventLog, open_log, upgrade_log
 from tests import builders as b

@@ -321,7 +321,7 @@ async def test_audit_key_shows_an_external_keys_store_and_load(tmp_path: Path, a
     from coordinator.audit.queries import Audit
     from coordinator.audit.store import sync_index
     from coordinator.core.commands import DeclareTier
-    from coordinator.ledger import Ledger
+    from coordinator.ledger.ledger import Ledger
     from events import TierSpec
     from events.log import SqlEventLog, open_log
 

@@ -46,7 +46,7 @@ from coordinator.core.commands import (
     StartOwner,
     StartStore,
 )
-from coordinator.ledger import Ledger
+from coordinator.ledger.ledger import Ledger
 from events import BlocksAllocated, LoadJobStarted, OwnerStarted, StoreJobStarted, TierSpec
 from events.log import SqlEventLog, mask, open_log, upgrade_log
 from events.log._schema import metadata

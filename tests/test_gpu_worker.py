@@ -143,7 +143,7 @@ async def load_at(rig: Rig, keys: list[bytes]) -> tuple[LoadJobStarted, list[Blo
 
 
 async def job_outcome(event_log: EventLog, job_id: int) -> list[object]:
-    from coordinator.recovery import decode
+    from coordinator.ledger.recovery import decode
     from events import EventCodec
 
     codec = EventCodec()

@@ -132,7 +132,7 @@ def _written_log(directory: Path) -> Path:
     import anyio
 
     from coordinator.core.commands import DeclareTier
-    from coordinator.ledger import Ledger
+    from coordinator.ledger.ledger import Ledger
     from events import TierSpec
     from events.log import open_log
 
@@ -250,7 +250,7 @@ async def test_a_declaring_hello_for_a_connected_engine_is_refused_unless_it_say
 
 
 async def _events(event_log: EventLog) -> list[object]:
-    from coordinator.recovery import decode
+    from coordinator.ledger.recovery import decode
     from events import EventCodec
 
     codec = EventCodec()
@@ -789,7 +789,7 @@ async def test_two_reports_with_one_command_id_in_one_batch_are_refused_unless_t
 def test_a_group_takes_a_small_step_before_other_engines_large_ones_and_keeps_each_engines_order() -> None:
     """A group was the queue's first 64 transactions, whatever their size: a small step queued
     behind other engines' large steps waited for all of them, one group each."""
-    from coordinator.ledger import Single, Step
+    from coordinator.ledger.ledger import Single, Step
     from coordinator.sidecar.committer import MAX_GROUP_WORK, _Waiter, take_fairly
 
     def step(engine: str, commands: int, command_id: str) -> _Waiter:

@@ -28,8 +28,8 @@ import pytest
 
 from coordinator.client import Address, EngineClient, SidecarError, SyncWorkerClient, WorkerClient
 from coordinator.core.commands import ExternalKey, ReportRank, StoreExternal
-from coordinator.ledger import DecidedGroup, Transaction
-from coordinator.recovery import decode
+from coordinator.ledger.ledger import DecidedGroup, Transaction
+from coordinator.ledger.recovery import decode
 from coordinator.sidecar import committer as committer_module
 from coordinator.sidecar import protocol as p
 from coordinator.sidecar.admission import scoped

@@ -27,8 +27,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic  # type: ignore[import-
 from structlog.testing import capture_logs
 
 from coordinator.core.state import encode_state
-from coordinator.ledger import Ledger
-from coordinator.recovery import replay
+from coordinator.ledger.ledger import Ledger
+from coordinator.ledger.recovery import replay
 from events import EventCodec
 from events.log import (
     AppendBatch,

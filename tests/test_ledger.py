@@ -20,8 +20,8 @@ from coordinator.core.commands import (
     StartStore,
 )
 from coordinator.core.state import encode_state
-from coordinator.ledger import Ledger, Step, StepCommit
-from coordinator.recovery import make_snapshot, recover, replay
+from coordinator.ledger.ledger import Ledger, Step, StepCommit
+from coordinator.ledger.recovery import make_snapshot, recover, replay
 from events import BlocksAllocated, EventCodec, OwnerStarted, Reason, Refused, StoreJobStarted, TierSpec
 from events.log import AppendBatch, EventLog, PendingEvent, Snapshot, WrongExpectedVersion
 from tests import builders as b

@@ -48,7 +48,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
 import migrations
-from coordinator.recovery import replay
+from coordinator.ledger.recovery import replay
 from events import EventCodec, EventDecodeError, TierDeclared, TierSpec
 from events.log import (
     AppendBatch,

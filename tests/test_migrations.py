@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 import migrations
 from coordinator.core.projector import project
 from coordinator.core.state import state_digest
-from coordinator.recovery import replay
+from coordinator.ledger.recovery import replay
 from events import EventCodec
 from events.log import AppendBatch, PendingEvent, normalize, open_log, upgrade_log
 from tests.test_codec import _sample_events

@@ -42,7 +42,7 @@ from coordinator.core.commands import (
 )
 from coordinator.core.keys import namespace_id
 from coordinator.core.step import NAMESPACE_STREAM
-from coordinator.ledger import Ledger
+from coordinator.ledger.ledger import Ledger
 from coordinator.sidecar import protocol as p
 from coordinator.sidecar.embedded import embedded_sidecar
 from events import (

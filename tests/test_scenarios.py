@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from coordinator.core.protections import Protection
-from coordinator.recovery import replay
+from coordinator.ledger.recovery import replay
 from coordinator.simulator.scenarios import SCENARIOS, Outcome, Scenario, run_scenario
 from events import Event, EventCodec, StateCopyPlanned, StoreJobStarted
 from events.log import open_log
@@ -34,7 +34,7 @@ def both(scenario: Scenario, tmp_path: Path) -> tuple[Outcome, Outcome]:
 async def decided(log: Path) -> list[Event]:
     event_log = await open_log(str(log))
     try:
-        from coordinator.recovery import decode
+        from coordinator.ledger.recovery import decode
 
         codec = EventCodec()
         events = [decode(codec, s) for s in await event_log.read(0, 1_000_000)]

@@ -15,8 +15,8 @@ from coordinator.client import Address, EngineClient, SidecarError, SidecarUnava
 from coordinator.core.commands import AllocateBlocks, StartOwner
 from coordinator.core.routing import Decision
 from coordinator.core.state import state_digest
-from coordinator.ledger import Ledger
-from coordinator.recovery import replay
+from coordinator.ledger.ledger import Ledger
+from coordinator.ledger.recovery import replay
 from events import BlocksAllocated, EventCodec, OwnerStarted, StepBegan
 from events.log import AppendBatch, AppendResult, EventLog
 from tests import builders as b
@@ -188,7 +188,7 @@ async def test_a_rebuild_that_fails_is_retried_before_anything_else_is_decided(e
     """The append fails and so does the rebuild after it (the database is down): the state in
     memory still holds the failed step. Nothing may be decided on it: the next step first
     rebuilds, and what the log then holds is exactly the state."""
-    from coordinator.recovery import replay as replay_log
+    from coordinator.ledger.recovery import replay as replay_log
 
     sock = tmp_path / "s.sock"
     async with sidecar_on(event_log, sock) as sidecar, engine_client(sock, "pod-a") as client:
@@ -223,7 +223,7 @@ async def test_a_transaction_the_core_fails_on_fails_alone_and_the_rest_of_its_g
     committed without it (they were failed with it before), and readiness is untouched."""
     from coordinator.core import decider
     from coordinator.core.commands import DeclareTier
-    from coordinator.ledger import Step
+    from coordinator.ledger.ledger import Step
     from coordinator.sidecar.committer import Committer
     from coordinator.sidecar.hub import DecisionHub
     from coordinator.sidecar.metrics import SidecarMetrics
@@ -303,7 +303,7 @@ async def test_a_slow_snapshot_write_holds_up_no_step_through_the_committer(
     after every step and each write taking 3 s, steps are still answered at once (before, each
     waited for its own snapshot and the next for the one before: found in review)."""
     from coordinator.core.commands import DeclareTier
-    from coordinator.ledger import Step
+    from coordinator.ledger.ledger import Step
     from coordinator.sidecar.committer import Committer
     from coordinator.sidecar.hub import DecisionHub
     from coordinator.sidecar.metrics import SidecarMetrics

@@ -15,7 +15,7 @@ from coordinator.client import Address, EngineClient, SidecarError, SidecarUnava
 from coordinator.core.commands import AllocateBlocks, Move, PlanStateCopy, ReportRank, StartOwner
 from coordinator.core.routing import Decision
 from coordinator.core.state import state_digest
-from coordinator.recovery import replay
+from coordinator.ledger.recovery import replay
 from coordinator.sidecar import protocol as p
 from coordinator.sidecar.hub import SlowSubscriber, Subscription
 from events import BlocksAllocated, EventCodec, KeyPublished, OwnerStarted, StoreJobStarted

@@ -19,7 +19,7 @@ from coordinator.audit.queries import Audit
 from coordinator.audit.store import sync_index
 from coordinator.core.commands import StartOwner
 from coordinator.core.state import state_digest
-from coordinator.recovery import replay
+from coordinator.ledger.recovery import replay
 from coordinator.vllm.sidecar_ingest import IngestFileError, load_ingest_file
 from events import EventCodec, ObservedBlocksRemoved, ObservedBlocksStored, Refused
 from events.log import EventLog, SqlEventLog
@@ -200,7 +200,7 @@ async def test_a_database_outage_during_ingestion_is_retried_and_the_sidecar_kee
     """PostgreSQL behind a proxy the test cuts while vLLM publishes: the ingestor inside the
     sidecar retries (it crashed the whole sidecar before: the outage came up as a driver error,
     not LogUnavailable), and once the database is back the batch is recorded, once."""
-    from coordinator.ledger import Ledger
+    from coordinator.ledger.ledger import Ledger
     from coordinator.sidecar.server import ServeConfig, Sidecar
     from events.log import open_log, upgrade_log
     from tests.conftest import PG_URL, _drop_pg_database, _new_pg_database, require_postgres
@@ -249,7 +249,7 @@ async def test_a_batch_is_committed_whole_in_order_even_when_larger_than_a_group
     the retry with the same command ids records every batch in order (before, the second group
     committed, leaving a false gap, and the retried first group was refused as duplicates)."""
     from coordinator.core.commands import ObservedKvEvent, ObserveEngine, ObserveKvEvents
-    from coordinator.ledger import Commit, Ledger, Single
+    from coordinator.ledger.ledger import Commit, Ledger, Single
     from coordinator.sidecar.committer import MAX_GROUP, Committer
     from coordinator.sidecar.hub import DecisionHub
     from coordinator.sidecar.metrics import SidecarMetrics

@@ -19,7 +19,7 @@ import pytest
 from coordinator.client import Address, EngineClient, WorkerClient
 from coordinator.core.commands import StartOwner
 from coordinator.core.state import state_digest
-from coordinator.recovery import replay
+from coordinator.ledger.recovery import replay
 from events import EventCodec, OwnerStarted, StepBegan
 from events.log import open_log
 from tests.sidecar_kit import ROOT, TIER_SPEC, Engine, declaration, serve_process

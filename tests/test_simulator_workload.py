@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from coordinator.core.state import state_digest
-from coordinator.recovery import replay
+from coordinator.ledger.recovery import replay
 from coordinator.simulator.harness import Simulation
 from coordinator.simulator.workload import TIER_SLOTS, WorkloadReport, run_workload
 from events import EventCodec

@@ -13,7 +13,7 @@ from typing import ClassVar
 import msgspec
 import pytest
 
-from coordinator.recovery import decode, decode_step
+from coordinator.ledger.recovery import decode, decode_step
 from events import EVENT_TYPES, Event, EventCodec, EventDecodeError, UnknownEventType
 from events.log import PendingEvent, StoredStep
 from events.log._contract import pack_step, schemas_of

@@ -29,7 +29,7 @@ from coordinator.audit.timeline import (
 )
 from coordinator.audit.timeline_draw import draw_timeline
 from coordinator.cli.timeline import timeline_command
-from coordinator.recovery import decode, stored_steps
+from coordinator.ledger.recovery import decode, stored_steps
 from coordinator.simulator.report import mixed_workload
 from events import BlocksAllocated, EngineReset, EventCodec, NoticeDropped, OwnerStarted
 from events.log import SqlEventLog, open_log
@@ -379,7 +379,7 @@ async def _reuse_after_free_log(path: Path) -> dict[str, int]:
         ReuseBlocks,
         StartOwner,
     )
-    from coordinator.ledger import Ledger
+    from coordinator.ledger.ledger import Ledger
     from events import TierSpec
     from tests import builders as b
 
@@ -424,7 +424,7 @@ async def test_a_reuse_of_a_cached_free_slot_is_a_new_hold_of_the_same_generatio
     """ReuseBlocks takes a ref on a slot that was freed with its content kept, without a new
     allocation: the state holds a ref (replayed at that step), so the picture must show a hold by
     the reusing owner, not a free slot. Each reuse after a free is a bar of its own."""
-    from coordinator.recovery import replay
+    from coordinator.ledger.recovery import replay
 
     path = tmp_path / "log.sqlite"
     owners = await _reuse_after_free_log(path)

@@ -36,8 +36,8 @@ from coordinator.cli.main import app
 from coordinator.core import CoordinatorCore
 from coordinator.core.commands import ObserveEngine
 from coordinator.core.state import state_digest
-from coordinator.ledger import Ledger
-from coordinator.recovery import decode, replay
+from coordinator.ledger.ledger import Ledger
+from coordinator.ledger.recovery import decode, replay
 from coordinator.vllm.ingest import IngestConfig, Ingestor
 from coordinator.vllm.kv_events import DecodedBatch, Unreadable, decode_frames, decode_payload, hash_bytes
 from events import (

@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 
 from coordinator.client import SidecarError
-from coordinator.recovery import decode, stored_steps
+from coordinator.ledger.recovery import decode, stored_steps
 from coordinator.sidecar import protocol as p
 from coordinator.vllm.offload_client import EngineFacts, LedgerSession, OffloadSettings, declaration
 from events import (

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from coordinator.recovery import decode, stored_steps
+from coordinator.ledger.recovery import decode, stored_steps
 from events import EventCodec, EventDecodeError
 from events.log import EventLog, StoredEvent
 

@@ -17,7 +17,7 @@ import structlog
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coordinator.audit.index import AuditRows, Indexer, engine_of_stream
-from coordinator.recovery import decode, stored_steps
+from coordinator.ledger.recovery import decode, stored_steps
 from events import EventCodec, EventDecodeError
 from events.log import SqlEventLog, StoredStep
 from events.log import _schema as t

@@ -1,6 +1,6 @@
 """`kvledger verify`: stream a whole log through the pure Verifier (coordinator/audit/verify.py).
 
-The log is read step by step (coordinator.recovery.stored_steps, decode_step), as a replay
+The log is read step by step (coordinator.ledger.recovery.stored_steps, decode_step), as a replay
 reads it; the only I/O here. An event this code cannot decode (a newer kvledger wrote it) is
 listed in `undecodable` and skipped, as forensic readers do (DESIGN.md, "The log"): the state
 after it may then differ from the coordinator's, so the report lists it and is not `ok`.
@@ -20,7 +20,7 @@ import msgspec
 
 from coordinator.audit.verify import ReplayCheck, Verifier, Violation
 from coordinator.core.state import SNAPSHOT_SCHEMA_VERSION
-from coordinator.recovery import decode_step, stored_steps
+from coordinator.ledger.recovery import decode_step, stored_steps
 from events import EventCodec, EventDecodeError
 from events.log import EventLog, mask
 
@@ -67,7 +67,7 @@ async def verify_log(
     """Replay every committed event up to the head (as of the call) and check each invariant the
     log can show. `snapshot_at` is where the I18 resumed replay starts (default: the midpoint).
 
-    The cyclic garbage collector is paused meanwhile, as in coordinator.recovery.replay (the
+    The cyclic garbage collector is paused meanwhile, as in coordinator.ledger.recovery.replay (the
     fold makes no cycles; rescanning the growing state cost most of replay's time)."""
     collecting = gc.isenabled()
     gc.disable()

@@ -18,7 +18,7 @@ from coordinator.audit.opening import open_existing
 from coordinator.cli._common import host_port
 from coordinator.client import Address, OperatorClient, SidecarError, SidecarUnavailable, sidecar_answers
 from coordinator.core.commands import AnyCommand
-from coordinator.ledger import Ledger
+from coordinator.ledger.ledger import Ledger
 from events import Event
 from events.log import LogError, data_dir
 

@@ -486,7 +486,7 @@ def replay_command(
 ) -> None:
     """Rebuild the coordinator's state at any point of the log, and summarize it."""
     from coordinator.core.state import encode_state, state_digest
-    from coordinator.recovery import replay
+    from coordinator.ledger.recovery import replay
     from events import EventCodec
 
     async def main() -> dict[str, Any]:

@@ -69,7 +69,7 @@ def vllm(
 ) -> None:
     """Subscribe to a vLLM engine's KV events and record them: blocks stored, removed and cleared,
     per incarnation, medium and group, with gaps, restarts and refusals. Stops on SIGTERM/SIGINT."""
-    from coordinator.ledger import Ledger
+    from coordinator.ledger.ledger import Ledger
     from coordinator.vllm.ingest import IngestConfig, Ingestor
     from events.log import LogError, open_log
 

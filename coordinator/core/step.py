@@ -1,6 +1,6 @@
 """The step sequence, written once: BeginStep, the step's commands in order, EndStep (I14: the
 end of a step reconciles what it freed), and the stream each command's events are written to.
-The in-memory core (in_memory.py), the ledger (coordinator/ledger.py) and the benchmarks run
+The in-memory core (in_memory.py), the ledger (coordinator/ledger/ledger.py) and the benchmarks run
 steps through `run_step`. Pure."""
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from coordinator.core.commands import (
 )
 from coordinator.core.decider import decide
 from coordinator.core.state import State, TierState
-from coordinator.ledger import Commit, StepCommit
+from coordinator.ledger.ledger import Commit, StepCommit
 from coordinator.sidecar import protocol as p
 from events import Event, RankReported, Refused, StepBegan, TierSpec
 

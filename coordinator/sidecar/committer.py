@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import anyio
 import structlog
 
-from coordinator.ledger import (
+from coordinator.ledger.ledger import (
     Commit,
     DecidedGroup,
     DecideFailed,

@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 
 from coordinator.core.protections import Protection
-from coordinator.ledger import Ledger
+from coordinator.ledger.ledger import Ledger
 from coordinator.sidecar.server import ServeConfig, Sidecar
 from events.log import EventLog
 

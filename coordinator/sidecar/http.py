@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from coordinator.audit.api import AuditMount, audit_app, load_tokens
-from coordinator.ledger import Ledger
+from coordinator.ledger.ledger import Ledger
 from events.log import SqlEventLog
 
 

@@ -19,7 +19,7 @@ import anyio
 import structlog
 
 from coordinator.core.routing import DECISION_TYPES, Decision, decisions_for
-from coordinator.recovery import decode_step, stored_steps
+from coordinator.ledger.recovery import decode_step, stored_steps
 from coordinator.sidecar.memory import give_back_free_memory
 from events import Event, EventCodec
 from events.log import EventLog, StoredStep

@@ -39,8 +39,8 @@ from coordinator.core.jobs import Chains, hash_chains, lookup_groups
 from coordinator.core.protections import switched_off
 from coordinator.core.routing import decisions_for
 from coordinator.core.state import State
-from coordinator.ledger import Commit, Ledger, Single, StepCommit
-from coordinator.ledger import Step as LedgerStep
+from coordinator.ledger.ledger import Commit, Ledger, Single, StepCommit
+from coordinator.ledger.ledger import Step as LedgerStep
 from coordinator.sidecar import admission
 from coordinator.sidecar import protocol as p
 from coordinator.sidecar.committer import Committer, ShuttingDown, freeze_long_lived

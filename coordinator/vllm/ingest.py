@@ -34,7 +34,7 @@ import zmq.asyncio
 from coordinator.core.commands import AnyCommand, ObserveEngine, ObserveGap
 from coordinator.core.keys import namespace_id
 from coordinator.core.state import State
-from coordinator.ledger import Commit, Single, StepCommit, Submission
+from coordinator.ledger.ledger import Commit, Single, StepCommit, Submission
 from coordinator.vllm.kv_events import DecodedBatch, Unreadable, decode_frames, is_replay_end, replay_request, sequence
 from events import NamespaceSpec, Refused
 from events.log import LogUnavailable

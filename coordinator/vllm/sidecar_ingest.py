@@ -40,7 +40,7 @@ import zmq
 
 from coordinator.core.keys import namespace_problems
 from coordinator.core.state import State
-from coordinator.ledger import Commit, Ledger, StepCommit, Submission
+from coordinator.ledger.ledger import Commit, Ledger, StepCommit, Submission
 from coordinator.vllm.ingest import IngestConfig, Ingestor
 from events import NamespaceSpec
 

@@ -9,9 +9,9 @@ with EventCodec into PendingEvents (not timed). Then, per backend, on an empty l
 1. append: one stream, `step-size` events per `append([AppendBatch(...)])` call, each with a
    command id and the expected version tracked here. Prints events/s, steps/s and the p50/p99
    latency of one append call.
-2. replay: coordinator.recovery.replay(log, EventCodec()) over everything appended (read +
+2. replay: coordinator.ledger.recovery.replay(log, EventCodec()) over everything appended (read +
    decode + fold), events/s; then the same work split into its parts, each timed on its own:
-   read (log.read_steps in replay's batch size, no decode), decode (coordinator.recovery.
+   read (log.read_steps in replay's batch size, no decode), decode (coordinator.ledger.recovery.
    decode_step of every stored step: one msgspec call a step), fold (coordinator.core.projector.project of the decoded list). Replay is also run once
    more with the cyclic GC disabled, to show what the collector costs it.
 
@@ -54,7 +54,7 @@ from workload import ENGINE, Workload  # noqa: E402
 
 from coordinator.core.projector import project  # noqa: E402
 from coordinator.core.state import State, state_digest  # noqa: E402
-from coordinator.recovery import READ_BATCH, decode_step, replay  # noqa: E402
+from coordinator.ledger.recovery import READ_BATCH, decode_step, replay  # noqa: E402
 from events import Event, EventCodec, StepBegan, event_tag  # noqa: E402
 from events.log import AppendBatch, PendingEvent, SqlEventLog, StoredStep, open_log, upgrade_log  # noqa: E402
 
