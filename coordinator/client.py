@@ -30,6 +30,7 @@ import uuid_utils
 from anyio.abc import ByteStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from coordinator import unix_streams
 from coordinator.core.commands import AnyCommand, DeclareEngine, ExternalKey, ReportRank
 from coordinator.core.routing import Decision
 from coordinator.sidecar import protocol as p
@@ -74,7 +75,7 @@ class Address:
 
     async def connect(self) -> ByteStream:
         if self.socket_path is not None:
-            return await anyio.connect_unix(self.socket_path)
+            return await unix_streams.connect_unix(self.socket_path)
         assert self.tcp is not None
         return await anyio.connect_tcp(*self.tcp)
 

@@ -17,6 +17,7 @@ import anyio
 from anyio.abc import ByteStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from coordinator import unix_streams
 from coordinator.client import Address, EngineClient
 from coordinator.core.commands import AllocateBlocks, DeclareEngine, FinishOwner, MarkComputed, StartOwner, StartStore
 from coordinator.sidecar import protocol as p
@@ -100,7 +101,7 @@ class RawConnection:
 
     @classmethod
     async def open(cls, socket_path: Path) -> RawConnection:
-        return cls(await anyio.connect_unix(socket_path))
+        return cls(await unix_streams.connect_unix(socket_path))
 
     async def send_bytes(self, data: bytes) -> None:
         await self.stream.send(data)

@@ -55,6 +55,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
+from coordinator import unix_streams
 from coordinator.audit.store import sync_index
 from coordinator.client import Address, EngineClient, SidecarError, WorkerClient
 from coordinator.core.commands import AllocateBlocks, EndStep, ReportRank, StartOwner
@@ -139,7 +140,7 @@ class Target:
 
     async def exchange(self, opening: p.Hello | None, payload: bytes) -> Exchange:
         """Hello (when given), then `payload`, then EOF; every reply until the server closes."""
-        stream = await anyio.connect_unix(self.socket)
+        stream = await unix_streams.connect_unix(self.socket)
         reader = BufferedByteReceiveStream(stream)
         async with stream:
             with anyio.fail_after(EXCHANGE_SECONDS):

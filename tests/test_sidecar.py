@@ -19,6 +19,7 @@ import anyio
 import msgspec
 import pytest
 
+from coordinator import unix_streams
 from coordinator.client import Address, EngineClient, SidecarError, SidecarUnavailable, WorkerClient
 from coordinator.core.commands import AllocateBlocks, ReportRank, StartOwner
 from coordinator.sidecar import protocol as p
@@ -393,7 +394,7 @@ async def test_a_worker_report_to_a_sidecar_that_never_answers_is_sidecar_unavai
     (the vLLM worker refuses the load), not the Hello's own TimeoutError."""
     path = tmp_path / "silent.sock"
     accepted: list[anyio.abc.SocketStream] = []
-    listener = await anyio.create_unix_listener(path)
+    listener = await unix_streams.create_unix_listener(path)
 
     async def keep(stream: anyio.abc.SocketStream) -> None:
         accepted.append(stream)  # held open, never read from nor written to

@@ -31,6 +31,7 @@ import uvicorn
 from anyio.abc import ByteStream, SocketStream, TaskGroup
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from coordinator import unix_streams
 from coordinator.audit.api import load_tokens
 from coordinator.core.checks import MAX_EXTRA_KEYS, MAX_LOOKUP_TOKENS
 from coordinator.core.commands import OPERATOR_COMMANDS, AnyCommand, DeclareTier, LookupExternal, LookupPrefix, ReportRank
@@ -377,7 +378,7 @@ class Sidecar:
             path.unlink()
         previous = os.umask(0o177)  # the socket is created owner-only, never briefly open
         try:
-            unix = await anyio.create_unix_listener(path)
+            unix = await unix_streams.create_unix_listener(path)
         finally:
             os.umask(previous)
         # Owner-only, unless other uids may connect: then the kernel's peer uid is the check (_handle).

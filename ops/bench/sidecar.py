@@ -79,6 +79,7 @@ import uuid_utils  # noqa: E402
 from anyio.streams.buffered import BufferedByteReceiveStream  # noqa: E402
 from figures import console, load, out, percentile, progress  # noqa: E402
 
+from coordinator import unix_streams  # noqa: E402
 from coordinator.client import Address, EngineClient  # noqa: E402
 from coordinator.core.commands import (  # noqa: E402
     AllocateBlocks,
@@ -239,7 +240,7 @@ def declaration(engine_id: str) -> DeclareEngine:
 
 async def health(socket_path: str, token: str = "") -> p.HealthResult:
     """One Health request on an observer connection of its own."""
-    stream = await anyio.connect_unix(socket_path)
+    stream = await unix_streams.connect_unix(socket_path)
     async with stream:
         reader = BufferedByteReceiveStream(stream)
 
