@@ -20,7 +20,7 @@ from coordinator.audit.store import sync_index
 from coordinator.core.commands import StartOwner
 from coordinator.core.state import state_digest
 from coordinator.ledger.recovery import replay
-from coordinator.vllm.sidecar_ingest import IngestFileError, load_ingest_file
+from coordinator.vllm.sidecar_ingest import IngestFileError, IngestService, load_ingest_file
 from events import EventCodec, ObservedBlocksRemoved, ObservedBlocksStored, Refused
 from events.log import EventLog, SqlEventLog
 from tests.sidecar_kit import ROOT, engine_client, sidecar_on
@@ -59,9 +59,10 @@ async def test_the_sidecar_records_vllm_events_beside_engine_steps_in_one_log(ev
     context = zmq.asyncio.Context()
     publishers = [FakeVllm(context), FakeVllm(context)]
     try:
-        async with sidecar_on(event_log, sock, ingest_vllm=str(path)) as sidecar:
-            assert [i.config.engine_id for i in sidecar.ingestors] == ["vllm-0", "vllm-1"]
-            for vllm, ingestor in zip(publishers, sidecar.ingestors, strict=True):
+        ingest = IngestService(load_ingest_file(path))
+        async with sidecar_on(event_log, sock, services=[ingest]) as sidecar:
+            assert [i.config.engine_id for i in ingest.ingestors] == ["vllm-0", "vllm-1"]
+            for vllm, ingestor in zip(publishers, ingest.ingestors, strict=True):
                 await vllm.connect(ingestor.endpoint)
             client = engine_client(sock, "pod-a")
             await client.connect()
@@ -74,7 +75,7 @@ async def test_the_sidecar_records_vllm_events_beside_engine_steps_in_one_log(ev
             finally:
                 await client.aclose()
             with anyio.fail_after(10):
-                while any(i.stats.batches < n for i, n in zip(sidecar.ingestors, (4, 3), strict=True)):
+                while any(i.stats.batches < n for i, n in zip(ingest.ingestors, (4, 3), strict=True)):
                     await anyio.sleep(0.02)
         # The sidecar stopped (drained): everything it took is in the log, in one history.
         state, _ = await replay(event_log, EventCodec())
@@ -218,13 +219,14 @@ async def test_a_database_outage_during_ingestion_is_retried_and_the_sidecar_kee
             try:
                 ledger = await Ledger.open(event_log)
                 path = ingest_file(tmp_path, ("vllm-0", "tcp://127.0.0.1:*"))
-                sidecar = Sidecar(ledger, ServeConfig(socket_path=str(tmp_path / "s.sock"), ingest_vllm=str(path)))
+                ingest = IngestService(load_ingest_file(path))
+                sidecar = Sidecar(ledger, ServeConfig(socket_path=str(tmp_path / "s.sock")), [ingest])
                 with anyio.fail_after(60):
                     async with anyio.create_task_group() as tasks:
                         await tasks.start(sidecar.serve)
-                        await vllm.connect(sidecar.ingestors[0].endpoint)
+                        await vllm.connect(ingest.ingestors[0].endpoint)
                         await vllm.publish([stored(h(1))])
-                        while sidecar.ingestors[0].stats.batches < 1:
+                        while ingest.ingestors[0].stats.batches < 1:
                             await anyio.sleep(0.02)
                         proxy.cut()
                         await vllm.publish([stored(h(2), parent=h(1))])

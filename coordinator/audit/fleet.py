@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -45,7 +44,6 @@ from pathlib import Path
 import anyio
 import sqlalchemy as sa
 import structlog
-import uvicorn
 from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped]
 from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
 
@@ -53,7 +51,7 @@ from coordinator.audit.api import Tokens
 from coordinator.audit.fleet_http import FleetHealth, fleet_app
 from coordinator.audit.queries import AuditError
 from coordinator.audit.store import IndexProgress, indexed_seq, sync_index
-from coordinator.sidecar.http import HttpServer
+from coordinator.http_serving import listen, serve_http
 from events.log import LogError, LogUnavailable, SqlEventLog, is_outage, mask, normalize, open_log
 from events.log._kafka_target import CALL_TIMEOUT_S, REQUEST_TIMEOUT_MS, KafkaTarget, one_line, parse_kafka_url
 from events.log._urls import is_kafka
@@ -327,22 +325,12 @@ async def _serve_http(
     *,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-
     host, port = address
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock = listen(host, port)
     except OSError as error:
-        sock.close()
         raise FleetError(f"--http {host}:{port}: cannot listen there: {error.strerror or error}") from None
-    sock.listen(128)
-    sock.setblocking(False)
     bound = sock.getsockname()[:2]
-    server = HttpServer(uvicorn.Config(fleet_app(health, tokens), log_config=None, access_log=False, lifespan="off"))
     log.info("fleet_http", url=f"http://{bound[0]}:{bound[1]}", audit_tokens=tokens is not None)
     task_status.started()
-    try:
-        await server.serve(sockets=[sock])
-    finally:
-        sock.close()
+    await serve_http(fleet_app(health, tokens), sock)

@@ -284,6 +284,7 @@ def serve(
 ) -> None:
     """Run the sidecar: the coordinator on its log, on a Unix socket (and TCP if asked)."""
     from coordinator.sidecar.server import ConfigError, ServeConfig, Sidecar, run_sidecar
+    from coordinator.vllm.sidecar_ingest import IngestFileError, IngestService, load_ingest_file
     from events.log import LogError, data_dir
 
     configure_json_logs()
@@ -307,7 +308,6 @@ def serve(
         snapshot_every=snapshot_every,
         allow_remote=allow_remote,
         audit_tokens=audit_tokens,
-        ingest_vllm=ingest_vllm,
         metrics_token=metrics_token,
         metrics_engine_labels=metrics_engine_labels,
         max_tier_slots=max_tier_slots,
@@ -320,24 +320,28 @@ def serve(
         free_errors=free_errors,
     )
 
+    try:  # the services this sidecar runs beside its connections
+        services = [IngestService(load_ingest_file(ingest_vllm))] if ingest_vllm else []
+    except IngestFileError as error:
+        typer.echo(f"kvledger serve: {error}", err=True)
+        raise typer.Exit(code=2) from None
+
     def started(sidecar: Sidecar) -> None:
         where = sidecar.where()
         typer.echo(
             f"kvledger serving: log {where['log']}, socket {where['socket']}"
             + (f", tcp {where['tcp']}" if where["tcp"] else "")
             + (f", http {where['http']}/metrics /healthz /readyz" if where["http"] else ", http off")
-            + "".join(f", ingesting vLLM {i.config.engine_id} on {i.endpoint}" for i in sidecar.ingestors)
+            + "".join(f", ingesting vLLM {i.config.engine_id} on {i.endpoint}" for s in services for i in s.ingestors)
             + f", at global sequence {where['global_seq']}"
         )
 
     try:
-        anyio.run(lambda: run_sidecar(config, on_started=started))
+        anyio.run(lambda: run_sidecar(config, services, on_started=started))
     except (ConfigError, LogError, OSError) as error:
         typer.echo(f"kvledger serve: {error}", err=True)
         raise typer.Exit(code=2 if isinstance(error, ConfigError) else 1) from None
     except BaseExceptionGroup as group:  # a task of the sidecar failed at start: e.g. an ingest endpoint taken
-        from coordinator.vllm.sidecar_ingest import IngestFileError
-
         found, _ = group.split((ConfigError, IngestFileError, LogError, OSError))
         if found is None:
             raise

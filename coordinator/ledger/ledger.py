@@ -17,7 +17,7 @@ the groups in flight (`committed`) or read around what they touched (`uncommitte
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 
 import anyio
@@ -114,6 +114,11 @@ class StepCommit(msgspec.Struct, frozen=True, kw_only=True):
     results: list[list[Event]]
     """The events each command produced, in command order; a refusal is a `Refused` event."""
     ended: list[Event]
+
+
+SubmitAll = Callable[[Sequence[Submission]], Awaitable[list[StepCommit | Commit]]]
+"""A group commit (the sidecar's Committer.submit_all): transactions committed together, in
+order; how a service the sidecar runs commits beside the engines' steps."""
 
 
 class Superseded(Exception):

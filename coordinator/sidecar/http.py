@@ -8,12 +8,10 @@ Nothing here changes state (the audit API brings its index, a projection, up to 
 
 from __future__ import annotations
 
-import contextlib
 import hmac
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -70,18 +68,3 @@ def make_app(
         # Read once, at start (check_config has validated it): rotating tokens is a restart.
         routes.append(AuditMount(audit_app(ledger.log, load_tokens(Path(audit_tokens)) if audit_tokens else None)))
     return Starlette(routes=routes)
-
-
-class HttpServer(uvicorn.Server):
-    """uvicorn, minus its signal handlers: the sidecar (and the fleet service) handle SIGTERM
-    themselves (and drain)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a listening address is this machine's own (--http and --tcp refuse any other
-    without --allow-remote)."""
-    return host in ("localhost", "::1") or host.startswith("127.")

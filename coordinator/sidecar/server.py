@@ -19,15 +19,14 @@ import stat
 import struct
 import sys
 import time
-from collections.abc import Awaitable, Callable, Container
+from collections.abc import Awaitable, Callable, Container, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import msgspec
 import structlog
 import uuid_utils
-import uvicorn
 from anyio.abc import ByteStream, SocketStream, TaskGroup
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -40,13 +39,14 @@ from coordinator.core.jobs import Chains, hash_chains, lookup_groups
 from coordinator.core.protections import switched_off
 from coordinator.core.routing import decisions_for
 from coordinator.core.state import State
-from coordinator.ledger.ledger import Commit, Ledger, Single, StepCommit
+from coordinator.http_serving import is_loopback, listen, serve_http
+from coordinator.ledger.ledger import Commit, Ledger, Single, StepCommit, SubmitAll
 from coordinator.ledger.ledger import Step as LedgerStep
 from coordinator.sidecar import admission
 from coordinator.sidecar import protocol as p
 from coordinator.sidecar.committer import Committer, ShuttingDown, freeze_long_lived
 from coordinator.sidecar.credentials import ALL, Credential, Credentials, load_credentials, permits
-from coordinator.sidecar.http import HttpServer, is_loopback, make_app
+from coordinator.sidecar.http import make_app
 from coordinator.sidecar.hub import DEFAULT_BUFFER, DecisionHub, SlowSubscriber, Subscription
 from coordinator.sidecar.memory import limit_arenas
 from coordinator.sidecar.metrics import SidecarMetrics
@@ -76,8 +76,6 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     """The tokens file of the HTTP audit API (coordinator/audit/api.py); None: it answers 401."""
     frame_timeout: float = 30.0
     """Seconds a frame that has begun may take to arrive whole; then the connection is closed."""
-    ingest_vllm: str | None = None
-    """A TOML file of vLLM engines whose KV events the sidecar records (coordinator/vllm/sidecar_ingest.py)."""
     metrics_token: str = ""
     """A bearer token /metrics requires (empty: none; /healthz and /readyz never need one)."""
     max_tier_slots: int = admission.MAX_TIER_SLOTS
@@ -101,6 +99,18 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     (engine ids can name tenants, and /metrics is often scraped by a shared Prometheus)."""
 
 
+class Service(Protocol):
+    """A service the sidecar runs beside its connections, composed by its caller (the CLI hands it
+    `serve --ingest-vllm`'s vLLM ingestion; the sidecar knows nothing of vLLM). It is started once
+    the sidecar accepts, commits through the group commit (`submit_all`), returns once `stop` is
+    set, and is stopped first at shutdown: what it holds is committed while the committer still
+    takes it."""
+
+    async def __call__(
+        self, ledger: Ledger, submit_all: SubmitAll, stop: anyio.Event, *, task_status: anyio.abc.TaskStatus[None] = ...
+    ) -> None: ...
+
+
 class ConfigError(ValueError):
     """A configuration the sidecar refuses to start with; the message says what to change."""
 
@@ -122,13 +132,6 @@ def check_config(config: ServeConfig) -> None:
         try:
             load_tokens(Path(config.audit_tokens))
         except TokenFileError as error:
-            raise ConfigError(str(error)) from None
-    if config.ingest_vllm:
-        from coordinator.vllm.sidecar_ingest import IngestFileError, load_ingest_file
-
-        try:
-            load_ingest_file(config.ingest_vllm)
-        except IngestFileError as error:
             raise ConfigError(str(error)) from None
 
 
@@ -192,9 +195,11 @@ PROBE_TIMEOUT_SECONDS = 10.0
 
 
 class Sidecar:
-    def __init__(self, ledger: Ledger, config: ServeConfig) -> None:
+    def __init__(self, ledger: Ledger, config: ServeConfig, services: Sequence[Service] = ()) -> None:
         self.ledger = ledger
         self.config = config
+        self.services = list(services)
+        """What the sidecar runs beside its connections (handed in: the CLI composes them)."""
         self.metrics = SidecarMetrics(lambda: ledger.state, engine_labels=config.metrics_engine_labels)
         self.hub = DecisionHub(ledger.log, ledger.codec, ledger.last_seq, config.subscriber_buffer)
         self.committer = Committer(ledger, self.hub, self.metrics)
@@ -204,8 +209,6 @@ class Sidecar:
         """Requests read and not yet answered: a drain waits for them."""
         self.http_address: tuple[str, int] | None = None
         self.tcp_address: tuple[str, int] | None = None
-        self.ingestors: list[Any] = []
-        """The vLLM KV-event ingestors running inside this sidecar (--ingest-vllm)."""
         self.probe_failure: str | None = None
         """Why the last look at the log (`_probe_log`) failed, if it did: readiness reports it."""
         self._declaring = anyio.Lock()
@@ -283,18 +286,15 @@ class Sidecar:
                 if self.config.http is not None:
                     await doors.start(self._serve_http)
                 self.accepting = True
-                ingest_stop, ingest_done = anyio.Event(), anyio.Event()
-                if self.config.ingest_vllm:
-                    await service.start(self._ingest, ingest_stop, ingest_done)
-                else:
-                    ingest_done.set()
+                services_stop, services_done = anyio.Event(), anyio.Event()
+                await service.start(self._run_services, services_stop, services_done)
                 log.info("sidecar_started", **self.where())
                 task_status.started()
                 await self._stop.wait()
-                # Ingestion first: what it holds is committed while the committer still takes it.
-                ingest_stop.set()
+                # The services first: what they hold is committed while the committer still takes it.
+                services_stop.set()
                 with anyio.move_on_after(DRAIN_SECONDS):
-                    await ingest_done.wait()
+                    await services_done.wait()
                 # Stop accepting: close the doors; connections already open live in `service`.
                 self.draining = True
                 self.accepting = False
@@ -320,19 +320,15 @@ class Sidecar:
     def stop(self) -> None:
         self._stop.set()
 
-    async def _ingest(
+    async def _run_services(
         self, stop: anyio.Event, done: anyio.Event, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        """Record the KV events of the vLLM engines in --ingest-vllm, through this sidecar's group
-        commit, until `stop`; started once every engine's endpoint is bound."""
-        from coordinator.vllm.sidecar_ingest import load_ingest_file, run_ingestors
-
-        assert self.config.ingest_vllm is not None
+        """Run the services handed to the sidecar until `stop`, each committing through the group
+        commit; started once every one has started."""
         try:
             async with anyio.create_task_group() as inner:
-                self.ingestors = await inner.start(
-                    run_ingestors, self.ledger, self.committer.submit_all, load_ingest_file(self.config.ingest_vllm), stop
-                )
+                for service in self.services:
+                    await inner.start(service, self.ledger, self.committer.submit_all, stop)
                 task_status.started()
         finally:
             done.set()
@@ -395,32 +391,17 @@ class Sidecar:
 
     async def _serve_http(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         assert self.config.http is not None
-        host, port = self.config.http
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-        sock.setblocking(False)
+        sock = listen(*self.config.http)
         self.http_address = sock.getsockname()[:2]
-        server = HttpServer(
-            uvicorn.Config(
-                make_app(
-                    self.ledger,
-                    self.metrics.registry,
-                    self.readiness,
-                    metrics_token=self.config.metrics_token,
-                    audit_tokens=self.config.audit_tokens,
-                ),
-                log_config=None,
-                access_log=False,
-                lifespan="off",
-            )
+        app = make_app(
+            self.ledger,
+            self.metrics.registry,
+            self.readiness,
+            metrics_token=self.config.metrics_token,
+            audit_tokens=self.config.audit_tokens,
         )
         task_status.started()
-        try:
-            await server.serve(sockets=[sock])
-        finally:
-            sock.close()
+        await serve_http(app, sock)
 
     def _connection_task(self, service: TaskGroup) -> Callable[[SocketStream], Awaitable[None]]:
         async def accept(stream: SocketStream) -> None:
@@ -1163,15 +1144,17 @@ def _wrong_role(session: Session, message: p.Message) -> p.Error:
     return p.Error(code=p.ErrorCode.WRONG_ROLE, message=f"a {session.role} connection cannot send {type(message).__name__}")
 
 
-async def run_sidecar(config: ServeConfig, *, on_started: Callable[[Sidecar], None] | None = None) -> None:
-    """Open the log, recover, serve until SIGTERM/SIGINT, drain, snapshot."""
+async def run_sidecar(
+    config: ServeConfig, services: Sequence[Service] = (), *, on_started: Callable[[Sidecar], None] | None = None
+) -> None:
+    """Open the log, recover, serve (running `services` beside) until SIGTERM/SIGINT, drain, snapshot."""
     check_config(config)
     sys.setswitchinterval(SWITCH_INTERVAL)
     limit_arenas()
     event_log: EventLog = await open_log(config.log_url)
     try:
         ledger = await Ledger.open(event_log, snapshot_every=config.snapshot_every)
-        sidecar = Sidecar(ledger, config)
+        sidecar = Sidecar(ledger, config, services)
         async with anyio.create_task_group() as tg:
 
             async def watch_signals() -> None:

@@ -29,7 +29,7 @@ one id or one endpoint) stops `serve` before it starts, naming the file and what
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
@@ -40,7 +40,7 @@ import zmq
 
 from coordinator.core.keys import namespace_problems
 from coordinator.core.state import State
-from coordinator.ledger.ledger import Commit, Ledger, StepCommit, Submission
+from coordinator.ledger.ledger import Commit, Ledger, StepCommit, Submission, SubmitAll
 from coordinator.vllm.ingest import IngestConfig, Ingestor
 from events import NamespaceSpec
 
@@ -121,10 +121,6 @@ def _endpoint_problem(endpoint: str) -> str | None:
     return None
 
 
-SubmitAll = Callable[[Sequence[Submission]], Awaitable[list[StepCommit | Commit]]]
-"""The sidecar's group commit (Committer.submit_all): transactions committed together, in order."""
-
-
 class SidecarLedger:
     """The sidecar's ledger, committed to through its group commit (an `IngestLedger`)."""
 
@@ -144,45 +140,56 @@ class SidecarLedger:
         return await self.submit_all(transactions)
 
 
-async def run_ingestors(
-    ledger: Ledger,
-    submit_all: SubmitAll,
-    configs: Sequence[IngestConfig],
-    stop: anyio.Event,
-    *,
-    task_status: anyio.abc.TaskStatus[list[Ingestor]] = anyio.TASK_STATUS_IGNORED,
-) -> None:
-    """Run one Ingestor per config on the sidecar's ledger, committing through its group commit
-    (`submit_all`), until `stop` is set; each commits what it holds before returning. Started
-    (task_status) once every one has bound its endpoint."""
-    ingestors = [Ingestor(SidecarLedger(ledger, submit_all), config) for config in configs]
-    bound = anyio.Event()
-    ready: list[Ingestor] = []
+class IngestService:
+    """`kvledger serve --ingest-vllm`: one Ingestor per config on the sidecar's ledger, committing
+    through its group commit. A sidecar service (`coordinator.sidecar.server.Service`): the CLI
+    composes it and hands it to the sidecar, which knows nothing of vLLM."""
 
-    def on_ready(ingestor: Ingestor) -> None:
-        ready.append(ingestor)
-        if len(ready) == len(ingestors):
-            bound.set()
+    def __init__(self, configs: Sequence[IngestConfig]) -> None:
+        self.configs = list(configs)
+        self.ingestors: list[Ingestor] = []
+        """The running ingestors, once started (each has bound its endpoint)."""
 
-    async def run(ingestor: Ingestor) -> None:
-        try:
-            await ingestor.run(on_ready=on_ready)
-        except zmq.ZMQError as error:
-            if ingestor not in ready:  # e.g. the endpoint is taken: say which engine and where
-                raise IngestFileError(
-                    f"--ingest-vllm: engine {ingestor.config.engine_id!r} cannot bind {ingestor.config.endpoint}: {error}"
-                ) from None
-            log.error("ingest_failed", engine=ingestor.config.engine_id, error=f"{type(error).__name__}: {error}")
-        except Exception as error:  # noqa: BLE001 - one engine's ingestion must not stop the sidecar serving the rest
-            if ingestor not in ready:
-                raise
-            log.error("ingest_failed", engine=ingestor.config.engine_id, error=f"{type(error).__name__}: {error}")
+    async def __call__(
+        self,
+        ledger: Ledger,
+        submit_all: SubmitAll,
+        stop: anyio.Event,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Run until `stop` is set; each ingestor commits what it holds before this returns.
+        Started (task_status) once every one has bound its endpoint."""
+        ingestors = [Ingestor(SidecarLedger(ledger, submit_all), config) for config in self.configs]
+        bound = anyio.Event()
+        ready: list[Ingestor] = []
 
-    async with anyio.create_task_group() as tasks:
-        for ingestor in ingestors:
-            tasks.start_soon(run, ingestor)
-        await bound.wait()
-        task_status.started(ingestors)
-        await stop.wait()
-        for ingestor in ingestors:
-            ingestor.stop()
+        def on_ready(ingestor: Ingestor) -> None:
+            ready.append(ingestor)
+            if len(ready) == len(ingestors):
+                bound.set()
+
+        async def run(ingestor: Ingestor) -> None:
+            try:
+                await ingestor.run(on_ready=on_ready)
+            except zmq.ZMQError as error:
+                if ingestor not in ready:  # e.g. the endpoint is taken: say which engine and where
+                    raise IngestFileError(
+                        f"--ingest-vllm: engine {ingestor.config.engine_id!r} cannot bind {ingestor.config.endpoint}: {error}"
+                    ) from None
+                log.error("ingest_failed", engine=ingestor.config.engine_id, error=f"{type(error).__name__}: {error}")
+            except Exception as error:  # noqa: BLE001 - one engine's ingestion must not stop the sidecar serving the rest
+                if ingestor not in ready:
+                    raise
+                log.error("ingest_failed", engine=ingestor.config.engine_id, error=f"{type(error).__name__}: {error}")
+
+        async with anyio.create_task_group() as tasks:
+            for ingestor in ingestors:
+                tasks.start_soon(run, ingestor)
+            if ingestors:
+                await bound.wait()
+            self.ingestors = ingestors
+            task_status.started()
+            await stop.wait()
+            for ingestor in ingestors:
+                ingestor.stop()
