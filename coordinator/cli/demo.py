@@ -7,7 +7,8 @@ except where a scene needs a liar.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import blake3
 import msgspec
@@ -17,7 +18,6 @@ from coordinator.core.commands import (
     AllocateBlocks,
     AllocateEncoderEntry,
     AnyCommand,
-    BeginStep,
     DeclareEngine,
     DeclareTier,
     EndStep,
@@ -39,6 +39,7 @@ from coordinator.core.commands import (
 from coordinator.core.describe import describe
 from coordinator.core.projector import project
 from coordinator.core.state import state_digest
+from coordinator.core.step import stepping
 from events import (
     BlockRef,
     BlocksAllocated,
@@ -109,10 +110,12 @@ def _namespace(tenant: str) -> NamespaceSpec:
 def run_demo() -> DemoResult:
     core = CoordinatorCore()
     rows: list[Row] = []
-    step = 0
+    steps: dict[str, int] = {}
 
     def do(command: AnyCommand, shows: str = "") -> list[Event]:
-        events = core.execute(command)
+        return record(command, core.execute(command), shows)
+
+    def record(command: AnyCommand, events: list[Event], shows: str) -> list[Event]:
         label = command_tag(command)
         engine_id = getattr(command, "engine_id", "")
         engine = core.state.engines.get(engine_id)
@@ -128,13 +131,13 @@ def run_demo() -> DemoResult:
         )
         return events
 
-    def new_step(clock: float) -> None:
-        nonlocal step
-        step += 1
-        core.execute(BeginStep(engine_id="pod-a", step=step, clock=clock))
-
-    def end_step(shows: str = "") -> list[Event]:
-        return do(EndStep(engine_id="pod-a"), shows)
+    @contextmanager
+    def demo_step(clock: float, shows: str = "", engine_id: str = "pod-a") -> Iterator[None]:
+        """One step of `engine_id` (core/step.py's sequence); its end shows in the table."""
+        step = steps[engine_id] = steps.get(engine_id, 0) + 1
+        with stepping(core.execute, engine_id, step, clock) as events:
+            yield
+        record(EndStep(engine_id=engine_id), events.ended, shows)
 
     def first(events: list[Event], kind: type[Event]) -> Event:
         return next(e for e in events if isinstance(e, kind))
@@ -163,97 +166,96 @@ def run_demo() -> DemoResult:
     prompt = list(range(100, 116))  # 16 tokens: 4 attention blocks, 2 state blocks
 
     # Step 1: request A computes its prompt and starts an async store (seed 000).
-    new_step(1.0)
-    owner_a = first(do(StartOwner(engine_id="pod-a", req_id="req-A")), OwnerStarted).owner_id  # type: ignore[attr-defined]
-    attn = first(do(AllocateBlocks(engine_id="pod-a", owner_id=owner_a, pool_id=ATTENTION, count=4)), BlocksAllocated).blocks  # type: ignore[attr-defined]
-    state = first(do(AllocateBlocks(engine_id="pod-a", owner_id=owner_a, pool_id=STATE, count=1)), BlocksAllocated).blocks  # type: ignore[attr-defined]
-    do(MarkComputed(engine_id="pod-a", owner_id=owner_a, blocks=attn, token_ids=prompt), "I8 chained keys")
-    # The state pool keeps the state at token 8 only: token 16's state was never captured.
-    do(MarkComputed(engine_id="pod-a", owner_id=owner_a, blocks=state, token_ids=prompt[:8]))
-    store = first(do(StartStore(engine_id="pod-a", tier="host", blocks=[*attn, *state]), "I3 pins the blocks"), StoreJobStarted)
-    assert isinstance(store, StoreJobStarted)
-    do(StartStore(engine_id="pod-a", tier="host", blocks=[BlockRef(STATE, 0, 0)]), "I2 null block (seed 004)")
-    end_step()
+    with demo_step(1.0):
+        owner_a = first(do(StartOwner(engine_id="pod-a", req_id="req-A")), OwnerStarted).owner_id  # type: ignore[attr-defined]
+        attn = first(do(AllocateBlocks(engine_id="pod-a", owner_id=owner_a, pool_id=ATTENTION, count=4)), BlocksAllocated).blocks  # type: ignore[attr-defined]
+        state = first(do(AllocateBlocks(engine_id="pod-a", owner_id=owner_a, pool_id=STATE, count=1)), BlocksAllocated).blocks  # type: ignore[attr-defined]
+        do(MarkComputed(engine_id="pod-a", owner_id=owner_a, blocks=attn, token_ids=prompt), "I8 chained keys")
+        # The state pool keeps the state at token 8 only: token 16's state was never captured.
+        do(MarkComputed(engine_id="pod-a", owner_id=owner_a, blocks=state, token_ids=prompt[:8]))
+        store = first(
+            do(StartStore(engine_id="pod-a", tier="host", blocks=[*attn, *state]), "I3 pins the blocks"), StoreJobStarted
+        )
+        assert isinstance(store, StoreJobStarted)
+        do(StartStore(engine_id="pod-a", tier="host", blocks=[BlockRef(STATE, 0, 0)]), "I2 null block (seed 004)")
 
     # Step 2: A is preempted while its store is in flight; B allocates under pressure.
-    new_step(2.0)
-    do(FinishOwner(engine_id="pod-a", owner_id=owner_a, reason="preempted"), "I3 pinned blocks drain")
-    owner_b = first(do(StartOwner(engine_id="pod-a", req_id="req-A", resumed=True)), OwnerStarted).owner_id  # type: ignore[attr-defined]
-    do(AllocateBlocks(engine_id="pod-a", owner_id=owner_b, pool_id=ATTENTION, count=3), "I3 never a pinned slot")
-    do(AllocateBlocks(engine_id="pod-a", owner_id=owner_b, pool_id=ATTENTION, count=1), "I3 draining slots stay out")
-    end_step("I14 no freed notice while draining")
+    with demo_step(2.0, "I14 no freed notice while draining"):
+        do(FinishOwner(engine_id="pod-a", owner_id=owner_a, reason="preempted"), "I3 pinned blocks drain")
+        owner_b = first(do(StartOwner(engine_id="pod-a", req_id="req-A", resumed=True)), OwnerStarted).owner_id  # type: ignore[attr-defined]
+        do(AllocateBlocks(engine_id="pod-a", owner_id=owner_b, pool_id=ATTENTION, count=3), "I3 never a pinned slot")
+        do(AllocateBlocks(engine_id="pod-a", owner_id=owner_b, pool_id=ATTENTION, count=1), "I3 draining slots stay out")
 
     # Step 3: the ranks report; the keys publish; a duplicate report changes nothing.
-    new_step(3.0)
-    keys = [item.key for item in store.items]
-    report(store.job_id, keys, "I5 publish after every rank")
-    do(ReportRank(job_id=store.job_id, rank=0, ok=True, checksums=[honest_checksum(k, 0) for k in keys]), "I4 stale report")
-    end_step("I14 drained blocks freed now")
+    with demo_step(3.0, "I14 drained blocks freed now"):
+        keys = [item.key for item in store.items]
+        report(store.job_id, keys, "I5 publish after every rank")
+        do(ReportRank(job_id=store.job_id, rank=0, ok=True, checksums=[honest_checksum(k, 0) for k in keys]), "I4 stale report")
 
     # Step 4: a consumer sharing 12 tokens, then the full 16 (seeds 002 and 004).
-    new_step(4.0)
-    do(LookupPrefix(engine_id="pod-a", tier="host", token_ids=prompt[:12] + [7, 7, 7, 7]), "I7 whole units: 8, not 12")
-    do(LookupPrefix(engine_id="pod-a", tier="host", token_ids=prompt), "I6 state missing at 16: hit 8")
-    do(FinishOwner(engine_id="pod-a", owner_id=owner_b))
-    owner_c = first(do(StartOwner(engine_id="pod-a", req_id="req-C")), OwnerStarted).owner_id  # type: ignore[attr-defined]
-    dest = first(do(AllocateBlocks(engine_id="pod-a", owner_id=owner_c, pool_id=ATTENTION, count=2)), BlocksAllocated).blocks  # type: ignore[attr-defined]
-    old = BlockRef(dest[0].pool_id, dest[0].block_id, dest[0].generation - 1)
-    do(FreeBlocks(engine_id="pod-a", owner_id=owner_c, blocks=[old]), "I1 stale generation")
-    load = first(
-        do(
-            StartLoad(
-                engine_id="pod-a",
-                tier="host",
-                items=[LoadRequest(keys[0], dest[0]), LoadRequest(keys[0], dest[1])],
-                lease_seconds=5.0,
+    with demo_step(4.0, "I14 freed then reallocated: dropped"):
+        do(LookupPrefix(engine_id="pod-a", tier="host", token_ids=prompt[:12] + [7, 7, 7, 7]), "I7 whole units: 8, not 12")
+        do(LookupPrefix(engine_id="pod-a", tier="host", token_ids=prompt), "I6 state missing at 16: hit 8")
+        do(FinishOwner(engine_id="pod-a", owner_id=owner_b))
+        owner_c = first(do(StartOwner(engine_id="pod-a", req_id="req-C")), OwnerStarted).owner_id  # type: ignore[attr-defined]
+        dest = first(do(AllocateBlocks(engine_id="pod-a", owner_id=owner_c, pool_id=ATTENTION, count=2)), BlocksAllocated).blocks  # type: ignore[attr-defined]
+        old = BlockRef(dest[0].pool_id, dest[0].block_id, dest[0].generation - 1)
+        do(FreeBlocks(engine_id="pod-a", owner_id=owner_c, blocks=[old]), "I1 stale generation")
+        load = first(
+            do(
+                StartLoad(
+                    engine_id="pod-a",
+                    tier="host",
+                    items=[LoadRequest(keys[0], dest[0]), LoadRequest(keys[0], dest[1])],
+                    lease_seconds=5.0,
+                ),
+                "I11 duplicate key, two destinations",
             ),
-            "I11 duplicate key, two destinations",
-        ),
-        LoadJobStarted,
-    )
-    assert isinstance(load, LoadJobStarted)
-    lie = lambda key, rank: honest_checksum(key, rank) if rank == 0 else b"\x00" * 8  # noqa: E731
-    report(load.job_id, [keys[0], keys[0]], "I13 checksum mismatch", checksum=lie)
-    do(StartLoad(engine_id="pod-a", tier="host", items=[LoadRequest(keys[0], dest[0])]), "I13 quarantined")
-    end_step("I14 freed then reallocated: dropped")
+            LoadJobStarted,
+        )
+        assert isinstance(load, LoadJobStarted)
+        lie = lambda key, rank: honest_checksum(key, rank) if rank == 0 else b"\x00" * 8  # noqa: E731
+        report(load.job_id, [keys[0], keys[0]], "I13 checksum mismatch", checksum=lie)
+        do(StartLoad(engine_id="pod-a", tier="host", items=[LoadRequest(keys[0], dest[0])]), "I13 quarantined")
 
     # Step 5: an encoder entry evicted and re-allocated in one step (seed 000's third fix).
-    new_step(5.0)
-    do(AllocateEncoderEntry(engine_id="pod-a", entry_id="img-1", num_tokens=16))
-    do(FreeEncoderEntry(engine_id="pod-a", entry_id="img-1"))
-    do(AllocateEncoderEntry(engine_id="pod-a", entry_id="img-1", num_tokens=16))
-    end_step("I14 stale freed notice dropped")
+    with demo_step(5.0, "I14 stale freed notice dropped"):
+        do(AllocateEncoderEntry(engine_id="pod-a", entry_id="img-1", num_tokens=16))
+        do(FreeEncoderEntry(engine_id="pod-a", entry_id="img-1"))
+        do(AllocateEncoderEntry(engine_id="pod-a", entry_id="img-1", num_tokens=16))
 
     # Step 6: overlapping state copies (seed 000's Mamba fix), then a copy from the null block.
-    new_step(6.0)
-    states = first(do(AllocateBlocks(engine_id="pod-a", owner_id=owner_c, pool_id=STATE, count=2)), BlocksAllocated).blocks  # type: ignore[attr-defined]
-    s1, s2 = states
-    do(
-        PlanStateCopy(
-            engine_id="pod-a", pool_id=STATE, moves=[Move(s1, 8, s1, 0, 48), Move(s2, 0, s1, 56, 8), Move(s1, 0, s2, 0, 8)]
-        ),
-        "I15 memmove + dependency order",
-    )
-    do(PlanStateCopy(engine_id="pod-a", pool_id=STATE, moves=[Move(BlockRef(STATE, 0, 0), 0, s2, 8, 8)]), "I2 no copy from null")
-    end_step()
+    with demo_step(6.0):
+        states = first(do(AllocateBlocks(engine_id="pod-a", owner_id=owner_c, pool_id=STATE, count=2)), BlocksAllocated).blocks  # type: ignore[attr-defined]
+        s1, s2 = states
+        do(
+            PlanStateCopy(
+                engine_id="pod-a", pool_id=STATE, moves=[Move(s1, 8, s1, 0, 48), Move(s2, 0, s1, 56, 8), Move(s1, 0, s2, 0, 8)]
+            ),
+            "I15 memmove + dependency order",
+        )
+        do(
+            PlanStateCopy(engine_id="pod-a", pool_id=STATE, moves=[Move(BlockRef(STATE, 0, 0), 0, s2, 8, 8)]),
+            "I2 no copy from null",
+        )
 
     # Step 7: tenant B shares the store but never sees tenant A's keys (seed 003).
     do(DeclareEngine(engine_id="pod-b", namespace=_namespace("tenant-b"), pools=pools, world_size=2, tiers=["host"]))
-    core.execute(BeginStep(engine_id="pod-b", step=1, clock=7.0))
-    hit = first(do(LookupPrefix(engine_id="pod-b", tier="host", token_ids=prompt), "I9 other tenant: no hit"), PrefixLookedUp)
-    assert isinstance(hit, PrefixLookedUp) and hit.boundary == 0
-    owner_d = first(do(StartOwner(engine_id="pod-b", req_id="req-D")), OwnerStarted).owner_id  # type: ignore[attr-defined]
-    dest_b = first(do(AllocateBlocks(engine_id="pod-b", owner_id=owner_d, pool_id=ATTENTION, count=1)), BlocksAllocated).blocks  # type: ignore[attr-defined]
-    do(StartLoad(engine_id="pod-b", tier="host", items=[LoadRequest(keys[1], dest_b[0])]), "I9 reads as absent")
-    core.execute(EndStep(engine_id="pod-b"))
+    with demo_step(7.0, engine_id="pod-b"):
+        hit = first(do(LookupPrefix(engine_id="pod-b", tier="host", token_ids=prompt), "I9 other tenant: no hit"), PrefixLookedUp)
+        assert isinstance(hit, PrefixLookedUp) and hit.boundary == 0
+        owner_d = first(do(StartOwner(engine_id="pod-b", req_id="req-D")), OwnerStarted).owner_id  # type: ignore[attr-defined]
+        dest_b = first(
+            do(AllocateBlocks(engine_id="pod-b", owner_id=owner_d, pool_id=ATTENTION, count=1)), BlocksAllocated
+        ).blocks  # type: ignore[attr-defined]
+        do(StartLoad(engine_id="pod-b", tier="host", items=[LoadRequest(keys[1], dest_b[0])]), "I9 reads as absent")
 
     # Step 8: a store in flight, then a cache reset: the late report is dropped (I16).
-    new_step(8.0)
-    fresh = first(do(AllocateBlocks(engine_id="pod-a", owner_id=owner_c, pool_id=ATTENTION, count=1)), BlocksAllocated).blocks  # type: ignore[attr-defined]
-    do(MarkComputed(engine_id="pod-a", owner_id=owner_c, blocks=fresh, token_ids=[1, 2, 3, 4]))
-    late = first(do(StartStore(engine_id="pod-a", tier="host", blocks=fresh)), StoreJobStarted)
-    assert isinstance(late, StoreJobStarted)
-    end_step()
+    with demo_step(8.0):
+        fresh = first(do(AllocateBlocks(engine_id="pod-a", owner_id=owner_c, pool_id=ATTENTION, count=1)), BlocksAllocated).blocks  # type: ignore[attr-defined]
+        do(MarkComputed(engine_id="pod-a", owner_id=owner_c, blocks=fresh, token_ids=[1, 2, 3, 4]))
+        late = first(do(StartStore(engine_id="pod-a", tier="host", blocks=fresh)), StoreJobStarted)
+        assert isinstance(late, StoreJobStarted)
     do(ResetCache(engine_id="pod-a"), "I16 new incarnation fences jobs")
     do(ReportRank(job_id=late.job_id, rank=0, ok=True, checksums=[b"late"]), "I16 late report dropped")
 

@@ -1,11 +1,13 @@
 """The step sequence, written once: BeginStep, the step's commands in order, EndStep (I14: the
 end of a step reconciles what it freed), and the stream each command's events are written to.
-The in-memory core (in_memory.py), the ledger (coordinator/ledger/ledger.py) and the benchmarks run
-steps through `run_step`. Pure."""
+The in-memory core (in_memory.py) and the ledger (coordinator/ledger/ledger.py) run steps
+through `run_step`; the demo and ops/bench/memory.py, whose commands each need the events of the
+last, through `stepping`. Pure."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import NamedTuple
 
 from coordinator.core.commands import AnyCommand, BeginStep, DecideNamespace, DeclareTier, EndStep, ReleaseNamespace, ReportRank
@@ -27,14 +29,24 @@ class StepEvents(NamedTuple):
         return self.began + [event for result in self.results for event in result] + self.ended
 
 
+@contextmanager
+def stepping(execute: Callable[[AnyCommand], list[Event]], engine_id: str, step: int, clock: float) -> Iterator[StepEvents]:
+    """One scheduler iteration of `engine_id` whose commands the caller decides one at a time
+    (each may need the events of the last, as an engine's scheduler does): BeginStep on entry,
+    EndStep on a clean exit. The caller appends each command's events to `results`; `ended` holds
+    the end of the step's after the block. A block that raises ends no step."""
+    events = StepEvents(execute(BeginStep(engine_id=engine_id, step=step, clock=clock)), [], [])
+    yield events
+    events.ended.extend(execute(EndStep(engine_id=engine_id)))
+
+
 def run_step(
     execute: Callable[[AnyCommand], list[Event]], engine_id: str, step: int, clock: float, commands: Sequence[AnyCommand]
 ) -> StepEvents:
     """One scheduler iteration of `engine_id`, each command decided (and folded) by `execute`."""
-    began = execute(BeginStep(engine_id=engine_id, step=step, clock=clock))
-    results = [execute(command) for command in commands]
-    ended = execute(EndStep(engine_id=engine_id))
-    return StepEvents(began, results, ended)
+    with stepping(execute, engine_id, step, clock) as events:
+        events.results.extend(execute(command) for command in commands)
+    return events
 
 
 def stream_for(state: State, command: AnyCommand) -> str:

@@ -26,6 +26,7 @@ import hashlib
 import sys
 import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,19 +36,21 @@ from figures import console, load, out  # noqa: E402
 from coordinator.core import CoordinatorCore  # noqa: E402
 from coordinator.core.commands import (  # noqa: E402
     AllocateBlocks,
-    BeginStep,
+    AnyCommand,
     DeclareEngine,
     DeclareTier,
-    EndStep,
     FinishOwner,
     MarkComputed,
     ReportRank,
     StartOwner,
     StartStore,
 )
+from coordinator.core.step import stepping  # noqa: E402
 from events import (  # noqa: E402
+    BlockRef,
     BlocksAllocated,
     BlocksComputed,
+    Event,
     NamespaceSpec,
     NoticeDropped,
     OwnerStarted,
@@ -79,11 +82,16 @@ def namespace(world_size: int) -> NamespaceSpec:
     )
 
 
-def ok(events: list[object]) -> list[object]:
+def ok(events: list[Event]) -> list[Event]:
     bad = [e for e in events if isinstance(e, (Refused, NoticeDropped))]
     if bad:
         raise SystemExit(f"the core refused a benchmark command: {bad[0]}")
     return events
+
+
+def checked(core: CoordinatorCore) -> Callable[[AnyCommand], list[Event]]:
+    """`core.execute`, stopping the benchmark at the first refusal."""
+    return lambda command: ok(core.execute(command))
 
 
 def heap() -> int:
@@ -101,7 +109,7 @@ def declare(core: CoordinatorCore, slots: int, tier_slots: int, world_size: int)
     )
 
 
-def compute_chunk(core: CoordinatorCore, index: int, count: int) -> tuple[int, list[object]]:
+def compute_chunk(core: CoordinatorCore, index: int, count: int) -> tuple[int, list[BlockRef]]:
     """An owner allocates `count` blocks and computes them (distinct tokens: distinct keys)."""
     [started] = ok(core.execute(StartOwner(engine_id=ENGINE, req_id=f"req-{index}")))
     assert isinstance(started, OwnerStarted)
@@ -120,9 +128,8 @@ def fill_slots(core: CoordinatorCore, slots: int) -> None:
     while done < slots:
         count = min(CHUNK, slots - done)
         step += 1
-        ok(core.execute(BeginStep(engine_id=ENGINE, step=step, clock=float(step))))
-        compute_chunk(core, step, count)
-        ok(core.execute(EndStep(engine_id=ENGINE)))
+        with stepping(checked(core), ENGINE, step, float(step)):
+            compute_chunk(core, step, count)
         done += count
         if step % 64 == 0:
             console.print(f"slots: {done:,} of {slots:,} tracked")
@@ -133,15 +140,14 @@ def publish_keys(core: CoordinatorCore, keys: int, world_size: int) -> None:
     while done < keys:
         count = min(CHUNK, keys - done)
         step += 1
-        ok(core.execute(BeginStep(engine_id=ENGINE, step=step, clock=float(step))))
-        owner_id, blocks = compute_chunk(core, step, count)
-        events = ok(core.execute(StartStore(engine_id=ENGINE, tier=TIER, blocks=blocks)))
-        [job] = [e for e in events if isinstance(e, StoreJobStarted)]
-        for rank in range(world_size):
-            sums = [hashlib.blake2b(item.key + bytes([rank]), digest_size=16).digest() for item in job.items]
-            ok(core.execute(ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=sums)))
-        ok(core.execute(FinishOwner(engine_id=ENGINE, owner_id=owner_id)))
-        ok(core.execute(EndStep(engine_id=ENGINE)))
+        with stepping(checked(core), ENGINE, step, float(step)):
+            owner_id, blocks = compute_chunk(core, step, count)
+            events = ok(core.execute(StartStore(engine_id=ENGINE, tier=TIER, blocks=blocks)))
+            [job] = [e for e in events if isinstance(e, StoreJobStarted)]
+            for rank in range(world_size):
+                sums = [hashlib.blake2b(item.key + bytes([rank]), digest_size=16).digest() for item in job.items]
+                ok(core.execute(ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=sums)))
+            ok(core.execute(FinishOwner(engine_id=ENGINE, owner_id=owner_id)))
         done += count
         if step % 64 == 0:
             console.print(f"keys: {done:,} of {keys:,} published")
