@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from events.log._schema import metadata
+from events.log.schema import metadata
 
 connection = context.config.attributes.get("connection")
 if connection is None:

@@ -90,7 +90,6 @@ from rich.table import Table  # noqa: E402
 from coordinator.audit.verify_run import VerifyReport, verify_log  # noqa: E402
 from coordinator.client import Address, EngineClient, SidecarError, SidecarUnavailable, WorkerClient  # noqa: E402
 from coordinator.core.commands import AnyCommand, DeclareEngine, ReportRank  # noqa: E402
-from coordinator.ledger.recovery import decode_step, stored_steps  # noqa: E402
 from coordinator.sidecar import protocol as p  # noqa: E402
 from coordinator.sidecar.admission import scoped  # noqa: E402
 from coordinator.simulator._requests import ENCODER_TOKENS, namespace, pools  # noqa: E402
@@ -99,6 +98,7 @@ from coordinator.simulator.harness import SimEngine, Simulation  # noqa: E402
 from coordinator.simulator.workload import TIER_SLOTS, Workload  # noqa: E402
 from events import EngineReset, Event, EventCodec, NamespaceSpec, PoolSpec  # noqa: E402
 from events.log import AppendResult, EventLog, mask, open_log  # noqa: E402
+from events.log.reading import decode_step, stored_steps  # noqa: E402
 from gpu.worker import Worker  # noqa: E402
 from ops.soak_checks import (  # noqa: E402
     EXPLAINED,

@@ -19,10 +19,11 @@ from coordinator.audit.queries import Audit, AuditError, NotFound, OutOfScope, p
 from coordinator.audit.store import indexed_seq, sync_index
 from coordinator.cli.main import app
 from coordinator.core.state import State, state_digest
-from coordinator.ledger.recovery import decode, replay
+from coordinator.ledger.recovery import replay
 from coordinator.simulator.report import mixed_workload
 from events import EventCodec, OwnerStarted
 from events.log import SqlEventLog, open_log
+from events.log.reading import decode
 
 pytestmark = pytest.mark.anyio
 

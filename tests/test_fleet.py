@@ -49,7 +49,7 @@ from coordinator.core.commands import (
 from coordinator.ledger.ledger import Ledger
 from events import BlocksAllocated, LoadJobStarted, OwnerStarted, StoreJobStarted, TierSpec
 from events.log import SqlEventLog, mask, open_log, upgrade_log
-from events.log._schema import metadata
+from events.log.schema import metadata
 from tests.conftest import KAFKA_FETCH_WAIT_MS, PG_URL, _drop_pg_database, _new_pg_database, require_postgres
 from tests.kafka_kit import KafkaBroker, free_port
 from tests.tcp_proxy import TcpProxy

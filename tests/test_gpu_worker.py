@@ -143,8 +143,8 @@ async def load_at(rig: Rig, keys: list[bytes]) -> tuple[LoadJobStarted, list[Blo
 
 
 async def job_outcome(event_log: EventLog, job_id: int) -> list[object]:
-    from coordinator.ledger.recovery import decode
     from events import EventCodec
+    from events.log.reading import decode
 
     codec = EventCodec()
     return [

@@ -235,7 +235,7 @@ async def test_a_declaring_hello_for_a_connected_engine_is_refused_unless_it_say
 
     from coordinator.audit.store import sync_index
     from events.log import SqlEventLog
-    from events.log import _schema as t
+    from events.log import schema as t
 
     assert isinstance(event_log, SqlEventLog)
     await sync_index(event_log)
@@ -250,8 +250,8 @@ async def test_a_declaring_hello_for_a_connected_engine_is_refused_unless_it_say
 
 
 async def _events(event_log: EventLog) -> list[object]:
-    from coordinator.ledger.recovery import decode
     from events import EventCodec
+    from events.log.reading import decode
 
     codec = EventCodec()
     return [decode(codec, stored) for stored in await event_log.read(0, 100_000)]

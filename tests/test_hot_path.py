@@ -29,12 +29,12 @@ import pytest
 from coordinator.client import Address, EngineClient, SidecarError, SyncWorkerClient, WorkerClient
 from coordinator.core.commands import ExternalKey, ReportRank, StoreExternal
 from coordinator.ledger.ledger import DecidedGroup, Transaction
-from coordinator.ledger.recovery import decode
 from coordinator.sidecar import committer as committer_module
 from coordinator.sidecar import protocol as p
 from coordinator.sidecar.admission import scoped
 from events import Event, EventCodec, ExternalKeysLookedUp, ExternalStoreStarted, KeyPublished, RankReported, StepBegan
 from events.log import AppendBatch, AppendResult, EventLog, LogUnavailable
+from events.log.reading import decode
 from tests import builders as b
 from tests.sidecar_kit import TIER_SPEC, declaration, sidecar_on
 

@@ -34,7 +34,7 @@ def both(scenario: Scenario, tmp_path: Path) -> tuple[Outcome, Outcome]:
 async def decided(log: Path) -> list[Event]:
     event_log = await open_log(str(log))
     try:
-        from coordinator.ledger.recovery import decode
+        from events.log.reading import decode
 
         codec = EventCodec()
         events = [decode(codec, s) for s in await event_log.read(0, 1_000_000)]

@@ -1,5 +1,5 @@
 """A step's row: its events' payloads stored back to back with a header (events/log/_contract.py),
-and replay's two ways of decoding it (coordinator/recovery.decode_step).
+and replay's two ways of decoding it (events/log/reading.py, decode_step).
 
 The fast path decodes a whole step in one call; it must give exactly what decoding one event at
 a time gives, and must step aside (never guess) for an old schema, an unknown type or a corrupt
@@ -13,10 +13,10 @@ from typing import ClassVar
 import msgspec
 import pytest
 
-from coordinator.ledger.recovery import decode, decode_step
 from events import EVENT_TYPES, Event, EventCodec, EventDecodeError, UnknownEventType
 from events.log import PendingEvent, StoredStep
 from events.log._contract import pack_step, schemas_of
+from events.log.reading import decode, decode_step
 from tests.test_codec import _sample_events
 
 

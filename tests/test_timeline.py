@@ -29,10 +29,10 @@ from coordinator.audit.timeline import (
 )
 from coordinator.audit.timeline_draw import draw_timeline
 from coordinator.cli.timeline import timeline_command
-from coordinator.ledger.recovery import decode, stored_steps
 from coordinator.simulator.report import mixed_workload
 from events import BlocksAllocated, EngineReset, EventCodec, NoticeDropped, OwnerStarted
 from events.log import SqlEventLog, open_log
+from events.log.reading import decode, stored_steps
 
 STEPS = 40
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

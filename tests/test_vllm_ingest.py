@@ -37,7 +37,7 @@ from coordinator.core import CoordinatorCore
 from coordinator.core.commands import ObserveEngine
 from coordinator.core.state import state_digest
 from coordinator.ledger.ledger import Ledger
-from coordinator.ledger.recovery import decode, replay
+from coordinator.ledger.recovery import replay
 from coordinator.vllm.ingest import IngestConfig, Ingestor
 from coordinator.vllm.kv_events import DecodedBatch, Unreadable, decode_frames, decode_payload, hash_bytes
 from events import (
@@ -53,6 +53,7 @@ from events import (
     Refused,
 )
 from events.log import LogUnavailable, SqlEventLog, open_log, upgrade_log
+from events.log.reading import decode
 from tests import builders as b
 
 pytestmark = pytest.mark.anyio
@@ -742,14 +743,14 @@ async def test_another_tenant_does_not_see_an_observed_hash(running: Callable[..
 async def test_0004_creates_the_observed_table_and_its_downgrade_makes_the_index_rebuild(
     log_url: str, running: Callable[..., Any]
 ) -> None:
-    """On SQLite and PostgreSQL: upgraded, the table is what events/log/_schema.py declares;
+    """On SQLite and PostgreSQL: upgraded, the table is what events/log/schema.py declares;
     downgraded to 0003, it is gone with the rest of the index and its checkpoint; upgraded again,
     the index is rebuilt from the log with the observed rows."""
     from sqlalchemy.ext.asyncio import create_async_engine
 
     import migrations
-    from events.log import _schema as t
     from events.log import normalize
+    from events.log import schema as t
 
     harness: Harness = await running(log_path=log_url)
     await harness.vllm.publish([stored(h(1), h(2))])

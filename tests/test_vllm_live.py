@@ -38,7 +38,6 @@ from typing import Any
 import pytest
 
 from coordinator.client import SidecarError
-from coordinator.ledger.recovery import decode, stored_steps
 from coordinator.sidecar import protocol as p
 from coordinator.vllm.offload_client import EngineFacts, LedgerSession, OffloadSettings, declaration
 from events import (
@@ -56,6 +55,7 @@ from events import (
     Refused,
 )
 from events.log import open_log
+from events.log.reading import decode, stored_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

@@ -12,9 +12,9 @@ from typing import Any
 
 import msgspec
 
-from coordinator.ledger.recovery import decode, stored_steps
 from events import EventCodec, EventDecodeError
 from events.log import EventLog, StoredEvent
+from events.log.reading import decode, stored_steps
 
 
 def _hexed(value: Any) -> Any:

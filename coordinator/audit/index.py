@@ -4,7 +4,7 @@ Every row names the global sequence of the event it came from, so "what held thi
 sequence N" is a range scan over an index ("the last allocation of the slot at or before N"),
 never a replay. Rows are only ever inserted: a lifetime's end is a row of its own (`freed`,
 `finished`, `evicted`), which is what makes indexing resumable from a checkpoint and its writes
-cheap. The tables are declared in events/log/_schema.py (kvl_audit_*); coordinator/audit/store.py
+cheap. The tables are declared in events/log/schema.py (kvl_audit_*); coordinator/audit/store.py
 writes these rows and answers the queries.
 
 The only memory the projection keeps is each engine's namespace (from its declarations), so that
@@ -55,7 +55,7 @@ from events import (
     StoreJobStarted,
 )
 
-# Row tuples, in the column order of their tables (events/log/_schema.py).
+# Row tuples, in the column order of their tables (events/log/schema.py).
 SlotRow = tuple[str, int, int, int, int, str, int | None, int | None, bytes | None]
 """engine, pool, block, generation, seq, kind, owner_id, job_id, key"""
 OwnerRow = tuple[str, int, str, int, str, str]

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 
 from coordinator.audit.store import indexed_seq
 from events.log import SqlEventLog
-from events.log import _schema as t
+from events.log import schema as t
 
 T = TypeVar("T")
 _DECLARATIONS = ("declared", "observed")

@@ -17,10 +17,10 @@ import structlog
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coordinator.audit.index import AuditRows, Indexer, engine_of_stream
-from coordinator.ledger.recovery import decode, stored_steps
 from events import EventCodec, EventDecodeError
 from events.log import SqlEventLog, StoredStep
-from events.log import _schema as t
+from events.log import schema as t
+from events.log.reading import decode, stored_steps
 
 log = structlog.get_logger("kvledger.audit")
 

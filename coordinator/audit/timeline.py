@@ -26,7 +26,7 @@ import structlog
 
 from coordinator.audit.queries import Audit, AuditError, NotFound, job_touch
 from events.log import SqlEventLog
-from events.log import _schema as t
+from events.log import schema as t
 
 log = structlog.get_logger("kvledger.audit")
 

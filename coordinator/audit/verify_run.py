@@ -1,6 +1,6 @@
 """`kvledger verify`: stream a whole log through the pure Verifier (coordinator/audit/verify.py).
 
-The log is read step by step (coordinator.ledger.recovery.stored_steps, decode_step), as a replay
+The log is read step by step (events.log.reading.stored_steps, decode_step), as a replay
 reads it; the only I/O here. An event this code cannot decode (a newer kvledger wrote it) is
 listed in `undecodable` and skipped, as forensic readers do (DESIGN.md, "The log"): the state
 after it may then differ from the coordinator's, so the report lists it and is not `ok`.
@@ -20,9 +20,9 @@ import msgspec
 
 from coordinator.audit.verify import ReplayCheck, Verifier, Violation
 from coordinator.core.state import SNAPSHOT_SCHEMA_VERSION
-from coordinator.ledger.recovery import decode_step, stored_steps
 from events import EventCodec, EventDecodeError
 from events.log import EventLog, mask
+from events.log.reading import decode_step, stored_steps
 
 
 class VerifyProgress(msgspec.Struct, frozen=True):

@@ -33,7 +33,7 @@ from coordinator.core.projector import read_effects
 from coordinator.core.protections import Protection
 from coordinator.core.state import State
 from coordinator.core.step import run_step, stream_for
-from coordinator.ledger.recovery import decode, make_snapshot, recover
+from coordinator.ledger.recovery import make_snapshot, recover
 from events import Event, EventCodec, NoticeDropped, StepBegan, StepEnded
 from events.log import (
     AppendBatch,
@@ -46,6 +46,7 @@ from events.log import (
     Snapshot,
     is_outage,
 )
+from events.log.reading import decode
 
 log = structlog.get_logger("kvledger.ledger")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import blake3
 import msgspec
@@ -16,57 +16,11 @@ import structlog
 
 from coordinator.core.projector import project
 from coordinator.core.state import SNAPSHOT_SCHEMA_VERSION, State, decode_state, encode_state, state_digest
-from events import Event, EventCodec, EventDecodeError
-from events.log import EventLog, Snapshot, StoredEvent, StoredStep
+from events import EventCodec, EventDecodeError
+from events.log import EventLog, Snapshot
+from events.log.reading import decode_step, stored_steps
 
 log = structlog.get_logger("kvledger.recovery")
-
-READ_BATCH = 20_000
-
-
-def decode(codec: EventCodec, stored: StoredEvent) -> Event:
-    """One stored event, decoded; errors name its global sequence."""
-    return codec.decode(stored.event_type, stored.schema_version, stored.payload, position=stored.global_seq)
-
-
-async def stored_steps(event_log: EventLog, after_seq: int = 0, until_seq: int | None = None) -> AsyncIterator[list[StoredStep]]:
-    """Batches of committed steps holding the events after `after_seq`, up to `until_seq`
-    (default: the head now). The first step may begin at or before `after_seq`."""
-    last = after_seq
-    end = await event_log.head() if until_seq is None else until_seq
-    while last < end:
-        batch = await event_log.read_steps(last, min(READ_BATCH, end - last))
-        if not batch:
-            return
-        yield batch
-        last = batch[-1].last_seq
-
-
-def decode_step(
-    codec: EventCodec, step: StoredStep, after_seq: int = 0, on_skip: Callable[[EventDecodeError], None] | None = None
-) -> list[Event]:
-    """The step's events after `after_seq`: in one decode call when every schema in it is current
-    and no byte is corrupt; otherwise one event at a time, so an error names its global sequence.
-    With `on_skip`, an undecodable event is reported to it and skipped instead of raised."""
-    events: list[Event] | None = None
-    if codec.all_current(step.schemas):
-        try:
-            events = codec.decode_concatenated(step.payload, step.count)
-        except msgspec.DecodeError:
-            events = None  # find and name the culprit below
-    if events is not None:
-        return events if step.first_seq > after_seq else events[after_seq - step.first_seq + 1 :]
-    decoded = []
-    for stored in step.events():
-        if stored.global_seq <= after_seq:
-            continue
-        try:
-            decoded.append(decode(codec, stored))
-        except EventDecodeError as error:
-            if on_skip is None:
-                raise
-            on_skip(error)
-    return decoded
 
 
 async def replay(

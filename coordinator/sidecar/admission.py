@@ -6,7 +6,7 @@ names each one):
 
 * a connection speaks only for its own engine (I9): a command naming another engine, an
   operator's command, a report on another engine's job are refused whole;
-* nothing reaches the log that its columns cannot hold (events/log/_schema.py): an id too long
+* nothing reaches the log that its columns cannot hold (events/log/schema.py): an id too long
   or a number too large used to fail the append of a whole group commit (every other engine's
   transaction in it too) and make the ledger rebuild, or, past the append, to stop the audit
   index from catching up for good.

@@ -19,10 +19,10 @@ import anyio
 import structlog
 
 from coordinator.core.routing import DECISION_TYPES, Decision, decisions_for
-from coordinator.ledger.recovery import decode_step, stored_steps
 from coordinator.sidecar.memory import give_back_free_memory
 from events import Event, EventCodec
 from events.log import EventLog, StoredStep
+from events.log.reading import decode_step, stored_steps
 
 log = structlog.get_logger("kvledger.hub")
 T = TypeVar("T")

@@ -46,7 +46,7 @@ the longest Lookup, packed (1 MiB), and room for its extra keys. Decoding a fram
 ~150 ms; at 2 MiB a legitimate engine's step p99 under attack was 25 ms, and the sidecar grew by
 68 MiB). vLLM's steps are far smaller: a step computes at most max_num_batched_tokens."""
 MAX_STEP = 2**63 - 1
-"""The log keeps a step's number in a signed 64-bit column (events/log/_schema.py, kvl_steps.step):
+"""The log keeps a step's number in a signed 64-bit column (events/log/schema.py, kvl_steps.step):
 a larger one failed the append of its whole group and made the ledger rebuild from the log."""
 MAX_ENGINE_ID = 248
 """Characters: the engine's stream id, "engine/<id>", is a 255-character column (kvl_steps.stream_id;

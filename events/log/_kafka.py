@@ -73,7 +73,7 @@ import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # type: ignore[import-untyped]
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError, OffsetOutOfRangeError  # type: ignore[import-untyped]
 
-from events.log import _schema as t
+from events.log import schema as t
 from events.log._contract import (
     AppendBatch,
     AppendRejected,

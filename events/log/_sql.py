@@ -27,7 +27,7 @@ import structlog
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from events.log import _schema as t
+from events.log import schema as t
 from events.log._contract import (
     AppendBatch,
     AppendRejected,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from alembic import op
 
-from events.log import _schema as t
+from events.log import schema as t
 
 revision = "0003"
 down_revision = "0002"

@@ -22,7 +22,7 @@ down_revision = "0003"
 branch_labels = None
 depends_on = None
 
-# The table as this revision creates it, frozen here (not read from events/log/_schema.py): a
+# The table as this revision creates it, frozen here (not read from events/log/schema.py): a
 # later revision that changes it must not change what this one created.
 _metadata = sa.MetaData()
 _observed = sa.Table(

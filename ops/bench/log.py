@@ -54,9 +54,10 @@ from workload import ENGINE, Workload  # noqa: E402
 
 from coordinator.core.projector import project  # noqa: E402
 from coordinator.core.state import State, state_digest  # noqa: E402
-from coordinator.ledger.recovery import READ_BATCH, decode_step, replay  # noqa: E402
+from coordinator.ledger.recovery import replay  # noqa: E402
 from events import Event, EventCodec, StepBegan, event_tag  # noqa: E402
 from events.log import AppendBatch, PendingEvent, SqlEventLog, StoredStep, open_log, upgrade_log  # noqa: E402
+from events.log.reading import READ_BATCH, decode_step  # noqa: E402
 
 PG_URL = os.environ.get("KVLEDGER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 APPEND_TARGET = 250_000
