@@ -107,3 +107,17 @@ def test_no_module_imports_itself_through_others() -> None:
         if module not in index:
             visit(module)
     assert not cycles, f"modules that import each other: {cycles}"
+
+
+def test_the_public_surface_imports_on_first_use() -> None:
+    """`from coordinator import Ledger` works for every name the package lists, and importing the
+    package alone (as `import coordinator.core` does) loads none of them."""
+    code = (
+        "import sys, json, coordinator; before = 'coordinator.ledger.ledger' in sys.modules; "
+        "names = {n: getattr(coordinator, n).__name__ for n in coordinator.__all__}; "
+        "print(json.dumps([before, names]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    before, names = json.loads(out.stdout)
+    assert before is False
+    assert names == {name: name for name in names} and {"Ledger", "Sidecar", "EngineClient", "WorkerClient"} <= set(names)
