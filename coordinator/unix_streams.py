@@ -7,7 +7,7 @@ connection's task group closing) in the same iteration as the socket turns reada
 selector has already queued ``future.set_result`` behind the cancelling task: it runs on the
 cancelled future and raises ``InvalidStateError`` into the loop's exception handler. Nothing is
 lost (the read was cancelled anyway), but the error surfaces as a failure under the anyio test
-runner and as a logged traceback in the sidecar. ``tests/test_unix_streams.py`` reproduces it.
+runner and as a logged traceback in the sidecar. ``tests/sidecar/test_unix_streams.py`` reproduces it.
 
 anyio 4.16 (the newest release) still has it; its readiness callbacks here set the result only
 while the future is pending. Every Unix stream kvledger opens goes through this module.

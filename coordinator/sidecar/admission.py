@@ -1,7 +1,7 @@
 """Admission: what the sidecar checks of a request before the ledger decides it. Pure: values
 in, values out; server.py calls these and sends what they answer.
 
-Two rules, each broken by an input found while fuzzing the protocol (tests/test_fuzz_protocol.py
+Two rules, each broken by an input found while fuzzing the protocol (tests/sidecar/test_fuzz_protocol.py
 names each one):
 
 * a connection speaks only for its own engine (I9): a command naming another engine, an

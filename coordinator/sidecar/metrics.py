@@ -4,7 +4,7 @@ Counters move as commits land (`SidecarMetrics.committed`, fed with each commit'
 that describe the state (pins, draining slots, published keys, the oldest pin's age) are read
 from the committed state when Prometheus scrapes, so they never drift from it. The alerting
 rules in ops/alerts/kvledger.rules.yml and the dashboard in ops/dashboards/ use these names, and
-tests/test_ops.py checks each name they use against a live sidecar's /metrics: rename one here
+tests/ops/test_ops.py checks each name they use against a live sidecar's /metrics: rename one here
 and that test fails until the rules follow.
 """
 

@@ -67,7 +67,7 @@ def _lost_postgres_connection(error: BaseException) -> bool:
     """asyncpg's "connection was closed in the middle of operation" (ConnectionDoesNotExistError, a
     PostgresConnectionError) reaches SQLAlchemy as a plain dbapi Error, not flagged as a
     disconnect: seen ending `kvledger fleet` when its audit database's connection was cut mid-query
-    (tests/test_fleet.py). It is found in the chain of causes."""
+    (tests/audit/test_fleet.py). It is found in the chain of causes."""
     import asyncpg
 
     seen: set[int] = set()

@@ -93,8 +93,8 @@ from coordinator.core.commands import (  # noqa: E402
 from coordinator.sidecar import protocol as p  # noqa: E402
 from coordinator.sidecar.admission import MAX_COMMANDS_PER_STEP  # noqa: E402
 from events import TierSpec  # noqa: E402
-from tests import builders as b  # noqa: E402
-from tests.sidecar_kit import RawConnection  # noqa: E402
+from tests.kit import builders as b  # noqa: E402
+from tests.kit.sidecar import RawConnection  # noqa: E402
 
 LEGIT = "legit"
 MALLORY = "mallory"

@@ -261,7 +261,7 @@ async def bench_kafka_open(url: str, n: int) -> None:
 
 async def bench_kafka(workload: Workload, pending: list[PendingEvent], step_size: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from tests.kafka_kit import BrokerUnavailable, KafkaBroker
+    from tests.kit.kafka import BrokerUnavailable, KafkaBroker
 
     try:
         broker = KafkaBroker.start()

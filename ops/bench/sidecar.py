@@ -6,7 +6,7 @@ Starts a real `kvledger serve` subprocess (`--socket DIR/kvledger.sock --log DIR
 --http off`, KVLEDGER_DATA_DIR=DIR) in a temporary directory and waits until the socket exists
 and a Health request answers ready. Then `--engines` engines, each its own EngineClient (engine
 ids bench-0 .. bench-N-1, one connection each, all in one anyio task group in this process),
-declare a namespace with one attention pool of 65,536 blocks and the tier tests/builders.py uses,
+declare a namespace with one attention pool of 65,536 blocks and the tier tests/kit/builders.py uses,
 and send steps of exactly `--commands` commands each:
 
     FinishOwner for owners that are done, MarkComputed of the blocks each owner was allocated in
@@ -101,7 +101,7 @@ from events import (  # noqa: E402
     TierSpec,
 )
 from events.log import AppendBatch, EventLog, PendingEvent, StoredStep, open_log  # noqa: E402
-from tests import builders as b  # noqa: E402
+from tests.kit import builders as b  # noqa: E402
 
 P50_TARGET_MS = 1.0
 P99_TARGET_MS = 5.0

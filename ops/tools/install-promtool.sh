@@ -1,6 +1,6 @@
 #!/bin/sh
 # Install promtool (from Debian's `prometheus` package) under .tools/prometheus, for
-# tests/test_ops.py (`promtool check rules`, `promtool test rules` on ops/alerts/).
+# tests/ops/test_ops.py (`promtool check rules`, `promtool test rules` on ops/alerts/).
 #
 # It never starts a Prometheus server and needs no root: `apt-get download` fetches the .deb into
 # a scratch directory and `dpkg -x` unpacks it there (no maintainer scripts run, no service is

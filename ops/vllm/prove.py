@@ -25,7 +25,7 @@ before it) generate exactly what the cold run generates.
 The JSON result holds, per run and prompt, the prompt's token ids, the generated token ids, the
 per-token logprobs and vLLM's num_cached_tokens, plus the log's path, what was corrupted (the tier
 key, the file, the log's last global sequence before) and the times: the test
-(tests/test_vllm_live.py) compares the runs and reads the log.
+(tests/vllm/test_vllm_live.py) compares the runs and reads the log.
 
 VLLM_CPU_NUM_OF_RESERVED_CPU=1 is set for both runs: with a connector vLLM reserves one more CPU
 core, which on a small machine changes the worker's thread count and so the float reductions

@@ -1,0 +1,403 @@
+"""External keys (coordinator/core/external.py): an engine that owns its device blocks and names its own
+keys (vLLM's offloading manager) still gets every tier decision from kvledger, under I5, I8-I10,
+I12, I13, I17 and I18. On the real pure core, no fakes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from coordinator.core import CoordinatorCore
+from coordinator.core.commands import (
+    DeclareEngine,
+    ExternalKey,
+    LoadExternal,
+    LookupExternal,
+    ReportRank,
+    StoreExternal,
+)
+from coordinator.core.completion import complete
+from coordinator.core.external import external_key
+from coordinator.core.keys import namespace_id
+from coordinator.core.protections import Protection, switched_off
+from events import (
+    Event,
+    ExternalKeysLookedUp,
+    ExternalLoadStarted,
+    ExternalStoreStarted,
+    JobFailed,
+    JobSucceeded,
+    KeyEvicted,
+    KeyPublished,
+    KeyQuarantined,
+    NoticeDropped,
+    RankReported,
+    Reason,
+    Refused,
+)
+from tests.kit.builders import ENGINE, TIER, attention_pool, begin, end, namespace, new_core, ok, rejected, replay_matches
+
+WORLD = 2
+
+
+def vllm_key(n: int, group: int = 0) -> bytes:
+    """A key shaped like vLLM's offload key: a 32-byte block hash, then the group, 4 bytes."""
+    return bytes([n]) * 32 + group.to_bytes(4, "big")
+
+
+def refs(*numbers: int) -> list[ExternalKey]:
+    return [ExternalKey(0, vllm_key(n)) for n in numbers]
+
+
+def core_with(
+    tier_slots: int = 8, engine_id: str = ENGINE, core: CoordinatorCore | None = None, **namespace_fields: object
+) -> CoordinatorCore:
+    """An engine whose pool 0 is reported (vLLM owns its GPU blocks), in an open step."""
+    core = new_core([attention_pool(managed=False)], world_size=WORLD, tier_slots=tier_slots, engine_id=engine_id, core=core)
+    begin(core, engine_id=engine_id)
+    return core
+
+
+def sums(job: ExternalStoreStarted | ExternalLoadStarted, rank: int) -> list[bytes]:
+    """What an honest worker reports: the checksum of the bytes of each key on its rank."""
+    return [b"sum:" + item.key[:6] + bytes([rank]) for item in job.items]
+
+
+def store(core: CoordinatorCore, *numbers: int, engine_id: str = ENGINE) -> ExternalStoreStarted:
+    events = ok(core.execute(StoreExternal(engine_id=engine_id, tier=TIER, keys=refs(*numbers))))
+    (job,) = [e for e in events if isinstance(e, ExternalStoreStarted)]
+    return job
+
+
+def report(
+    core: CoordinatorCore,
+    job: ExternalStoreStarted | ExternalLoadStarted,
+    rank: int,
+    *,
+    ok_: bool = True,
+    checksums: list[bytes] | None = None,
+) -> list[Event]:
+    return core.execute(
+        ReportRank(job_id=job.job_id, rank=rank, ok=ok_, checksums=sums(job, rank) if checksums is None else checksums)
+    )
+
+
+def publish(core: CoordinatorCore, *numbers: int, engine_id: str = ENGINE) -> ExternalStoreStarted:
+    job = store(core, *numbers, engine_id=engine_id)
+    for rank in range(WORLD):
+        report(core, job, rank)
+    return job
+
+
+def loadable(core: CoordinatorCore, *numbers: int, engine_id: str = ENGINE) -> list[bool]:
+    (event,) = ok(core.execute(LookupExternal(engine_id=engine_id, tier=TIER, keys=refs(*numbers))))
+    assert isinstance(event, ExternalKeysLookedUp)
+    return event.loadable
+
+
+def load(core: CoordinatorCore, *numbers: int, lease_seconds: float = 30.0) -> ExternalLoadStarted:
+    (event,) = ok(core.execute(LoadExternal(engine_id=ENGINE, tier=TIER, keys=refs(*numbers), lease_seconds=lease_seconds)))
+    assert isinstance(event, ExternalLoadStarted)
+    return event
+
+
+def test_tier_key_is_the_engine_key_in_the_namespace() -> None:
+    """I8/I9, seed 003: vLLM's hash ignores the weights revision; the tier key does not."""
+    a = namespace_id(namespace(weights_revision="sha256:aaaa"))
+    b = namespace_id(namespace(weights_revision="sha256:bbbb"))
+    assert external_key(a, 0, vllm_key(1)) != external_key(b, 0, vllm_key(1))
+    assert external_key(a, 0, vllm_key(1)) != external_key(a, 1, vllm_key(1))
+    assert external_key(a, 0, vllm_key(1)) == external_key(a, 0, vllm_key(1))  # fixed seed: every process agrees
+    assert len(external_key(a, 0, vllm_key(1))) == 16
+
+
+def test_another_weights_revision_never_sees_the_key() -> None:
+    """Two engines on one tier whose vLLM hashes are equal: only the same namespace loads (I9)."""
+    core = core_with(engine_id="old-weights")
+    publish(core, 1, engine_id="old-weights")
+    core.execute(
+        DeclareEngine(
+            engine_id="new-weights",
+            namespace=namespace(tp=WORLD, weights_revision="sha256:9999"),
+            pools=[attention_pool(managed=False)],
+            world_size=WORLD,
+            tiers=[TIER],
+        )
+    )
+    begin(core, engine_id="new-weights")
+    assert loadable(core, 1, engine_id="old-weights") == [True]
+    assert loadable(core, 1, engine_id="new-weights") == [False]
+    rejected(core, LoadExternal(engine_id="new-weights", tier=TIER, keys=refs(1)), Refused, Reason.KEY_NOT_PUBLISHED)
+
+
+def test_published_only_when_every_rank_reported_a_checksum() -> None:
+    """I5 / I17: not loadable while a rank is missing; loadable once all reported."""
+    core = core_with()
+    job = store(core, 1, 2)
+    assert [item.engine_key for item in job.items] == [vllm_key(1), vllm_key(2)]
+    assert loadable(core, 1, 2) == [False, False]
+    report(core, job, 0)
+    assert loadable(core, 1, 2) == [False, False]
+    events = report(core, job, 1)
+    assert [type(e) for e in events[1:]] == [KeyPublished, KeyPublished, JobSucceeded]
+    assert loadable(core, 1, 2, 3) == [True, True, False]
+    assert replay_matches(core)
+
+
+def test_a_failed_or_unverified_store_publishes_nothing_and_frees_its_slots() -> None:
+    core = core_with(tier_slots=2)
+    job = store(core, 1, 2)
+    report(core, job, 0)
+    events = report(core, job, 1, ok_=False, checksums=[])
+    assert isinstance(events[-1], JobFailed) and events[-1].reason is Reason.RANK_FAILED
+    assert loadable(core, 1, 2) == [False, False]
+    assert len(core.state.tiers[TIER].free) == 2
+    job = store(core, 1, 2)
+    report(core, job, 0)
+    events = report(core, job, 1, checksums=[b"only-one"])
+    assert isinstance(events[-1], JobFailed) and events[-1].reason is Reason.MISSING_CHECKSUM
+    assert len(core.state.tiers[TIER].free) == 2
+    assert replay_matches(core)
+
+
+def test_keys_there_or_on_their_way_are_skipped() -> None:
+    """I10: vLLM offers keys it stored before; kvledger admits only new ones, once."""
+    core = core_with()
+    first = store(core, 1, 2)
+    second = store(core, 2, 3, 3)
+    assert [item.engine_key for item in second.items] == [vllm_key(3)]
+    assert second.already_published == [vllm_key(2), vllm_key(3)]
+    for rank in range(WORLD):
+        report(core, first, rank)
+    events = ok(core.execute(StoreExternal(engine_id=ENGINE, tier=TIER, keys=refs(1, 2))))
+    assert [type(e) for e in events] == [ExternalStoreStarted, JobSucceeded]
+    assert isinstance(events[0], ExternalStoreStarted) and not events[0].items
+
+
+def test_eviction_takes_the_least_recently_used_and_never_a_leased_key() -> None:
+    """I12: a key a load holds is never evicted; with nothing evictable the store is refused."""
+    core = core_with(tier_slots=2)
+    publish(core, 1)
+    publish(core, 2)
+    held = load(core, 1)  # leases key 1 (the least recently used)
+    events = ok(core.execute(StoreExternal(engine_id=ENGINE, tier=TIER, keys=refs(3))))
+    evicted = [e for e in events if isinstance(e, KeyEvicted)]
+    assert [e.key for e in evicted] == [external_key(core.state.engines[ENGINE].namespace_id, 0, vllm_key(2))]
+    assert loadable(core, 1, 2) == [True, False]
+    rejected(core, StoreExternal(engine_id=ENGINE, tier=TIER, keys=refs(4)), Refused, Reason.TIER_FULL)
+    for rank in range(WORLD):
+        report(core, held, rank)  # the load ends: its lease goes
+    assert core.state.tiers[TIER].entry(0, held.items[0].key).leases is None  # type: ignore[union-attr]
+    end(core)
+    assert replay_matches(core)
+
+
+def test_a_load_carries_the_published_checksums_and_succeeds_when_they_match() -> None:
+    core = core_with()
+    stored = publish(core, 1, 2)
+    job = load(core, 2, 1)
+    assert [item.checksums for item in job.items] == [
+        [sums(stored, rank)[1] for rank in range(WORLD)],
+        [sums(stored, rank)[0] for rank in range(WORLD)],
+    ]
+    report(core, job, 0, checksums=[item.checksums[0] for item in job.items])
+    events = report(core, job, 1, checksums=[item.checksums[1] for item in job.items])
+    assert isinstance(events[-1], JobSucceeded)
+    assert replay_matches(core)
+
+
+def test_a_checksum_mismatch_on_load_quarantines_the_key() -> None:
+    """I13: a rank that read other bytes fails the load and quarantines the key, which is then
+    neither loadable nor offered again."""
+    core = core_with()
+    publish(core, 1, 2)
+    job = load(core, 1, 2)
+    report(core, job, 0, checksums=[item.checksums[0] for item in job.items])
+    events = report(core, job, 1, ok_=False, checksums=[job.items[0].checksums[1], b"other bytes"])
+    assert [type(e) for e in events[1:]] == [KeyQuarantined, JobFailed]
+    assert isinstance(events[1], KeyQuarantined) and events[1].key == job.items[1].key
+    assert isinstance(events[2], JobFailed) and events[2].reason is Reason.CHECKSUM_MISMATCH
+    assert loadable(core, 1, 2) == [True, False]
+    rejected(core, LoadExternal(engine_id=ENGINE, tier=TIER, keys=refs(2)), Refused, Reason.KEY_QUARANTINED)
+    # A worker that reports success with other checksums is caught all the same.
+    job = load(core, 1)
+    report(core, job, 0, checksums=[b"wrong"])
+    events = report(core, job, 1, checksums=[job.items[0].checksums[1]])
+    assert [type(e) for e in events[1:]] == [KeyQuarantined, JobFailed]
+    assert replay_matches(core)
+
+
+def test_a_load_completing_after_its_lease_fails() -> None:
+    """I12: the lease is on the engine's clock (its steps); a late completion never counts."""
+    core = core_with()
+    publish(core, 1)
+    job = load(core, 1, lease_seconds=5.0)
+    end(core)
+    begin(core, clock=10.0)
+    report(core, job, 0, checksums=[job.items[0].checksums[0]])
+    events = report(core, job, 1, checksums=[job.items[0].checksums[1]])
+    assert isinstance(events[-1], JobFailed) and events[-1].reason is Reason.LEASE_EXPIRED
+    assert core.state.tiers[TIER].entry(0, job.items[0].key).leases is None  # type: ignore[union-attr]
+    assert replay_matches(core)
+
+
+def test_reports_are_counted_per_job_and_rank() -> None:
+    """I4: a second report of a rank is dropped; a report for a finished job is stale."""
+    core = core_with()
+    job = store(core, 1)
+    report(core, job, 0)
+    rejected(core, ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=sums(job, 0)), NoticeDropped, Reason.DUPLICATE_REPORT)
+    report(core, job, 1)
+    rejected(core, ReportRank(job_id=job.job_id, rank=1, ok=True, checksums=sums(job, 1)), NoticeDropped, Reason.STALE_JOB)
+
+
+def test_bad_external_commands_are_refused_and_change_nothing() -> None:
+    core = core_with()
+    rejected(core, StoreExternal(engine_id=ENGINE, tier=TIER, keys=[ExternalKey(7, vllm_key(1))]), Refused, Reason.UNKNOWN_POOL)
+    rejected(core, StoreExternal(engine_id=ENGINE, tier=TIER, keys=[ExternalKey(0, b"")]), Refused, Reason.INVALID_ARGUMENT)
+    rejected(core, StoreExternal(engine_id=ENGINE, tier="nowhere", keys=refs(1)), Refused, Reason.UNKNOWN_TIER)
+    rejected(core, StoreExternal(engine_id=ENGINE, tier=TIER, keys=[]), Refused, Reason.INVALID_COUNT)
+    rejected(core, LoadExternal(engine_id=ENGINE, tier=TIER, keys=refs(1)), Refused, Reason.KEY_NOT_PUBLISHED)
+    publish(core, 1)
+    rejected(core, LoadExternal(engine_id=ENGINE, tier=TIER, keys=refs(1), lease_seconds=0), Refused, Reason.INVALID_ARGUMENT)
+    end(core)
+    rejected(core, LookupExternal(engine_id=ENGINE, tier=TIER, keys=refs(1)), Refused, Reason.NO_OPEN_STEP)
+
+
+def test_a_managed_pool_is_not_external() -> None:
+    """kvledger's own blocks have kvledger's content keys: an engine does not name them."""
+    core = new_core([attention_pool(managed=True)], world_size=WORLD)
+    begin(core)
+    rejected(core, StoreExternal(engine_id=ENGINE, tier=TIER, keys=refs(1)), Refused, Reason.INVALID_ARGUMENT)
+
+
+def test_hello_with_another_hash_algorithm_or_block_size_is_refused_naming_both() -> None:
+    core = new_core([attention_pool(managed=False)], world_size=WORLD)
+    declared = namespace(tp=WORLD, hash_algorithm="vllm:sha256")
+    events = core.execute(
+        DeclareEngine(
+            engine_id="vllm-1",
+            namespace=declared,
+            pools=[attention_pool(managed=False)],
+            world_size=WORLD,
+            tiers=[TIER],
+            key_hash_algorithm="vllm:xxhash",
+        )
+    )
+    assert [type(e) for e in events] == [Refused]
+    assert isinstance(events[0], Refused) and events[0].reason is Reason.NAMESPACE_MISMATCH
+    assert "'vllm:xxhash'" in events[0].detail and "'vllm:sha256'" in events[0].detail
+    events = core.execute(
+        DeclareEngine(
+            engine_id="vllm-1",
+            namespace=namespace(tp=WORLD, block_sizes=(32,)),
+            pools=[attention_pool(managed=False)],
+            world_size=WORLD,
+            tiers=[TIER],
+        )
+    )
+    assert isinstance(events[0], Refused) and events[0].reason is Reason.NAMESPACE_MISMATCH
+    assert "(4,)" in events[0].detail and "(32,)" in events[0].detail
+    ok(
+        core.execute(
+            DeclareEngine(
+                engine_id="vllm-1",
+                namespace=declared,
+                pools=[attention_pool(managed=False)],
+                world_size=WORLD,
+                tiers=[TIER],
+                key_hash_algorithm="vllm:sha256",
+            )
+        )
+    )
+
+
+@pytest.mark.anyio
+async def test_audit_key_shows_an_external_keys_store_and_load(tmp_path: Path, anyio_backend: str) -> None:
+    """`kvledger audit key` on a tier key of an engine that owns its blocks (vLLM): the store job it
+    came from (with the engine's own key, as there is no kvledger slot to name) and each load."""
+    from coordinator.audit.queries import Audit
+    from coordinator.audit.store import sync_index
+    from coordinator.core.commands import DeclareTier
+    from coordinator.ledger.ledger import Ledger
+    from events import TierSpec
+    from events.log import SqlEventLog, open_log
+
+    event_log = await open_log(str(tmp_path / "external.sqlite"))
+    try:
+        ledger = await Ledger.open(event_log)
+        await ledger.execute(DeclareTier(spec=TierSpec(name=TIER, num_slots=8, bytes_per_slot=64)))
+        await ledger.execute(
+            DeclareEngine(
+                engine_id=ENGINE,
+                namespace=namespace(block_sizes=(4,), tp=WORLD),
+                pools=[attention_pool(managed=False)],
+                world_size=WORLD,
+                tiers=[TIER],
+            )
+        )
+        commit = await ledger.run_step(ENGINE, 1, 1.0, [StoreExternal(engine_id=ENGINE, tier=TIER, keys=refs(7))])
+        (stored,) = [e for e in commit.events if isinstance(e, ExternalStoreStarted)]
+        for rank in range(WORLD):
+            await ledger.execute(ReportRank(job_id=stored.job_id, rank=rank, ok=True, checksums=sums(stored, rank)))
+        commit = await ledger.run_step(
+            ENGINE, 2, 2.0, [LoadExternal(engine_id=ENGINE, tier=TIER, keys=refs(7), lease_seconds=30.0)]
+        )
+        (loaded,) = [e for e in commit.events if isinstance(e, ExternalLoadStarted)]
+        for rank in range(WORLD):
+            await ledger.execute(ReportRank(job_id=loaded.job_id, rank=rank, ok=True, checksums=sums(loaded, rank)))
+        assert isinstance(event_log, SqlEventLog)
+        await sync_index(event_log)
+        answer = await Audit(event_log).key(stored.items[0].key.hex())
+        [publication] = answer.publications
+        assert publication.source_job == stored.job_id
+        assert publication.source == f"{ENGINE} pool 0 (engine key {vllm_key(7).hex()})", publication.source
+        [load_] = answer.loads
+        assert (load_.job_id, load_.engine, load_.outcome) == (loaded.job_id, ENGINE, "succeeded"), load_
+    finally:
+        await event_log.close()
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.parametrize("off", [Protection.LEASES, Protection.CHECKSUMS, Protection.IDEMPOTENT_STORE])
+def test_an_engines_own_jobs_complete_as_kvledgers_do_under_every_protection_switch(off: Protection) -> None:
+    """External jobs completed through a copy of the completion rule that ignored the LEASES and
+    CHECKSUMS switches (and IDEMPOTENT_STORE), so a scenario switching one off saw vLLM's jobs
+    still protected. One completion path (coordinator/core/completion.py) now serves both kinds: with
+    the switch on the job is refused as kvledger's own would be, with it off it goes through."""
+
+    def outcome(switched: frozenset[Protection]) -> list[type[Event]]:
+        core = core_with()
+        with switched_off(switched):
+            first = publish(core, 1)
+            if off is Protection.IDEMPOTENT_STORE:
+                # The same key stored again with other bytes (the decider skips a key already
+                # there, so only the completion rule itself can be asked).
+                again = msgspec.structs.replace(first, job_id=first.job_id + 100)
+                differing = {
+                    rank: RankReported(job_id=again.job_id, rank=rank, ok=True, checksums=[b"other" + bytes([rank])])
+                    for rank in range(WORLD)
+                }
+                return [type(e) for e in complete(core.state, again, differing)]
+            job = load(core, 1, lease_seconds=5.0)
+            if off is Protection.LEASES:
+                end(core)
+                begin(core, clock=10.0)  # past the lease
+                checksums = [job.items[0].checksums[rank] for rank in range(WORLD)]
+            else:
+                checksums = [b"other bytes"] * WORLD
+            events = [e for rank in range(WORLD) for e in report(core, job, rank, checksums=[checksums[rank]])]
+            return [type(e) for e in events if not isinstance(e, RankReported)]
+
+    on, switched = outcome(frozenset()), outcome(frozenset({off}))
+    if off is Protection.IDEMPOTENT_STORE:
+        assert on == [KeyQuarantined, JobSucceeded]  # I10: trust neither
+        assert switched == [KeyEvicted, KeyPublished, JobSucceeded]  # seed 002: the last writer wins
+    else:
+        assert on[-1] is JobFailed and switched == [JobSucceeded]

@@ -1,0 +1,112 @@
+"""The event codec: round trips, unknown types, newer schemas, upcasting, corrupt payloads."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+import pytest
+
+import events
+from events import EVENT_TYPES, Event, EventCodec, EventDecodeError, UnknownEventType, event_tag
+from tests.kit import builders as b
+
+
+def _sample_events() -> list[Event]:
+    """Real events from a run that touches every kind of decision."""
+    from coordinator.core.commands import LoadRequest, LookupPrefix, Move, PlanStateCopy, ResetCache, StartLoad
+
+    core = b.new_core([b.attention_pool(), b.state_pool()], encoder_cache_tokens=8)
+    b.begin(core)
+    keys = b.publish(core, list(range(16)))
+    own = b.owner(core)
+    dest = b.allocate(core, own, 2)
+    core.execute(LookupPrefix(engine_id=b.ENGINE, tier=b.TIER, token_ids=list(range(16))))
+    core.execute(StartLoad(engine_id=b.ENGINE, tier=b.TIER, items=[LoadRequest(keys[0], dest[0])]))
+    core.execute(PlanStateCopy(engine_id=b.ENGINE, pool_id=0, moves=[Move(dest[1], 0, dest[1], 8, 16)]))
+    core.execute(ResetCache(engine_id=b.ENGINE))
+    return core.events
+
+
+def test_every_event_type_has_a_unique_stable_tag() -> None:
+    tags = [event_tag(t) for t in EVENT_TYPES]
+    assert len(tags) == len(set(tags))
+    assert all(tag.islower() and " " not in tag for tag in tags)
+    assert set(tags) == set(EventCodec().known_types())
+
+
+def test_round_trip_of_real_events_is_exact() -> None:
+    codec = EventCodec()
+    sample = _sample_events()
+    assert len({type(e) for e in sample}) >= 15
+    for event in sample:
+        tag, version, payload = codec.encode(event)
+        assert tag == event_tag(type(event)) and version == type(event).schema_version
+        assert codec.decode(tag, version, payload) == event
+
+
+def test_unknown_event_type_names_the_type_and_position() -> None:
+    with pytest.raises(UnknownEventType) as error:
+        EventCodec().decode("block_teleported", 1, b"\x80", position=4242)
+    assert "block_teleported" in str(error.value) and "4242" in str(error.value)
+    assert error.value.position == 4242
+
+
+def test_newer_schema_version_is_refused_naming_both_versions() -> None:
+    tag, _, payload = EventCodec().encode(events.JobSucceeded(job_id=1))
+    with pytest.raises(EventDecodeError) as error:
+        EventCodec().decode(tag, 7, payload, position=9)
+    assert "v7" in str(error.value) and "v1" in str(error.value) and "9" in str(error.value)
+
+
+def test_corrupt_payload_names_its_position() -> None:
+    with pytest.raises(EventDecodeError) as error:
+        EventCodec().decode("job_succeeded", 1, b"\xc1garbage", position=77)
+    assert "77" in str(error.value) and "job_succeeded" in str(error.value)
+
+
+class _PriceV2(Event, frozen=True, tag="price_set"):
+    """A test-only event at schema v2: v1 had `cents`, v2 has `amount` and `currency`."""
+
+    schema_version: ClassVar[int] = 2
+    amount: float
+    currency: str = "EUR"
+
+
+def test_old_versions_are_upcast_in_order() -> None:
+    codec = EventCodec((*EVENT_TYPES, _PriceV2))
+    codec.register_upcaster("price_set", 1, lambda f: {"amount": f.pop("cents") / 100, **f})
+    old_payload = msgspec.msgpack.encode({"type": "price_set", "cents": 1250})
+    assert codec.decode("price_set", 1, old_payload) == _PriceV2(amount=12.5)
+    current = codec.encode(_PriceV2(amount=1.0, currency="USD"))
+    assert codec.decode(*current) == _PriceV2(amount=1.0, currency="USD")
+
+
+def test_missing_upcaster_is_an_error_not_a_guess() -> None:
+    codec = EventCodec((*EVENT_TYPES, _PriceV2))
+    with pytest.raises(EventDecodeError, match="no upcaster from v1"):
+        codec.decode("price_set", 1, msgspec.msgpack.encode({"cents": 1}), position=3)
+
+
+def test_registering_an_upcaster_twice_is_refused() -> None:
+    codec = EventCodec()
+    codec.register_upcaster("job_succeeded", 0, lambda f: f)
+    with pytest.raises(ValueError):
+        codec.register_upcaster("job_succeeded", 0, lambda f: f)
+
+
+def test_fields_added_with_defaults_read_old_payloads() -> None:
+    """The log rule: fields are only added, with defaults; an old payload without them reads."""
+    old = msgspec.msgpack.encode({"type": "job_failed", "job_id": 3, "reason": "rank_failed"})
+    decoded = EventCodec().decode("job_failed", 1, old)
+    assert decoded == events.JobFailed(job_id=3, reason=events.Reason.RANK_FAILED, detail="")
+
+
+def test_every_event_type_is_in_the_union_that_messages_carry() -> None:
+    """A message field typed AnyEvent must decode every event the log can hold (a new event type
+    missing from the union made the sidecar's replies undecodable to its clients)."""
+    import typing
+
+    from events import EVENT_TYPES, AnyEvent
+
+    assert set(typing.get_args(AnyEvent)) == set(EVENT_TYPES)

@@ -1,0 +1,266 @@
+"""The core on the durable log: recovery, snapshots (I18), retries, failed appends."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+import sqlalchemy as sa
+from structlog.testing import capture_logs
+
+from coordinator.core.commands import (
+    AllocateBlocks,
+    DeclareEngine,
+    DeclareTier,
+    FinishOwner,
+    FreeBlocks,
+    MarkComputed,
+    ReportRank,
+    StartOwner,
+    StartStore,
+)
+from coordinator.core.state import encode_state
+from coordinator.ledger.ledger import Ledger, Step, StepCommit
+from coordinator.ledger.recovery import make_snapshot, recover, replay
+from events import BlocksAllocated, EventCodec, OwnerStarted, Reason, Refused, StoreJobStarted, TierSpec
+from events.log import AppendBatch, EventLog, PendingEvent, Snapshot, WrongExpectedVersion
+from tests.kit import builders as b
+
+pytestmark = pytest.mark.anyio
+ENGINE = b.ENGINE
+
+
+async def _declare(ledger: Ledger) -> None:
+    await ledger.execute(DeclareTier(spec=TierSpec(name=b.TIER, num_slots=8, bytes_per_slot=64)))
+    pools = [b.attention_pool(num_blocks=12)]
+    await ledger.execute(
+        DeclareEngine(engine_id=ENGINE, namespace=b.namespace(block_sizes=(b.BLOCK,)), pools=pools, world_size=2, tiers=[b.TIER])
+    )
+
+
+async def _serve_request(ledger: Ledger, index: int, clock: float) -> None:
+    """Four steps of one request: admit, allocate + compute + store, report, finish."""
+    engine = ledger.state.engines[ENGINE]
+    step = engine.step + 1
+    commit = await ledger.run_step(ENGINE, step, clock, [StartOwner(engine_id=ENGINE, req_id=f"req-{index}")])
+    owner = next(e for e in commit.events if isinstance(e, OwnerStarted)).owner_id
+    commit = await ledger.run_step(
+        ENGINE, step + 1, clock + 0.1, [AllocateBlocks(engine_id=ENGINE, owner_id=owner, pool_id=0, count=2)]
+    )
+    blocks = next(e for e in commit.events if isinstance(e, BlocksAllocated)).blocks
+    tokens = [index * 100 + i for i in range(2 * b.BLOCK)]
+    commit = await ledger.run_step(
+        ENGINE,
+        step + 2,
+        clock + 0.2,
+        [
+            MarkComputed(engine_id=ENGINE, owner_id=owner, blocks=blocks, token_ids=tokens),
+            StartStore(engine_id=ENGINE, tier=b.TIER, blocks=blocks),
+        ],
+    )
+    job = next(e for e in commit.events if isinstance(e, StoreJobStarted))
+    reports = [
+        ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items])
+        for rank in (1, 0)
+    ]
+    await ledger.run_step(ENGINE, step + 3, clock + 0.3, [*reports, FinishOwner(engine_id=ENGINE, owner_id=owner)])
+
+
+async def test_I18_snapshot_plus_tail_equals_a_full_replay_of_the_log(event_log: EventLog) -> None:
+    ledger = await Ledger.open(event_log, snapshot_every=5)  # 24 steps: a 4-step tail
+    await _declare(ledger)
+    for index in range(6):
+        await _serve_request(ledger, index, clock=float(index))
+    live = encode_state(ledger.state)
+    snapshots = await event_log.snapshots(limit=100)
+    assert snapshots and snapshots[0].global_seq < await event_log.head()  # a tail to fold
+    recovered, last = await recover(event_log, EventCodec())
+    full, full_last = await replay(event_log, EventCodec())
+    assert last == full_last == await event_log.head()
+    assert encode_state(recovered) == encode_state(full) == live
+    await ledger.close()  # clean shutdown leaves a snapshot at the head
+    assert (await event_log.snapshots())[0].global_seq == await event_log.head()
+    reopened = await Ledger.open(event_log)
+    assert encode_state(reopened.state) == live
+
+
+async def test_a_snapshot_whose_digest_does_not_match_is_ignored_with_a_warning(event_log: EventLog) -> None:
+    ledger = await Ledger.open(event_log, snapshot_every=1000)
+    await _declare(ledger)
+    await _serve_request(ledger, 1, clock=1.0)
+    good = make_snapshot(ledger.state, ledger.last_seq)
+    await event_log.save_snapshot(msgspec.structs.replace(good, digest="0" * 64))
+    with capture_logs() as logs:
+        recovered, _ = await recover(event_log, EventCodec())
+    assert any(entry["event"] == "snapshot_ignored" and "digest" in entry["reason"] for entry in logs)
+    assert any(entry["event"] == "recovery_full_replay" for entry in logs)
+    assert encode_state(recovered) == encode_state(ledger.state)
+
+
+async def test_a_retried_command_id_returns_the_original_commit_and_appends_nothing(event_log: EventLog) -> None:
+    ledger = await Ledger.open(event_log)
+    await _declare(ledger)
+    first = await ledger.run_step(ENGINE, 1, 1.0, [StartOwner(engine_id=ENGINE, req_id="r")], command_id="step-1")
+    head = await event_log.head()
+    retry = await ledger.run_step(ENGINE, 1, 1.0, [StartOwner(engine_id=ENGINE, req_id="r")], command_id="step-1")
+    assert retry.duplicate and (retry.first_seq, retry.last_seq) == (first.first_seq, first.last_seq)
+    assert retry.events == first.events
+    assert await event_log.head() == head
+    full, _ = await replay(event_log, EventCodec())
+    assert encode_state(full) == encode_state(ledger.state)
+
+
+async def test_a_failed_append_leaves_the_state_equal_to_the_log(event_log: EventLog) -> None:
+    ledger = await Ledger.open(event_log)
+    await _declare(ledger)
+    await ledger.run_step(ENGINE, 1, 1.0, [StartOwner(engine_id=ENGINE, req_id="r")])
+    # Another writer takes the next version of this engine's stream.
+    stream = f"engine/{ENGINE}"
+    intruder = PendingEvent(
+        event_id="intruder",
+        step=9,
+        recorded_at=0.0,
+        event_type="refused",
+        schema_version=1,
+        payload=EventCodec().encode(Refused(engine_id=ENGINE, command="x", reason=Reason.INVALID_ARGUMENT, detail="x"))[2],
+    )
+    await event_log.append(
+        [AppendBatch(stream_id=stream, expected_version=await event_log.stream_version(stream), events=[intruder])]
+    )
+    with pytest.raises(WrongExpectedVersion):
+        await ledger.run_step(ENGINE, 2, 2.0, [StartOwner(engine_id=ENGINE, req_id="lost")])
+    full, _ = await replay(event_log, EventCodec())
+    assert encode_state(ledger.state) == encode_state(full)
+    assert [o.req_id for o in ledger.state.owners.values()] == ["r"]
+    await ledger.run_step(ENGINE, 2, 2.0, [StartOwner(engine_id=ENGINE, req_id="again")])  # serving on
+    assert sorted(o.req_id for o in ledger.state.owners.values()) == ["again", "r"]
+
+
+async def test_refusals_are_committed_to_the_log(event_log: EventLog) -> None:
+    ledger = await Ledger.open(event_log)
+    await _declare(ledger)
+    commit = await ledger.run_step(ENGINE, 1, 1.0, [AllocateBlocks(engine_id=ENGINE, owner_id=42, pool_id=0, count=1)])
+    refused = [e for e in commit.events if isinstance(e, Refused)]
+    assert refused and refused[0].reason is Reason.UNKNOWN_OWNER
+    stored = await event_log.read(commit.first_seq - 1, commit.last_seq - commit.first_seq + 1)
+    assert "refused" in [s.event_type for s in stored]
+
+
+async def test_sqlite_work_never_runs_on_the_event_loop(tmp_path: pytest.TempPathFactory) -> None:
+    """STYLE 10: every SQLite statement of a ledger's life runs in aiosqlite's thread. SQLite's
+    trace callback fires in the thread that executes each statement; record them all."""
+    import threading
+    from pathlib import Path
+
+    from events.log import SqlEventLog, open_log
+
+    event_log = await open_log(str(Path(str(tmp_path)) / "trace.sqlite"))
+    assert isinstance(event_log, SqlEventLog) and event_log.blocking_engine is not None
+    executed_in: list[int] = []
+
+    def trace(_sql: str) -> None:
+        executed_in.append(threading.get_ident())
+
+    # The hot paths (append, read) run on a pysqlite engine in worker threads ...
+    sa.event.listen(event_log.blocking_engine, "connect", lambda dbapi, _record: dbapi.set_trace_callback(trace))
+    # ... and the rest on aiosqlite, whose pooled connection already exists.
+    async with event_log.engine.connect() as conn:
+        raw = await conn.get_raw_connection()
+        await raw.driver_connection.set_trace_callback(trace)  # type: ignore[union-attr]
+    ledger = await Ledger.open(event_log, snapshot_every=2)
+    await _declare(ledger)
+    await _serve_request(ledger, 1, clock=1.0)
+    await ledger.close()
+    await event_log.read(0)
+    assert event_log.engine.pool.checkedin() == 1  # type: ignore[attr-defined]  # one pooled connection: the traced one
+    assert len(set(executed_in)) >= 2  # both engines' threads executed statements
+    assert len(executed_in) > 20
+    assert threading.get_ident() not in executed_in
+    await event_log.close()
+
+
+async def test_a_snapshot_being_written_does_not_hold_up_the_next_step(
+    event_log: EventLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The state is encoded under the ledger's lock, but written to the log after it: a slow
+    snapshot write (held open here) does not stop the next step from committing."""
+    ledger = await Ledger.open(event_log, snapshot_every=1)
+    await _declare(ledger)
+    release, writing = anyio.Event(), anyio.Event()
+    save = event_log.save_snapshot
+
+    async def slow_save(snapshot: Snapshot) -> None:
+        writing.set()
+        await release.wait()
+        await save(snapshot)
+
+    monkeypatch.setattr(event_log, "save_snapshot", slow_save)
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(ledger.run_step, ENGINE, 1, 1.0, [StartOwner(engine_id=ENGINE, req_id="first")])
+            await writing.wait()  # step 1 is committed; its snapshot is being written
+            monkeypatch.setattr(event_log, "save_snapshot", save)
+            commit = await ledger.run_step(ENGINE, 2, 2.0, [StartOwner(engine_id=ENGINE, req_id="second")])
+            assert commit.first_seq > 0
+            release.set()
+    assert [s.global_seq for s in await event_log.snapshots()][:2] == [ledger.last_seq, commit.first_seq - 1]
+
+
+async def test_only_the_newest_snapshots_are_kept(event_log: EventLog) -> None:
+    """Recovery reads the newest valid snapshot: the log keeps KEEP_SNAPSHOTS of them, not one
+    per `snapshot_every` steps forever (each is a whole state)."""
+    from events.log._sql import KEEP_SNAPSHOTS
+
+    ledger = await Ledger.open(event_log, snapshot_every=1)
+    await _declare(ledger)
+    for step in range(1, KEEP_SNAPSHOTS + 4):
+        await ledger.run_step(ENGINE, step, float(step), [StartOwner(engine_id=ENGINE, req_id=f"r{step}")])
+    kept = await event_log.snapshots(limit=100)
+    assert len(kept) == KEEP_SNAPSHOTS
+    assert kept[0].global_seq == ledger.last_seq
+    await ledger.close()
+    reopened = await Ledger.open(event_log)
+    assert encode_state(reopened.state) == encode_state(ledger.state)
+
+
+async def test_a_retried_step_gives_back_its_end_of_step_notices_with_its_end(event_log: EventLog) -> None:
+    """A step whose end-of-step reconciliation dropped a notice (I14: a block freed and taken
+    again in the same step), retried with its command id: the reply keeps the dropped notice with
+    StepEnded, as the original did, not after the commands' events (the soak's regrouping of a
+    retried step found it there: "1 events left after the last command")."""
+    ledger = await Ledger.open(event_log)
+    await ledger.execute(DeclareTier(spec=TierSpec(name=b.TIER, num_slots=8, bytes_per_slot=64)))
+    await ledger.execute(
+        DeclareEngine(
+            engine_id=ENGINE,
+            namespace=b.namespace(block_sizes=(b.BLOCK,)),
+            pools=[b.attention_pool(num_blocks=2)],
+            world_size=2,
+            tiers=[b.TIER],
+        )
+    )
+    commit = await ledger.run_step(
+        ENGINE, 1, 1.0, [StartOwner(engine_id=ENGINE, req_id="a"), StartOwner(engine_id=ENGINE, req_id="b")]
+    )
+    first, second = [e.owner_id for e in commit.events if isinstance(e, OwnerStarted)]
+    commit = await ledger.run_step(ENGINE, 2, 2.0, [AllocateBlocks(engine_id=ENGINE, owner_id=first, pool_id=0, count=1)])
+    [old] = next(e for e in commit.events if isinstance(e, BlocksAllocated)).blocks
+    step = Step(
+        engine_id=ENGINE,
+        step=3,
+        clock=3.0,
+        command_id="step-3",
+        commands=[
+            FreeBlocks(engine_id=ENGINE, owner_id=first, blocks=[old]),
+            AllocateBlocks(engine_id=ENGINE, owner_id=second, pool_id=0, count=1),
+        ],
+    )
+    [original] = await ledger.commit_group([step])
+    [retried] = await ledger.commit_group([step])
+    assert isinstance(original, StepCommit) and isinstance(retried, StepCommit) and retried.commit.duplicate
+    assert [(type(e).__name__, getattr(e, "notice", "")) for e in original.ended] == [
+        ("NoticeDropped", "block_freed"),
+        ("StepEnded", ""),
+    ]
+    assert retried.began == original.began and retried.ended == original.ended
+    assert retried.results == [[e for group in original.results for e in group]]
