@@ -29,11 +29,11 @@ import blake3
 import msgspec
 
 from coordinator.core import checks as check
-from coordinator.core import jobs
 from coordinator.core.checks import Refusal
 from coordinator.core.commands import Command, ExternalKey, LoadExternal, LookupExternal, StoreExternal
 from coordinator.core.keys import KEY_BYTES, KEY_SEED_DIGEST
 from coordinator.core.state import EngineState, KeyEntry, PoolState, State, TierState
+from coordinator.core.tier_slots import reserve_tier_slots
 from events import (
     Event,
     ExternalItem,
@@ -144,7 +144,7 @@ def _store_external(state: State, command: StoreExternal) -> list[Event]:
             continue
         seen.add(place)
         to_store.append((ref, key))
-    slots, evictions = jobs.reserve_tier_slots(tier, eng, len(to_store), kept)
+    slots, evictions = reserve_tier_slots(tier, eng, len(to_store), kept)
     job_id = state.next_job_id
     items = [
         ExternalItem(ref.pool_id, ref.engine_key, key, slot, tier.generations[slot] + 1)
