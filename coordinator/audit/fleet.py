@@ -52,9 +52,8 @@ from coordinator.audit.fleet_http import FleetHealth, fleet_app
 from coordinator.audit.queries import AuditError
 from coordinator.audit.store import IndexProgress, indexed_seq, sync_index
 from coordinator.http_serving import listen, serve_http
-from events.log import LogError, LogUnavailable, SqlEventLog, is_outage, mask, normalize, open_log
-from events.log._kafka_target import CALL_TIMEOUT_S, REQUEST_TIMEOUT_MS, KafkaTarget, one_line, parse_kafka_url
-from events.log._urls import is_kafka
+from events.log import LogError, LogUnavailable, SqlEventLog, is_kafka, is_outage, mask, normalize, open_log
+from events.log.kafka_target import CALL_TIMEOUT_S, REQUEST_TIMEOUT_MS, KafkaTarget, one_line, parse_kafka_url
 
 log = structlog.get_logger("kvledger.fleet")
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from coordinator.audit.fleet import open_for_audit
-from events.log import SqlEventLog, check_sqlite_file, normalize, open_log
-from events.log._urls import is_kafka
+from events.log import SqlEventLog, check_sqlite_file, is_kafka, normalize, open_log
 
 
 async def open_existing(log_url: str | None, *, read_only: bool = False) -> SqlEventLog:

@@ -13,7 +13,7 @@ from coordinator.audit.fleet import DEFAULT_BATCH, DEFAULT_POLL_S, FleetError, f
 from coordinator.cli._common import configure_json_logs, host_port
 from coordinator.http_serving import is_loopback
 from events.log import LogError
-from events.log._kafka_target import one_line
+from events.log.kafka_target import one_line
 
 
 def fleet_command(

@@ -18,8 +18,7 @@ from coordinator.audit.store import sync_index
 from coordinator.audit.timeline import Timeline, output_format, parse_steps
 from coordinator.audit.timeline_draw import draw_timeline
 from coordinator.cli._common import BAD_INPUT, exits, quiet_logs
-from events.log import normalize, open_log
-from events.log._urls import is_kafka
+from events.log import is_kafka, normalize, open_log
 
 COMMAND = "kvledger audit timeline"
 MAX_STEP = 2**63 - 1

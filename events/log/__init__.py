@@ -23,7 +23,7 @@ from events.log._contract import (
 from events.log._kafka import KafkaEventLog
 from events.log._open import check_sqlite_file, open_log, schema_revision, upgrade_log
 from events.log._sql import SqlEventLog, is_outage
-from events.log._urls import data_dir, mask, normalize
+from events.log._urls import data_dir, is_kafka, mask, normalize
 
 __all__ = [
     "AppendBatch",
@@ -46,6 +46,7 @@ __all__ = [
     "WriterFenced",
     "WrongExpectedVersion",
     "data_dir",
+    "is_kafka",
     "mask",
     "normalize",
     "check_sqlite_file",

@@ -54,7 +54,7 @@ every method that reads or writes events is overridden to go to the topic.
 Memory: a reader keeps the accepted steps it folded (payloads included), their event ids and
 command ids in memory, and answers reads, tails and replays from there.
 
-The URL and its parameters: events/log/_kafka_target.py.
+The URL and its parameters: events/log/kafka_target.py.
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ from events.log._contract import (
     pack_step,
 )
 from events.log._kafka_fold import AppendRecord, ClaimRecord, KafkaFold, StepPart, encode_append, encode_claim
-from events.log._kafka_target import KafkaTarget, ensure_topic, one_line
 from events.log._sql import SqlEventLog, SqlProjectionTransaction, events_of
+from events.log.kafka_target import KafkaTarget, ensure_topic, one_line
 
 log = structlog.get_logger("kvledger.log")
 

@@ -17,9 +17,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 import migrations
 from events.log._contract import LogError, LogUnavailable, NotALog, SchemaMismatch
 from events.log._kafka import KafkaEventLog
-from events.log._kafka_target import parse_kafka_url, probe
 from events.log._sql import SqlEventLog, make_blocking_sqlite_engine, make_engine
 from events.log._urls import is_kafka, mask, normalize
+from events.log.kafka_target import parse_kafka_url, probe
 
 log = structlog.get_logger("kvledger.log")
 

@@ -58,7 +58,7 @@ from events.log._kafka_fold import (
     encode_append,
     encode_claim,
 )
-from events.log._kafka_target import parse_kafka_url
+from events.log.kafka_target import parse_kafka_url
 from tests.conftest import KAFKA_FETCH_WAIT_MS
 from tests.kit.kafka import KafkaBroker
 from tests.log.test_ledger import _declare, _serve_request

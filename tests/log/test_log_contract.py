@@ -69,7 +69,7 @@ from events.log import (
     schema_revision,
     upgrade_log,
 )
-from events.log._kafka_target import parse_kafka_url
+from events.log.kafka_target import parse_kafka_url
 from tests.conftest import CONTRACT_BACKENDS, log_url_for
 from tests.kit.log_writer import EVENT_TYPE, append_steps, event_id_for, payload_for
 

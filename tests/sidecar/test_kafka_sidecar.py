@@ -29,7 +29,7 @@ from coordinator.client import Address, EngineClient, SidecarError, SidecarUnava
 from coordinator.core.commands import StartOwner
 from events import EventCodec, OwnerStarted, StepBegan
 from events.log import open_log
-from events.log._kafka_target import parse_kafka_url
+from events.log.kafka_target import parse_kafka_url
 from tests.conftest import REQUIRE_KAFKA
 from tests.kit.kafka import BrokerUnavailable, KafkaBroker, free_port
 from tests.kit.sidecar import ROOT, TIER_SPEC, ServeProcess, declaration
