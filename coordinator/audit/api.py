@@ -56,8 +56,7 @@ from starlette.responses import Response
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp
 
-from coordinator.audit.queries import (
-    Audit,
+from coordinator.audit.answers import (
     AuditError,
     BlockAnswer,
     HistoryAnswer,
@@ -67,8 +66,8 @@ from coordinator.audit.queries import (
     OutOfScope,
     RefusalEntry,
     RequestAnswer,
-    parse_time,
 )
+from coordinator.audit.queries import Audit, parse_time
 from coordinator.audit.store import sync_index
 from coordinator.audit.times import EARLIEST, LATEST, RANGE, time_problem
 from coordinator.tokens import TokenFileError as TokenFileError

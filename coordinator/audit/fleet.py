@@ -47,9 +47,9 @@ import structlog
 from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped]
 from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
 
+from coordinator.audit.answers import AuditError
 from coordinator.audit.api import Tokens
 from coordinator.audit.fleet_http import FleetHealth, fleet_app
-from coordinator.audit.queries import AuditError
 from coordinator.audit.store import IndexProgress, indexed_seq, sync_index
 from coordinator.http_serving import listen, serve_http
 from events.log import LogError, LogUnavailable, SqlEventLog, is_kafka, is_outage, mask, normalize, open_log

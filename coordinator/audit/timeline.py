@@ -24,7 +24,8 @@ import msgspec
 import sqlalchemy as sa
 import structlog
 
-from coordinator.audit.queries import Audit, AuditError, NotFound, job_touch
+from coordinator.audit.answers import AuditError, NotFound
+from coordinator.audit.queries import Audit, job_touch
 from events.log import SqlEventLog
 from events.log import schema as t
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import datetime as dt
 import math
 
-from coordinator.audit.queries import AuditError, parse_time
+from coordinator.audit.answers import AuditError
+from coordinator.audit.queries import parse_time
 
 EARLIEST = dt.datetime(1, 1, 1, tzinfo=dt.UTC).timestamp()
 """0001-01-01T00:00:00Z, the first second a datetime shows."""

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 import structlog
 import typer
 
-from coordinator.audit.queries import AuditError
+from coordinator.audit.answers import AuditError
 from events.log import LogError, NotALog
 
 BAD_INPUT: tuple[type[Exception], ...] = (AuditError, NotALog)

@@ -18,9 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from coordinator.audit.opening import open_existing
-from coordinator.audit.queries import (
-    Audit,
+from coordinator.audit.answers import (
     AuditError,
     BlockAnswer,
     DecisionEntry,
@@ -31,6 +29,8 @@ from coordinator.audit.queries import (
     RefusalEntry,
     RequestAnswer,
 )
+from coordinator.audit.opening import open_existing
+from coordinator.audit.queries import Audit
 from coordinator.audit.store import IndexProgress, sync_index
 from coordinator.audit.times import read_time
 from coordinator.cli._common import exits, quiet_logs

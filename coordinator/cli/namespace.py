@@ -26,8 +26,9 @@ import msgspec
 import typer
 import uuid_utils
 
+from coordinator.audit.answers import AuditError
 from coordinator.audit.opening import open_existing
-from coordinator.audit.queries import Audit, AuditError
+from coordinator.audit.queries import Audit
 from coordinator.audit.store import sync_index
 from coordinator.audit.times import read_time
 from coordinator.cli._operator import COMMAND_ID, JSON, LOG, SOCKET, TCP, TOKEN, Recorded, RecordError, record, run, target_of

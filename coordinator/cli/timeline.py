@@ -12,8 +12,8 @@ from pathlib import Path
 import anyio
 import typer
 
+from coordinator.audit.answers import AuditError
 from coordinator.audit.fleet import open_for_audit
-from coordinator.audit.queries import AuditError
 from coordinator.audit.store import sync_index
 from coordinator.audit.timeline import Timeline, output_format, parse_steps
 from coordinator.audit.timeline_draw import draw_timeline

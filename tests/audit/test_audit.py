@@ -15,7 +15,8 @@ import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
-from coordinator.audit.queries import Audit, AuditError, NotFound, OutOfScope, parse_time
+from coordinator.audit.answers import AuditError, NotFound, OutOfScope
+from coordinator.audit.queries import Audit, parse_time
 from coordinator.audit.store import indexed_seq, sync_index
 from coordinator.cli.main import app
 from coordinator.core.state import State, state_digest

@@ -11,7 +11,8 @@ from typing import Literal
 import pytest
 
 from coordinator.audit import queries
-from coordinator.audit.queries import Audit, OutOfScope
+from coordinator.audit.answers import OutOfScope
+from coordinator.audit.queries import Audit
 from coordinator.audit.store import sync_index
 from coordinator.core.commands import (
     AllocateBlocks,

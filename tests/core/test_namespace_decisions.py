@@ -19,7 +19,8 @@ import anyio
 import pytest
 from typer.testing import CliRunner
 
-from coordinator.audit.queries import Audit, OutOfScope
+from coordinator.audit.answers import OutOfScope
+from coordinator.audit.queries import Audit
 from coordinator.audit.store import sync_index
 from coordinator.cli.namespace import namespace_app, parse_duration
 from coordinator.client import Address, EngineClient, OperatorClient, SidecarError

@@ -734,7 +734,7 @@ async def test_another_tenant_does_not_see_an_observed_hash(running: Callable[..
     await harness.recorded(1)
     await sync_index(harness.log)
     assert (await Audit(harness.log, tenant="tenant-a").observed(h(1).hex())).residencies
-    from coordinator.audit.queries import OutOfScope
+    from coordinator.audit.answers import OutOfScope
 
     with pytest.raises(OutOfScope):
         await Audit(harness.log, tenant="tenant-b").observed(h(1).hex())
