@@ -1,18 +1,29 @@
 """The verifier's checks of jobs and tiers: stores, loads, reports, publications, evictions
-(I1, I2, I4, I5, I9, I10, I11, I12, I13, I16, I17; coordinator/audit/verify.py). Pure."""
+(I1, I2, I4, I5, I9, I10, I11, I12, I13, I16, I17; coordinator/audit/verify.py). Pure.
+
+An external engine's jobs (vLLM's offloading: ExternalStoreStarted, ExternalLoadStarted) are
+stores and loads like kvledger's own, checked by the same rules; only their device blocks are
+the engine's, so there is no block of ours to check them against."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from coordinator.audit._verify_base import At, Checks, hexes, ref_text
 from coordinator.core.state import JobState
 from events import (
     NULL_BLOCK_ID,
+    ExternalItem,
+    ExternalLoadStarted,
+    ExternalStoreStarted,
     JobSucceeded,
     KeyEvicted,
     KeyPublished,
+    LoadItem,
     LoadJobStarted,
     RankReported,
     StateCopyPlanned,
+    StoreItem,
     StoreJobStarted,
 )
 
@@ -25,7 +36,6 @@ class JobChecks(Checks):
 
     def _store_job_started(self, event: StoreJobStarted, at: At) -> bool:
         engine = self.state.engines.get(event.engine_id)
-        tier = self.state.tiers.get(event.tier)
         for item in event.items:
             source = item.source
             if self._current(at, engine, source, "stores from"):
@@ -34,7 +44,25 @@ class JobChecks(Checks):
                 if held != item.key:
                     what = "no computed content" if held is None else f"key {held.hex()}"
                     self._flag("I17", at, f"stores {ref_text(source)} as key {item.key.hex()}, but the block holds {what}")
-            if tier is not None and 0 <= item.tier_slot < tier.spec.num_slots:
+        self._reserved_slots(event.tier, event.items, at)
+        self._started(
+            event.job_id,
+            [(event.engine_id, i.source.pool_id, i.source.block_id) for i in event.items if i.source.block_id != NULL_BLOCK_ID],
+            at,
+        )
+        return False
+
+    def _external_store_started(self, event: ExternalStoreStarted, at: At) -> bool:
+        self._reserved_slots(event.tier, event.items, at)
+        return False
+
+    def _reserved_slots(self, tier_name: str, items: list[StoreItem] | list[ExternalItem], at: At) -> None:
+        """I1: a store reserves each tier slot at its next generation."""
+        tier = self.state.tiers.get(tier_name)
+        if tier is None:
+            return
+        for item in items:
+            if 0 <= item.tier_slot < tier.spec.num_slots:
                 previous = tier.generations[item.tier_slot]
                 if item.tier_generation != previous + 1:
                     self._flag(
@@ -43,31 +71,44 @@ class JobChecks(Checks):
                         f"reserves tier slot {item.tier_slot} at generation {item.tier_generation}; it "
                         f"was at {previous}, a reservation makes it {previous + 1}",
                     )
+
+    def _load_job_started(self, event: LoadJobStarted, at: At) -> bool:
+        engine = self.state.engines.get(event.engine_id)
+        for item in event.items:
+            self._current(at, engine, item.dest, "loads into")
+        if not self._loaded_keys_published(event, at):
+            return True  # the projector cannot lease a key that is not there; said above
         self._started(
             event.job_id,
-            [(event.engine_id, i.source.pool_id, i.source.block_id) for i in event.items if i.source.block_id != NULL_BLOCK_ID],
+            [(event.engine_id, i.dest.pool_id, i.dest.block_id) for i in event.items if i.dest.block_id != NULL_BLOCK_ID],
             at,
         )
         return False
 
-    def _load_job_started(self, event: LoadJobStarted, at: At) -> bool:
+    def _external_load_started(self, event: ExternalLoadStarted, at: At) -> bool:
+        return not self._loaded_keys_published(event, at)
+
+    def _loaded_keys_published(self, event: LoadJobStarted | ExternalLoadStarted, at: At) -> bool:
+        """I5, I9, I13, I1: each key a load reads is published in the tier, in the engine's
+        namespace, not quarantined, at the slot and generation the load reads, with the checksums
+        it verifies against. False when one is not published at all (the fold cannot lease it)."""
         engine = self.state.engines.get(event.engine_id)
         tier = self.state.tiers.get(event.tier)
-        unfoldable = False
+        foldable = True
         for item in event.items:
-            self._current(at, engine, item.dest, "loads into")
-            entry = tier.entry(item.dest.pool_id, item.key) if tier is not None else None
+            pool_id = _pool(item)
+            entry = tier.entry(pool_id, item.key) if tier is not None else None
             if entry is None:
                 self._flag(
                     "I5",
                     at,
-                    f"loads key {item.key.hex()} of group {item.dest.pool_id}, which is not published in tier {event.tier!r}",
-                    self._seen(self._evicted_seq.get((event.tier, item.dest.pool_id, item.key)), f"{item.key.hex()[:8]} evicted"),
+                    f"loads key {item.key.hex()} of group {pool_id}, which is not published in tier {event.tier!r}",
+                    self._seen(self._evicted_seq.get((event.tier, pool_id, item.key)), f"{item.key.hex()[:8]} evicted"),
                 )
-                unfoldable = True
+                foldable = False
                 continue
             published = self._seen(
-                self._published_seq.get((event.tier, item.dest.pool_id, item.key)),
+                self._published_seq.get((event.tier, pool_id, item.key)),
                 f"{item.key.hex()[:8]} published (job {entry.source_job})",
             )
             if engine is not None and entry.namespace_id != engine.namespace_id:
@@ -91,14 +132,7 @@ class JobChecks(Checks):
                 )
             if item.checksums and item.checksums != entry.checksums:
                 self._flag("I13", at, f"verifies key {item.key.hex()} against other checksums than the published ones", published)
-        if unfoldable:
-            return True  # the projector cannot lease a key that is not there; said above
-        self._started(
-            event.job_id,
-            [(event.engine_id, i.dest.pool_id, i.dest.block_id) for i in event.items if i.dest.block_id != NULL_BLOCK_ID],
-            at,
-        )
-        return False
+        return foldable
 
     def _rank_reported(self, event: RankReported, at: At) -> bool:
         job = self.state.jobs.get(event.job_id)
@@ -137,11 +171,11 @@ class JobChecks(Checks):
                     [*self._job_evidence([event.job_id]), *self._reports_evidence(event.job_id)],
                 )
         self._old_incarnation(job, "success counted", at)
-        if isinstance(decision, LoadJobStarted) and not nothing_to_do:
+        if isinstance(decision, (LoadJobStarted, ExternalLoadStarted)) and not nothing_to_do:
             self._load_succeeded(decision, job, at)
         return False
 
-    def _load_succeeded(self, decision: LoadJobStarted, job: JobState, at: At) -> None:
+    def _load_succeeded(self, decision: LoadJobStarted | ExternalLoadStarted, job: JobState, at: At) -> None:
         """I11, I12, I13: what a load that counts as success must have."""
         evidence = self._job_and_reports(decision.job_id)
         engine = self.state.engines.get(decision.engine_id)
@@ -164,8 +198,9 @@ class JobChecks(Checks):
                 evidence(),
             )
         gone, mismatched, quarantined = [], [], []
-        for index, item in enumerate(decision.items):
-            entry = tier.entry(item.dest.pool_id, item.key) if tier is not None else None
+        loaded: Sequence[LoadItem | ExternalItem] = decision.items
+        for index, item in enumerate(loaded):
+            entry = tier.entry(_pool(item), item.key) if tier is not None else None
             if entry is not None and (entry.tier_slot, entry.tier_generation) != (item.tier_slot, item.tier_generation):
                 entry = None
             if entry is None:
@@ -208,7 +243,7 @@ class JobChecks(Checks):
     def _key_published(self, event: KeyPublished, at: At) -> bool:
         job = self.state.jobs.get(event.source_job)
         where = (event.tier, event.pool_id, event.key)
-        if job is None or not isinstance(job.decision, StoreJobStarted):
+        if job is None or not isinstance(job.decision, (StoreJobStarted, ExternalStoreStarted)):
             if event.source_job in self.state.fenced:
                 self._not_in_flight(event.source_job, f"key {event.key.hex()} published", at)
             else:
@@ -239,12 +274,13 @@ class JobChecks(Checks):
     def _published_by(self, event: KeyPublished, job: JobState, at: At) -> None:
         """I2, I5, I16 for a publication by a store in flight."""
         decision = job.decision
-        assert isinstance(decision, StoreJobStarted)
+        assert isinstance(decision, (StoreJobStarted, ExternalStoreStarted))
+        items: Sequence[StoreItem | ExternalItem] = decision.items
         index = next(
             (
                 i
-                for i, item in enumerate(decision.items)
-                if (item.key, item.tier_slot, item.source.pool_id) == (event.key, event.tier_slot, event.pool_id)
+                for i, item in enumerate(items)
+                if (item.key, item.tier_slot, _pool(item)) == (event.key, event.tier_slot, event.pool_id)
             ),
             None,
         )
@@ -258,11 +294,12 @@ class JobChecks(Checks):
                 evidence(),
             )
             return
-        if decision.items[index].source.block_id == NULL_BLOCK_ID:
+        stored = items[index]
+        if isinstance(stored, StoreItem) and stored.source.block_id == NULL_BLOCK_ID:
             self._flag(
                 "I2",
                 at,
-                f"key {event.key.hex()} published from the null block {ref_text(decision.items[index].source)}",
+                f"key {event.key.hex()} published from the null block {ref_text(stored.source)}",
                 evidence(),
             )
         not_ok = [
@@ -299,5 +336,12 @@ class JobChecks(Checks):
         return False
 
 
-def _pool_of(decision: LoadJobStarted, key: bytes) -> int:
-    return next(item.dest.pool_id for item in decision.items if item.key == key)
+def _pool(item: StoreItem | LoadItem | ExternalItem) -> int:
+    """The cache group (pool) an item of a store or a load is in."""
+    if isinstance(item, ExternalItem):
+        return item.pool_id
+    return item.source.pool_id if isinstance(item, StoreItem) else item.dest.pool_id
+
+
+def _pool_of(decision: LoadJobStarted | ExternalLoadStarted, key: bytes) -> int:
+    return next(_pool(item) for item in decision.items if item.key == key)

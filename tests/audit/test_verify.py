@@ -89,6 +89,7 @@ from events import (
     StoreJobStarted,
 )
 from events.log import AppendBatch, PendingEvent, open_log
+from tests.kit import external
 from tests.kit.builders import (
     ENGINE,
     TIER,
@@ -731,3 +732,56 @@ def test_golden_the_mixed_workload_verifies_clean(tmp_path: Path) -> None:
     assert verified_log.violations == [] and verified_log.ok, verified_log.violations[:5]
     assert verified_log.events_checked == verified_log.head == report.events
     assert verified_log.replay.snapshot_seq == verified_log.head // 2
+
+
+# --- an external engine's jobs (vLLM's offloading: issue 19, item 6) ------------------------------------
+
+
+def _external_run(*off: Protection) -> tuple[CoordinatorCore, list[Event]]:
+    """An engine that owns its blocks (tests/kit/external.py) on a 3-slot tier: stores that publish,
+    a load that verifies, a load whose rank read other bytes, a store that evicts, a load whose
+    lease runs out, and a store still in flight when the engine resets."""
+    core = external.core_with(tier_slots=3, core=CoordinatorCore(protections_off=frozenset(off)))
+    external.publish(core, 1, 2)
+    good = external.load(core, 1)
+    for rank in range(external.WORLD):
+        external.report(core, good, rank)
+    bad = external.load(core, 2)
+    external.report(core, bad, 0)
+    external.report(core, bad, 1, checksums=[b"other bytes"])  # a mismatch: I13
+    end(core)
+    begin(core, clock=1.0)
+    external.publish(core, 3, 4)  # the tier is full: the least recently used unleased key goes
+    slow = external.load(core, 3, lease_seconds=5.0)
+    end(core)
+    begin(core, clock=10.0)
+    for rank in range(external.WORLD):  # after the lease expired
+        external.report(core, slow, rank)
+    late = external.store(core, 5)
+    external.report(core, late, 0)
+    end(core)
+    core.execute(ResetCache(engine_id=ENGINE))
+    begin(core, clock=11.0)
+    external.report(core, late, 1)  # after the reset: fenced (I16)
+    end(core)
+    return core, core.events
+
+
+def test_an_external_engines_stores_and_loads_verify_clean() -> None:
+    """`kvledger verify` after a vLLM run: the stores and loads of an engine that owns its blocks
+    are stores and loads in flight (verify flagged every key they published as an I5 violation)."""
+    core, events = _external_run()
+    assert {type(e) for e in events} >= {KeyPublished, KeyEvicted, KeyQuarantined, JobSucceeded, JobFailed, EngineReset}
+    verifier = verified(events)
+    assert verifier.violations == []
+    assert state_digest(verifier.state) == state_digest(core.state)
+
+
+@pytest.mark.parametrize(
+    ("off", "invariant"),
+    [(Protection.CHECKSUMS, "I13"), (Protection.LEASES, "I12"), (Protection.FENCING, "I16")],
+)
+def test_an_external_engines_unsafe_jobs_are_flagged(off: Protection, invariant: str) -> None:
+    """The same run with one protection off: what it lets through is found in the log."""
+    _, events = _external_run(off, *((Protection.CHECKSUMS,) if off is Protection.LEASES else ()))
+    assert invariant in {v.invariant for v in verified(events).violations}

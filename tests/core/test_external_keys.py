@@ -9,7 +9,6 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from coordinator.core import CoordinatorCore
 from coordinator.core.commands import (
     DeclareEngine,
     ExternalKey,
@@ -24,7 +23,6 @@ from coordinator.core.keys import namespace_id
 from coordinator.core.protections import Protection, switched_off
 from events import (
     Event,
-    ExternalKeysLookedUp,
     ExternalLoadStarted,
     ExternalStoreStarted,
     JobFailed,
@@ -38,69 +36,7 @@ from events import (
     Refused,
 )
 from tests.kit.builders import ENGINE, TIER, attention_pool, begin, end, namespace, new_core, ok, rejected, replay_matches
-
-WORLD = 2
-
-
-def vllm_key(n: int, group: int = 0) -> bytes:
-    """A key shaped like vLLM's offload key: a 32-byte block hash, then the group, 4 bytes."""
-    return bytes([n]) * 32 + group.to_bytes(4, "big")
-
-
-def refs(*numbers: int) -> list[ExternalKey]:
-    return [ExternalKey(0, vllm_key(n)) for n in numbers]
-
-
-def core_with(
-    tier_slots: int = 8, engine_id: str = ENGINE, core: CoordinatorCore | None = None, **namespace_fields: object
-) -> CoordinatorCore:
-    """An engine whose pool 0 is reported (vLLM owns its GPU blocks), in an open step."""
-    core = new_core([attention_pool(managed=False)], world_size=WORLD, tier_slots=tier_slots, engine_id=engine_id, core=core)
-    begin(core, engine_id=engine_id)
-    return core
-
-
-def sums(job: ExternalStoreStarted | ExternalLoadStarted, rank: int) -> list[bytes]:
-    """What an honest worker reports: the checksum of the bytes of each key on its rank."""
-    return [b"sum:" + item.key[:6] + bytes([rank]) for item in job.items]
-
-
-def store(core: CoordinatorCore, *numbers: int, engine_id: str = ENGINE) -> ExternalStoreStarted:
-    events = ok(core.execute(StoreExternal(engine_id=engine_id, tier=TIER, keys=refs(*numbers))))
-    (job,) = [e for e in events if isinstance(e, ExternalStoreStarted)]
-    return job
-
-
-def report(
-    core: CoordinatorCore,
-    job: ExternalStoreStarted | ExternalLoadStarted,
-    rank: int,
-    *,
-    ok_: bool = True,
-    checksums: list[bytes] | None = None,
-) -> list[Event]:
-    return core.execute(
-        ReportRank(job_id=job.job_id, rank=rank, ok=ok_, checksums=sums(job, rank) if checksums is None else checksums)
-    )
-
-
-def publish(core: CoordinatorCore, *numbers: int, engine_id: str = ENGINE) -> ExternalStoreStarted:
-    job = store(core, *numbers, engine_id=engine_id)
-    for rank in range(WORLD):
-        report(core, job, rank)
-    return job
-
-
-def loadable(core: CoordinatorCore, *numbers: int, engine_id: str = ENGINE) -> list[bool]:
-    (event,) = ok(core.execute(LookupExternal(engine_id=engine_id, tier=TIER, keys=refs(*numbers))))
-    assert isinstance(event, ExternalKeysLookedUp)
-    return event.loadable
-
-
-def load(core: CoordinatorCore, *numbers: int, lease_seconds: float = 30.0) -> ExternalLoadStarted:
-    (event,) = ok(core.execute(LoadExternal(engine_id=ENGINE, tier=TIER, keys=refs(*numbers), lease_seconds=lease_seconds)))
-    assert isinstance(event, ExternalLoadStarted)
-    return event
+from tests.kit.external import WORLD, core_with, load, loadable, publish, refs, report, store, sums, vllm_key
 
 
 def test_tier_key_is_the_engine_key_in_the_namespace() -> None:

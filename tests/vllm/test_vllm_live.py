@@ -198,6 +198,18 @@ def test_the_log_shows_the_stores_and_the_loads_that_made_the_difference(logged:
     assert namespace.hash_algorithm == "vllm:sha256" and namespace.weights_revision.startswith("sha256:")
 
 
+def test_kvledger_verify_finds_nothing_in_the_proofs_log(proof: dict[str, Any]) -> None:
+    """The README tells operators to run `kvledger verify` after a vLLM run: on the proof's log,
+    clean rounds and the corrupted round alike, it must find nothing (it used to report every key
+    vLLM stored as an I5 violation)."""
+    done = subprocess.run(
+        [str(KVLEDGER), "verify", "--log", proof["log"], "--json"], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, f"kvledger verify exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
+    report = json.loads(done.stdout)
+    assert report["ok"] and report["violation_count"] == 0 and report["events_checked"] > 0
+
+
 def test_a_corrupted_tier_file_is_refused_quarantined_and_recomputed(
     proof: dict[str, Any], after_corruption: list[Event]
 ) -> None:
