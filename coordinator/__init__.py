@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     )
     from coordinator.core import CoordinatorCore
     from coordinator.ledger.ledger import Ledger
+    from coordinator.sidecar.config import ServeConfig, Service
     from coordinator.sidecar.embedded import embedded_sidecar
-    from coordinator.sidecar.server import ServeConfig, Service, Sidecar, run_sidecar
+    from coordinator.sidecar.server import Sidecar, run_sidecar
 
 _PUBLIC = {
     "Address": "coordinator.client",
@@ -35,8 +36,8 @@ _PUBLIC = {
     "EngineClient": "coordinator.client",
     "Ledger": "coordinator.ledger.ledger",
     "OperatorClient": "coordinator.client",
-    "ServeConfig": "coordinator.sidecar.server",
-    "Service": "coordinator.sidecar.server",
+    "ServeConfig": "coordinator.sidecar.config",
+    "Service": "coordinator.sidecar.config",
     "Sidecar": "coordinator.sidecar.server",
     "SidecarError": "coordinator.client",
     "SidecarUnavailable": "coordinator.client",

@@ -283,7 +283,8 @@ def serve(
     ),
 ) -> None:
     """Run the sidecar: the coordinator on its log, on a Unix socket (and TCP if asked)."""
-    from coordinator.sidecar.server import ConfigError, ServeConfig, Sidecar, run_sidecar
+    from coordinator.sidecar.config import ConfigError, ServeConfig
+    from coordinator.sidecar.server import Sidecar, run_sidecar
     from coordinator.vllm.sidecar_ingest import IngestFileError, IngestService, load_ingest_file
     from events.log import LogError, data_dir
 

@@ -11,7 +11,8 @@ import anyio
 
 from coordinator.core.protections import Protection
 from coordinator.ledger.ledger import Ledger
-from coordinator.sidecar.server import ServeConfig, Service, Sidecar
+from coordinator.sidecar.config import ServeConfig, Service
+from coordinator.sidecar.server import Sidecar
 from events.log import EventLog
 
 

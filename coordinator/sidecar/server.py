@@ -16,22 +16,20 @@ import os
 import signal
 import socket
 import stat
-import struct
 import sys
 import time
 from collections.abc import Awaitable, Callable, Container, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 import msgspec
 import structlog
 import uuid_utils
-from anyio.abc import ByteStream, SocketStream, TaskGroup
+from anyio.abc import SocketStream, TaskGroup
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from coordinator import unix_streams
-from coordinator.audit.api import load_tokens
 from coordinator.core.checks import MAX_EXTRA_KEYS, MAX_LOOKUP_TOKENS
 from coordinator.core.commands import OPERATOR_COMMANDS, AnyCommand, DeclareTier, LookupExternal, LookupPrefix, ReportRank
 from coordinator.core.decider import lookup, lookup_keys
@@ -39,18 +37,19 @@ from coordinator.core.jobs import Chains, hash_chains, lookup_groups
 from coordinator.core.protections import switched_off
 from coordinator.core.routing import decisions_for
 from coordinator.core.state import State
-from coordinator.http_serving import is_loopback, listen, serve_http
-from coordinator.ledger.ledger import Commit, Ledger, Single, StepCommit, SubmitAll
+from coordinator.http_serving import listen, serve_http
+from coordinator.ledger.ledger import Commit, Ledger, Single, StepCommit
 from coordinator.ledger.ledger import Step as LedgerStep
 from coordinator.sidecar import admission
 from coordinator.sidecar import protocol as p
 from coordinator.sidecar.committer import Committer, ShuttingDown, freeze_long_lived
-from coordinator.sidecar.credentials import ALL, Credential, Credentials, load_credentials, permits
+from coordinator.sidecar.config import ConfigError, ServeConfig, Service, check_config, load_credentials_of
+from coordinator.sidecar.connection import Connection, PerSecond, Session, peer_uid
+from coordinator.sidecar.credentials import ALL, Credential, permits
 from coordinator.sidecar.http import make_app
-from coordinator.sidecar.hub import DEFAULT_BUFFER, DecisionHub, SlowSubscriber, Subscription
+from coordinator.sidecar.hub import DecisionHub, SlowSubscriber, Subscription
 from coordinator.sidecar.memory import limit_arenas
 from coordinator.sidecar.metrics import SidecarMetrics
-from coordinator.tokens import TokenFileError
 from events import EngineDeclared, EngineReset, Event, ExternalKeysLookedUp, PrefixLookedUp, Refused
 from events.log import EventLog, LogError, open_log
 
@@ -59,118 +58,6 @@ log = structlog.get_logger("kvledger.sidecar")
 SERVER_NAME = "kvledger/0.1"
 DRAIN_SECONDS = 30.0
 """How long SIGTERM waits for the steps in flight to commit and be answered."""
-
-
-class ServeConfig(msgspec.Struct, kw_only=True):
-    log_url: str | None = None
-    socket_path: str
-    tcp: tuple[str, int] | None = None
-    token: str = ""
-    http: tuple[str, int] | None = None
-    max_frame: int = p.MAX_REQUEST_FRAME
-    subscriber_buffer: int = DEFAULT_BUFFER
-    snapshot_every: int = 1000
-    allow_remote: bool = False
-    """Let --tcp/--http bind a non-loopback address (the operator asked for it explicitly)."""
-    audit_tokens: str | None = None
-    """The tokens file of the HTTP audit API (coordinator/audit/api.py); None: it answers 401."""
-    frame_timeout: float = 30.0
-    """Seconds a frame that has begun may take to arrive whole; then the connection is closed."""
-    metrics_token: str = ""
-    """A bearer token /metrics requires (empty: none; /healthz and /readyz never need one)."""
-    max_tier_slots: int = admission.MAX_TIER_SLOTS
-    """Tier slots all tiers together may hold (engines' declarations beyond it are refused)."""
-    max_tiers: int = admission.MAX_TIERS
-    max_pool_blocks: int = admission.MAX_POOL_BLOCKS
-    """Blocks all engines' pools together may hold (a declaration beyond it is refused)."""
-    max_owners_per_engine: int = admission.MAX_OWNERS_PER_ENGINE
-    """Live owners one engine may hold (a step starting more is refused)."""
-    free_errors: int = 10
-    """Refusals (Error replies) per credential and second sent at once; each further one in the
-    second waits ERROR_DELAY in the credential's turn (`Sidecar._slow_down`)."""
-    credentials: str | None = None
-    """The credentials file (coordinator/sidecar/credentials.py): who may take which role for which
-    engines. None: the shared token (TCP) and the socket's owner may be anything."""
-    socket_uids: list[int] = []
-    """Unix uids, beside the sidecar's own (and the credentials file's), that may connect to the
-    socket (SO_PEERCRED). Any of them makes the socket 0666: the kernel's peer uid is the check."""
-    metrics_engine_labels: bool = True
-    """Label per-engine gauges with each engine id; False: one series, engine="all", for every engine
-    (engine ids can name tenants, and /metrics is often scraped by a shared Prometheus)."""
-
-
-class Service(Protocol):
-    """A service the sidecar runs beside its connections, composed by its caller (the CLI hands it
-    `serve --ingest-vllm`'s vLLM ingestion; the sidecar knows nothing of vLLM). It is started once
-    the sidecar accepts, commits through the group commit (`submit_all`), returns once `stop` is
-    set, and is stopped first at shutdown: what it holds is committed while the committer still
-    takes it."""
-
-    async def __call__(
-        self, ledger: Ledger, submit_all: SubmitAll, stop: anyio.Event, *, task_status: anyio.abc.TaskStatus[None] = ...
-    ) -> None: ...
-
-
-class ConfigError(ValueError):
-    """A configuration the sidecar refuses to start with; the message says what to change."""
-
-
-def check_config(config: ServeConfig) -> None:
-    credentials = _load_credentials(config)
-    if config.credentials and config.token:
-        raise ConfigError("--token and --credentials both given: the credentials file's tokens replace the shared token")
-    if config.tcp is not None and not (config.token or (credentials is not None and credentials.has_tokens)):
-        raise ConfigError(
-            "--tcp needs a token (--token or KVLEDGER_TOKEN, or a token in --credentials): TCP clients must authenticate"
-        )
-    for name, address in (("--tcp", config.tcp), ("--http", config.http)):
-        if address is not None and not config.allow_remote and not is_loopback(address[0]):
-            raise ConfigError(f"{name} {address[0]} is not a loopback address; pass --allow-remote to listen on it")
-    if config.max_frame < 1024:
-        raise ConfigError(f"--max-frame {config.max_frame} is below 1024 bytes")
-    if config.audit_tokens:
-        try:
-            load_tokens(Path(config.audit_tokens))
-        except TokenFileError as error:
-            raise ConfigError(str(error)) from None
-
-
-def _load_credentials(config: ServeConfig) -> Credentials | None:
-    if not config.credentials:
-        return None
-    try:
-        return load_credentials(Path(config.credentials))
-    except TokenFileError as error:
-        raise ConfigError(str(error)) from None
-
-
-class Session:
-    """What a connection's Hello established: its role, and for an engine or a worker, the
-    engine and the incarnation it speaks for (0: a worker whose engine was not declared yet)."""
-
-    def __init__(self, role: str, engine_id: str, rank: int, incarnation: int = 0, credential: Credential = ALL) -> None:
-        self.credential = credential
-        """What let it in (the credentials file's entry, or ALL without one)."""
-        self.role = role
-        self.engine_id = engine_id
-        self.rank = rank
-        self.incarnation = incarnation
-        self.subscribed = False
-
-
-class Connection:
-    def __init__(self, stream: ByteStream, peer: str, peer_uid: int | None = None) -> None:
-        self.stream = stream
-        self.peer = peer
-        self.peer_uid = peer_uid
-        """The Unix socket peer's uid, from the kernel (SO_PEERCRED); None on TCP."""
-        self._send_lock = anyio.Lock()
-        self.engine_id: str | None = None
-        """The engine this connection speaks for, once its Hello made it an engine's."""
-
-    async def send(self, message: p.Message) -> None:
-        async with self._send_lock:
-            await self.stream.send(p.frame(message))
 
 
 LARGE_FRAME = 256 << 10
@@ -217,11 +104,11 @@ class Sidecar:
         """Open engine connections per engine id: declaring a connected engine again is a takeover."""
         self.metrics.ready.set_function(lambda: 1.0 if self.readiness()[0] else 0.0)
         self._credential_turns: dict[str, anyio.Semaphore] = {}
-        self._error_logs = _PerSecond(ERROR_LOGS_PER_SECOND)
+        self._error_logs = PerSecond(ERROR_LOGS_PER_SECOND)
         """Protocol errors logged per code and second (all are counted in the metrics)."""
-        self._free_errors = _PerSecond(config.free_errors)
+        self._free_errors = PerSecond(config.free_errors)
         """Refusals per credential and second sent without delay (`_slow_down`)."""
-        self.credentials = _load_credentials(config)
+        self.credentials = load_credentials_of(config)
         self.budget = admission.Budget(
             tier_slots=config.max_tier_slots,
             tiers=config.max_tiers,
@@ -416,7 +303,7 @@ class Sidecar:
         except Exception:  # noqa: BLE001
             peer = "unix"
         is_tcp = self.config.tcp is not None and stream.extra(anyio.abc.SocketAttribute.family) != socket.AF_UNIX
-        conn = Connection(stream, peer, None if is_tcp else _peer_uid(stream))
+        conn = Connection(stream, peer, None if is_tcp else peer_uid(stream))
         self.metrics.connections.inc()
         try:
             async with stream, anyio.create_task_group() as tasks:
@@ -1086,27 +973,6 @@ class Sidecar:
             self.metrics.subscribers.dec()
 
 
-class _PerSecond:
-    """At most `per_second` of something (a log line, a refusal sent at once) per key and second:
-    `take` answers None when this one is over, else how many were over since the last one taken."""
-
-    def __init__(self, per_second: int) -> None:
-        self.per_second = per_second
-        self._window: dict[str, tuple[int, int, int]] = {}
-        """key -> (second, lines logged in it, lines left out since the last logged)."""
-
-    def take(self, key: str) -> int | None:
-        second = int(time.monotonic())
-        start, logged, left_out = self._window.get(key, (second, 0, 0))
-        if start != second:
-            start, logged = second, 0
-        if logged >= self.per_second:
-            self._window[key] = (start, logged, left_out + 1)
-            return None
-        self._window[key] = (start, logged + 1, 0)
-        return left_out
-
-
 _GONE = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError)
 
 
@@ -1118,17 +984,6 @@ class _EveryKey:
 
 
 _EVERY_KEY = _EveryKey()
-
-
-def _peer_uid(stream: SocketStream) -> int | None:
-    """The uid of the process at the other end of a Unix socket, as the kernel recorded it when
-    it connected (SO_PEERCRED, Linux): a client cannot forge it."""
-    try:
-        raw: socket.socket = stream.extra(anyio.abc.SocketAttribute.raw_socket)
-        _pid, uid, _gid = struct.unpack("3i", raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    except (OSError, AttributeError, anyio.TypedAttributeLookupError):
-        return None
-    return int(uid)
 
 
 def _commit_of(result: StepCommit | Commit) -> Commit:

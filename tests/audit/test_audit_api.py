@@ -33,7 +33,8 @@ from coordinator.audit.api import INDEXED_SEQ_HEADER, TokenFileError, Tokens, lo
 from coordinator.audit.queries import Audit
 from coordinator.cli.main import app as cli
 from coordinator.core.commands import AllocateBlocks, DeclareTier, StartOwner
-from coordinator.sidecar.server import ConfigError, ServeConfig, Sidecar, check_config
+from coordinator.sidecar.config import ConfigError, ServeConfig, check_config
+from coordinator.sidecar.server import Sidecar
 from coordinator.simulator.harness import Simulation
 from coordinator.simulator.scenarios import admit, attention, load_prefix, namespace, produce, prompt
 from events import BlockRef, OwnerStarted

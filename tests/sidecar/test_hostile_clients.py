@@ -562,7 +562,7 @@ roles = ["operator"]
 async def test_a_credential_takes_only_its_roles_for_its_engines_or_its_tenants(event_log: EventLog, tmp_path: Path) -> None:
     """Anyone with the one TCP token could say Hello as any engine's worker (and publish a store
     job with invented checksums), attach as the engine, or be an operator."""
-    from coordinator.sidecar.server import ConfigError, ServeConfig, check_config
+    from coordinator.sidecar.config import ConfigError, ServeConfig, check_config
 
     sock = tmp_path / "s.sock"
     options = {"tcp": ("127.0.0.1", 0), "credentials": _credentials_file(tmp_path, CREDENTIALS)}

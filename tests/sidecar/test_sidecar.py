@@ -23,7 +23,7 @@ from coordinator import unix_streams
 from coordinator.client import Address, EngineClient, SidecarError, SidecarUnavailable, WorkerClient
 from coordinator.core.commands import AllocateBlocks, ReportRank, StartOwner
 from coordinator.sidecar import protocol as p
-from coordinator.sidecar.server import ConfigError, ServeConfig, check_config
+from coordinator.sidecar.config import ConfigError, ServeConfig, check_config
 from events import OwnerStarted, PrefixLookedUp, Refused
 from events.log import AppendBatch, AppendResult, EventLog
 from tests.kit import builders as b

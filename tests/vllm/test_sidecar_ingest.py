@@ -202,7 +202,8 @@ async def test_a_database_outage_during_ingestion_is_retried_and_the_sidecar_kee
     sidecar retries (it crashed the whole sidecar before: the outage came up as a driver error,
     not LogUnavailable), and once the database is back the batch is recorded, once."""
     from coordinator.ledger.ledger import Ledger
-    from coordinator.sidecar.server import ServeConfig, Sidecar
+    from coordinator.sidecar.config import ServeConfig
+    from coordinator.sidecar.server import Sidecar
     from events.log import open_log, upgrade_log
     from tests.conftest import PG_URL, _drop_pg_database, _new_pg_database, require_postgres
     from tests.kit.tcp_proxy import TcpProxy
