@@ -238,6 +238,10 @@ class JobFailed(Event, frozen=True, tag="job_failed"):
     job_id: int
     reason: Reason
     detail: str = ""
+    kept: int = 0
+    """A load that failed verification from its item `kept` on: the items before it read the
+    published bytes on every rank and stay loaded (their destinations count as computed), as a
+    recompute from the first bad block would keep them. 0 for every other failure."""
 
 
 class JobFenced(Event, frozen=True, tag="job_fenced"):

@@ -122,16 +122,24 @@ class Worker:
         # whatever the slot holds is copied, and its checksum reported as read.
         verify = Protection.CHECKSUMS not in self.protections_off
         mismatched = [
-            item.key.hex()
-            for item in event.items
+            index
+            for index, item in enumerate(event.items)
             if verify and len(item.checksums) > self.rank and read[item.key][1] != item.checksums[self.rank]
         ]
         if mismatched:
-            # Nothing is copied from bytes that are not what was published.
+            # Nothing is copied from bytes that are not what was published. The items before the
+            # first such are (the coordinator keeps them loaded: JobFailed.kept), each verified
+            # where it landed; the report carries what landed there and what was read after.
+            first = mismatched[0]
+            kept = list(zip(event.items[:first], destinations[:first], strict=True))
+            for item, dest in kept:
+                dest.copy_(read[item.key][0].view(dest.shape), non_blocking=True)
+            if self.stream.stream is not None:
+                self.stream.stream.synchronize()
             raise _Failed(
                 "checksum_mismatch",
-                f"keys {sorted(set(mismatched))} differ from their published checksums",
-                [read[item.key][1] for item in event.items],
+                f"keys {sorted({event.items[i].key.hex() for i in mismatched})} differ from their published checksums",
+                [checksum(dest) for _, dest in kept] + [read[item.key][1] for item in event.items[first:]],
             )
         if Protection.LOAD_DEDUPE in self.protections_off:
             return self._load_naively(event, destinations, read)

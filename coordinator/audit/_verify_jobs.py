@@ -16,6 +16,7 @@ from events import (
     ExternalItem,
     ExternalLoadStarted,
     ExternalStoreStarted,
+    JobFailed,
     JobSucceeded,
     KeyEvicted,
     KeyPublished,
@@ -173,6 +174,37 @@ class JobChecks(Checks):
         self._old_incarnation(job, "success counted", at)
         if isinstance(decision, (LoadJobStarted, ExternalLoadStarted)) and not nothing_to_do:
             self._load_succeeded(decision, job, at)
+        return False
+
+    def _job_failed(self, event: JobFailed, at: At) -> bool:
+        """I13: the items a failed load keeps (JobFailed.kept) verified on every rank."""
+        job = self.state.jobs.get(event.job_id)
+        if not event.kept or job is None:
+            return False
+        decision = job.decision
+        if not isinstance(decision, (LoadJobStarted, ExternalLoadStarted)) or event.kept > len(decision.items):
+            self._flag("I13", at, f"job {event.job_id} failed keeping {event.kept} items, but it is no load of that many")
+            return False
+        tier = self.state.tiers.get(decision.tier)
+        loaded: Sequence[LoadItem | ExternalItem] = decision.items
+        for index, item in enumerate(loaded[: event.kept]):
+            entry = tier.entry(_pool(item), item.key) if tier is not None else None
+            published = entry.checksums if entry is not None else item.checksums
+            unverified = [
+                rank
+                for rank in range(decision.world_size)
+                if (report := job.reports.get(rank)) is None
+                or len(report.checksums) <= index
+                or rank >= len(published)
+                or report.checksums[index] != published[rank]
+            ]
+            if unverified:
+                self._flag(
+                    "I13",
+                    at,
+                    f"load {event.job_id} keeps item {index} (key {item.key.hex()}), which rank(s) {unverified} did not verify",
+                    self._job_and_reports(event.job_id)(),
+                )
         return False
 
     def _load_succeeded(self, decision: LoadJobStarted | ExternalLoadStarted, job: JobState, at: At) -> None:

@@ -138,6 +138,7 @@ class Verifier(BlockChecks, JobChecks):
             StateCopyPlanned: self._state_copy_planned,
             RankReported: self._rank_reported,
             JobSucceeded: self._job_succeeded,
+            JobFailed: self._job_failed,
             KeyPublished: self._key_published,
             KeyEvicted: self._key_evicted,
             EncoderEntryAllocated: self._encoder_entry_allocated,

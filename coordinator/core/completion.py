@@ -6,7 +6,9 @@ Both kinds keep the same invariants and honour the same protection switches: a k
 only when every rank reported success with a checksum (I5, I11); a re-store with other bytes
 quarantines the key (I10; with IDEMPOTENT_STORE off the last writer wins, as in seed 002); a load
 counts only while its lease holds (I12; LEASES off: no lease check), its keys were not evicted
-meanwhile, and every rank read the published bytes (I13; CHECKSUMS off: nothing is compared).
+meanwhile, and every rank read the published bytes (I13; CHECKSUMS off: nothing is compared). A
+load that fails verification keeps the items before the first one some rank did not verify
+(JobFailed.kept): they hold the published bytes, and the engine recomputes from there on.
 Reached from ReportRank (coordinator/core/jobs.py). Pure.
 """
 
@@ -135,6 +137,7 @@ def _verify_load(state: State, tier: TierState, decision: Load, per_rank: list[l
     verify = not is_off(Protection.CHECKSUMS)  # off: MOONCAKE_STORE_CHECKSUM unset (seed 002)
     quarantined: dict[tuple[int, bytes], None] = {}
     unverified = 0
+    kept: int | None = None
     items: Sequence[LoadItem | ExternalItem] = decision.items
     for index, item in enumerate(items):
         entry = current_entry(tier, item)
@@ -147,6 +150,7 @@ def _verify_load(state: State, tier: TierState, decision: Load, per_rank: list[l
         published = entry.checksums if entry is not None else item.checksums
         if verify and published and [sums[index] for sums in per_rank] != published:
             unverified += 1
+            kept = index if kept is None else kept
             if entry is not None:
                 quarantined[(pool_of(item), item.key)] = None
     if not unverified:
@@ -163,7 +167,12 @@ def _verify_load(state: State, tier: TierState, decision: Load, per_rank: list[l
             )
             for pool_id, key in quarantined
         ),
-        JobFailed(job_id=job_id, reason=Reason.CHECKSUM_MISMATCH, detail=f"{unverified} items failed verification"),
+        JobFailed(
+            job_id=job_id,
+            reason=Reason.CHECKSUM_MISMATCH,
+            detail=f"{unverified} items failed verification",
+            kept=kept or 0,
+        ),
     ]
 
 
@@ -188,12 +197,17 @@ def _load_mismatches(state: State, decision: Load, reports: dict[int, RankReport
     keys: dict[tuple[int, bytes], None] = {}
     mismatched = 0
     items: Sequence[LoadItem | ExternalItem] = decision.items
-    for rank, report in sorted(reports.items()):
-        if len(report.checksums) != len(items):
+    kept = len(items)  # the items before the first that some rank did not verify
+    for rank in range(decision.world_size):
+        report = reports.get(rank)
+        if report is None or len(report.checksums) != len(items):
+            kept = 0  # what a rank that says nothing of its reads copied is unknown
             continue
-        for item, read in zip(items, report.checksums, strict=True):
+        for index, (item, read) in enumerate(zip(items, report.checksums, strict=True)):
             entry = current_entry(tier, item)
             published = entry.checksums if entry is not None else item.checksums
+            if not read or rank >= len(published) or read != published[rank]:
+                kept = min(kept, index)
             if read and rank < len(published) and read != published[rank]:
                 mismatched += 1
                 if entry is not None:
@@ -217,5 +231,6 @@ def _load_mismatches(state: State, decision: Load, reports: dict[int, RankReport
             job_id=decision.job_id,
             reason=Reason.CHECKSUM_MISMATCH,
             detail=f"{mismatched} reads differ from the published checksums",
+            kept=kept,
         ),
     ]

@@ -400,8 +400,9 @@ def _rank_reported(state: State, event: RankReported) -> None:
     state.jobs[event.job_id].reports[event.rank] = event
 
 
-def _end_job(state: State, job: JobState, succeeded: bool) -> None:
-    """Release what the job held: pins (I3), reserved tier slots, leases (I12)."""
+def _end_job(state: State, job: JobState, succeeded: bool, kept: int = 0) -> None:
+    """Release what the job held: pins (I3), reserved tier slots, leases (I12). A load's
+    destinations count as computed when it succeeded, or up to `kept` when it failed from there."""
     decision = job.decision
     if isinstance(decision, ExternalStoreStarted | ExternalLoadStarted):
         _end_external_job(state, decision, succeeded)
@@ -420,7 +421,7 @@ def _end_job(state: State, job: JobState, succeeded: bool) -> None:
                 tier_free[item.tier_slot] = None  # reserved but not published: give it back
     elif isinstance(decision, LoadJobStarted):
         tier = state.tiers[decision.tier]
-        for load_item in decision.items:
+        for index, load_item in enumerate(decision.items):
             dest = load_item.dest
             entry = tier.entry(dest.pool_id, load_item.key)
             if entry is not None and entry.leases:
@@ -428,7 +429,7 @@ def _end_job(state: State, job: JobState, succeeded: bool) -> None:
                 if not entry.leases:
                     entry.leases = None
             pool = pools[dest.pool_id]
-            if succeeded:
+            if succeeded or index < kept:
                 pool.keys[dest.block_id] = load_item.key
                 if load_item.tier_slot in tier.lru:  # touch: most recently used
                     tier.lru[load_item.tier_slot] = tier.lru.pop(load_item.tier_slot)
@@ -463,7 +464,7 @@ def _fenced_rank_done(state: State, event: FencedRankDone) -> None:
 
 
 def _job_failed(state: State, event: JobFailed) -> None:
-    _end_job(state, state.jobs.pop(event.job_id), succeeded=False)
+    _end_job(state, state.jobs.pop(event.job_id), succeeded=False, kept=event.kept)
 
 
 # --- tiers ---------------------------------------------------------------------------------------------

@@ -473,15 +473,23 @@ class WorkloadEngine:
             if isinstance(event, JobSucceeded | JobFailed | JobFenced) and event.job_id in self.loads:
                 request, attempt = self.loads.pop(event.job_id)
                 if request.attempt == attempt:
-                    self._landed(request, isinstance(event, JobSucceeded))
+                    self._landed(request, isinstance(event, JobSucceeded), event.kept if isinstance(event, JobFailed) else 0)
 
-    def _landed(self, request: Request, ok: bool) -> None:
-        """A prefix load finished: check what landed before the request uses it."""
+    def _landed(self, request: Request, ok: bool, kept: int = 0) -> None:
+        """A prefix load finished: check what landed before the request uses it. A failed one
+        keeps its first `kept` items (JobFailed.kept: attention blocks, loaded and verified)."""
         assert request.plan is not None
         boundary, attention_keys, state_key = request.plan
         request.plan = None
         request.phase = "prefill"
-        if not ok:  # recompute from the start, in the blocks it holds
+        if not ok:  # recompute from the start, in the blocks it holds, over none of the kept ones
+            kept = min(kept, len(attention_keys), len(request.attention))
+            if kept:
+                kept_blocks = request.attention[:kept]
+                self.engine.check(
+                    [(ref, request.tokens[: (index + 1) * ATTENTION_BLOCK]) for index, ref in enumerate(kept_blocks)]
+                )
+                request.computed = kept
             return
         loaded = request.attention[: len(attention_keys)]
         state = request.spare.pop(0)

@@ -435,37 +435,34 @@ class KvledgerOffloadingWorker(OffloadingWorker):
                 data = torch.empty(0, dtype=torch.uint8)
             read.append(data)
             sums.append(checksum(data) if data.numel() else b"")
-        mismatched = [keys[index] for index in unverified([item[4] for item in src_spec.items], sums, self.rank)]
-        if mismatched:
-            # I13: not one byte of it reaches vLLM's cache. Reported, so the key is quarantined.
+        bad = unverified([item[4] for item in src_spec.items], sums, self.rank)
+        if bad:
+            # I13: not one byte of a bad block reaches vLLM's cache. The blocks before the first
+            # are copied (the sidecar keeps them: JobFailed.kept) and vLLM recomputes from there
+            # on, as its own per-block recovery does. Reported, so the key is quarantined.
+            first = bad[0]
+            mismatched = [keys[index] for index in bad]
+            landed, _ = self._copy(block_ids[:first], src_spec.items[:first], read[:first])
             error = f"checksum_mismatch: {mismatched}" + (f"; unreadable: {unreadable}" if unreadable else "")
             self._report(
-                ReportRank(job_id=src_spec.job_id, rank=self.rank, ok=False, checksums=sums, error=error),
+                ReportRank(job_id=src_spec.job_id, rank=self.rank, ok=False, checksums=landed + sums[first:], error=error),
                 lambda events: self._refuse(
-                    job_id, block_ids, error, kvledger_job=src_spec.job_id, keys=mismatched, events=events
+                    job_id, block_ids[first:], error, kvledger_job=src_spec.job_id, keys=mismatched, events=events
                 ),
             )
             return True
-        landed = []
-        size = 0
-        for block_id, (group, _, _, _, _), data in zip(block_ids, src_spec.items, read, strict=True):
-            offset = 0
-            rows = self._rows(group, block_id)
-            for row in rows:
-                length = row.numel() * row.element_size()
-                row.view(-1).view(torch.uint8).copy_(data[offset : offset + length])
-                offset += length
-            landed.append(checksum(torch.cat([row.reshape(-1) for row in rows]).view(torch.uint8)))
-            size += offset
+        landed, size = self._copy(block_ids, src_spec.items, read)
 
         def reported(events: list | None) -> None:
             failed = [e for e in events or [] if isinstance(e, JobFailed)]
             if landed != sums or failed or events is None:
                 # A load that does not count (lease expired, key evicted or quarantined meanwhile,
                 # I12; bytes that changed on their way in; a report the sidecar never got): the
-                # blocks it wrote are recomputed over, before vLLM hears the pass's transfers ended.
+                # blocks it wrote are recomputed over, before vLLM hears the pass's transfers ended;
+                # all but those a failed verification kept (JobFailed.kept: verified on every rank).
                 reason = "verify_failed" if landed != sums else f"job_failed: {failed[0].reason}" if failed else "not_reported"
-                self._refuse(job_id, block_ids, reason, kvledger_job=src_spec.job_id, keys=keys, events=events)
+                kept = failed[0].kept if failed and landed == sums else 0
+                self._refuse(job_id, block_ids[kept:], reason, kvledger_job=src_spec.job_id, keys=keys[kept:], events=events)
                 return
             self.finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
 
@@ -480,6 +477,21 @@ class KvledgerOffloadingWorker(OffloadingWorker):
             reported,
         )
         return True
+
+    def _copy(self, block_ids: list[int], items: list, read: list[torch.Tensor]) -> tuple[list[bytes], int]:
+        """Copy what was read into vLLM's blocks; the checksum of what landed in each, and the bytes moved."""
+        landed = []
+        size = 0
+        for block_id, (group, _, _, _, _), data in zip(block_ids, items, read, strict=True):
+            offset = 0
+            rows = self._rows(group, block_id)
+            for row in rows:
+                length = row.numel() * row.element_size()
+                row.view(-1).view(torch.uint8).copy_(data[offset : offset + length])
+                offset += length
+            landed.append(checksum(torch.cat([row.reshape(-1) for row in rows]).view(torch.uint8)))
+            size += offset
+        return landed, size
 
     def get_finished(self) -> list[TransferResult]:
         """The pass's transfers: their reports sent first, together, so that a load the sidecar

@@ -785,3 +785,18 @@ def test_an_external_engines_unsafe_jobs_are_flagged(off: Protection, invariant:
     """The same run with one protection off: what it lets through is found in the log."""
     _, events = _external_run(off, *((Protection.CHECKSUMS,) if off is Protection.LEASES else ()))
     assert invariant in {v.invariant for v in verified(events).violations}
+
+
+def test_a_failed_load_keeps_only_what_every_rank_verified() -> None:
+    """JobFailed.kept (issue 19, item 7): the first item verified on both ranks and is kept, the
+    second did not. The log as decided verifies clean; the same log claiming both kept does not."""
+    core = external.core_with()
+    external.publish(core, 1, 2)
+    job = external.load(core, 1, 2)
+    external.report(core, job, 0)
+    external.report(core, job, 1, ok_=False, checksums=[job.items[0].checksums[1], b"other bytes"])
+    [failed] = [e for e in core.events if isinstance(e, JobFailed)]
+    assert failed.kept == 1
+    assert verified(core.events).violations == []
+    forged = [msgspec.structs.replace(e, kept=2) if e is failed else e for e in core.events]
+    assert [(v.invariant, "keeps item 1" in v.message) for v in verified(forged).violations] == [("I13", True)]

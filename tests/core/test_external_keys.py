@@ -155,6 +155,7 @@ def test_a_checksum_mismatch_on_load_quarantines_the_key() -> None:
     assert [type(e) for e in events[1:]] == [KeyQuarantined, JobFailed]
     assert isinstance(events[1], KeyQuarantined) and events[1].key == job.items[1].key
     assert isinstance(events[2], JobFailed) and events[2].reason is Reason.CHECKSUM_MISMATCH
+    assert events[2].kept == 1  # the first key verified on both ranks: the engine keeps its block
     assert loadable(core, 1, 2) == [True, False]
     rejected(core, LoadExternal(engine_id=ENGINE, tier=TIER, keys=refs(2)), Refused, Reason.KEY_QUARANTINED)
     # A worker that reports success with other checksums is caught all the same.

@@ -493,6 +493,41 @@ def test_I13_a_load_checksum_mismatch_quarantines_the_key() -> None:
     assert replay_matches(core)
 
 
+def test_I13_a_load_that_fails_verification_keeps_the_blocks_before_the_first_bad_one() -> None:
+    """Three keys loaded; one rank read other bytes for the second. The first stays loaded (it
+    verified on every rank: JobFailed.kept = 1), the second is quarantined, and from it on the
+    engine recomputes: vLLM's recovery is per block, and so is kvledger's answer."""
+    core = new_core()
+    begin(core)
+    keys = publish(core, TOKENS[:12])
+    dests = allocate(core, owner(core, "reader"), 3)
+    job = load(core, list(zip(keys, dests, strict=True)))
+    report(core, job.job_id, 0, [checksum(key, 0) for key in keys])
+    events = report(core, job.job_id, 1, [checksum(keys[0], 1), b"corrupted", checksum(keys[2], 1)])
+    [failed] = of_type(events, JobFailed)
+    assert (failed.reason, failed.kept) == (Reason.CHECKSUM_MISMATCH, 1)
+    assert [e.key for e in of_type(events, KeyQuarantined)] == [keys[1]]
+    pool = core.state.engines[ENGINE].pools[0]
+    assert [pool.keys[d.block_id] for d in dests] == [keys[0], None, None]
+    assert replay_matches(core)
+
+
+def test_I13_a_rank_that_fails_without_its_reads_keeps_nothing() -> None:
+    """The other rank read other bytes for the last key, but this one failed without saying
+    what it read (a tier file it could not open): what it copied is unknown, so nothing is kept."""
+    core = new_core()
+    begin(core)
+    keys = publish(core, TOKENS[:8])
+    dests = allocate(core, owner(core, "reader"), 2)
+    job = load(core, list(zip(keys, dests, strict=True)))
+    report(core, job.job_id, 0, [checksum(keys[0], 0), b"corrupted"], ok_=False)
+    events = report(core, job.job_id, 1, [], ok_=False)
+    [failed] = of_type(events, JobFailed)
+    assert failed.kept == 0
+    assert [core.state.engines[ENGINE].pools[0].keys[d.block_id] for d in dests] == [None, None]
+    assert replay_matches(core)
+
+
 # --- I12 / I13 layered: what each one alone still catches (the simulator's baselines) -------------
 
 

@@ -205,6 +205,34 @@ async def test_I13_a_flipped_byte_in_a_tier_file_fails_the_load_and_the_key_is_q
             assert [type(e) for e in await job_outcome(event_log, decision2.job_id)] == [JobSucceeded]
 
 
+async def test_I13_a_load_that_fails_verification_keeps_the_blocks_before_the_first_bad_one(
+    event_log: EventLog, tmp_path: Path
+) -> None:
+    """Issue 19, item 7: the second key's file is damaged on rank 1. Both ranks fill the first
+    destination with the published bytes (it verified everywhere); rank 1 copies nothing from the
+    second key on; the job fails keeping one block, which the engine's state counts as loaded."""
+    async with sidecar_on(event_log, tmp_path / "s.sock") as sidecar:
+        rig = Rig(tmp_path / "s.sock", tmp_path)
+        async with rig.client:
+            store, sources = await stored_keys(rig, list(range(2 * b.BLOCK)))
+            keys = [item.key for item in store.items]
+            file = rig.workers[1].tiers[b.TIER].path(keys[1])  # type: ignore[attr-defined]
+            data = bytearray(file.read_bytes())
+            data[5] ^= 0x01
+            file.write_bytes(bytes(data))
+            decision, dests = await load(rig, keys)
+            before = rig.workers[1].pools.block(dests[1]).clone()
+            await rig.run_workers(1)
+            outcome = await job_outcome(event_log, decision.job_id)
+            assert [type(e) for e in outcome] == [KeyQuarantined, JobFailed]
+            assert outcome[1].kept == 1  # type: ignore[attr-defined]
+            for worker in rig.workers:
+                assert torch.equal(worker.pools.block(dests[0]), pattern(sources[0].block_id, worker.rank))
+            assert torch.equal(rig.workers[1].pools.block(dests[1]), before)
+            pool = sidecar.ledger.state.engines["pod-a"].pools[dests[0].pool_id]
+            assert [pool.keys[d.block_id] for d in dests] == [keys[0], None]
+
+
 @pytest.mark.parametrize("damage", ["missing", "truncated", "size_mismatch"])
 async def test_a_missing_or_wrong_sized_tier_file_is_a_failed_report_with_its_reason(
     event_log: EventLog, tmp_path: Path, damage: str
