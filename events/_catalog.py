@@ -53,7 +53,9 @@ class EngineDeclared(Event, frozen=True, tag="engine_declared"):
 
 class EngineReset(Event, frozen=True, tag="engine_reset"):
     """The old incarnation ends: owners end, device slots free, jobs fenced (I16). Published
-    keys in tiers survive; generations keep counting so old references stay stale (I1)."""
+    keys in tiers survive, unless the reset reaches the tier (ResetCache.drop_tier_keys: the
+    KeyEvicted and KeyQuarantined after this event end them); generations keep counting so old
+    references stay stale (I1)."""
 
     engine_id: str
     incarnation: int

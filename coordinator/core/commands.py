@@ -46,6 +46,10 @@ class DeclareEngine(Command, frozen=True, tag="declare_engine"):
 class ResetCache(Command, frozen=True, tag="reset_cache"):
     engine_id: str
     reason: str = "reset_cache"
+    drop_tier_keys: bool = False
+    """Also end the keys of the engine's namespace in its tiers (vLLM's
+    `reset_prefix_cache(reset_connector=True)`): none is found or loaded afterwards
+    (coordinator/core/namespaces.py, `ended_by_reset`)."""
 
 
 class BeginStep(Command, frozen=True, tag="begin_step"):

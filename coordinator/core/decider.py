@@ -238,7 +238,10 @@ def _reset_events(state: State, eng: EngineState, incarnation: int, reason: str)
 
 def _reset_cache(state: State, command: ResetCache) -> list[Event]:
     eng = check.engine(state, command.engine_id)
-    return _reset_events(state, eng, eng.incarnation + 1, command.reason or "reset_cache")
+    events = _reset_events(state, eng, eng.incarnation + 1, command.reason or "reset_cache")
+    if command.drop_tier_keys:  # vLLM's reset_prefix_cache(reset_connector=True): the tier too
+        events += namespaces.ended_by_reset(state, eng.engine_id, eng.namespace_id, eng.tiers)
+    return events
 
 
 # --- steps ---------------------------------------------------------------------------------------

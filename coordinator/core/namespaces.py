@@ -18,6 +18,8 @@ responsibility for old releases". Here:
 - release: every key of the namespace is evicted, except that a key a live lease holds is never
   evicted (I12): the whole release is refused then, naming the loads.
 
+An engine's reset that reaches the tier (`ended_by_reset`) ends its namespace's keys the same way.
+
 Every decision relates two namespaces of one tenant: across tenants even a record would show one
 tenant's namespace in the other's audit (I9).
 """
@@ -144,6 +146,24 @@ def _live_leases(state: State, entry: KeyEntry) -> list[int]:
         if engine is None or engine.clock < expiry:
             live.append(job_id)
     return live
+
+
+def ended_by_reset(state: State, engine_id: str, namespace: bytes, tiers: list[str]) -> list[Event]:
+    """A reset that reaches the tier (ResetCache.drop_tier_keys): every key of `namespace` in
+    `tiers` ends. A key no live lease holds is evicted (its slot comes free); one a load still
+    holds is quarantined instead (I12: a leased key is never evicted), so that no lookup finds it
+    and the load fails when it completes (KEY_QUARANTINED)."""
+    ended: list[Event] = []
+    for tier, pool_id, key, entry in _published(state, namespace):
+        if tier not in tiers:
+            continue
+        loads = _live_leases(state, entry)
+        if not loads:
+            ended.append(KeyEvicted(tier=tier, pool_id=pool_id, key=key, tier_slot=entry.tier_slot, engine_id=engine_id))
+        elif not entry.quarantined:
+            detail = f"engine {engine_id!r} reset its cache and the tier's while load job(s) {loads} hold the key"
+            ended.append(KeyQuarantined(tier=tier, pool_id=pool_id, key=key, reason=Reason.ENGINE_RESET, job_id=0, detail=detail))
+    return ended
 
 
 HANDLERS: dict[type[Command], Handler] = {

@@ -55,6 +55,14 @@ class KvledgerOffloadingConnector(OffloadingConnector):
         self._refused_requests: set[str] = set()
         """Scheduler side: requests a load of which was refused; they recompute from now on."""
 
+    def reset_cache(self) -> bool:
+        """vLLM's `reset_prefix_cache(reset_connector=True)`: True once kvledger ended this
+        engine's keys in its tier (KvledgerOffloadingManager.reset_cache); False, not success,
+        when it could not be told (vLLM #57727 answered success and kept serving the old blocks)."""
+        done = super().reset_cache()
+        assert self.connector_scheduler is not None
+        return bool(done) and getattr(self.connector_scheduler.manager, "reset_failed", None) is None
+
     # --- worker side --------------------------------------------------------------------------
 
     def get_block_ids_with_load_errors(self) -> set[int]:

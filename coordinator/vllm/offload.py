@@ -78,7 +78,7 @@ from coordinator.vllm.offload_client import (
     tier_spec,
     unverified,
 )
-from events import ExternalLoadStarted, ExternalStoreStarted, JobFailed, KeyQuarantined
+from events import ExternalLoadStarted, ExternalStoreStarted, JobFailed, KeyEvicted, KeyQuarantined
 from gpu.checksum import checksum
 from gpu.tiers import DiskTier, SlotTier, Tier, TierError
 
@@ -161,6 +161,8 @@ class KvledgerOffloadingManager(OffloadingManager):
         """Tier key -> vLLM's key, for the keys this engine stored (to name evictions to vLLM)."""
         self._loads: list[tuple[KvledgerSpec, PendingLoad, ReqContext]] = []
         self._stores: list[tuple[KvledgerSpec, PendingStore]] = []
+        self.reset_failed: str | None = None
+        """Why the last reset_cache could not end this engine's keys in the tier (None: it did)."""
 
     def session(self) -> LedgerSession:
         if self._session is None:
@@ -274,8 +276,28 @@ class KvledgerOffloadingManager(OffloadingManager):
         return events
 
     def reset_cache(self) -> None:
-        """Nothing to drop: a tier key is the block's content in its namespace, valid after vLLM
-        resets its own prefix cache (the tier survives an engine reset in kvledger too)."""
+        """`reset_prefix_cache(reset_connector=True)` (vLLM #57727: the CPU tier kept serving the
+        old blocks after it returned success): this engine's keys end in kvledger's tier before
+        it returns, its jobs in flight are fenced, and no lookup finds those keys afterwards.
+        When kvledger could not be told, `reset_failed` says why (vLLM's own reset goes on: this
+        is called in its middle) and the connector answers the reset with False
+        (KvledgerOffloadingConnector.reset_cache)."""
+        self._loads, self._stores = [], []
+        self.reset_failed = None
+        try:
+            events = self.session().reset()
+        except (SidecarError, SidecarUnavailable) as error:
+            self.reset_failed = str(error)
+            log.error("kvledger_reset_failed", error=self.reset_failed)
+            return
+        ended = [e.key for e in events if isinstance(e, KeyEvicted | KeyQuarantined)]
+        if ended and self.events_enabled:
+            removed = [self._engine_keys[key] for key in ended if key in self._engine_keys]
+            if removed:
+                self._events.append(OffloadingEvent(keys=removed, medium=Medium.CPU, removed=True))
+        for key in ended:
+            self._engine_keys.pop(key, None)
+        log.info("kvledger_reset", engine=self.session().engine_id, keys_ended=len(ended))
 
     def shutdown(self) -> None:
         if self._session is not None:

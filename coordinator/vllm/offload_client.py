@@ -43,6 +43,7 @@ from coordinator.core.commands import (
     ExternalKey,
     LoadExternal,
     ReportRank,
+    ResetCache,
     StoreExternal,
 )
 from coordinator.sidecar import protocol as p
@@ -404,6 +405,15 @@ class LedgerSession:
         if not result.duplicate:
             return [list(events) for events in result.results]
         return per_command([e for events in result.results for e in events], len(commands))
+
+    def reset(self) -> list[Event]:
+        """vLLM's `reset_prefix_cache(reset_connector=True)`: this engine's keys end in the tier
+        (ResetCache.drop_tier_keys: evicted, or quarantined where a load holds one) and its jobs
+        in flight are fenced (I16), committed before this returns; nothing this session knew of
+        the tier survives it. Raises SidecarError or SidecarUnavailable when it could not be told."""
+        self._answers, self._ended_pass, self._loads, self._stores = {}, {}, [], []
+        reset = ResetCache(engine_id=self.engine_id, reason="reset_prefix_cache(reset_connector=True)", drop_tier_keys=True)
+        return list(self.client.execute(reset).events)
 
     def close(self) -> None:
         self.client.close()

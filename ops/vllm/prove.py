@@ -151,9 +151,22 @@ def run_engine(args: argparse.Namespace) -> None:
                     "logprobs": [step[token].logprob for step, token in zip(completion.logprobs or [], completion.token_ids)],
                 }
             )
+    reset = None
+    if args.phase == "kvledger":
+        # vLLM #57727: the reset must reach the tier. After it, nothing comes back from kvledger:
+        # the first prompt computes from scratch (the engine's own cache was reset too).
+        reset_ok = llm.reset_prefix_cache(reset_connector=True)
+        after = []
+        for prompt_index, tail in enumerate(TAILS):
+            (output,) = llm.generate([PREFIX + tail], params, use_tqdm=False)
+            after.append({"prompt": prompt_index, "num_cached_tokens": output.num_cached_tokens})
+        reset = {"ok": bool(reset_ok), "after": after}
     llm.llm_engine.engine_core.shutdown()
     Path(args.out).write_text(
-        json.dumps({"engine_up_s": up, "total_s": time.monotonic() - started, "results": results, "corrupted": corrupted}) + "\n"
+        json.dumps(
+            {"engine_up_s": up, "total_s": time.monotonic() - started, "results": results, "corrupted": corrupted, "reset": reset}
+        )
+        + "\n"
     )
 
 
@@ -278,6 +291,7 @@ def main() -> None:
         "kvledger": cached["results"],
         "log": str(log_path),
         "corrupted": cached["corrupted"],
+        "reset": cached["reset"],
         "tier_dir": str(args.tier_dir),
         "sidecar_log": str(workdir / "sidecar.log"),
         "sidecar_exit": sidecar.returncode,

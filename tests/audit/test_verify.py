@@ -740,7 +740,7 @@ def test_golden_the_mixed_workload_verifies_clean(tmp_path: Path) -> None:
 def _external_run(*off: Protection) -> tuple[CoordinatorCore, list[Event]]:
     """An engine that owns its blocks (tests/kit/external.py) on a 3-slot tier: stores that publish,
     a load that verifies, a load whose rank read other bytes, a store that evicts, a load whose
-    lease runs out, and a store still in flight when the engine resets."""
+    lease runs out, and a store still in flight when the engine resets its cache and the tier's."""
     core = external.core_with(tier_slots=3, core=CoordinatorCore(protections_off=frozenset(off)))
     external.publish(core, 1, 2)
     good = external.load(core, 1)
@@ -760,7 +760,7 @@ def _external_run(*off: Protection) -> tuple[CoordinatorCore, list[Event]]:
     late = external.store(core, 5)
     external.report(core, late, 0)
     end(core)
-    core.execute(ResetCache(engine_id=ENGINE))
+    core.execute(ResetCache(engine_id=ENGINE, drop_tier_keys=True))  # the tier's keys end too
     begin(core, clock=11.0)
     external.report(core, late, 1)  # after the reset: fenced (I16)
     end(core)

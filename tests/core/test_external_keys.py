@@ -15,6 +15,7 @@ from coordinator.core.commands import (
     LoadExternal,
     LookupExternal,
     ReportRank,
+    ResetCache,
     StoreExternal,
 )
 from coordinator.core.completion import complete
@@ -25,6 +26,7 @@ from events import (
     Event,
     ExternalLoadStarted,
     ExternalStoreStarted,
+    FencedRankDone,
     JobFailed,
     JobSucceeded,
     KeyEvicted,
@@ -338,3 +340,35 @@ def test_an_engines_own_jobs_complete_as_kvledgers_do_under_every_protection_swi
         assert switched == [KeyEvicted, KeyPublished, JobSucceeded]  # seed 002: the last writer wins
     else:
         assert on[-1] is JobFailed and switched == [JobSucceeded]
+
+
+def test_a_reset_that_reaches_the_tier_ends_the_namespaces_keys() -> None:
+    """Issue 19, item 5 (vLLM's reset_prefix_cache(reset_connector=True)): the engine's keys end
+    in its tier. An unleased key is evicted; one a load in flight holds is quarantined (I12: never
+    evicted under a lease), and that load, fenced by the reset, never counts (I16). Afterwards no
+    lookup finds either; another tenant's key on the same tier stays."""
+    core = core_with()
+    other = "engine-b"
+    new_core([attention_pool(managed=False)], world_size=WORLD, engine_id=other, tenant="tenant-b", core=core)
+    begin(core, engine_id=other)
+    publish(core, 7, engine_id=other)
+    end(core, engine_id=other)
+    publish(core, 1, 2)
+    in_flight = load(core, 2)
+    report(core, in_flight, 0)
+    end(core)
+    plain = ok(core.execute(ResetCache(engine_id=ENGINE)))
+    assert not [e for e in plain if isinstance(e, KeyEvicted | KeyQuarantined)]  # a plain reset keeps the tier
+    events = ok(core.execute(ResetCache(engine_id=ENGINE, reason="reset_prefix_cache", drop_tier_keys=True)))
+    evicted = [e for e in events if isinstance(e, KeyEvicted)]
+    quarantined = [e for e in events if isinstance(e, KeyQuarantined)]
+    assert [e.key for e in evicted] == [external_key(core.state.engines[ENGINE].namespace_id, 0, vllm_key(1))]
+    assert [(e.key, e.reason) for e in quarantined] == [(in_flight.items[0].key, Reason.ENGINE_RESET)]
+    begin(core, clock=1.0)
+    assert loadable(core, 1, 2) == [False, False]
+    late = report(core, in_flight, 1)
+    assert [type(e) for e in late] == [FencedRankDone]  # fenced by the reset: its rank is done, nothing counts
+    end(core)
+    begin(core, engine_id=other)
+    assert loadable(core, 7, engine_id=other) == [True]
+    assert replay_matches(core)

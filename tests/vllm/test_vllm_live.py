@@ -41,6 +41,7 @@ from coordinator.client import SidecarError
 from coordinator.sidecar import protocol as p
 from coordinator.vllm.offload_client import EngineFacts, LedgerSession, OffloadSettings, declaration
 from events import (
+    EngineReset,
     Event,
     EventCodec,
     ExternalKeysLookedUp,
@@ -48,6 +49,7 @@ from events import (
     ExternalStoreStarted,
     JobFailed,
     JobSucceeded,
+    KeyEvicted,
     KeyPublished,
     KeyQuarantined,
     NamespaceRegistered,
@@ -145,9 +147,20 @@ def logged(proof: dict[str, Any], sequenced: list[tuple[int, Event]]) -> list[Ev
     return [event for seq, event in sequenced if seq <= proof["corrupted"]["last_seq"]]
 
 
+CONNECTOR_RESET = "reset_prefix_cache(reset_connector=True)"
+
+
+def _connector_reset_at(sequenced: list[tuple[int, Event]]) -> int:
+    """The global sequence of the engine's reset that reached the tier (the proof's last phase)."""
+    (seq,) = [seq for seq, event in sequenced if isinstance(event, EngineReset) and event.reason == CONNECTOR_RESET]
+    return seq
+
+
 @pytest.fixture(scope="module")
 def after_corruption(proof: dict[str, Any], sequenced: list[tuple[int, Event]]) -> list[Event]:
-    return [event for seq, event in sequenced if seq > proof["corrupted"]["last_seq"]]
+    """From the corruption up to the reset that reached the tier."""
+    reset_at = _connector_reset_at(sequenced)
+    return [event for seq, event in sequenced if proof["corrupted"]["last_seq"] < seq < reset_at]
 
 
 def test_tokens_and_logprobs_equal_the_cold_run(proof: dict[str, Any]) -> None:
@@ -208,6 +221,36 @@ def test_kvledger_verify_finds_nothing_in_the_proofs_log(proof: dict[str, Any]) 
     assert done.returncode == 0, f"kvledger verify exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
     report = json.loads(done.stdout)
     assert report["ok"] and report["violation_count"] == 0 and report["events_checked"] > 0
+
+
+def test_a_reset_that_reaches_the_connector_ends_the_keys_in_the_tier(
+    proof: dict[str, Any], sequenced: list[tuple[int, Event]]
+) -> None:
+    """Issue 19, item 5 (vLLM #57727): `reset_prefix_cache(reset_connector=True)` returns True
+    only once kvledger ended the engine's keys in its tier; afterwards no lookup finds a key
+    published before it, no load reads one, and the first prompt computes from scratch."""
+    reset = proof["reset"]
+    assert reset["ok"] is True
+    assert reset["after"][0]["num_cached_tokens"] == 0
+    reset_at = _connector_reset_at(sequenced)
+    before = {e.key for seq, e in sequenced if seq < reset_at and isinstance(e, KeyPublished)}
+    at_reset = [e for seq, e in sequenced if seq > reset_at and isinstance(e, KeyEvicted | KeyQuarantined)]
+    ended = {e.key for e in at_reset}
+    live_before = before - {e.key for seq, e in sequenced if seq < reset_at and isinstance(e, KeyEvicted)}
+    assert live_before and live_before <= ended, (len(live_before), len(ended))
+    # After it, a lookup finds and a load reads only keys stored after it (this incarnation's bytes).
+    after = [e for seq, e in sequenced if seq > reset_at]
+    engine_key_of = {item.key: item.engine_key for _, e in sequenced if isinstance(e, ExternalStoreStarted) for item in e.items}
+    published_since: set[bytes] = set()
+    for event in after:
+        if isinstance(event, KeyPublished):
+            published_since.add(event.key)
+        elif isinstance(event, ExternalLoadStarted):
+            assert {item.key for item in event.items} <= published_since, "a load after the reset read a key from before it"
+        elif isinstance(event, ExternalKeysLookedUp) and event.head_seq >= reset_at:  # answered after it, not only logged
+            found = {key for key, loadable in zip(event.engine_keys, event.loadable, strict=True) if loadable}
+            assert found <= {engine_key_of[key] for key in published_since}, "a lookup after the reset found a key from before it"
+    print(f"connector reset: {len(ended)} keys ended in the tier; first prompt after it: 0 cached tokens")
 
 
 def test_a_corrupted_tier_file_is_refused_quarantined_and_recomputed(
