@@ -34,26 +34,22 @@ error rather than a new, empty topic.
 
 from __future__ import annotations
 
-import logging
 import signal
 import time
 import urllib.parse
 from collections.abc import Callable
-from pathlib import Path
 
 import anyio
 import sqlalchemy as sa
 import structlog
-from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped]
-from aiokafka.errors import KafkaError  # type: ignore[import-untyped]
 
-from coordinator.audit.answers import AuditError
 from coordinator.audit.api import Tokens
 from coordinator.audit.fleet_http import FleetHealth, fleet_app
 from coordinator.audit.store import IndexProgress, indexed_seq, sync_index
 from coordinator.http_serving import listen, serve_http
-from events.log import LogError, LogUnavailable, SqlEventLog, is_kafka, is_outage, mask, normalize, open_log
-from events.log.kafka_target import CALL_TIMEOUT_S, REQUEST_TIMEOUT_MS, KafkaTarget, one_line, parse_kafka_url
+from events.log import LogError, LogUnavailable, SqlEventLog, is_kafka, is_outage, mask
+from events.log.kafka_target import one_line, parse_kafka_url
+from events.log.opening import check_state_store, open_fleet_log, shown_target
 
 log = structlog.get_logger("kvledger.fleet")
 
@@ -87,87 +83,12 @@ def fleet_url(log_url: str | None, db: str | None) -> str:
         db = given
     elif given is not None and given != db:
         raise FleetError(f"--db {mask(db)!r} and the --log URL's ?state={mask(given)!r} name different databases")
-    check_state_store(db, "--db")
+    try:
+        check_state_store(db, "--db")
+    except ValueError as error:
+        raise FleetError(str(error)) from None
     query["state"] = [db]
     return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query, doseq=True)))
-
-
-def check_state_store(url: str, what: str) -> None:
-    """FleetError unless `url` is a PostgreSQL URL, a sqlite:// URL or a file path."""
-    try:
-        backend = normalize(url).get_backend_name()
-    except Exception:  # noqa: BLE001 - normalize's ValueError or SQLAlchemy's ArgumentError: not a database URL
-        backend = ""
-    if backend not in ("postgresql", "sqlite"):
-        raise FleetError(
-            f"{what} {mask(url)!r} is not a PostgreSQL or SQLite database (postgresql://..., sqlite:///PATH or a file path)"
-        )
-
-
-async def require_topic(target: KafkaTarget) -> None:
-    """LogUnavailable unless a broker answers and the topic exists. Never creates it: opening a
-    Kafka log creates a missing topic, and forensics must not create a log."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=target.bootstrap, request_timeout_ms=REQUEST_TIMEOUT_MS)
-    try:
-        with anyio.fail_after(CALL_TIMEOUT_S):
-            await admin.start()
-            topics = await admin.list_topics()
-    except (KafkaError, OSError, TimeoutError) as error:
-        raise LogUnavailable(f"cannot reach log {_shown(target)}: {one_line(error)}") from error
-    finally:
-        await admin.close()
-    if target.topic not in topics:
-        raise LogUnavailable(
-            f"no topic {target.topic!r} on {','.join(target.bootstrap)}: no Kafka log there (nothing is created)"
-        )
-
-
-def quiet_kafka_client() -> None:
-    """aiokafka logs each failed connection attempt itself (stdlib logging, several lines): the
-    errors that matter reach kvledger's own one-line messages and structured logs instead."""
-    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-
-
-def _shown(target: KafkaTarget) -> str:
-    """The log's brokers and topic, without the query (its state store URL may hold a password)."""
-    return f"kafka://{','.join(target.bootstrap)}/{target.topic}"
-
-
-async def open_fleet_log(url: str) -> SqlEventLog:
-    """The Kafka log at `url` (which names its state store), opened only if its topic exists."""
-    await require_topic(parse_kafka_url(url))
-    return await open_log(url)
-
-
-class BadLogUrl(AuditError, LogError):
-    """A Kafka log URL the audit cannot use as given: bad input (the audit CLI exits 2; commands
-    that catch only LogError exit 1)."""
-
-
-async def open_for_audit(log_url: str) -> SqlEventLog:
-    """A Kafka log for forensics: its topic must exist (never created), and the audit index needs
-    a state store to live in: `?state=` (the fleet service's database, or a file), or this
-    machine's default store for that topic if it exists."""
-    try:
-        target = parse_kafka_url(log_url)
-        check_state_store(target.state_url, "the state store")
-    except ValueError as error:
-        raise BadLogUrl(f"--log {_shown_url(log_url)}: {error}") from None
-    quiet_kafka_client()
-    explicit = "state" in urllib.parse.parse_qs(urllib.parse.urlsplit(log_url).query, keep_blank_values=True)
-    store = normalize(target.state_url)
-    if not explicit and store.get_backend_name() == "sqlite" and not Path(str(store.database)).exists():
-        raise BadLogUrl(
-            f"--log {_shown(target)} names no state store for the audit index (and this machine has none at "
-            f"{store.database}): add ?state=postgresql://... (the fleet service's --db) or ?state=PATH"
-        )
-    await require_topic(target)
-    return await open_log(log_url)
-
-
-def _shown_url(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    return f"kafka://{parts.netloc.rsplit('@', 1)[-1]}{parts.path}"
 
 
 class FleetProgress(IndexProgress, frozen=True):
@@ -196,7 +117,7 @@ async def run_fleet(
     log failed closed (LogDiverged and the like); while the broker or the audit database is down
     it retries, and `health` (the HTTP side's view) says so."""
     target = parse_kafka_url(url)
-    shown = _shown(target)
+    shown = shown_target(target)
     state = mask(target.state_url)
     health = health if health is not None else FleetHealth()
     event_log: SqlEventLog | None = await open_fleet_log(url)

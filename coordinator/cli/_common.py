@@ -14,8 +14,9 @@ import typer
 
 from coordinator.audit.answers import AuditError
 from events.log import LogError, NotALog
+from events.log.opening import BadLogUrl
 
-BAD_INPUT: tuple[type[Exception], ...] = (AuditError, NotALog)
+BAD_INPUT: tuple[type[Exception], ...] = (AuditError, NotALog, BadLogUrl)
 """What a command was asked wrongly (exit code 2); a log that fails is exit code 1."""
 
 

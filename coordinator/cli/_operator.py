@@ -14,13 +14,13 @@ import msgspec
 import structlog
 import typer
 
-from coordinator.audit.opening import open_existing
 from coordinator.cli._common import host_port
 from coordinator.client import Address, OperatorClient, SidecarError, SidecarUnavailable, sidecar_answers
 from coordinator.core.commands import AnyCommand
 from coordinator.ledger.ledger import Ledger
 from events import Event
 from events.log import LogError, data_dir
+from events.log.opening import open_existing
 
 LOG = typer.Option(
     None,

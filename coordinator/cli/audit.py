@@ -29,13 +29,13 @@ from coordinator.audit.answers import (
     RefusalEntry,
     RequestAnswer,
 )
-from coordinator.audit.opening import open_existing
 from coordinator.audit.queries import Audit
 from coordinator.audit.store import IndexProgress, sync_index
 from coordinator.audit.times import read_time
 from coordinator.cli._common import exits, quiet_logs
 from coordinator.cli.timeline import timeline_command
 from events.log import SqlEventLog
+from events.log.opening import open_existing
 
 audit_app = typer.Typer(help="Who owned what, when: point-in-time answers from the log's audit index.", no_args_is_help=True)
 audit_app.command("timeline")(timeline_command)

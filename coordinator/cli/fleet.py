@@ -9,11 +9,12 @@ import sqlalchemy as sa
 import typer
 
 from coordinator.audit.api import TokenFileError, load_tokens
-from coordinator.audit.fleet import DEFAULT_BATCH, DEFAULT_POLL_S, FleetError, fleet_url, quiet_kafka_client, serve_fleet
+from coordinator.audit.fleet import DEFAULT_BATCH, DEFAULT_POLL_S, FleetError, fleet_url, serve_fleet
 from coordinator.cli._common import configure_json_logs, host_port
 from coordinator.http_serving import is_loopback
 from events.log import LogError
 from events.log.kafka_target import one_line
+from events.log.opening import quiet_kafka_client
 
 
 def fleet_command(

@@ -27,13 +27,13 @@ import typer
 import uuid_utils
 
 from coordinator.audit.answers import AuditError
-from coordinator.audit.opening import open_existing
 from coordinator.audit.queries import Audit
 from coordinator.audit.store import sync_index
 from coordinator.audit.times import read_time
 from coordinator.cli._operator import COMMAND_ID, JSON, LOG, SOCKET, TCP, TOKEN, Recorded, RecordError, record, run, target_of
 from coordinator.core.commands import AnyCommand, DecideNamespace, ReleaseNamespace
 from events import Event, KeyEvicted, KeyQuarantined, NamespaceDecided, NamespaceReleased, Refused
+from events.log.opening import open_existing
 
 namespace_app = typer.Typer(
     help="Namespace release decisions (seed 003): new, compatible or clear; clean up abandoned namespaces.",

@@ -13,12 +13,12 @@ import anyio
 import typer
 
 from coordinator.audit.answers import AuditError
-from coordinator.audit.fleet import open_for_audit
 from coordinator.audit.store import sync_index
 from coordinator.audit.timeline import Timeline, output_format, parse_steps
 from coordinator.audit.timeline_draw import draw_timeline
 from coordinator.cli._common import BAD_INPUT, exits, quiet_logs
 from events.log import is_kafka, normalize, open_log
+from events.log.opening import open_for_audit
 
 COMMAND = "kvledger audit timeline"
 MAX_STEP = 2**63 - 1

@@ -31,7 +31,7 @@ from typer.testing import CliRunner
 
 import tests.kit.builders as b
 from coordinator.audit.api import Grant, Tokens, audit_app
-from coordinator.audit.fleet import fleet_url, open_fleet_log, run_fleet
+from coordinator.audit.fleet import fleet_url, run_fleet
 from coordinator.audit.store import indexed_seq, sync_index
 from coordinator.cli.main import app
 from coordinator.core.commands import (
@@ -49,6 +49,7 @@ from coordinator.core.commands import (
 from coordinator.ledger.ledger import Ledger
 from events import BlocksAllocated, LoadJobStarted, OwnerStarted, StoreJobStarted, TierSpec
 from events.log import SqlEventLog, mask, open_log, upgrade_log
+from events.log.opening import open_fleet_log
 from events.log.schema import metadata
 from tests.conftest import KAFKA_FETCH_WAIT_MS, PG_URL, _drop_pg_database, _new_pg_database, require_postgres
 from tests.kit.kafka import KafkaBroker, free_port
