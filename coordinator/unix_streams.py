@@ -9,8 +9,10 @@ cancelled future and raises ``InvalidStateError`` into the loop's exception hand
 lost (the read was cancelled anyway), but the error surfaces as a failure under the anyio test
 runner and as a logged traceback in the sidecar. ``tests/sidecar/test_unix_streams.py`` reproduces it.
 
-anyio 4.16 (the newest release) still has it; its readiness callbacks here set the result only
-while the future is pending. Every Unix stream kvledger opens goes through this module.
+A Unix listener's accept waits the same way, and races the same way when it is cancelled as a
+client connects. anyio 4.16 (the newest release) still has both; the readiness callbacks here set
+the result only while the future is pending. Every Unix stream and listener kvledger opens goes
+through this module.
 """
 
 from __future__ import annotations
@@ -58,12 +60,40 @@ def _wait_until_writable(self: Any, loop: asyncio.AbstractEventLoop) -> asyncio.
     return future
 
 
+async def _accept(self: Any) -> SocketStream:
+    """anyio 4.16's UNIXSocketListener.accept, its readiness callback guarded the same way (a
+    listener closed as a client connects: the sidecar stopping)."""
+    await _backend.AsyncIOBackend.checkpoint()
+    raw: socket.socket = self._raw_socket
+    with self._accept_guard:
+        while True:
+            try:
+                client, _ = raw.accept()
+                client.setblocking(False)
+                return _backend.UNIXSocketStream(client)
+            except BlockingIOError:
+                future = self._accept_future = self._loop.create_future()
+                self._loop.add_reader(raw, _set_unless_done, future)
+                try:
+                    await future
+                finally:
+                    if self._accept_future is future:
+                        self._accept_future = None
+                        self._loop.remove_reader(raw)
+            except OSError as error:
+                if self._closed:
+                    raise anyio.ClosedResourceError from None
+                raise anyio.BrokenResourceError from error
+
+
 def _mend() -> None:
     mixin = getattr(_backend, "_RawSocketMixin", None)
-    if mixin is None or not hasattr(mixin, "_wait_until_readable"):
+    listener = getattr(_backend, "UNIXSocketListener", None)
+    if mixin is None or not hasattr(mixin, "_wait_until_readable") or listener is None:
         return  # a later anyio laid its streams out anew: nothing of this shape to mend
     mixin._wait_until_readable = _wait_until_readable
     mixin._wait_until_writable = _wait_until_writable
+    listener.accept = _accept
 
 
 _mend()

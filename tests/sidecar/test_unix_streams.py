@@ -83,3 +83,32 @@ async def test_the_race_is_real_in_anyio_streams_unmended() -> None:
     assert [type(e) for e in errors] == [asyncio.InvalidStateError]
     a.close()
     b.close()
+
+
+async def test_an_accept_cancelled_as_a_client_connects_raises_nothing(tmp_path: Path) -> None:
+    """The listener's side of the race (the sidecar stopping while a client connects): the
+    accept is cancelled in the loop iteration whose selector saw the connection."""
+    path = tmp_path / "l.sock"
+    listener = await unix_streams.create_unix_listener(path)
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    loop = asyncio.get_running_loop()
+    errors: list[BaseException | None] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: errors.append(context.get("exception")))
+    try:
+        async with listener:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(listener.accept)
+                await anyio.wait_all_tasks_blocked()
+                client.connect(str(path))
+                await anyio.lowlevel.checkpoint()
+                tasks.cancel_scope.cancel()
+            for _ in range(3):
+                await anyio.lowlevel.checkpoint()
+            # The connection that raced the cancel is still there to accept.
+            async with await listener.accept():
+                pass
+    finally:
+        loop.set_exception_handler(previous)
+        client.close()
+    assert errors == []
