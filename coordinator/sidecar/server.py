@@ -60,8 +60,13 @@ DRAIN_SECONDS = 30.0
 """How long SIGTERM waits for the steps in flight to commit and be answered."""
 
 
-LARGE_FRAME = 256 << 10
-"""A frame of more bytes is decoded in a worker thread, as a heavy read."""
+LARGE_FRAME = 32 << 10
+"""A frame of more bytes is decoded in a worker thread, as a heavy read (one at a time, then as
+long again idle: `DecisionHub.heavy_turn`). Decoding costs per element, not per byte: block
+references ~40 ns a byte, one-byte ints ~10, packed bytes ~0.1 (measured on these machines). At
+256 KiB a Step of block references held the event loop ~10 ms; ops/bench/hostile.py's
+dense-frames attack pushed a legitimate engine's step p50 from 2.7-3.5 ms to 13-14 ms, and
+with this bound to 4.2-4.4 ms. Frames before Hello hold at most this much too."""
 LONG_LOOKUP_TOKENS = 4096
 """A Lookup of more token ids is hashed in a worker thread (`_hash_long_lookup`)."""
 SWITCH_INTERVAL = 0.001

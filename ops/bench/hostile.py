@@ -31,6 +31,8 @@ are those issue 17 reproduced, each from a client written from the protocol alon
   the whole log) and of made-up engines, again as soon as they caught up;
 - big steps: Steps of the most commands a Step may hold, each refused;
 - huge frames: Steps as large as the sidecar takes (--max-frame, 1.25 MiB), one-byte token ids;
+- dense frames: Steps just under 256 KiB of block references, the costliest element to decode
+  (~40 ns a byte, against ~10 for one-byte ints; refused: owner 1 is unknown);
 - tiers: declarations of 2**24-slot tiers; pools: a declaration of 64 pools of 2**24 blocks;
 - owners: Steps that start 1,000 owners and never finish them, until the budget refuses them;
 - stalls: 50 connections that send 1-3 bytes of a frame header and go silent, again once cut;
@@ -87,12 +89,13 @@ from coordinator.core.commands import (  # noqa: E402
     DeclareTier,
     EndStep,
     FinishOwner,
+    FreeBlocks,
     MarkComputed,
     StartOwner,
 )
 from coordinator.sidecar import protocol as p  # noqa: E402
 from coordinator.sidecar.admission import MAX_COMMANDS_PER_STEP  # noqa: E402
-from events import TierSpec  # noqa: E402
+from events import BlockRef, TierSpec  # noqa: E402
 from tests.kit import builders as b  # noqa: E402
 from tests.kit.sidecar import RawConnection  # noqa: E402
 
@@ -362,6 +365,18 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
             await ask("huge-frames", conn, huge_frame)
         await conn.aclose()
 
+    # Just under 256 KiB, the most a frame decoded on the event loop held until issue 17's last
+    # mend: block references cost ~40 ns a byte to decode (a one-byte int ~10), ~10 ms for this one.
+    ref = BlockRef(pool_id=0, block_id=1, generation=1)
+    dense = [FreeBlocks(engine_id="mallory-dense", owner_id=1, blocks=[ref] * ((256 << 10) // 4 - 64))]
+    dense_frame = step(1, 1.0, dense, "dense")
+
+    async def dense_frames() -> None:
+        conn = await engine("dense-frames", "mallory-dense")
+        for _ in range(5):
+            await ask("dense-frames", conn, dense_frame)
+        await conn.aclose()
+
     huge_tier = p.frame(
         p.Execute(command=DeclareTier(spec=TierSpec(name="huge", num_slots=1 << 24, bytes_per_slot=64)), command_id="t")
     )
@@ -426,6 +441,7 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
         ("owners", owners),
         ("garbage", garbage),
         ("huge-frames", huge_frames),
+        ("dense-frames", dense_frames),
     ]
     attacks += [("catch-up", subscriber(i)) for i in range(SUBSCRIBERS)]
     attacks += [("stalls", staller(i)) for i in range(STALLERS)]
