@@ -844,3 +844,48 @@ def test_a_long_lookup_that_misses_hashes_only_up_to_its_first_unloadable_block(
     answer = lookup(core.state, LookupPrefix(engine_id="pod-a", tier=TIER_SPEC.name, token_ids=[7] * MAX_LOOKUP_TOKENS))
     assert isinstance(answer, PrefixLookedUp) and answer.boundary == 0
     assert hashed == 1, hashed
+
+
+async def test_a_dense_frame_over_the_large_frame_bound_is_decoded_off_the_event_loop(
+    event_log: EventLog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decoding costs per element: a 256 KiB Step of block references held the event loop ~10 ms
+    while it was decoded there (ops/bench/hostile.py's dense-frames attack: every other engine's
+    step p50 went from ~3 to ~13 ms). A frame over LARGE_FRAME (32 KiB) is decoded in a worker
+    thread, as a heavy read; smaller ones stay on the loop. The refusal is typed and the
+    bystander is served."""
+    import threading
+
+    from coordinator.core.commands import FreeBlocks
+    from coordinator.sidecar.server import LARGE_FRAME
+    from events import BlockRef
+
+    loop_thread = threading.get_ident()
+    decoded_in: dict[int, bool] = {}
+    decode = p.decode_client
+
+    def spying(body: bytes) -> p.ClientMessage:
+        decoded_in[len(body)] = threading.get_ident() == loop_thread
+        return decode(body)
+
+    monkeypatch.setattr(p, "decode_client", spying)
+    ref = BlockRef(pool_id=0, block_id=1, generation=1)
+    dense = p.Step(
+        step=1, clock=1.0, commands=[FreeBlocks(engine_id="pod-a", owner_id=99, blocks=[ref] * 16_000)], command_id="d"
+    )
+    frame = p.frame(dense)
+    assert LARGE_FRAME < len(frame) < 256 << 10
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock), _client(sock, "pod-a") as client, _client(sock, "pod-b") as bystander:
+        raw = await RawConnection.open(sock)
+        try:
+            await raw.hello(role="engine", engine_id="pod-a", incarnation=client.incarnation)
+            await raw.send_bytes(frame)
+            reply = await raw.receive()
+            assert not isinstance(reply, p.Error) or not reply.fatal
+        finally:
+            await raw.aclose()
+        await bystander.step(1, 1.0, [])
+    large = {length: on_loop for length, on_loop in decoded_in.items() if length > LARGE_FRAME}
+    assert large == {len(frame) - p.HEADER_BYTES: False}
+    assert any(on_loop for length, on_loop in decoded_in.items() if length <= LARGE_FRAME)
