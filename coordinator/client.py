@@ -710,13 +710,9 @@ class SyncWorkerClient:
     def report_all(self, reports: Sequence[tuple[ReportRank, str]]) -> list[list[Event]]:
         """Several (report, command id) in one round trip, committed together; what each committed."""
         results: list[list[Event]] = []
-        for start in range(0, len(reports), p.MAX_COMMANDS):  # the sidecar refuses a larger Reports
-            message = p.Reports(
-                reports=[
-                    p.Report(report=report, command_id=command_id)
-                    for report, command_id in reports[start : start + p.MAX_COMMANDS]
-                ]
-            )
+        messages = [p.Report(report=report, command_id=command_id) for report, command_id in reports]
+        for chunk in p.frame_chunks(messages):  # the sidecar refuses a larger Reports
+            message = p.Reports(reports=chunk)
             committed = self._requester.request(
                 message, p.ReportsCommitted, lambda: _hello("worker", self.engine_id, self.address.token, rank=self.rank)
             )

@@ -17,7 +17,7 @@ import enum
 import re
 import sys
 from collections.abc import Sequence
-from typing import Annotated, Literal, Union, cast
+from typing import Annotated, Literal, TypeVar, Union, cast
 
 import msgspec
 from msgspec import Meta
@@ -35,16 +35,29 @@ from events import (
     TierSpec,
 )
 
+T = TypeVar("T")
+
 PROTOCOL_VERSION = 1
 HEADER_BYTES = 4
 DEFAULT_MAX_FRAME = 16 << 20
 """Bytes of a frame a client takes from the sidecar (a reply, a batch of decisions)."""
 MAX_REQUEST_FRAME = (1 << 20) + (256 << 10)
 """Bytes of a frame the sidecar takes from a client, by default (`kvledger serve --max-frame`):
-the longest Lookup, packed (1 MiB), and room for its extra keys. Decoding a frame holds the GIL,
+the longest Lookup, packed (1 MiB), and room for its extra keys. Only a Lookup may be larger
+than MAX_DENSE_FRAME. Decoding a frame holds the GIL,
 ~11 ms a MiB of small ints, and every engine's step waits meanwhile (a 14 MiB Step held them
 ~150 ms; at 2 MiB a legitimate engine's step p99 under attack was 25 ms, and the sidecar grew by
 68 MiB). vLLM's steps are far smaller: a step computes at most max_num_batched_tokens."""
+MAX_DENSE_FRAME = 128 << 10
+"""Bytes of any frame but a Lookup's (a Step, a Report, an Execute): one whose header says more is
+refused `frame_too_large` before its body is read. A Lookup's bulk is packed bytes, one copy to
+decode; every other message's is lists of small ints and structs, ~10-40 ns a byte to decode,
+all of it holding the GIL in one call (a 1.25 MiB Step of token ids held it ~27 ms, and every
+other engine waited: ops/bench/hostile.py's huge-frames attack). At this bound a frame decodes
+in at most ~5 ms. A client splits a larger step or batch of reports (`frame_chunks`)."""
+LOOKUP_PREFIX = b"\xa3msg\xa6lookup"
+"""How a Lookup's body begins after its map header: the `msg` key and its tag, written first
+(msgspec writes a struct's tag before its fields). A frame over MAX_DENSE_FRAME must begin so."""
 MAX_STEP = 2**63 - 1
 """The log keeps a step's number in a signed 64-bit column (events/log/schema.py, kvl_steps.step):
 a larger one failed the append of its whole group and made the ledger rebuild from the log."""
@@ -161,13 +174,15 @@ class Reports(Message, frozen=True, tag="reports"):
     reports: Annotated[list[Report], Meta(max_length=MAX_COMMANDS)]
 
 
-class Lookup(Message, frozen=True, tag="lookup"):
+class Lookup(Message, frozen=True, tag="lookup", forbid_unknown_fields=True):
     """Read-only: the longest loadable prefix in a tier, from committed state; nothing is logged.
 
     The tokens come as a list (`token_ids`, at most MAX_LISTED_TOKENS) or packed (`token_bytes`:
     each token id a little-endian uint32, at most MAX_LOOKUP_TOKENS of them), never both. A
     long list is expensive to take: decoding each int holds the GIL (~7 ms for 262,144 of
-    them, while every other engine's step waited); packed bytes are one copy."""
+    them, while every other engine's step waited); packed bytes are one copy. The only message
+    whose frame may exceed MAX_DENSE_FRAME; it holds no field but these (a large frame padded
+    with others would be skimmed whole to be decoded)."""
 
     tier: str
     token_ids: Annotated[list[int], Meta(max_length=MAX_LISTED_TOKENS)] = []
@@ -313,6 +328,36 @@ def frame_length(header: bytes, limit: int) -> int:
     if length > limit:
         raise FrameError(ErrorCode.FRAME_TOO_LARGE, f"frame of {length} bytes is over the limit of {limit} bytes")
     return length
+
+
+def frame_bound(prefix: bytes, limit: int) -> int:
+    """The most bytes a frame whose body begins with `prefix` (at least LOOKUP_PEEK bytes) may
+    hold: `limit` for a Lookup, MAX_DENSE_FRAME (or `limit`, if less) for anything else."""
+    if 0x81 <= prefix[0] <= 0x8F and prefix[1:LOOKUP_PEEK] == LOOKUP_PREFIX:
+        return limit
+    return min(limit, MAX_DENSE_FRAME)
+
+
+LOOKUP_PEEK = 1 + len(LOOKUP_PREFIX)
+"""Bytes of a large frame's body read first, to tell a Lookup (`frame_bound`)."""
+
+
+def frame_chunks(items: Sequence[T], overhead: int = 1024) -> list[list[T]]:
+    """`items` (a step's commands, a worker's reports) in order, in as few chunks as the sidecar
+    takes in one message each: at most MAX_COMMANDS items, and at most MAX_DENSE_FRAME bytes
+    framed (`overhead` left for the message's other fields). An item larger than that alone is
+    left alone in its chunk (the sidecar refuses it, named)."""
+    chunks: list[list[T]] = [[]]
+    room = MAX_DENSE_FRAME - overhead
+    used = 0
+    for item in items:
+        size = len(_encoder.encode(item))
+        if chunks[-1] and (len(chunks[-1]) >= MAX_COMMANDS or used + size > room):
+            chunks.append([])
+            used = 0
+        chunks[-1].append(item)
+        used += size
+    return chunks if chunks[-1] else []
 
 
 def decode_client(body: bytes) -> ClientMessage:

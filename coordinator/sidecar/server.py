@@ -424,7 +424,10 @@ class Sidecar:
                 # REQUESTS_PER_CREDENTIAL large frames in memory, however many connections it
                 # opens (a Step of 1.25 MiB of token ids is ~10 MiB decoded).
                 await turn.enter_async_context(self._turns(session))
-            body = await self._frame_body(conn, reader, length)
+            if length > p.MAX_DENSE_FRAME:
+                body = await self._large_body(conn, reader, length)
+            else:
+                body = await self._frame_body(conn, reader, length)
             if body is None:
                 return session, False
             try:
@@ -491,6 +494,24 @@ class Sidecar:
         except p.FrameError as error:
             await self._error(conn, error.code, str(error), fatal=True)
             return None
+
+    async def _large_body(self, conn: Connection, reader: BufferedByteReceiveStream, length: int) -> bytes | None:
+        """The body of a frame over MAX_DENSE_FRAME, which only a Lookup may be (its first bytes
+        tell: `protocol.frame_bound`); None when the connection is to close (told why)."""
+        prefix = await self._frame_body(conn, reader, p.LOOKUP_PEEK)
+        if prefix is None:
+            return None
+        if length > p.frame_bound(prefix, self.config.max_frame):
+            await self._error(
+                conn,
+                p.ErrorCode.FRAME_TOO_LARGE,
+                f"a frame of {length:,} bytes is over the limit of {p.MAX_DENSE_FRAME:,} bytes for anything but a "
+                "Lookup (one that begins with its `msg` tag): split the step (coordinator.sidecar.protocol.frame_chunks)",
+                fatal=True,
+            )
+            return None
+        rest = await self._frame_body(conn, reader, length - len(prefix))
+        return prefix + rest if rest is not None else None
 
     async def _frame_body(self, conn: Connection, reader: BufferedByteReceiveStream, length: int) -> bytes | None:
         try:

@@ -387,11 +387,11 @@ class LedgerSession:
             store.evicted = [e for e in events if isinstance(e, KeyEvicted)]
 
     def _decide(self, commands: list[AnyCommand]) -> list[list[Event]]:
-        """Each command's events: in one step, or in steps of p.MAX_COMMANDS for a pass
-        that holds more (the sidecar refuses a larger step)."""
+        """Each command's events: in one step, or in several for a pass that holds more than
+        the sidecar takes in one (p.MAX_COMMANDS commands, p.MAX_DENSE_FRAME bytes)."""
         results: list[list[Event]] = []
-        for start in range(0, len(commands), p.MAX_COMMANDS):
-            results += self._decide_step(commands[start : start + p.MAX_COMMANDS])
+        for chunk in p.frame_chunks(commands):
+            results += self._decide_step(chunk)
         return results
 
     def _decide_step(self, commands: list[AnyCommand]) -> list[list[Event]]:

@@ -30,8 +30,9 @@ are those issue 17 reproduced, each from a client written from the protocol alon
 - catch-up: 20 connections subscribing from sequence 0 as workers of mallory's engine (which reads
   the whole log) and of made-up engines, again as soon as they caught up;
 - big steps: Steps of the most commands a Step may hold, each refused;
-- huge frames: Steps as large as the sidecar takes (--max-frame, 1.25 MiB), one-byte token ids;
-- dense frames: Steps just under 256 KiB of block references, the costliest element to decode
+- huge frames: Steps as large as the sidecar takes (MAX_DENSE_FRAME, 128 KiB) of one-byte token
+  ids, then one as large as a Lookup may be (--max-frame, 1.25 MiB), refused by its first bytes;
+- dense frames: Steps of 128 KiB of block references, the costliest element to decode
   (~40 ns a byte, against ~10 for one-byte ints; refused: owner 1 is unknown);
 - tiers: declarations of 2**24-slot tiers; pools: a declaration of 64 pools of 2**24 blocks;
 - owners: Steps that start 1,000 owners and never finish them, until the budget refuses them;
@@ -351,24 +352,26 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
             await ask("big-steps", conn, _with_id(frame, f"big-{rounds}-{n}"))
         await conn.aclose()
 
-    # The largest frame the sidecar takes, as many ints as it can hold (one byte each): decoding it
-    # holds the GIL longest (refused afterwards: owner 1 is unknown).
-    fill = [
-        MarkComputed(engine_id="mallory-huge", owner_id=1, blocks=[], token_ids=[i % 128 for i in range(n)])
-        for n in (p.MAX_REQUEST_FRAME - 256,)
-    ]
-    huge_frame = step(1, 1.0, fill, "huge")
+    # The largest Step the sidecar takes, as many ints as it can hold (one byte each; refused
+    # afterwards: owner 1 is unknown), and one as large as a Lookup may be (refused by its header
+    # and first bytes: a 1.25 MiB Step of ints held the GIL ~27 ms while it was decoded).
+    def filled(n: int) -> list[AnyCommand]:
+        return [MarkComputed(engine_id="mallory-huge", owner_id=1, blocks=[], token_ids=[i % 128 for i in range(n)])]
+
+    huge_frame = step(1, 1.0, filled(p.MAX_DENSE_FRAME - 256), "huge")
+    over_frame = step(1, 1.0, filled(p.MAX_REQUEST_FRAME - 256), "huge")
 
     async def huge_frames() -> None:
         conn = await engine("huge-frames", "mallory-huge")  # declared again: its step 1 is new
         for _ in range(5):
             await ask("huge-frames", conn, huge_frame)
+        await ask("huge-frames", conn, over_frame)  # and the connection is closed
         await conn.aclose()
 
-    # Just under 256 KiB, the most a frame decoded on the event loop held until issue 17's last
-    # mend: block references cost ~40 ns a byte to decode (a one-byte int ~10), ~10 ms for this one.
+    # The largest Step, of block references: they cost ~40 ns a byte to decode (a one-byte int ~10),
+    # ~5 ms for this one (at 256 KiB, decoded on the event loop, ~10 ms).
     ref = BlockRef(pool_id=0, block_id=1, generation=1)
-    dense = [FreeBlocks(engine_id="mallory-dense", owner_id=1, blocks=[ref] * ((256 << 10) // 4 - 64))]
+    dense = [FreeBlocks(engine_id="mallory-dense", owner_id=1, blocks=[ref] * (p.MAX_DENSE_FRAME // 4 - 64))]
     dense_frame = step(1, 1.0, dense, "dense")
 
     async def dense_frames() -> None:

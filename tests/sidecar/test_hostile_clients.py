@@ -17,7 +17,17 @@ import msgspec
 import pytest
 
 from coordinator.client import Address, EngineClient, SidecarError, WorkerClient
-from coordinator.core.commands import BeginStep, EndStep, ExternalKey, FinishOwner, ReportRank, StartOwner, StartStore
+from coordinator.core.checks import MAX_LOOKUP_TOKENS
+from coordinator.core.commands import (
+    BeginStep,
+    EndStep,
+    ExternalKey,
+    FinishOwner,
+    MarkComputed,
+    ReportRank,
+    StartOwner,
+    StartStore,
+)
 from coordinator.sidecar import protocol as p
 from events import OwnerStarted, PrefixLookedUp, RankReported, StepBegan
 from events.log import EventLog
@@ -889,3 +899,60 @@ async def test_a_dense_frame_over_the_large_frame_bound_is_decoded_off_the_event
     large = {length: on_loop for length, on_loop in decoded_in.items() if length > LARGE_FRAME}
     assert large == {len(frame) - p.HEADER_BYTES: False}
     assert any(on_loop for length, on_loop in decoded_in.items() if length <= LARGE_FRAME)
+
+
+async def test_a_frame_over_the_dense_bound_is_refused_unless_it_is_a_lookup(event_log: EventLog, tmp_path: Path) -> None:
+    """Only a Lookup's bulk is packed bytes (one copy to decode); any other message's is lists
+    of small ints, ~10 ns a byte, decoded in one call that holds the GIL: a 1.25 MiB Step of
+    token ids held every engine ~27 ms (ops/bench/hostile.py's huge-frames attack). A frame over
+    MAX_DENSE_FRAME that is not a Lookup is refused `frame_too_large` from its first bytes,
+    before the rest is read; a Lookup of 1 MiB of packed tokens is answered; the bystander is
+    served throughout."""
+    over = p.Step(
+        step=1,
+        clock=1.0,
+        commands=[MarkComputed(engine_id="pod-a", owner_id=1, blocks=[], token_ids=[5] * (p.MAX_DENSE_FRAME + 16))],
+        command_id="over",
+    )
+    frame = p.frame(over)
+    assert p.MAX_DENSE_FRAME < len(frame) < p.MAX_REQUEST_FRAME
+    tokens = list(range(MAX_LOOKUP_TOKENS))
+    long_lookup = p.frame(p.lookup_message(TIER_SPEC.name, tokens))
+    assert len(long_lookup) > p.MAX_DENSE_FRAME
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock), _client(sock, "pod-a") as client, _client(sock, "pod-b") as bystander:
+        raw = await RawConnection.open(sock)
+        try:
+            await raw.hello(role="engine", engine_id="pod-a", incarnation=client.incarnation)
+            await raw.send_bytes(frame[: p.HEADER_BYTES + p.LOOKUP_PEEK])  # the rest is never read
+            reply = await raw.receive()
+            assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.FRAME_TOO_LARGE and reply.fatal
+            assert f"{p.MAX_DENSE_FRAME:,} bytes for anything but a Lookup" in reply.message
+        finally:
+            await raw.aclose()
+        raw = await RawConnection.open(sock)
+        try:
+            await raw.hello(role="engine", engine_id="pod-a", incarnation=client.incarnation)
+            await raw.send_bytes(long_lookup)
+            answer = await raw.receive()
+            assert isinstance(answer, p.LookupResult) and isinstance(answer.answer, PrefixLookedUp), answer
+        finally:
+            await raw.aclose()
+        result = await bystander.step(1, 1.0, [])
+        assert not result.duplicate
+        assert (await client.step(1, 1.0, [])).first_seq > 0  # pod-a's own engine goes on too
+
+
+def test_frame_chunks_split_by_count_and_by_bytes_in_order() -> None:
+    """A client's split of a pass or a batch of reports: each chunk within MAX_COMMANDS items and
+    MAX_DENSE_FRAME bytes framed, every item once, in order; one item too large alone stays alone."""
+    small = [StartOwner(engine_id="e", req_id=f"r{i}") for i in range(p.MAX_COMMANDS * 2 + 3)]
+    assert [len(c) for c in p.frame_chunks(small)] == [p.MAX_COMMANDS, p.MAX_COMMANDS, 3]
+    wide = [MarkComputed(engine_id="e", owner_id=i, blocks=[], token_ids=[70_000] * 6_000) for i in range(40)]
+    chunks = p.frame_chunks(wide)
+    assert len(chunks) > 1 and [c for chunk in chunks for c in chunk] == wide
+    for chunk in chunks:
+        assert len(p.frame(p.Step(step=1, clock=1.0, commands=chunk, command_id="x" * 64))) <= p.MAX_DENSE_FRAME
+    huge = MarkComputed(engine_id="e", owner_id=0, blocks=[], token_ids=[1] * (p.MAX_DENSE_FRAME + 1))
+    assert p.frame_chunks([small[0], huge, small[1]]) == [[small[0]], [huge], [small[1]]]
+    assert p.frame_chunks([]) == []
