@@ -9,7 +9,6 @@ buffer fills is closed with the sequence it can resume from; the others are not 
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -19,6 +18,7 @@ import anyio
 import structlog
 
 from coordinator.core.routing import DECISION_TYPES, Decision, decisions_for
+from coordinator.sidecar.heavy import HeavyLane
 from coordinator.sidecar.memory import give_back_free_memory
 from events import Event, EventCodec
 from events.log import EventLog, StoredStep
@@ -43,9 +43,11 @@ class SlowSubscriber(Exception):
 
 
 class Subscription:
-    def __init__(self, engine_id: str, rank: int, from_seq: int, registered_at: int, capacity: int) -> None:
+    def __init__(self, engine_id: str, rank: int, from_seq: int, registered_at: int, capacity: int, who: str = "") -> None:
         self.engine_id = engine_id
         self.rank = rank
+        self.who = who
+        """Whose heavy-lane turns its catch-up takes (its connection's credential)."""
         self.from_seq = from_seq
         self.registered_at = registered_at
         """Decisions up to this sequence come from the log; later ones from `offer`."""
@@ -90,12 +92,12 @@ class DecisionHub:
         """The highest committed sequence published so far."""
         self.capacity = capacity
         self.subscriptions: set[Subscription] = set()
-        self.heavy_reads = anyio.Lock()
-        """Held while a catch-up batch is read and decoded, or a long lookup hashed (server.py), in
-        a worker thread: heavy reads take turns, so together they hold at most one core."""
+        self.heavy_lane = HeavyLane()
+        """Catch-up batches, long lookups' hashing, large frames' decoding (server.py) take turns
+        in it (coordinator/sidecar/heavy.py)."""
 
-    def register(self, engine_id: str, rank: int, from_seq: int) -> Subscription:
-        subscription = Subscription(engine_id, rank, from_seq, self.last_seq, self.capacity)
+    def register(self, engine_id: str, rank: int, from_seq: int, who: str = "") -> Subscription:
+        subscription = Subscription(engine_id, rank, from_seq, self.last_seq, self.capacity, who)
         self.subscriptions.add(subscription)
         return subscription
 
@@ -155,7 +157,7 @@ class DecisionHub:
         engine's step p99 past 50 ms (issue 17)."""
         last, until = subscription.from_seq, subscription.registered_at
         while last < until:
-            async with self.heavy_turn():
+            async with self.heavy_turn(subscription.who):
                 steps = await self.log.read_steps(last, min(CATCH_UP_BATCH, until - last))
                 if not steps:
                     return
@@ -164,25 +166,22 @@ class DecisionHub:
             if decisions:
                 yield decisions
 
-    async def heavy(self, work: Callable[..., T], *args: Any) -> T:
-        """`work(*args)` in a worker thread, as a heavy read (`heavy_turn`)."""
-        async with self.heavy_turn():
+    async def heavy(self, who: str, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)` in a worker thread, as a heavy read of credential `who` (`heavy_turn`)."""
+        async with self.heavy_turn(who):
             return await anyio.to_thread.run_sync(work, *args)
 
     @asynccontextmanager
-    async def heavy_turn(self) -> AsyncIterator[None]:
-        """One heavy read's turn: one at a time (`heavy_reads`), then as long again idle before
-        the next. In a worker thread a heavy read still takes the GIL from the event loop, so
-        heavy reads together get at most half of it. What the read freed is given back to the
-        OS before the next (coordinator/sidecar/memory.py)."""
-        async with self.heavy_reads:
-            started = time.perf_counter()
+    async def heavy_turn(self, who: str) -> AsyncIterator[None]:
+        """One heavy read's turn in the heavy lane (coordinator/sidecar/heavy.py: one at a time,
+        credentials in turns, each within a share of the time while others are served). What
+        the read freed is given back to the OS before the next (coordinator/sidecar/memory.py)."""
+        async with self.heavy_lane.turn(who):
             try:
                 yield
             finally:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(give_back_free_memory)
-            await anyio.sleep(time.perf_counter() - started)
 
     def _decisions_in(self, steps: list[StoredStep], subscription: Subscription, after_seq: int) -> list[Decision]:
         # A decision is an event of its engine's own command (StartStore, StartLoad, PlanStateCopy,

@@ -61,8 +61,8 @@ DRAIN_SECONDS = 30.0
 
 
 LARGE_FRAME = 32 << 10
-"""A frame of more bytes is decoded in a worker thread, as a heavy read (one at a time, then as
-long again idle: `DecisionHub.heavy_turn`). Decoding costs per element, not per byte: block
+"""A frame of more bytes is decoded in a worker thread, as a heavy read of its credential (in the
+heavy lane: coordinator/sidecar/heavy.py). Decoding costs per element, not per byte: block
 references ~40 ns a byte, one-byte ints ~10, packed bytes ~0.1 (measured on these machines). At
 256 KiB a Step of block references held the event loop ~10 ms; ops/bench/hostile.py's
 dense-frames attack pushed a legitimate engine's step p50 from 2.7-3.5 ms to 13-14 ms, and
@@ -410,6 +410,8 @@ class Sidecar:
             length = await self._frame_length(conn, reader, first)
             if length is None:
                 return session, False
+            if session is not None:
+                self.hub.heavy_lane.saw(self._credential_key(session))
             held = length > LARGE_FRAME
             if held and session is None:
                 await self._error(
@@ -432,7 +434,11 @@ class Sidecar:
                 return session, False
             try:
                 # A large frame (a long Lookup: 262,144 token ids take ~11 ms) is decoded off the loop.
-                message = await self.hub.heavy(p.decode_client, body) if len(body) > LARGE_FRAME else p.decode_client(body)
+                message = (
+                    await self.hub.heavy(self._credential_key(session), p.decode_client, body)
+                    if session is not None and len(body) > LARGE_FRAME
+                    else p.decode_client(body)
+                )
             except p.FrameError as error:
                 if session is not None:
                     await self._slow_down(session, turn, held)
@@ -805,7 +811,12 @@ class Sidecar:
         ):
             return None
         return await self.hub.heavy(
-            hash_chains, engine.namespace_id, lookup_groups(engine), command.token_ids, command.extra_keys
+            self._credential_key(session),
+            hash_chains,
+            engine.namespace_id,
+            lookup_groups(engine),
+            command.token_ids,
+            command.extra_keys,
         )
 
     def _lookup_keys(self, session: Session, message: p.LookupKeys) -> p.ServerMessage:
@@ -952,7 +963,7 @@ class Sidecar:
         from_seq = (
             message.from_seq if session.engine_id in self.ledger.state.engines else max(message.from_seq, self.hub.last_seq)
         )
-        subscription = self.hub.register(session.engine_id, session.rank, from_seq)
+        subscription = self.hub.register(session.engine_id, session.rank, from_seq, self._credential_key(session))
         log.info("subscribed", engine=session.engine_id, rank=session.rank, from_seq=message.from_seq)
         tasks.start_soon(self._push, conn, session, subscription, tasks.cancel_scope)
 

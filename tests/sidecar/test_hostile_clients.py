@@ -19,6 +19,7 @@ import pytest
 from coordinator.client import Address, EngineClient, SidecarError, WorkerClient
 from coordinator.core.checks import MAX_LOOKUP_TOKENS
 from coordinator.core.commands import (
+    AnyCommand,
     BeginStep,
     EndStep,
     ExternalKey,
@@ -948,7 +949,7 @@ def test_frame_chunks_split_by_count_and_by_bytes_in_order() -> None:
     MAX_DENSE_FRAME bytes framed, every item once, in order; one item too large alone stays alone."""
     small = [StartOwner(engine_id="e", req_id=f"r{i}") for i in range(p.MAX_COMMANDS * 2 + 3)]
     assert [len(c) for c in p.frame_chunks(small)] == [p.MAX_COMMANDS, p.MAX_COMMANDS, 3]
-    wide = [MarkComputed(engine_id="e", owner_id=i, blocks=[], token_ids=[70_000] * 6_000) for i in range(40)]
+    wide: list[AnyCommand] = [MarkComputed(engine_id="e", owner_id=i, blocks=[], token_ids=[70_000] * 6_000) for i in range(40)]
     chunks = p.frame_chunks(wide)
     assert len(chunks) > 1 and [c for chunk in chunks for c in chunk] == wide
     for chunk in chunks:
