@@ -72,6 +72,16 @@ class NamespaceSpec(msgspec.Struct, frozen=True, kw_only=True):
     pipeline_parallel_size: int = 1
     adapter_id: str = ""
     adapter_revision: str = ""
+    kv_rank_layout: str = ""
+    """How a block's KV is split across the ranks (vLLM's connector says "heads": each tensor-parallel
+    rank stores its share of the KV heads). With the parallel sizes it is the parallel layout: two
+    engines that lay a block out differently never share its key (vLLM #56772: TP1 and TP2 engines
+    shared keys of different layouts, and completions differed)."""
+    parallelism_agnostic: bool = False
+    """The engine stores every block whole, laid out the same at any parallel layout: the parallel
+    sizes and kv_rank_layout are left out of the namespace id, so engines of any TP/PP size share
+    keys (and never those of an engine that did not say so). Only an engine whose stored bytes do
+    not depend on its ranks may say it."""
 
 
 class Region(msgspec.Struct, frozen=True, array_like=True):

@@ -6,6 +6,7 @@
 
 `canonical(spec)` is the msgpack map of the spec's fields, sorted by name, leaving out fields
 equal to their default: adding a field with a default later keeps every existing namespace_id.
+A parallelism-agnostic spec leaves out its parallel layout too (PARALLEL_LAYOUT).
 The seed is a fixed constant so keys agree across processes and machines (unlike Python's
 salted `hash()`, see PYTHONHASHSEED in seed 004's reproduction). 128-bit keys: a collision needs
 ~2^64 blocks, and keys of different namespaces never meet because the namespace roots the chain.
@@ -31,12 +32,19 @@ _encoder = msgspec.msgpack.Encoder(order="sorted")
 _PREFIX_KINDS: frozenset[str] = frozenset({"attention", "sliding_window", "state"})
 
 
+PARALLEL_LAYOUT = frozenset({"tensor_parallel_size", "pipeline_parallel_size", "kv_rank_layout"})
+"""The fields of a namespace that say how its blocks are split across ranks: in its id unless it
+is `parallelism_agnostic` (its flag is in the id then, so it never meets a layout-bound one)."""
+
+
 def canonical_namespace(spec: NamespaceSpec) -> bytes:
     """The canonical encoding the namespace digest is taken over."""
     fields = {}
     for field in msgspec.structs.fields(spec):
         value = getattr(spec, field.name)
         if field.default is not msgspec.NODEFAULT and value == field.default:
+            continue
+        if spec.parallelism_agnostic and field.name in PARALLEL_LAYOUT:
             continue
         fields[field.name] = value
     return _encoder.encode(fields)

@@ -80,8 +80,10 @@ class OffloadSettings(msgspec.Struct, frozen=True, kw_only=True):
     namespace: dict[str, Any]
     """kvledger_namespace: the NamespaceSpec fields the engine is declared to run. weights_revision,
     tokenizer_digest, tenant, block_sizes and hash_algorithm ("vllm:sha256") are required: kvledger
-    checks the last two against the engine at Hello. model_id, kv_dtype, kv_layout_version (1) and
-    the parallel sizes default to the engine's."""
+    checks the last two against the engine at Hello. model_id, kv_dtype and kv_layout_version (1)
+    default to the engine's; the parallel layout (tensor_parallel_size, pipeline_parallel_size,
+    kv_rank_layout "heads") is always the engine's: a namespace that says otherwise is refused at
+    start-up, and so is parallelism_agnostic (this tier's blocks are per-rank shards)."""
     engine_id: str = ""
     """kvledger_engine_id: a stable id makes a restart a new incarnation of the same engine (I16);
     default "vllm-<vLLM's engine_id>", new at every start."""
@@ -210,16 +212,42 @@ def tier_spec(settings: OffloadSettings, facts: EngineFacts) -> TierSpec:
     return TierSpec(name=name, num_slots=settings.tier_slots, bytes_per_slot=facts.bytes_per_block)
 
 
+RANK_LAYOUT = "heads"
+"""How vLLM splits a block across tensor-parallel ranks: each rank holds its share of the KV
+heads (its worker stores that shard, gpu.tiers under rank-N)."""
+
+
+def parallel_layout(facts: EngineFacts) -> dict[str, Any]:
+    """The namespace fields of the engine's parallel layout: always the engine's own."""
+    return {
+        "tensor_parallel_size": facts.tensor_parallel_size,
+        "pipeline_parallel_size": facts.pipeline_parallel_size,
+        "kv_rank_layout": RANK_LAYOUT,
+    }
+
+
 def declaration(settings: OffloadSettings, facts: EngineFacts) -> tuple[DeclareEngine, TierSpec]:
     """The engine's Hello: the declared namespace, the engine's real pools and key hash algorithm
     (the decider refuses a block size or an algorithm that differs, naming both)."""
+    layout = parallel_layout(facts)
+    for name, runs in layout.items():
+        said = settings.namespace.get(name, runs)
+        if said != runs:
+            raise SettingsError(
+                f"kvledger_namespace says {name}={said!r}, the engine runs {runs!r}: the parallel layout is the "
+                "engine's (engines of different layouts never share keys); leave it out"
+            )
+    if settings.namespace.get("parallelism_agnostic"):
+        raise SettingsError(
+            "kvledger_namespace says parallelism_agnostic: kvledger's vLLM tier stores each rank's shard of a "
+            "block (its heads), which depends on the tensor-parallel size; leave it out"
+        )
     fields: dict[str, Any] = {
         "model_id": facts.model,
         "kv_dtype": facts.dtype,
         "kv_layout_version": 1,
-        "tensor_parallel_size": facts.tensor_parallel_size,
-        "pipeline_parallel_size": facts.pipeline_parallel_size,
         **settings.namespace,
+        **layout,
     }
     fields["block_sizes"] = tuple(fields["block_sizes"])
     try:

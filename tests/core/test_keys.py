@@ -14,6 +14,7 @@ from coordinator.core.keys import (
     namespace_problems,
     reuse_unit,
 )
+from events import NamespaceSpec
 from tests.kit.builders import namespace
 
 BASE = namespace()
@@ -29,6 +30,8 @@ CHANGES = {
     "hash_algorithm": "sha256",
     "pipeline_parallel_size": 2,
     "adapter_id": "lora-1",
+    "kv_rank_layout": "heads",
+    "parallelism_agnostic": True,
 }
 
 
@@ -43,6 +46,30 @@ def test_namespace_id_ignores_defaults_so_adding_a_defaulted_field_keeps_ids() -
     assert b"adapter_id" not in encoded and b"pipeline_parallel_size" not in encoded
     assert namespace_id(BASE) == namespace_id(namespace())
     assert len(namespace_id(BASE)) == KEY_BYTES
+
+
+def test_a_tp1_and_a_tp2_engine_never_share_keys_unless_both_say_their_layout_is_parallelism_agnostic() -> None:
+    """vLLM #56772: a tier's rows depended on the TP size, TP1 and TP2 engines shared keys of
+    different layouts, and completions differed. The parallel layout (sizes, how ranks split a
+    block) is in the namespace id; an engine storing whole blocks may say it is agnostic, and
+    then only the layout drops out of the id: everything else still counts, and an agnostic
+    namespace never meets a layout-bound one."""
+    tp1 = msgspec.structs.replace(BASE, tensor_parallel_size=1, kv_rank_layout="heads")
+    tp2 = msgspec.structs.replace(BASE, tensor_parallel_size=2, kv_rank_layout="heads")
+    pp2 = msgspec.structs.replace(tp1, pipeline_parallel_size=2)
+    by_layers = msgspec.structs.replace(tp2, kv_rank_layout="layers")
+    ids = {namespace_id(spec) for spec in (tp1, tp2, pp2, by_layers)}
+    assert len(ids) == 4
+    key = chain_keys(namespace_id(tp1), list(range(16)), 16)
+    assert key != chain_keys(namespace_id(tp2), list(range(16)), 16)
+
+    def agnostic(spec: NamespaceSpec) -> NamespaceSpec:
+        return msgspec.structs.replace(spec, parallelism_agnostic=True)
+
+    shared = {namespace_id(agnostic(spec)) for spec in (tp1, tp2, pp2, by_layers)}
+    assert len(shared) == 1 and not shared & ids
+    assert namespace_id(agnostic(msgspec.structs.replace(tp2, weights_revision="sha256:other"))) not in shared
+    assert b"tensor_parallel_size" not in canonical_namespace(agnostic(tp2))
 
 
 def test_namespace_problems_name_the_empty_field() -> None:

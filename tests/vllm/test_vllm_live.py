@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from coordinator.client import SidecarError
@@ -413,6 +414,30 @@ def test_a_load_is_verified_per_rank_and_refused_blocks_are_reported_once() -> N
     errors.refuse([3, 4])
     errors.refuse([4, 5])
     assert errors.take() == {3, 4, 5} and errors.take() == set()
+
+
+def test_the_parallel_layout_is_the_engines_so_a_tp1_and_a_tp2_engine_never_share_keys() -> None:
+    """vLLM #56772: TP1 and TP2 engines shared keys of different layouts. The connector declares
+    the engine's own parallel sizes and rank layout in the namespace; a kvledger_namespace that
+    says otherwise, or that calls this tier's per-rank shards parallelism-agnostic, is refused at
+    start-up with one line naming the field."""
+    from coordinator.core.keys import namespace_id
+    from coordinator.vllm.offload_client import SettingsError
+
+    settings = _settings("/s")
+    tp1, _ = declaration(settings, _facts())
+    tp2, _ = declaration(settings, msgspec.structs.replace(_facts(), tensor_parallel_size=2))
+    assert (tp1.namespace.tensor_parallel_size, tp2.namespace.tensor_parallel_size) == (1, 2)
+    assert tp1.namespace.kv_rank_layout == tp2.namespace.kv_rank_layout == "heads"
+    assert namespace_id(tp1.namespace) != namespace_id(tp2.namespace) and tp2.world_size == 2
+    same, _ = declaration(_settings("/s", tensor_parallel_size=2), msgspec.structs.replace(_facts(), tensor_parallel_size=2))
+    assert same.namespace == tp2.namespace  # saying what the engine runs is fine
+    for field, value in (("tensor_parallel_size", 2), ("pipeline_parallel_size", 4), ("kv_rank_layout", "layers")):
+        with pytest.raises(SettingsError, match=f"says {field}={value!r}, the engine runs") as refused:
+            declaration(_settings("/s", **{field: value}), _facts())
+        assert "\n" not in str(refused.value)
+    with pytest.raises(SettingsError, match="parallelism_agnostic"):
+        declaration(_settings("/s", parallelism_agnostic=True), _facts())
 
 
 def test_settings_name_what_is_missing() -> None:
