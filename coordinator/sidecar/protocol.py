@@ -347,8 +347,10 @@ def frame_chunks(items: Sequence[T], overhead: int = 1024) -> list[list[T]]:
     takes in one message each: at most MAX_COMMANDS items, and at most MAX_DENSE_FRAME bytes
     framed (`overhead` left for the message's other fields). An item larger than that alone is
     left alone in its chunk (the sidecar refuses it, named)."""
-    chunks: list[list[T]] = [[]]
     room = MAX_DENSE_FRAME - overhead
+    if len(items) <= MAX_COMMANDS and len(_encoder.encode(items)) <= room:
+        return [list(items)] if items else []  # the common case: one encode, not one per item
+    chunks: list[list[T]] = [[]]
     used = 0
     for item in items:
         size = len(_encoder.encode(item))
