@@ -15,8 +15,11 @@ coordinator.vllm.offload answers a refused load as a finished transfer and puts 
 ids in LoadErrors; this connector hands them to vLLM's model runner, whose scheduler, under
 kv_load_failure_policy "recompute", truncates the request's computed tokens at the first refused
 block, caches nothing of it and schedules those tokens again (vllm/v1/core/sched/scheduler.py,
-_handle_invalid_blocks and _update_waiting_for_remote_kv). The whole job's blocks are refused:
-kvledger fails a load job as a whole, and vLLM recomputes from the first refused block anyway.
+_handle_invalid_blocks and _update_waiting_for_remote_kv). The blocks from the first that failed
+verification on are refused, the verified ones before it kept. A model with several KV-cache
+groups (a hybrid of sliding-window and full attention) cannot name blocks so (a block id is unique
+only within its group, and vLLM 0.32 raises on them): its refused loads are reported as failed
+requests (failed_recving, and in finished_recving too), which vLLM recomputes whole.
 
 Cheaper than one committed step per manager call: a request's whole key chain is asked of kvledger
 in one lookup, answered at once from its committed state (`_ask_chain`), and the loads and stores
@@ -44,10 +47,10 @@ class KvledgerOffloadingConnector(OffloadingConnector):
         transfer = vllm_config.kv_transfer_config
         # Both roles check: the engine refuses to start (seen: the worker's connector, built
         # first, raises this) rather than fail a request or die at the first refused load.
-        check_connector_config(
-            transfer.kv_load_failure_policy, transfer.kv_connector_extra_config, len(kv_cache_config.kv_cache_groups)
-        )
+        check_connector_config(transfer.kv_load_failure_policy, transfer.kv_connector_extra_config)
         super().__init__(vllm_config, role, kv_cache_config)
+        self._several_groups = len(kv_cache_config.kv_cache_groups) > 1
+        """Refused loads are reported as failed requests then, not block ids (unique only in a group)."""
         self._load_errors = LoadErrors()
         if self.connector_worker is not None:
             # The spec hands them to its worker at register_kv_caches (get_worker).
@@ -66,8 +69,24 @@ class KvledgerOffloadingConnector(OffloadingConnector):
     # --- worker side --------------------------------------------------------------------------
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """The engine blocks of the loads refused since the last forward pass."""
-        return self._load_errors.take()
+        """The engine blocks of the loads refused since the last forward pass (one KV-cache group:
+        vLLM recomputes from the first of them and keeps the blocks before it)."""
+        refused = self._load_errors.take()
+        return set() if self._several_groups else refused
+
+    def get_transfer_results(self, finished_req_ids):
+        """vLLM's results, and with several KV-cache groups the requests whose load was refused as
+        failed (failed_recving; each is in finished_recving too, the transfer having ended): vLLM
+        recomputes such a request whole. The worker's load jobs are read before vLLM's worker
+        forgets them, in its get_finished."""
+        worker = self.connector_worker
+        requests = dict(worker._load_jobs) if worker is not None else {}
+        results = super().get_transfer_results(finished_req_ids)
+        failed = {requests[job] for job in self._load_errors.take_jobs() if job in requests}
+        if self._several_groups and failed:
+            results.failed_recving |= failed
+            results.finished_recving |= failed
+        return results
 
     # --- scheduler side -----------------------------------------------------------------------
 
@@ -75,15 +94,18 @@ class KvledgerOffloadingConnector(OffloadingConnector):
         # The workers load synchronously: a refused load's request finishes receiving in the
         # very output that names its blocks. A load that succeeded in the same step is marked
         # too; it only loses tier hits if it is ever scheduled from scratch again.
+        live = self.scheduler._req_status
         if connector_output.invalid_block_ids:
             # Only requests still alive: one aborted meanwhile had request_finished already, and
             # marking it now would keep its id for ever.
-            live = self.scheduler._req_status
             self._refused_requests.update(
                 req_id
                 for req_id in connector_output.finished_recving or ()
                 if req_id in live and not live[req_id].req.is_finished()
             )
+        self._refused_requests.update(
+            req_id for req_id in connector_output.failed_recving or () if req_id in live and not live[req_id].req.is_finished()
+        )
         super().update_connector_output(connector_output)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:

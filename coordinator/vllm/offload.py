@@ -74,7 +74,9 @@ from coordinator.vllm.offload_client import (
     SettingsError,
     SidecarError,
     SidecarUnavailable,
+    check_groups,
     engine_id,
+    in_prefix_order,
     tier_spec,
     unverified,
 )
@@ -218,19 +220,22 @@ class KvledgerOffloadingManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         refs = self._refs(keys)
+        # Decided in prefix order (the token position each key ends at), however they came.
+        ordered = in_prefix_order(refs, [req_context.get_offload_key_position(key) for key in keys])
         try:
-            pending = self.session().store(refs)
+            pending = self.session().store(ordered)
         except (SidecarError, SidecarUnavailable) as error:  # no decision, no store
             log.warning("kvledger_unavailable", call="prepare_store", error=str(error))
             return None
         if pending is None:  # every key is published already (this pass's lookups said so): nothing new
             return PrepareStoreOutput(keys_to_store=[], store_spec=KvledgerSpec([]), evicted_keys=[])
-        spec = KvledgerSpec([ref.engine_key for ref in pending.keys])
+        # vLLM's order, not the decision's: its source blocks come in it (KvledgerOffloadingWorker._blocks).
+        chosen = {ref.engine_key for ref in pending.keys}
+        offered = [ref.engine_key for ref in refs if ref.engine_key in chosen]
+        spec = KvledgerSpec(offered)
         self._stores.append((spec, pending))
         # Evictions are kvledger's, decided at the flush: vLLM hears of them as removal events.
-        return PrepareStoreOutput(
-            keys_to_store=[OffloadKey(ref.engine_key) for ref in pending.keys], store_spec=spec, evicted_keys=[]
-        )
+        return PrepareStoreOutput(keys_to_store=[OffloadKey(key) for key in offered], store_spec=spec, evicted_keys=[])
 
     def flush(self) -> None:
         """Commit this pass's loads and stores in one kvledger step and fill their specs, before
@@ -397,7 +402,7 @@ class KvledgerOffloadingWorker(OffloadingWorker):
     ) -> bool:
         """vLLM recomputes the blocks (the connector names them as load errors); the transfer is
         "done" without a size, so vLLM neither crashes (it asserts success) nor counts it as loaded bytes."""
-        self.load_errors.refuse(block_ids)
+        self.load_errors.refuse(block_ids, job_id)
         self.finished.append(TransferResult(job_id, True))
         events = events or []
         log.warning(
@@ -554,6 +559,7 @@ class KvledgerOffloadingSpec(OffloadingSpec):
             pipeline_parallel_size=int(parallel.pp_size),
         )
         self.rank = int(parallel.rank)
+        check_groups(self.settings, self.facts)  # at start-up, in both roles, one line naming the group
         self.load_errors: LoadErrors | None = None
         """Set by KvledgerOffloadingConnector (coordinator/vllm/connector.py), which reports them to vLLM."""
         self._manager: KvledgerOffloadingManager | None = None

@@ -128,13 +128,14 @@ CONNECTOR_NAME = "KvledgerOffloadingConnector"
 CONNECTOR_MODULE = "coordinator.vllm.connector"
 
 
-def check_connector_config(load_failure_policy: str, extra: Mapping[str, Any], num_kv_cache_groups: int) -> None:
+def check_connector_config(load_failure_policy: str, extra: Mapping[str, Any]) -> None:
     """Refuse at start-up what would crash vLLM at the first refused load.
 
-    A refused load is reported to vLLM as block ids (get_block_ids_with_load_errors). vLLM 0.32's
-    scheduler fails the request under kv_load_failure_policy "fail" (its default), and raises
-    (the engine dies) on block ids of a model with several KV-cache groups
-    (vllm/v1/core/sched/scheduler.py, _handle_invalid_blocks)."""
+    A refused load is reported to vLLM as block ids (get_block_ids_with_load_errors) for a model
+    with one KV-cache group, as failed requests (failed_recving) for one with several (vLLM 0.32
+    raises on block ids then: they are unique only within a group; vllm/v1/core/sched/scheduler.py,
+    _handle_invalid_blocks). vLLM's scheduler fails the request under kv_load_failure_policy
+    "fail" (its default)."""
     if load_failure_policy != "recompute":
         raise SettingsError(
             f'{CONNECTOR_NAME} needs kv_transfer_config kv_load_failure_policy "recompute" '
@@ -146,15 +147,12 @@ def check_connector_config(load_failure_policy: str, extra: Mapping[str, Any], n
             f"{CONNECTOR_NAME} needs kv_connector_extra_config spec_name {SPEC_NAME!r} "
             f'(spec_module_path "coordinator.vllm.offload"), not {extra.get("spec_name")!r}'
         )
-    if num_kv_cache_groups != 1:
-        raise SettingsError(
-            f"{CONNECTOR_NAME}: this model has {num_kv_cache_groups} KV-cache groups; vLLM 0.32 "
-            f"recomputes refused blocks only for a model with one"
-        )
 
 
 class LoadErrors:
-    """Engine block ids of the loads a worker refused, until vLLM's connector takes them.
+    """The loads a worker refused, until vLLM's connector takes them: their engine block ids
+    (reported for a model with one KV-cache group, whose block ids name blocks) and their vLLM
+    transfer job ids (reported as failed requests for a model with several).
 
     vLLM asks once per forward pass, after the pass's transfers were submitted and their
     results taken (kv_connector_model_runner_mixin._get_kv_connector_output): a refused load
@@ -162,14 +160,56 @@ class LoadErrors:
 
     def __init__(self) -> None:
         self._block_ids: set[int] = set()
+        self._jobs: set[int] = set()
 
-    def refuse(self, block_ids: Iterable[int]) -> None:
+    def refuse(self, block_ids: Iterable[int], job_id: int | None = None) -> None:
         self._block_ids.update(block_ids)
+        if job_id is not None:
+            self._jobs.add(job_id)
 
     def take(self) -> set[int]:
         """The refused block ids since the last call (each reported once)."""
         taken, self._block_ids = self._block_ids, set()
         return taken
+
+    def take_jobs(self) -> set[int]:
+        """The vLLM transfer jobs of the loads refused since the last call (each reported once)."""
+        taken, self._jobs = self._jobs, set()
+        return taken
+
+
+def in_prefix_order(keys: Sequence[ExternalKey], positions: Sequence[int | None]) -> list[ExternalKey]:
+    """`keys` by the token position each ends at (vLLM's ReqContext records it; None: unknown, kept
+    where it came, after the known ones before it), stable. A sliding-window group's backfilled
+    blocks reach a store after later ones (vLLM #50359, #53324); decided in prefix order, a store
+    job publishes a request's shallow blocks first, and a tier that must evict among them keeps
+    those every longer hit needs."""
+    last = -1
+    ranked = []
+    for index, (key, position) in enumerate(zip(keys, positions, strict=True)):
+        last = position if position is not None else last
+        ranked.append((last, index, key))
+    return [key for _, _, key in sorted(ranked, key=lambda rank: (rank[0], rank[1]))]
+
+
+def check_groups(settings: OffloadSettings, facts: EngineFacts) -> None:
+    """Refuse at start-up, in one line naming the group and the value, a model whose KV-cache
+    groups the declared namespace does not describe (its block_sizes list one size a group, in
+    group order), rather than at the engine's first request (the decider's refusal at Hello)."""
+    declared = list(settings.namespace.get("block_sizes") or [])
+    runs = [size for _, size in facts.groups]
+    if len(declared) != len(runs):
+        raise SettingsError(
+            f"kvledger_namespace block_sizes lists {len(declared)} size(s) {declared}, and the model has "
+            f"{len(runs)} KV-cache group(s) of {runs} tokens a block: list one a group, in group order"
+        )
+    for (group_id, size), said in zip(facts.groups, declared, strict=True):
+        if size != said:
+            raise SettingsError(
+                f"KV-cache group {group_id} has {size} tokens a block; kvledger_namespace block_sizes says {said}"
+            )
+    if len({group_id for group_id, _ in facts.groups}) != len(facts.groups) or any(g < 0 for g, _ in facts.groups):
+        raise SettingsError(f"KV-cache group ids {[g for g, _ in facts.groups]} must be distinct and not negative")
 
 
 def unverified(published: Sequence[Sequence[bytes]], read: Sequence[bytes], rank: int) -> list[int]:
@@ -503,6 +543,8 @@ __all__ = [
     "EngineFacts",
     "LedgerSession",
     "LoadErrors",
+    "check_groups",
+    "in_prefix_order",
     "OffloadSettings",
     "PendingLoad",
     "PendingStore",

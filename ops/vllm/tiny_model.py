@@ -96,8 +96,14 @@ def build_tokenizer(directory: Path, rng: random.Random) -> None:
     fast.save_pretrained(directory)
 
 
-def build_model(directory: Path) -> None:
-    """A random LlamaForCausalLM with the smallest shapes vLLM's CPU backend takes."""
+SLIDING_WINDOW = 64
+"""Tokens a hybrid model's sliding-window layer attends to (two blocks of 32)."""
+
+
+def build_model(directory: Path, hybrid: bool = False) -> None:
+    """A random LlamaForCausalLM with the smallest shapes vLLM's CPU backend takes. Hybrid: its
+    first layer sliding-window attention (SLIDING_WINDOW tokens), its second full attention, so
+    that vLLM makes two KV-cache groups (vLLM's llama reads `layer_types`)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -120,18 +126,21 @@ def build_model(directory: Path) -> None:
         initializer_range=0.2,
         torch_dtype="float32",
     )
+    if hybrid:
+        config.layer_types = ["sliding_attention", "full_attention"]
+        config.sliding_window = SLIDING_WINDOW
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(directory, safe_serialization=True)
 
 
-def build(directory: Path) -> Path:
+def build(directory: Path, hybrid: bool = False) -> Path:
     """Write the tokenizer and the model into ``directory`` (created if missing)."""
     directory.mkdir(parents=True, exist_ok=True)
     build_tokenizer(directory, random.Random(SEED))
-    build_model(directory)
+    build_model(directory, hybrid)
     (directory / "kvledger_tiny_model.json").write_text(
-        json.dumps({"seed": SEED, "vocab_size": VOCAB_SIZE, "builder": "ops/vllm/tiny_model.py"})
+        json.dumps({"seed": SEED, "vocab_size": VOCAB_SIZE, "hybrid": hybrid, "builder": "ops/vllm/tiny_model.py"})
     )
     return directory
 
@@ -139,8 +148,9 @@ def build(directory: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", type=Path, help="where to write the model (created)")
+    parser.add_argument("--hybrid", action="store_true", help="a sliding-window layer and a full-attention one")
     args = parser.parse_args()
-    print(f"tiny model written to {build(args.directory)}")
+    print(f"tiny model written to {build(args.directory, args.hybrid)}")
 
 
 if __name__ == "__main__":

