@@ -65,7 +65,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -82,6 +81,7 @@ VLLM_VENV = REPO / ".venv-vllm"
 DEFAULT_KVLEDGER = REPO / ".venv" / "bin" / "kvledger"
 
 sys.path.insert(0, str(VLLM_DIR))
+from serving import kvledger_serve  # noqa: E402
 from tiny_model import PROMPT_PREFIX, WORDS  # noqa: E402 - the tiny model's own words tokenize compactly
 
 PREFIX_WORDS = 300
@@ -282,15 +282,6 @@ def child(args: argparse.Namespace, phase: str, workdir: Path, socket: Path | No
     return result
 
 
-def stop(sidecar: subprocess.Popen[bytes]) -> int:
-    sidecar.send_signal(signal.SIGTERM)
-    try:
-        return sidecar.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        sidecar.kill()
-        return sidecar.wait()
-
-
 def read_log(kvledger: Path, log_path: Path) -> list[dict[str, Any]]:
     """Every committed event of the sidecar's log, as `kvledger export` writes them."""
     done = subprocess.run(
@@ -367,7 +358,6 @@ def main() -> None:
     check_environment(args.kvledger)
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="kvl-overhead-"))
-    socket_dir = Path(tempfile.mkdtemp(prefix="kvl-"))  # a Unix socket path is at most 108 bytes
     try:
         out(f"host at start: {load()}")
         texts = prompts(args.prompts)
@@ -384,20 +374,9 @@ def main() -> None:
         say(f"plain run done in {plain['wall_s']:.1f} s")
 
         log_path = workdir / "log.sqlite"
-        socket = socket_dir / "s.sock"
-        with open(workdir / "sidecar.log", "wb") as sidecar_log:
-            sidecar = subprocess.Popen(
-                [str(args.kvledger), "serve", "--log", str(log_path), "--socket", str(socket), "--http", "off"],
-                stdout=sidecar_log,
-                stderr=subprocess.STDOUT,
-            )
-            try:
-                from prove import wait_for_socket  # ops/vllm/prove.py, on sys.path as namespace_of's
-
-                wait_for_socket(socket, sidecar)
-                ledgered = child(args, "kvledger", workdir, socket)
-            finally:
-                sidecar_exit = stop(sidecar)
+        with kvledger_serve(args.kvledger, log_path, workdir / "sidecar.log", who="vllm_overhead") as sidecar:
+            ledgered = child(args, "kvledger", workdir, sidecar.socket)
+        sidecar_exit = sidecar.exit_code
         say(f"kvledger run done in {ledgered['wall_s']:.1f} s; sidecar exited with {sidecar_exit}")
         events = read_log(args.kvledger, log_path)
         steps, per_engine = committed_steps(events)
@@ -448,7 +427,6 @@ def main() -> None:
         out(f"kvledger cached tokens {sum(r['num_cached_tokens'] for r in kvledger_results)}")
         say(f"done in {time.monotonic() - started:.0f} s")
     finally:
-        shutil.rmtree(socket_dir, ignore_errors=True)
         if args.keep:
             say(f"kept {workdir}")
         else:

@@ -39,7 +39,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -49,9 +48,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-DEFAULT_KVLEDGER = REPO / ".venv" / "bin" / "kvledger"
 
 sys.path.insert(0, str(HERE))
+from serving import DEFAULT_KVLEDGER, kvledger_serve  # noqa: E402
 from tiny_model import PROMPT_PREFIX as PREFIX  # noqa: E402 - the prompts both scripts send
 from tiny_model import PROMPT_TAILS as TAILS  # noqa: E402
 
@@ -196,17 +195,6 @@ def run_engine(args: argparse.Namespace) -> None:
     )
 
 
-def wait_for_socket(path: Path, sidecar: subprocess.Popen[bytes], limit_s: float = 60.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            return
-        if sidecar.poll() is not None:
-            raise SystemExit(f"prove: kvledger serve exited with {sidecar.returncode} before listening")
-        time.sleep(0.1)
-    raise SystemExit(f"prove: kvledger serve did not create {path} in {limit_s} s")
-
-
 def child(args: argparse.Namespace, phase: str, out: Path, socket: Path | None, timeout_s: float) -> dict[str, Any]:
     command = [
         sys.executable,
@@ -293,38 +281,19 @@ def main() -> None:
         sys.path.insert(0, str(HERE))
         import tiny_model
 
-        tiny_model.build(args.model, args.hybrid)
+        # One KV head a rank: each rank's shard of a block is its own (a single head is replicated).
+        tiny_model.build(args.model, args.hybrid, kv_heads=max(1, args.tensor_parallel_size))
     log_path = args.log = workdir / "log.sqlite"
     log_path.unlink(missing_ok=True)
     args.tier_dir = workdir / "tier"
     shutil.rmtree(args.tier_dir, ignore_errors=True)
-    # A Unix socket path is at most 108 bytes: a short directory of its own.
-    socket_dir = Path(tempfile.mkdtemp(prefix="kvl-"))
-    socket = socket_dir / "s.sock"
 
     cold = child(args, "cold", workdir / "cold.json", None, args.engine_timeout)
     print(f"prove: cold run done in {cold['wall_s']:.1f} s", flush=True)
 
-    sidecar_log = open(workdir / "sidecar.log", "wb")  # noqa: SIM115 - closed below
-    sidecar = subprocess.Popen(
-        [str(args.kvledger), "serve", "--log", str(log_path), "--socket", str(socket), "--http", "off"],
-        stdout=sidecar_log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        wait_for_socket(socket, sidecar)
-        cached = child(args, "kvledger", workdir / "kvledger.json", socket, args.engine_timeout)
+    with kvledger_serve(args.kvledger, log_path, workdir / "sidecar.log", who="prove") as sidecar:
+        cached = child(args, "kvledger", workdir / "kvledger.json", sidecar.socket, args.engine_timeout)
         print(f"prove: kvledger run done in {cached['wall_s']:.1f} s", flush=True)
-    finally:
-        sidecar.send_signal(signal.SIGTERM)
-        try:
-            sidecar.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            sidecar.kill()
-            sidecar.wait()
-        sidecar_log.close()
-        socket.unlink(missing_ok=True)
-        socket_dir.rmdir()
 
     result = {
         "cold": cold["results"],
@@ -334,7 +303,7 @@ def main() -> None:
         "reset": cached["reset"],
         "tier_dir": str(args.tier_dir),
         "sidecar_log": str(workdir / "sidecar.log"),
-        "sidecar_exit": sidecar.returncode,
+        "sidecar_exit": sidecar.exit_code,
         "workdir": str(workdir),
         "kept": keep,
         "namespace": namespace_of(args.model, args.block_size, 2 if args.hybrid else 1),

@@ -100,10 +100,11 @@ SLIDING_WINDOW = 64
 """Tokens a hybrid model's sliding-window layer attends to (two blocks of 32)."""
 
 
-def build_model(directory: Path, hybrid: bool = False) -> None:
+def build_model(directory: Path, hybrid: bool = False, kv_heads: int = 1) -> None:
     """A random LlamaForCausalLM with the smallest shapes vLLM's CPU backend takes. Hybrid: its
     first layer sliding-window attention (SLIDING_WINDOW tokens), its second full attention, so
-    that vLLM makes two KV-cache groups (vLLM's llama reads `layer_types`)."""
+    that vLLM makes two KV-cache groups (vLLM's llama reads `layer_types`). `kv_heads` 2 gives
+    each of two tensor-parallel ranks a KV head of its own (one head is replicated on both)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -113,7 +114,7 @@ def build_model(directory: Path, hybrid: bool = False) -> None:
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=2,
-        num_key_value_heads=2,  # one KV head a rank at TP=2: each rank's shard is its own (one head would be replicated)
+        num_key_value_heads=kv_heads,
         head_dim=64,
         max_position_embeddings=2048,
         bos_token_id=SPECIAL_TOKENS.index(BOS),
@@ -134,13 +135,15 @@ def build_model(directory: Path, hybrid: bool = False) -> None:
     model.save_pretrained(directory, safe_serialization=True)
 
 
-def build(directory: Path, hybrid: bool = False) -> Path:
+def build(directory: Path, hybrid: bool = False, kv_heads: int = 1) -> Path:
     """Write the tokenizer and the model into ``directory`` (created if missing)."""
     directory.mkdir(parents=True, exist_ok=True)
     build_tokenizer(directory, random.Random(SEED))
-    build_model(directory, hybrid)
+    build_model(directory, hybrid, kv_heads)
     (directory / "kvledger_tiny_model.json").write_text(
-        json.dumps({"seed": SEED, "vocab_size": VOCAB_SIZE, "hybrid": hybrid, "builder": "ops/vllm/tiny_model.py"})
+        json.dumps(
+            {"seed": SEED, "vocab_size": VOCAB_SIZE, "hybrid": hybrid, "kv_heads": kv_heads, "builder": "ops/vllm/tiny_model.py"}
+        )
     )
     return directory
 

@@ -34,8 +34,7 @@ import hashlib
 import json
 import multiprocessing
 import shutil
-import signal
-import subprocess
+import sys
 import tempfile
 import time
 from multiprocessing.connection import Connection
@@ -43,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
-DEFAULT_KVLEDGER = REPO / ".venv" / "bin" / "kvledger"
+sys.path.insert(0, str(HERE))
+from serving import DEFAULT_KVLEDGER, kvledger_serve  # noqa: E402
 
 WORLD = 2
 BLOCK = 16
@@ -176,17 +175,6 @@ class Scheduler:
         return spec
 
 
-def wait_for_socket(path: Path, sidecar: subprocess.Popen[bytes], limit_s: float = 60.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            return
-        if sidecar.poll() is not None:
-            raise SystemExit(f"two_ranks: kvledger serve exited with {sidecar.returncode} before listening")
-        time.sleep(0.1)
-    raise SystemExit(f"two_ranks: kvledger serve did not create {path} in {limit_s} s")
-
-
 def flip_a_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -278,28 +266,9 @@ def main() -> None:
     log_path.unlink(missing_ok=True)
     tier_dir = workdir / "tier"
     shutil.rmtree(tier_dir, ignore_errors=True)
-    socket_dir = Path(tempfile.mkdtemp(prefix="kvl-"))  # a Unix socket path is at most 108 bytes
-    socket = socket_dir / "s.sock"
-    sidecar_log = open(workdir / "sidecar.log", "wb")  # noqa: SIM115 - closed below
-    sidecar = subprocess.Popen(
-        [str(args.kvledger), "serve", "--log", str(log_path), "--socket", str(socket), "--http", "off"],
-        stdout=sidecar_log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        wait_for_socket(socket, sidecar)
-        result = prove(socket, tier_dir)
-    finally:
-        sidecar.send_signal(signal.SIGTERM)
-        try:
-            sidecar.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            sidecar.kill()
-            sidecar.wait()
-        sidecar_log.close()
-        socket.unlink(missing_ok=True)
-        socket_dir.rmdir()
-    result.update(log=str(log_path), sidecar_exit=sidecar.returncode, wall_s=time.monotonic() - started)
+    with kvledger_serve(args.kvledger, log_path, workdir / "sidecar.log", who="two_ranks") as sidecar:
+        result = prove(sidecar.socket, tier_dir)
+    result.update(log=str(log_path), sidecar_exit=sidecar.exit_code, wall_s=time.monotonic() - started)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(
         f"two_ranks: loadable after rank 0 reported {result['after_rank0_reported']}, after both "
