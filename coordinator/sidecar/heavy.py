@@ -32,6 +32,9 @@ HEAVY_SHARE = 0.1
 """Of the time, what one credential's heavy reads may take while another credential is served."""
 ACTIVE_WINDOW = 0.25
 """Seconds since its last frame during which a credential counts as being served."""
+MAX_SEEN = 4096
+"""Credentials seen recently held before the stale ones are pruned (without a credentials file
+each engine id is one)."""
 REST_SLICE = 0.01
 """Seconds a resting credential sleeps before it looks again whether anyone else is served."""
 
@@ -64,14 +67,18 @@ class HeavyLane:
     def saw(self, who: str) -> None:
         """`who` sent a frame now: it is being served (a reason for others' heavy reads to rest)."""
         self._seen[who] = self.clock()
+        if len(self._seen) > MAX_SEEN:  # many engines, no heavy read to prune them meanwhile
+            self._prune()
 
     def others_served(self, who: str) -> bool:
         """Whether a credential other than `who` sent a frame within the window."""
-        since = self.clock() - self.window
-        stale = [key for key, seen in self._seen.items() if seen < since]
-        for key in stale:
-            del self._seen[key]
+        self._prune()
         return any(key != who for key in self._seen)
+
+    def _prune(self) -> None:
+        since = self.clock() - self.window
+        for key in [key for key, seen in self._seen.items() if seen < since]:
+            del self._seen[key]
 
     @asynccontextmanager
     async def turn(self, who: str) -> AsyncIterator[None]:

@@ -88,3 +88,19 @@ def test_a_share_outside_zero_to_one_is_refused() -> None:
     for share in (0.0, -1.0, 1.5):
         with pytest.raises(ValueError, match="fraction of the time"):
             HeavyLane(share=share)
+
+
+def test_what_the_lane_remembers_of_credentials_seen_stays_bounded() -> None:
+    """Without a credentials file each engine id is a credential: many engines stepping while no
+    heavy read runs must not grow the lane's memory without bound (the stale ones are pruned)."""
+    from coordinator.sidecar.heavy import MAX_SEEN
+
+    now = [0.0]
+    lane = HeavyLane(window=1.0, clock=lambda: now[0])
+    for index in range(3 * MAX_SEEN):
+        now[0] = index * 0.001  # a millisecond apart: about 1,000 of them within any window
+        lane.saw(f"engine:{index}")
+    assert len(lane._seen) <= MAX_SEEN + 1
+    assert lane.others_served("engine:0")  # the recent ones still count
+    now[0] += 2.0
+    assert not lane.others_served("engine:0")
