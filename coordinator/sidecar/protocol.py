@@ -126,10 +126,10 @@ class Hello(Message, frozen=True, tag="hello"):
     declare: DeclareEngine | None = None
     incarnation: int = 0
     tiers: list[TierSpec] = []
+    """Tiers to declare before the engine; declaring a known tier with the same spec is a no-op."""
     takeover: bool = False
     """Declare the engine although a connection of it is still open: the new incarnation fences
     that connection (and its workers'). Without it such a Hello is refused `engine_connected`."""
-    """Tiers to declare before the engine; declaring a known tier with the same spec is a no-op."""
     rank: int = 0
     """Workers: the tensor-parallel rank this worker serves."""
 
@@ -345,8 +345,8 @@ LOOKUP_PEEK = 1 + len(LOOKUP_PREFIX)
 def frame_chunks(items: Sequence[T], overhead: int = 1024) -> list[list[T]]:
     """`items` (a step's commands, a worker's reports) in order, in as few chunks as the sidecar
     takes in one message each: at most MAX_COMMANDS items, and at most MAX_DENSE_FRAME bytes
-    framed (`overhead` left for the message's other fields). An item larger than that alone is
-    left alone in its chunk (the sidecar refuses it, named)."""
+    framed (`overhead` left for the message's other fields). An item too large even alone gets a
+    chunk of its own (the sidecar refuses it, naming the bound)."""
     room = MAX_DENSE_FRAME - overhead
     if len(items) <= MAX_COMMANDS and len(_encoder.encode(items)) <= room:
         return [list(items)] if items else []  # the common case: one encode, not one per item
