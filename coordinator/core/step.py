@@ -49,6 +49,11 @@ def run_step(
     return events
 
 
+def engine_stream(engine_id: str) -> str:
+    """The stream an engine's steps, and every decision for its workers, are committed to."""
+    return f"engine/{engine_id}"
+
+
 def stream_for(state: State, command: AnyCommand) -> str:
     """Each engine writes its own stream; tiers have theirs; a report joins its job's engine;
     namespace decisions go to one stream of their own."""
@@ -60,5 +65,5 @@ def stream_for(state: State, command: AnyCommand) -> str:
         job = state.jobs.get(command.job_id)
         if job is None and command.job_id in state.fenced:
             job = state.fenced[command.job_id].job
-        return f"engine/{job.decision.engine_id}" if job is not None else "reports"
-    return f"engine/{command.engine_id}"
+        return engine_stream(job.decision.engine_id) if job is not None else "reports"
+    return engine_stream(command.engine_id)

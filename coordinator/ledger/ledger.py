@@ -32,7 +32,7 @@ from coordinator.core.decider import END_OF_STEP_NOTICES
 from coordinator.core.projector import read_effects
 from coordinator.core.protections import Protection
 from coordinator.core.state import State
-from coordinator.core.step import run_step, stream_for
+from coordinator.core.step import engine_stream, run_step, stream_for
 from coordinator.ledger.recovery import make_snapshot, recover
 from events import Event, EventCodec, NoticeDropped, StepBegan, StepEnded
 from events.log import (
@@ -462,7 +462,7 @@ class Ledger:
                             continue  # answered from the log, or from its first copy
                         first_of[command_id] = index
                     if isinstance(tx, Step):
-                        stream, step = f"engine/{tx.engine_id}", tx.step
+                        stream, step = engine_stream(tx.engine_id), tx.step
                         decided_step = run_step(self.core.execute, tx.engine_id, tx.step, tx.clock, tx.commands)
                         events = decided_step.all()
                         detail = StepCommit(

@@ -18,6 +18,7 @@ import anyio
 import structlog
 
 from coordinator.core.routing import DECISION_TYPES, Decision, decisions_for
+from coordinator.core.step import engine_stream
 from coordinator.sidecar.heavy import HeavyLane
 from coordinator.sidecar.memory import give_back_free_memory
 from events import Event, EventCodec
@@ -27,8 +28,9 @@ from events.log.reading import decode_step, stored_steps
 log = structlog.get_logger("kvledger.hub")
 T = TypeVar("T")
 
-CATCH_UP_BATCH = 2_000
-"""Events a catch-up reads and decodes at a time (in a worker thread)."""
+CATCH_UP_STEPS = 64
+"""Steps of its engine's stream a catch-up reads and decodes at a time (in a worker thread): a
+32-command step is ~40 events."""
 DEFAULT_BUFFER = 10_000
 """Decisions a subscription may hold undelivered before it is cut off."""
 SEND_GRACE = 5.0
@@ -151,14 +153,20 @@ class DecisionHub:
                 yield decisions
 
     async def _catch_up(self, subscription: Subscription) -> AsyncIterator[list[Decision]]:
-        """What the log holds for the subscription up to its registration, CATCH_UP_BATCH events
-        at a time, each batch read and decoded off the event loop, one catch-up at a time: a
-        Subscribe(from_seq=0) decoded the whole log on the loop, and 20 of them pushed another
-        engine's step p99 past 50 ms (issue 17)."""
+        """What the log holds for the subscription up to its registration, CATCH_UP_STEPS steps of
+        its engine's stream at a time, each batch read and decoded off the event loop, one
+        catch-up at a time (the heavy lane). A Subscribe(from_seq=0) decoded the whole log on the
+        loop, and 20 of them pushed another engine's step p99 past 50 ms; read off the loop but
+        whole, every stream's steps, they still held it ~2x (issue 17): a worker's catch-up now
+        reads its own engine's steps only (EventLog.read_stream_steps), and one of an engine
+        with no steps reads nothing."""
+        stream = engine_stream(subscription.engine_id)
         last, until = subscription.from_seq, subscription.registered_at
         while last < until:
             async with self.heavy_turn(subscription.who):
-                steps = await self.log.read_steps(last, min(CATCH_UP_BATCH, until - last))
+                steps = [
+                    step for step in await self.log.read_stream_steps(stream, last, CATCH_UP_STEPS) if step.first_seq <= until
+                ]
                 if not steps:
                     return
                 decisions = await anyio.to_thread.run_sync(self._decisions_in, steps, subscription, last)
@@ -186,14 +194,9 @@ class DecisionHub:
     def _decisions_in(self, steps: list[StoredStep], subscription: Subscription, after_seq: int) -> list[Decision]:
         # A decision is an event of its engine's own command (StartStore, StartLoad, PlanStateCopy,
         # their external forms), and every command naming an engine is committed to the engine's
-        # stream (coordinator.core.step.stream_for): other streams' steps are not decoded at all.
-        stream = f"engine/{subscription.engine_id}"
+        # stream (coordinator.core.step.stream_for): `steps` are that stream's.
         decisions = []
         for step in steps:
-            if step.first_seq > subscription.registered_at:
-                break
-            if step.stream_id != stream:
-                continue
             after = max(after_seq, step.first_seq - 1)
             events = decode_step(self.codec, step, after)
             decisions += [

@@ -357,6 +357,13 @@ class KafkaEventLog(SqlEventLog):
         self._check()
         return self._fold.steps_for(after_seq, limit)
 
+    async def read_stream_steps(self, stream_id: str, after_seq: int = 0, limit: int = 1_000) -> list[StoredStep]:
+        if limit <= 0:
+            return []
+        await self._catch_up()
+        self._check()
+        return self._fold.stream_steps_for(stream_id, after_seq, limit)
+
     async def tail(self, after_seq: int = 0, batch: int = 10_000) -> AsyncIterator[StoredEvent]:
         """Every committed event after `after_seq`, in order, forever: woken by every record
         folded (the fetch waits on the broker); an idle tail checks the topic's end."""

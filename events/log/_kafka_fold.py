@@ -129,6 +129,8 @@ class KafkaFold:
         self.steps: list[StoredStep] = []
         self._starts: list[int] = []
         """first_seq of each step, for bisecting."""
+        self._stream_steps: dict[str, tuple[list[int], list[StoredStep]]] = {}
+        """stream id -> (last_seq of each of its steps, the steps): one stream read alone."""
         self.versions: dict[str, int] = {}
         self.epochs: dict[str, tuple[int, str]] = {}
         """stream id -> (epoch, writer) of its current claim."""
@@ -253,6 +255,9 @@ class KafkaFold:
         for step in steps:
             self.steps.append(step)
             self._starts.append(step.first_seq)
+            ends, stream_steps = self._stream_steps.setdefault(step.stream_id, ([], []))
+            ends.append(step.last_seq)
+            stream_steps.append(step)
         self.versions.update(versions)
         self.commands.update(commands)
         self.event_ids |= new_ids
@@ -269,6 +274,12 @@ class KafkaFold:
         start = max(bisect_right(self._starts, after_seq + 1) - 1, 0)
         end = bisect_right(self._starts, after_seq + limit)
         return self.steps[start:end]
+
+    def stream_steps_for(self, stream_id: str, after_seq: int, limit: int) -> list[StoredStep]:
+        """One stream's steps ending after after_seq, at most `limit` (as the SQL log's read_stream_steps)."""
+        ends, stream_steps = self._stream_steps.get(stream_id, ((), ()))
+        start = bisect_right(ends, after_seq)
+        return list(stream_steps[start : start + max(limit, 0)])
 
     def origin_code(self) -> int:
         """The origin as a positive 63-bit integer (0: the topic is empty), to keep as a checkpoint."""

@@ -17,11 +17,13 @@ to `kvl_event_ids`, whose primary key keeps them unique. A reader splits a step 
 from __future__ import annotations
 
 import sqlite3
+import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 import anyio
+import msgspec
 import sqlalchemy as sa
 import structlog
 from sqlalchemy.dialects import postgresql, sqlite
@@ -51,6 +53,8 @@ PAGE_CACHE_KIB = 8192
 """SQLite's page cache per connection. ops/bench/log.py appends and replays as fast with 8 MiB as
 with 64 MiB; a sidecar's memory grew by the cache as its log grew (ops/bench/hostile.py: +36 MiB
 at 64 MiB under a flood of refused steps, +13 MiB at 8 MiB)."""
+CHECKPOINT_EVERY = 0.25
+"""Seconds between the background WAL checkpoints while appends come in (`_Checkpointer`)."""
 
 
 def is_outage(error: BaseException) -> bool:
@@ -140,18 +144,80 @@ _READ_STEPS_SQL = (
 _READ_STEPS = sa.text(_READ_STEPS_SQL).bindparams(
     sa.bindparam("after", type_=sa.BigInteger), sa.bindparam("limit", type_=sa.BigInteger)
 )
+_READ_STREAM_STEPS_SQL = (
+    # ix_kvl_steps_stream_last: the stream's steps in order from the one ending after `after`.
+    f"SELECT {_STEP_COLUMNS} FROM kvl_steps WHERE stream_id = :stream AND last_seq > :after ORDER BY last_seq LIMIT :limit"
+)
+_READ_STREAM_STEPS = sa.text(_READ_STREAM_STEPS_SQL).bindparams(
+    sa.bindparam("after", type_=sa.BigInteger), sa.bindparam("limit", type_=sa.BigInteger)
+)
 _HEAD_SQL = "SELECT last_seq FROM kvl_steps ORDER BY first_seq DESC LIMIT 1"
 _INSERT_STEP_SQL = (
     "INSERT INTO kvl_steps (first_seq, last_seq, stream_id, first_version, step, recorded_at, schemas, header, payload) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _INSERT_IDS_SQL = "INSERT INTO kvl_event_ids (event_id, global_seq) VALUES (?, ?)"
+_INSERT_IDS_AT_ONCE_SQL = (
+    # A step's event ids in one statement, from a JSON array (key: the index in it).
+    "INSERT INTO kvl_event_ids (event_id, global_seq) SELECT value, ? + key FROM json_each(?)"
+)
 
 
 def events_of(steps: Sequence[StoredStep], after_seq: int, limit: int) -> list[StoredEvent]:
     """The events after `after_seq` in `steps`, at most `limit` of them."""
     stored = [event for step in steps for event in step.events() if event.global_seq > after_seq]
     return stored[:limit]
+
+
+class _Checkpointer:
+    """Copies SQLite's WAL into the database file in a thread of its own, so no append pays for it.
+
+    SQLite checkpoints on the commit that takes the WAL past `wal_autocheckpoint` pages: under
+    ops/bench/hostile.py's load that was one append every ~15 s taking 40-55 ms, and every
+    engine's step waited for it (the legitimate engine's slowest step, 53-63 ms, in every run).
+    Here a PASSIVE checkpoint runs at most every CHECKPOINT_EVERY seconds while appends come in:
+    it takes no write lock, so appends go on beside it, and once it has copied every frame the
+    next append starts the WAL afresh, so the autocheckpoint (kept as the backstop) does not come
+    due. Started by the first append: a log only read never starts it."""
+
+    def __init__(self, engine: sa.Engine, url: str) -> None:
+        self._engine = engine
+        self._url = url
+        self._due = threading.Event()
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._start = threading.Lock()
+
+    def appended(self) -> None:
+        if self._thread is None:
+            with self._start:
+                if self._thread is None and not self._closing.is_set():
+                    self._thread = threading.Thread(target=self._run, name="kvledger-wal-checkpoint", daemon=True)
+                    self._thread.start()
+        self._due.set()
+
+    def _run(self) -> None:
+        while not self._closing.is_set():
+            self._due.wait()
+            if self._closing.is_set():
+                return
+            self._due.clear()
+            try:
+                with self._engine.connect() as conn:
+                    # The driver's own connection: SQLAlchemy would begin a transaction first, and
+                    # a checkpoint inside one cannot copy past the snapshot it holds.
+                    driver = conn.connection.driver_connection
+                    driver.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()  # type: ignore[union-attr]
+            except (sqlite3.Error, sa.exc.DBAPIError) as error:
+                # A checkpoint is housekeeping: the next one (or SQLite's own) copies what this did not.
+                log.warning("wal_checkpoint_failed", url=self._url, error=str(error).splitlines()[0])
+            self._closing.wait(CHECKPOINT_EVERY)
+
+    def close(self) -> None:
+        self._closing.set()
+        self._due.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 class SqlEventLog:
@@ -165,6 +231,7 @@ class SqlEventLog:
         self.blocking_engine = blocking
         """SQLite only: the pysqlite engine that appends and reads run on, in worker threads."""
         self._writer = anyio.CapacityLimiter(1)
+        self._checkpointer = _Checkpointer(blocking, url) if blocking is not None else None
         self._appended = anyio.Event()
         self._listener: Any = None
 
@@ -174,6 +241,8 @@ class SqlEventLog:
         """Append every batch atomically; raises WrongExpectedVersion and appends nothing."""
         if self.blocking_engine is not None:
             results = await anyio.to_thread.run_sync(self._append_blocking, batches, limiter=self._writer)
+            assert self._checkpointer is not None
+            self._checkpointer.appended()
             self._wake()
             return results
         try:
@@ -238,6 +307,23 @@ class SqlEventLog:
         with self.blocking_engine.connect() as conn:
             driver = conn.connection.driver_connection
             cursor = driver.execute(_READ_STEPS_SQL, {"after": after_seq, "limit": limit})  # type: ignore[union-attr]
+            return [StoredStep(*row) for row in cursor.fetchall()]
+
+    async def read_stream_steps(self, stream_id: str, after_seq: int = 0, limit: int = 1_000) -> list[StoredStep]:
+        if limit <= 0:
+            return []
+        parameters = {"stream": stream_id, "after": after_seq, "limit": limit}
+        if self.blocking_engine is not None:
+            return await anyio.to_thread.run_sync(self._read_stream_steps_blocking, parameters)
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(_READ_STREAM_STEPS, parameters)).all()
+        return [StoredStep(*row) for row in rows]
+
+    def _read_stream_steps_blocking(self, parameters: dict[str, object]) -> list[StoredStep]:
+        assert self.blocking_engine is not None
+        with self.blocking_engine.connect() as conn:
+            driver = conn.connection.driver_connection
+            cursor = driver.execute(_READ_STREAM_STEPS_SQL, parameters)  # type: ignore[union-attr]
             return [StoredStep(*row) for row in cursor.fetchall()]
 
     async def tail(self, after_seq: int = 0, batch: int = 10_000) -> AsyncIterator[StoredEvent]:
@@ -365,6 +451,8 @@ class SqlEventLog:
     async def close(self) -> None:
         if self._listener:
             await self._listener.close()
+        if self._checkpointer is not None:
+            await anyio.to_thread.run_sync(self._checkpointer.close)
         if self.blocking_engine is not None:
             await anyio.to_thread.run_sync(self.blocking_engine.dispose)
         await self.engine.dispose()
@@ -466,7 +554,11 @@ class _SqliteRows:
 
     def insert_step(self, step: StepRow, ids: list[tuple[str, int]]) -> None:
         self.driver.execute(_INSERT_STEP_SQL, step)
-        self.driver.executemany(_INSERT_IDS_SQL, ids)
+        # One statement, not one per event (executemany): sqlite3 lets go of the GIL around each
+        # row's step, and while the event loop is busy each handover waits up to the switch
+        # interval for it back. A 258-event step of refusals took 10-18 ms to append under
+        # ops/bench/hostile.py's attack, and every engine's step waited behind it.
+        self.driver.execute(_INSERT_IDS_AT_ONCE_SQL, (step[0], msgspec.json.encode([event_id for event_id, _ in ids])))
 
     def set_stream_version(self, stream_id: str, version: int, *, new: bool) -> None:
         if new:

@@ -31,6 +31,8 @@ steps = sa.Table(
     sa.Column("payload", sa.LargeBinary, nullable=False),
     sa.UniqueConstraint("stream_id", "first_version", name="uq_kvl_steps_stream_version"),
 )
+# One stream's steps after a sequence, in order (EventLog.read_stream_steps: a worker's catch-up).
+sa.Index("ix_kvl_steps_stream_last", steps.c.stream_id, steps.c.last_seq)
 
 event_ids = sa.Table(
     "kvl_event_ids",

@@ -188,7 +188,18 @@ def test_foreign_and_garbled_records_are_skipped_and_another_format_fails_closed
 def test_the_kafka_log_reads_and_writes_every_event_through_the_topic() -> None:
     """KafkaEventLog inherits SqlEventLog's state store side only: an event method it did not
     override would read the state store's empty event tables."""
-    for name in ("append", "read", "read_steps", "tail", "head", "find_commands", "stream_version", "stream_versions", "close"):
+    for name in (
+        "append",
+        "read",
+        "read_steps",
+        "read_stream_steps",
+        "tail",
+        "head",
+        "find_commands",
+        "stream_version",
+        "stream_versions",
+        "close",
+    ):
         assert getattr(KafkaEventLog, name) is not getattr(SqlEventLog, name), name
     for name in ("checkpoint", "save_snapshot", "snapshots"):
         assert getattr(KafkaEventLog, name) is getattr(SqlEventLog, name), name

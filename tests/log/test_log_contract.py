@@ -313,6 +313,26 @@ async def test_read_pages_by_after_seq_and_limit(event_log: EventLog) -> None:
     assert paged == await event_log.read()
 
 
+async def test_read_stream_steps_reads_one_streams_steps_as_read_steps_holds_them(event_log: EventLog) -> None:
+    """A worker's catch-up reads its engine's stream alone: the same steps read_steps returns of
+    that stream, whole and in order, from the one ending after after_seq, at most `limit`."""
+    for index in range(9):
+        stream = "even" if index % 3 else "third"
+        await event_log.append([batch(stream, await event_log.stream_version(stream), pendings(f"q{index}", 4))])
+    every = await event_log.read_steps(0, 1000)
+    for stream in ("even", "third"):
+        own = [step for step in every if step.stream_id == stream]
+        assert await event_log.read_stream_steps(stream, 0, 1000) == own
+        for after in range(0, 37):
+            expected = [step for step in own if step.last_seq > after]
+            assert await event_log.read_stream_steps(stream, after, 2) == expected[:2], (stream, after)
+    assert [step.first_seq for step in await event_log.read_stream_steps("third", 0, 1000)] == [1, 13, 25]
+    assert [step.first_seq for step in await event_log.read_stream_steps("third", 14, 1)] == [13]  # holds 15 and 16
+    assert [step.first_seq for step in await event_log.read_stream_steps("third", 16, 1)] == [25]
+    assert await event_log.read_stream_steps("never-written", 0, 1000) == []
+    assert await event_log.read_stream_steps("even", 0, 0) == []
+
+
 # --- expected versions --------------------------------------------------------------------------
 
 

@@ -31,7 +31,7 @@ from coordinator.core.commands import (
 )
 from coordinator.sidecar import protocol as p
 from events import OwnerStarted, PrefixLookedUp, RankReported, StepBegan
-from events.log import EventLog
+from events.log import EventLog, StoredStep
 from tests.kit import builders as b
 from tests.kit.sidecar import TIER_SPEC, Engine, RawConnection, declaration, sidecar_on
 
@@ -722,11 +722,13 @@ async def test_a_subscribers_catch_up_is_decoded_off_the_event_loop_and_a_made_u
 
     loop_thread = threading.get_ident()
     decoded_on: list[int] = []
+    streams_read: list[str] = []
     real = DecisionHub._decisions_in
 
-    def spy(self: DecisionHub, *args: object) -> object:
+    def spy(self: DecisionHub, steps: list[StoredStep], *args: object) -> object:
         decoded_on.append(threading.get_ident())
-        return real(self, *args)  # type: ignore[arg-type]
+        streams_read.extend(step.stream_id for step in steps)
+        return real(self, steps, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(DecisionHub, "_decisions_in", spy)
     sock = tmp_path / "s.sock"
@@ -747,6 +749,17 @@ async def test_a_subscribers_catch_up_is_decoded_off_the_event_loop_and_a_made_u
         assert decoded_on == []  # nothing of the log was read for it
         await worker.aclose()
         await stranger.aclose()
+        # A catch-up reads its own engine's steps only, not every stream's (it read the whole
+        # log and dropped the rest: 20 catch-ups of engines with few steps held every engine ~2x).
+        async with _client(sock, "pod-b") as other:
+            await Engine(other).request(0)
+            streams_read.clear()
+            own = WorkerClient(Address(socket_path=str(sock)), "pod-b", 0, retry_for=5)
+            with anyio.fail_after(10):
+                async for decision in own.decisions(from_seq=0):
+                    break
+            await own.aclose()
+        assert streams_read and set(streams_read) == {"engine/pod-b"}, set(streams_read)
 
 
 async def test_a_command_id_is_a_duplicate_only_for_the_same_content_even_across_a_restart(
