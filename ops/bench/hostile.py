@@ -1,6 +1,6 @@
 """Benchmark: a legitimate engine's step latency while hostile clients attack the sidecar (issue 17).
 
-    .venv/bin/python ops/bench/hostile.py [--steps 600] [--commands 32] [--warmup 100] [--seed 7]
+    .venv/bin/python ops/bench/hostile.py [--steps 1000] [--rounds 5] [--commands 32] [--warmup 100] [--seed 7]
 
 Starts a real `kvledger serve` subprocess on SQLite in a temporary directory, with a credentials
 file (coordinator/sidecar/credentials.py) as the operator of a shared node would write one: the
@@ -10,15 +10,17 @@ budgets sized for the node: --max-tier-slots 131,072 (the legit tier's 65,536 an
 --max-pool-blocks 81,920 (the legit pool's 65,536 and room for the attacker's), and
 --max-owners-per-engine 4,096, --frame-timeout 2.
 
-Phase 1, alone: `legit` declares (one attention pool of 65,536 blocks, the benchmark tier) and
-runs --warmup steps (not timed; they also give the log the history a catch-up reads), then
---steps timed steps of exactly --commands commands (ops/bench/sidecar.py's EngineLoad: start,
-allocate, mark computed, finish; nothing refused), each timed from send to reply.
-
-Phase 2, under attack: this script starts itself again as the attacker process (--attacker), which
-opens its connections, prints `attacking` once every attack has begun, and runs every attack in a
-loop until it is stopped; then `legit` runs --steps more timed steps, the same way. The attacks
-are those issue 17 reproduced, each from a client written from the protocol alone:
+First `legit` declares (one attention pool of 65,536 blocks, the benchmark tier) and runs
+--warmup steps (not timed; they also give the log the history a catch-up reads). Then this script
+starts itself again as the attacker process (--attacker), which opens its connections, prints
+`attacking` once every attack has begun, and runs every attack in a loop until it is stopped.
+The timed steps (exactly --commands commands each: ops/bench/sidecar.py's EngineLoad: start,
+allocate, mark computed, finish; nothing refused; each timed from send to reply) run in --rounds
+rounds of two phases: alone, with the attacker stopped (SIGSTOP, and SETTLE seconds for what it
+had sent to be served), then under attack (SIGCONT, and RESUME seconds for its attacks to be back
+under way). Alone and under attack in turns, the host's drift falls on both alike: with one long
+phase of each, the same code measured a p99 ratio anywhere from 1.8 to 3.3 on one afternoon.
+The attacks are those issue 17 reproduced, each from a client written from the protocol alone:
 
 - forge: Hello as legit's worker, as legit itself, and as an operator, with mallory's token;
 - takeover: a Hello declaring `legit` (in mallory's namespace) with takeover;
@@ -27,8 +29,9 @@ are those issue 17 reproduced, each from a client written from the protocol alon
 - step control: Steps and Executes carrying BeginStep/EndStep;
 - lookups: Lookups of 262,144 token ids (the most a Lookup may hash; packed) and of 65,536 (the
   most it may list), and of one more of each;
-- catch-up: 20 connections subscribing from sequence 0 as workers of mallory's engine (which reads
-  the whole log) and of made-up engines, again as soon as they caught up;
+- catch-up: 20 connections subscribing from sequence 0 as workers of mallory's engine (which
+  read the whole log, and now reads the engine's own stream) and of made-up engines, again as
+  soon as they caught up;
 - big steps: Steps of the most commands a Step may hold, each refused;
 - huge frames: Steps as large as the sidecar takes (MAX_DENSE_FRAME, 128 KiB) of one-byte token
   ids, then one as large as a Lookup may be (--max-frame, 1.25 MiB), refused by its first bytes;
@@ -44,8 +47,8 @@ sending. It shares the machine's cores with the sidecar and the legitimate engin
 machine three busy processes share two cores, and the figures say so (the load average and the
 CPU each process used are printed).
 
-The sidecar's resident memory (VmRSS, /proc) is read after phase 1 and every 100 ms during phase
-2; the growth is the largest reading in phase 2 less the one after phase 1. Prints the legit
+The sidecar's resident memory (VmRSS, /proc) is read before the attacker starts and every 100 ms
+after; the growth is the largest reading less the first. Prints the legit
 engine's p50/p99/max alone and under attack, what each attack got back (counts of replies by
 kind, and a sample of each refusal), and the targets: `p99 under attack <= 2x alone`, `<= 50
 ms`, `RSS growth <= 50 MiB`, each met or MISSED; the last lines are plain `key value` lines:
@@ -119,6 +122,10 @@ RSS_TARGET_MIB = 50.0
 SUBSCRIBERS = 20
 STALLERS = 50
 START_TIMEOUT = 60.0
+SETTLE = 0.3
+"""Seconds between stopping the attacker (SIGSTOP) and an alone round: what it had sent is served."""
+RESUME = 0.5
+"""Seconds between resuming the attacker (SIGCONT) and an attacked round: its attacks are back under way."""
 
 CREDENTIALS = f"""
 [[credentials]]
@@ -488,7 +495,10 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=600, help="timed steps of the legit engine in each phase (default 600)")
+    parser.add_argument(
+        "--steps", type=int, default=1000, help="timed steps of the legit engine alone, and as many under attack (default 1000)"
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="rounds alone and under attack, in turns (default 5)")
     parser.add_argument("--commands", type=int, default=32, help="commands per legit step (default 32)")
     parser.add_argument("--warmup", type=int, default=100, help="legit steps before timing (default 100)")
     parser.add_argument("--seed", type=int, default=7)
@@ -499,8 +509,8 @@ def main() -> int:
     if args.attacker:
         anyio.run(attacker, args.attacker, frozenset(filter(None, args.attacks.split(","))))
         return 0
-    if args.steps < 1 or args.commands < 1 or args.warmup < 0:
-        parser.error("--steps and --commands must be positive, --warmup not negative")
+    if args.steps < 1 or args.commands < 1 or args.warmup < 0 or not 1 <= args.rounds <= args.steps:
+        parser.error("--steps and --commands must be positive, --rounds between 1 and --steps, --warmup not negative")
     kvledger = Path(sys.executable).parent / "kvledger"
     out(f"host at start: {load()}")
     with tempfile.TemporaryDirectory(prefix="kvl-hostile-bench-") as name:
@@ -539,19 +549,41 @@ def main() -> int:
     return status
 
 
+class Phases:
+    """The legitimate engine's timed steps and the sidecar's CPU, alone and under attack."""
+
+    def __init__(self) -> None:
+        self.latencies: dict[str, list[float]] = {"alone": [], "attacked": []}
+        self.wall = {"alone": 0.0, "attacked": 0.0}
+        self.sidecar_cpu = {"alone": 0.0, "attacked": 0.0}
+        self.attacker_cpu = 0.0
+
+    async def run(self, name: str, legit: Legit, steps: int, server_pid: int, attacker_pid: int | None) -> None:
+        cpu0, started = cpu_seconds(server_pid)[1], time.perf_counter()
+        attacker0 = cpu_seconds(attacker_pid)[1] if attacker_pid is not None else None
+        self.latencies[name] += await legit.steps(steps)
+        self.wall[name] += time.perf_counter() - started
+        cpu1 = cpu_seconds(server_pid)[1]
+        if cpu0 is not None and cpu1 is not None:
+            self.sidecar_cpu[name] += cpu1 - cpu0
+        if attacker0 is not None and attacker_pid is not None:
+            attacker1 = cpu_seconds(attacker_pid)[1]
+            self.attacker_cpu += (attacker1 or attacker0) - attacker0
+
+
 async def run(args: argparse.Namespace, server: subprocess.Popen[bytes], socket_path: str, directory: Path) -> int:
     await wait_ready(server, socket_path, OBSERVER_TOKEN)
     legit = Legit(socket_path, args.commands, args.seed)
+    phases = Phases()
+    per_round = [args.steps // args.rounds + (1 if index < args.steps % args.rounds else 0) for index in range(args.rounds)]
     async with legit.client:
-        console.print(f"phase 1: {args.warmup} warmup and {args.steps} timed steps of {args.commands} commands, alone")
+        console.print(
+            f"{args.warmup} warmup steps alone, then {args.rounds} rounds of {args.steps // args.rounds} timed steps "
+            f"of {args.commands} commands alone (the attacker stopped) and as many under attack"
+        )
         await legit.steps(args.warmup)
         gc.collect()
-        cpu0 = cpu_seconds(server.pid)
-        started = time.perf_counter()
-        alone = await legit.steps(args.steps)
-        alone_wall, cpu1 = time.perf_counter() - started, cpu_seconds(server.pid)
         rss_before = rss_mib(server.pid)
-        console.print("phase 2: the attacker starts")
         attack = subprocess.Popen(
             [sys.executable, __file__, "--attacker", socket_path, "--attacks", args.attacks],
             stdout=subprocess.PIPE,
@@ -576,17 +608,19 @@ async def run(args: argparse.Namespace, server: subprocess.Popen[bytes], socket_
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch_rss)
                 await anyio.sleep(2.0)  # every attack well under way
-                cpu2, attack_cpu0 = cpu_seconds(server.pid), cpu_seconds(attack.pid)[1]
-                started = time.perf_counter()
-                attacked = await legit.steps(args.steps)
-                attacked_wall, cpu3, attack_cpu1 = (
-                    time.perf_counter() - started,
-                    cpu_seconds(server.pid),
-                    cpu_seconds(attack.pid)[1],
-                )
+                for steps in per_round:
+                    # Alone and under attack in turns, so the host's drift (these machines
+                    # differ 3x from day to day, and minute to minute) falls on both alike.
+                    attack.send_signal(signal.SIGSTOP)
+                    await anyio.sleep(SETTLE)  # what the attacker had in flight is served
+                    await phases.run("alone", legit, steps, server.pid, None)
+                    attack.send_signal(signal.SIGCONT)
+                    await anyio.sleep(RESUME)
+                    await phases.run("attacked", legit, steps, server.pid, attack.pid)
                 tg.cancel_scope.cancel()
             peak = max(peak, rss_mib(server.pid))
         finally:
+            attack.send_signal(signal.SIGCONT)
             attack.send_signal(signal.SIGTERM)
             try:
                 tally, _ = await anyio.to_thread.run_sync(lambda: attack.communicate(timeout=30))
@@ -594,28 +628,24 @@ async def run(args: argparse.Namespace, server: subprocess.Popen[bytes], socket_
                 attack.kill()
                 tally = "(the attacker did not stop within 30 s)"
     print(tally, end="", flush=True)
-    a50, a99, amax = figures(alone)
-    h50, h99, hmax = figures(attacked)
+    a50, a99, amax = figures(phases.latencies["alone"])
+    h50, h99, hmax = figures(phases.latencies["attacked"])
     ratio = h99 / a99
     growth = peak - rss_before
-    out(f"legit engine, {args.steps} steps of {args.commands} commands each phase (after {args.warmup} warmup steps)")
     out(
-        f"alone: p50 {a50:.2f} ms, p99 {a99:.2f} ms, max {amax:.2f} ms in {alone_wall:.2f} s; "
-        f"sidecar CPU {cpu1[1] - cpu0[1]:.2f} s"
-        if cpu0[1] is not None and cpu1[1] is not None
-        else ""
-    )
-    attacker_cpu = (
-        f", attacker CPU {attack_cpu1 - attack_cpu0:.2f} s" if attack_cpu0 is not None and attack_cpu1 is not None else ""
+        f"legit engine, {args.steps} steps of {args.commands} commands alone and {args.steps} under attack, "
+        f"in {args.rounds} rounds of each (after {args.warmup} warmup steps)"
     )
     out(
-        f"under attack: p50 {h50:.2f} ms, p99 {h99:.2f} ms, max {hmax:.2f} ms in {attacked_wall:.2f} s; "
-        f"sidecar CPU {cpu3[1] - cpu2[1]:.2f} s{attacker_cpu}"
-        if cpu2[1] is not None and cpu3[1] is not None
-        else ""
+        f"alone: p50 {a50:.2f} ms, p99 {a99:.2f} ms, max {amax:.2f} ms in {phases.wall['alone']:.2f} s; "
+        f"sidecar CPU {phases.sidecar_cpu['alone']:.2f} s"
     )
-    out(f"sidecar RSS {rss_before:.1f} MiB after phase 1, peak {peak:.1f} MiB under attack")
-    refused = sum(legit.load.refused for _ in [0])
+    out(
+        f"under attack: p50 {h50:.2f} ms, p99 {h99:.2f} ms, max {hmax:.2f} ms in {phases.wall['attacked']:.2f} s; "
+        f"sidecar CPU {phases.sidecar_cpu['attacked']:.2f} s, attacker CPU {phases.attacker_cpu:.2f} s"
+    )
+    out(f"sidecar RSS {rss_before:.1f} MiB before the attack, peak {peak:.1f} MiB under attack")
+    refused = legit.load.refused
     out(f"legit commands refused: {refused} (0 expected)")
     met = [h99 <= P99_RATIO_TARGET * a99, h99 <= P99_TARGET_MS, growth <= RSS_TARGET_MIB]
     out(
