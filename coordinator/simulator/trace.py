@@ -20,7 +20,9 @@ An engine's clock is the request's timestamp. Pure: no I/O but `read_trace`.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import islice
 from pathlib import Path
 
 import msgspec
@@ -48,6 +50,8 @@ from events import (
     TierSpec,
 )
 
+SHIPPED_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_conversation_trace_head1000.jsonl"
+"""The first 1,000 requests of Mooncake's conversation trace (traces/README.md: source, licence)."""
 TRACE_BLOCK = 512
 """Tokens of one trace block (Mooncake's hash_ids)."""
 TIER = "trace-tier"
@@ -207,3 +211,87 @@ class CoreReplay(Tally):
         for request in requests:
             self.replay(request)
         return self.hit_blocks
+
+
+class LruTier:
+    """The reference a reader checks kvledger's replay against, with no kvledger in it: a tier of
+    `slots` blocks kept in least-recently-used order that never evicts a block the current
+    request relies on. Per request: the hit is the chain up to the first block it does not hold;
+    the hit blocks are used, in order; the request's blocks it does not hold are stored, in
+    order, evicting the least recently used blocks the request does not hold, or, when they
+    cannot all fit, none of them (kvledger refuses such a store TIER_FULL, whole)."""
+
+    def __init__(self, slots: int) -> None:
+        if slots < 1:
+            raise ValueError(f"a tier needs at least one slot, not {slots}")
+        self.slots = slots
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.hit_blocks = 0
+        self.refused_stores = 0
+
+    def replay(self, request: TraceRequest) -> int:
+        """One request; the blocks it hit."""
+        chain = request.hash_ids
+        hit = 0
+        while hit < len(chain) and chain[hit] in self.blocks:
+            hit += 1
+        self.hit_blocks += hit
+        missing = [block for block in dict.fromkeys(chain) if block not in self.blocks]
+        relied_on = set(chain) & self.blocks.keys()
+        evictable = len(self.blocks) - len(relied_on)
+        fits = len(missing) <= self.slots - len(relied_on)
+        for block in chain[:hit]:
+            self.blocks.move_to_end(block)
+        if not fits:
+            self.refused_stores += 1
+            return hit
+        to_evict = max(0, len(self.blocks) + len(missing) - self.slots)
+        assert to_evict <= evictable
+        for block in list(islice((block for block in self.blocks if block not in relied_on), to_evict)):
+            del self.blocks[block]
+        for block in missing:
+            self.blocks[block] = None
+        return hit
+
+
+class BesideReference(msgspec.Struct, frozen=True):
+    """A trace replayed through the pure core and through the reference LRU, at one capacity."""
+
+    trace: str
+    requests: int
+    blocks: int
+    slots: int
+    hit_blocks: int
+    reference_hit_blocks: int
+    refused_stores: int
+    reference_refused_stores: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_blocks / self.blocks if self.blocks else 0.0
+
+    @property
+    def reference_hit_rate(self) -> float:
+        return self.reference_hit_blocks / self.blocks if self.blocks else 0.0
+
+    @property
+    def equal(self) -> bool:
+        return (self.hit_blocks, self.refused_stores) == (self.reference_hit_blocks, self.reference_refused_stores)
+
+
+def beside_reference(requests: Sequence[TraceRequest], slots: int, trace: str) -> BesideReference:
+    """`requests` through CoreReplay and through LruTier, each on a tier of `slots` slots."""
+    core, reference = CoreReplay(slots), LruTier(slots)
+    for request in requests:
+        core.replay(request)
+        reference.replay(request)
+    return BesideReference(
+        trace=trace,
+        requests=core.requests,
+        blocks=core.blocks,
+        slots=slots,
+        hit_blocks=core.hit_blocks,
+        reference_hit_blocks=reference.hit_blocks,
+        refused_stores=core.refused_stores,
+        reference_refused_stores=reference.refused_stores,
+    )

@@ -18,7 +18,10 @@ round-robin to `--engines` engines of one namespace sharing the tier.
    (printed: equal or DIFFERENT). Also the step latency (send to reply) p50 and p99, and the
    same rates; the peer in the same run is the pure core's rate (`sidecar/core ratio`).
 
-Ends with plain lines: `hit blocks N` (the pure core's), `hit rate X`, and for the sidecar run
+Beside the core, the same requests go through a reference LRU with no kvledger in it
+(coordinator.simulator.trace.LruTier: the hit blocks must be equal; its blocks/s is printed
+beside the core's). Ends with plain lines: `hit blocks N` (the pure core's), `hit rate X`,
+`reference hit blocks N`, and for the sidecar run
 `sidecar hit blocks N` and `sidecar/core ratio X` (decisions a second).
 """
 
@@ -45,6 +48,7 @@ from coordinator.client import Address, EngineClient, WorkerClient  # noqa: E402
 from coordinator.simulator.trace import (  # noqa: E402
     TIER,
     CoreReplay,
+    LruTier,
     Tally,
     TraceError,
     TraceRequest,
@@ -185,6 +189,16 @@ def main() -> int:
         f"tier {args.slots:,} slots; {args.engines} engine(s)"
     )
     core, core_seconds = core_run(requests, args.slots, args.engines)
+    reference, started = LruTier(args.slots), time.perf_counter()
+    for request in requests:
+        reference.replay(request)
+    reference_seconds = time.perf_counter() - started
+    agrees = (reference.hit_blocks, reference.refused_stores) == (core.hit_blocks, core.refused_stores)
+    out(
+        f"reference LRU (coordinator.simulator.trace.LruTier, no kvledger in it): hit blocks {reference.hit_blocks:,}, "
+        f"{reference.refused_stores:,} stores refused, in {reference_seconds:.2f} s "
+        f"({core.blocks / reference_seconds:,.0f} blocks/s; the core: {core.blocks / core_seconds:,.0f})"
+    )
     sidecar = None
     if not args.core_only:
         with tempfile.TemporaryDirectory(prefix="kvl-trace-bench-") as name:
@@ -192,13 +206,14 @@ def main() -> int:
     out(f"host at end: {load()}")
     out(f"hit blocks {core.hit_blocks}")
     out(f"hit rate {core.hit_blocks / core.blocks if core.blocks else 0.0:.4f}")
+    out(f"reference hit blocks {reference.hit_blocks} ({'equal to' if agrees else 'DIFFERENT from'} the core's)")
     if sidecar is None:
-        return 0
+        return 0 if agrees else 1
     tally, seconds = sidecar
     same = tally.hit_blocks == core.hit_blocks and tally.refused_stores == core.refused_stores
     out(f"sidecar hit blocks {tally.hit_blocks} ({'equal to' if same else 'DIFFERENT from'} the core's)")
     out(f"sidecar/core ratio {(tally.decisions / seconds) / (core.decisions / core_seconds):.3f}")
-    return 0 if same else 1
+    return 0 if same and agrees else 1
 
 
 if __name__ == "__main__":

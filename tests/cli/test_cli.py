@@ -31,8 +31,12 @@ def test_demo_shows_the_refusals_and_proves_replay(tmp_path: Path, monkeypatch: 
     shown = " ".join(row["shows"] for row in rows)
     for invariant in ("I1", "I2", "I3", "I4", "I5", "I6", "I7", "I9", "I11", "I13", "I14", "I15", "I16"):
         assert invariant in shown, invariant
+    [trace] = [line["trace"] for line in lines if "trace" in line]  # issue 20: beside its reference
+    assert trace["requests"] == 1_000 and 0 < trace["hit_blocks"] < trace["blocks"]
+    assert (trace["hit_blocks"], trace["refused_stores"]) == (trace["reference_hit_blocks"], trace["reference_refused_stores"])
     table = runner.invoke(app, ["demo", "--core"])
     assert table.exit_code == 0 and "equal (I18 holds)" in table.stdout and "part two" not in table.stdout
+    assert f"kvledger's hit rate {trace['hit_rate']:.4f}" in table.stdout and "an LRU reference's" in table.stdout
 
 
 def test_db_status_and_upgrade_on_sqlite(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """Issue 20: a real production trace (Mooncake's conversation trace, FAST'25 release, Apache-2.0;
-its first 1,000 requests in tests/fixtures) replayed through the pure core as vLLM's offloading
+its first 1,000 requests, shipped in coordinator/simulator/traces) replayed through the pure core as vLLM's offloading
 manager drives kvledger (coordinator/simulator/trace.py). kvledger's hit blocks must equal those
 of an independent LRU written here, exactly, at two capacities."""
 
@@ -10,9 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.simulator.trace import CoreReplay, TraceError, TraceRequest, parse_trace, read_trace
+from coordinator.simulator.trace import (
+    SHIPPED_TRACE,
+    CoreReplay,
+    LruTier,
+    TraceError,
+    TraceRequest,
+    parse_trace,
+    read_trace,
+)
 
-SLICE = Path(__file__).resolve().parents[1] / "fixtures" / "mooncake_conversation_trace_head1000.jsonl"
+SLICE = SHIPPED_TRACE
 
 
 def reference_hits(requests: list[TraceRequest], slots: int) -> tuple[int, int]:
@@ -125,3 +133,14 @@ def test_through_a_real_sidecar_the_trace_hits_the_cores_blocks_and_its_log_veri
     assert verify.returncode == 0, verify.stdout[-3000:] + verify.stderr[-2000:]
     report = json.loads(verify.stdout)
     assert report["ok"] and report["violation_count"] == 0 and report["events_checked"] > 0
+
+
+@pytest.mark.parametrize("slots", [64, 600, 4_000])
+def test_the_reference_the_demo_shows_is_this_tests_lru(slots: int) -> None:
+    """`kvledger demo` prints kvledger's hit rate beside coordinator.simulator.trace.LruTier's:
+    that reference agrees with the one written here, hit for hit and refusal for refusal."""
+    requests = read_trace(SLICE)
+    tier = LruTier(slots)
+    hits = [tier.replay(request) for request in requests]
+    assert (sum(hits), tier.refused_stores) == reference_hits(requests, slots)
+    assert len(tier.blocks) <= slots
