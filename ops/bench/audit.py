@@ -136,6 +136,7 @@ async def run(args: argparse.Namespace) -> None:
             elapsed = time.perf_counter() - started
         if rows:
             out(f"index: {rows:,} rows for {head:,} events in {elapsed:.0f} s: {head / elapsed:,.0f} events/s")
+            out(f"index build {head / elapsed:.0f} events/s")
         await queries(event_log, head, args.queries, args.seed)
     finally:
         await event_log.close()

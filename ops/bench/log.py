@@ -154,7 +154,11 @@ async def read_all(log: SqlEventLog, report: Callable[[int], None]) -> list[Stor
     return steps
 
 
-async def bench_backend(name: str, url: str, workload: Workload, pending: list[PendingEvent], step_size: int) -> None:
+Rates = dict[str, float]
+"""A backend's figures: append and replay events/s."""
+
+
+async def bench_backend(name: str, url: str, workload: Workload, pending: list[PendingEvent], step_size: int) -> Rates:
     if name == "postgresql":
         await upgrade_log(url)
     log = await open_log(url)
@@ -163,6 +167,7 @@ async def bench_backend(name: str, url: str, workload: Workload, pending: list[P
         elapsed, latencies = await bench_append(log, pending, step_size, name)
         latencies.sort()
         rate = n / elapsed
+        rates = {"append": rate}
         goal = f"; {target(rate, APPEND_TARGET)}" if name in TARGETED else ""
         out(
             f"{name} append: {n:,} events in {elapsed:.2f} s = {rate:,.0f} events/s, "
@@ -190,6 +195,7 @@ async def bench_backend(name: str, url: str, workload: Workload, pending: list[P
         rate = n / elapsed
         goal = f"; {target(rate, REPLAY_TARGET)}" if name in TARGETED else ""
         out(f"{name} replay: {n:,} events in {elapsed:.2f} s = {rate:,.0f} events/s{goal}")
+        rates["replay"] = rate
 
         gc.collect()
         gc.disable()
@@ -217,6 +223,7 @@ async def bench_backend(name: str, url: str, workload: Workload, pending: list[P
         )
     finally:
         await log.close()
+    return rates
 
 
 async def replay_parts(name: str, log: SqlEventLog, n: int) -> tuple[float, float, float]:
@@ -259,7 +266,7 @@ async def bench_kafka_open(url: str, n: int) -> None:
     )
 
 
-async def bench_kafka(workload: Workload, pending: list[PendingEvent], step_size: int) -> None:
+async def bench_kafka(workload: Workload, pending: list[PendingEvent], step_size: int) -> Rates | None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tests.kit.kafka import BrokerUnavailable, KafkaBroker
 
@@ -267,12 +274,12 @@ async def bench_kafka(workload: Workload, pending: list[PendingEvent], step_size
         broker = KafkaBroker.start()
     except BrokerUnavailable as problem:
         out(f"kafka: skipped, no Tansu broker ({problem})")
-        return
+        return None
     try:
         out(f"kafka: Tansu broker at {broker.bootstrap} (memory storage), started by this script")
         with tempfile.TemporaryDirectory(prefix="kvl-bench-") as directory:
             url = broker.url(state=Path(directory) / "state.sqlite")
-            await bench_backend("kafka", url, workload, pending, step_size)
+            return await bench_backend("kafka", url, workload, pending, step_size)
     finally:
         broker.stop()
 
@@ -302,15 +309,15 @@ async def pg_admin(sql: str) -> None:
         await conn.close()
 
 
-async def bench_postgresql(workload: Workload, pending: list[PendingEvent], step_size: int) -> None:
+async def bench_postgresql(workload: Workload, pending: list[PendingEvent], step_size: int) -> Rates | None:
     problem = await pg_unreachable()
     if problem is not None:
         out(f"postgresql: skipped, the server at {PG_URL} is unreachable ({problem})")
-        return
+        return None
     database = f"kvl_bench_{uuid.uuid4().hex[:12]}"
     await pg_admin(f'CREATE DATABASE "{database}"')
     try:
-        await bench_backend("postgresql", f"{PG_URL.rsplit('/', 1)[0]}/{database}", workload, pending, step_size)
+        return await bench_backend("postgresql", f"{PG_URL.rsplit('/', 1)[0]}/{database}", workload, pending, step_size)
     finally:
         await pg_admin(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
@@ -341,15 +348,23 @@ async def run(args: argparse.Namespace) -> None:
     gc.collect()
     gc.freeze()
 
+    rates: dict[str, Rates | None] = {}
     for name in args.backends:
         if name == "sqlite":
             with tempfile.TemporaryDirectory(prefix="kvl-bench-") as directory:
-                await bench_backend("sqlite", str(Path(directory) / "log.sqlite"), workload, pending, args.step_size)
+                rates[name] = await bench_backend(
+                    "sqlite", str(Path(directory) / "log.sqlite"), workload, pending, args.step_size
+                )
         elif name == "kafka":
-            await bench_kafka(workload, pending, args.step_size)
+            rates[name] = await bench_kafka(workload, pending, args.step_size)
         else:
-            await bench_postgresql(workload, pending, args.step_size)
+            rates[name] = await bench_postgresql(workload, pending, args.step_size)
     out(f"host at end: {load()}")
+    # Issue 22: Kafka against SQLite in the same run, as plain lines (target >= 1.0 for both).
+    sqlite, kafka = rates.get("sqlite"), rates.get("kafka")
+    if sqlite and kafka:
+        out(f"kafka/sqlite append ratio {kafka['append'] / sqlite['append']:.3f}")
+        out(f"kafka/sqlite replay ratio {kafka['replay'] / sqlite['replay']:.3f}")
 
 
 def backends(text: str) -> list[str]:

@@ -171,6 +171,7 @@ def measure_slots(slots: int, world_size: int) -> None:
         f"content key each): {per_held:,.1f} B/slot [target <= {SLOT_TARGET}: {'met' if per_held <= SLOT_TARGET else 'MISSED'}] "
         f"(built in {time.perf_counter() - started:.1f} s)"
     )
+    out(f"{per_held:.1f} B per tracked slot")
 
 
 def measure_keys(keys: int, world_size: int) -> None:
@@ -191,6 +192,7 @@ def measure_keys(keys: int, world_size: int) -> None:
         f"{per_key:,.1f} B/key [target <= {KEY_TARGET}: {'met' if per_key <= KEY_TARGET else 'MISSED'}] "
         f"(built in {time.perf_counter() - started:.1f} s)"
     )
+    out(f"{per_key:.1f} B per published key")
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ round-robin to `--engines` engines of one namespace sharing the tier.
 Beside the core, the same requests go through a reference LRU with no kvledger in it
 (coordinator.simulator.trace.LruTier: the hit blocks must be equal; its blocks/s is printed
 beside the core's). Ends with plain lines: `hit blocks N` (the pure core's), `hit rate X`,
-`reference hit blocks N`, and for the sidecar run
+`reference hit blocks N`, `core N blocks/s`, and for the sidecar run
 `sidecar hit blocks N` and `sidecar/core ratio X` (decisions a second).
 """
 
@@ -207,6 +207,7 @@ def main() -> int:
     out(f"hit blocks {core.hit_blocks}")
     out(f"hit rate {core.hit_blocks / core.blocks if core.blocks else 0.0:.4f}")
     out(f"reference hit blocks {reference.hit_blocks} ({'equal to' if agrees else 'DIFFERENT from'} the core's)")
+    out(f"core {core.blocks / core_seconds:.0f} blocks/s")
     if sidecar is None:
         return 0 if agrees else 1
     tally, seconds = sidecar
