@@ -64,6 +64,16 @@ class PerSecond:
         self._window[key] = (start, logged + 1, 0)
         return left_out
 
+    def over(self, key: str, count: int) -> int:
+        """Take `count` at once: how many of them are past this second's `per_second`."""
+        second = int(time.monotonic())
+        start, taken, left_out = self._window.get(key, (second, 0, 0))
+        if start != second:
+            start, taken = second, 0
+        within = max(0, min(count, self.per_second - taken))
+        self._window[key] = (start, taken + count, left_out + count - within)
+        return count - within
+
 
 def peer_uid(stream: SocketStream) -> int | None:
     """The uid of the process at the other end of a Unix socket, as the kernel recorded it when

@@ -78,6 +78,10 @@ REFUSAL_DELAY = 0.5
 """Seconds a refused Hello (`unauthorized`) waits before its answer."""
 ERROR_DELAY = 0.05
 """Seconds each further refusal of a credential in the same second waits (`Sidecar._slow_down`)."""
+REFUSED_PER_ERROR_DELAY = 8
+"""Refused commands in a committed reply that weigh one ERROR_DELAY (`Sidecar._slow_down`)."""
+MAX_REFUSED_DELAY = 1.0
+"""The longest one reply of refused commands waits."""
 ERROR_LOGS_PER_SECOND = 10
 """Protocol errors logged per error code and second; the rest are counted, and the next line
 logged says how many were left out (a flood of bad frames cost a JSON line each)."""
@@ -476,6 +480,8 @@ class Sidecar:
                 if isinstance(reply, p.Error):
                     self.metrics.protocol_errors.labels(reply.code.value).inc()
                     await self._slow_down(session, turn, held)
+                elif refused := _refusals_in(reply):
+                    await self._slow_down(session, turn, held, refused)
                 await conn.send(reply)
             finally:
                 self._in_flight -= 1
@@ -534,16 +540,25 @@ class Sidecar:
             conn, p.ErrorCode.INVALID_MESSAGE, f"a frame begun was not complete after {self.config.frame_timeout:g} s", fatal=True
         )
 
-    async def _slow_down(self, session: Session, turn: contextlib.AsyncExitStack, held: bool) -> None:
+    async def _slow_down(self, session: Session, turn: contextlib.AsyncExitStack, held: bool, refused: int = 0) -> None:
         """A credential refused more than `ServeConfig.free_errors` times in a second waits
         ERROR_DELAY before each further refusal is sent, in its turn: a client that floods the
         sidecar with what it refuses gets through at most REQUESTS_PER_CREDENTIAL / ERROR_DELAY
-        of them a second, and the others' requests are served meanwhile."""
-        if self._free_errors.take(self._credential_key(session)) is not None:
+        of them a second, and the others' requests are served meanwhile.
+
+        A committed reply whose commands the core refused (`refused` of them, each recorded in
+        the log) counts each as a refusal, and waits ERROR_DELAY for every
+        REFUSED_PER_ERROR_DELAY of them past the budget, at most MAX_REFUSED_DELAY: a Step of 256
+        refused commands costs the sidecar ~5 ms (decided, appended and answered, 258 events),
+        and a client sending them back to back took over half a core while another engine's
+        step p99 rose 1.7x (ops/bench/hostile.py --attacks big-steps)."""
+        over = self._free_errors.over(self._credential_key(session), max(refused, 1))
+        if not over:
             return
+        delay = ERROR_DELAY if not refused else min(ERROR_DELAY * over / REFUSED_PER_ERROR_DELAY, MAX_REFUSED_DELAY)
         if not held:
             await turn.enter_async_context(self._turns(session))
-        await anyio.sleep(ERROR_DELAY)
+        await anyio.sleep(delay)
 
     async def _error(self, conn: Connection, code: p.ErrorCode, message: str, *, fatal: bool = False) -> None:
         self.metrics.protocol_errors.labels(code.value).inc()
@@ -1011,6 +1026,19 @@ class Sidecar:
 
 
 _GONE = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError)
+
+
+def _refusals_in(reply: p.ServerMessage) -> int:
+    """The commands the core refused in a committed reply (a Refused event each)."""
+    if isinstance(reply, p.StepResult):
+        events = [*reply.began, *(event for result in reply.results for event in result), *reply.ended]
+    elif isinstance(reply, p.Committed):
+        events = list(reply.events)
+    elif isinstance(reply, p.ReportsCommitted):
+        events = [event for result in reply.results for event in result.events]
+    else:
+        return 0
+    return sum(1 for event in events if isinstance(event, Refused))
 
 
 class _EveryKey:

@@ -354,6 +354,51 @@ async def test_a_client_flooding_refused_requests_slows_only_itself(event_log: E
         await flooder.step(1, 1.0, [])  # the flooder itself is still served
 
 
+async def test_steps_of_refused_commands_slow_only_their_sender(event_log: EventLog, tmp_path: Path) -> None:
+    """A Step whose commands the core refuses is decided, logged and answered (a Refused event
+    each): one client sending 256-command steps of unknown owners back to back took over half a
+    core, and another engine's step p99 rose 1.7x (ops/bench/hostile.py --attacks big-steps).
+    Past `free_errors` refusals a second, such a reply waits in its sender's turn, ERROR_DELAY
+    for every REFUSED_PER_ERROR_DELAY refused commands; the refusals are still recorded, and
+    another engine's steps go on meanwhile."""
+    from coordinator.sidecar.server import ERROR_DELAY, REFUSED_PER_ERROR_DELAY
+
+    sock = tmp_path / "s.sock"
+    commands, free, rounds = 64, 2, 3
+    async with (
+        sidecar_on(event_log, sock, free_errors=free),
+        _client(sock, "pod-a") as flooder,
+        _client(sock, "pod-b") as bystander,
+    ):
+        flood_ended: list[float] = []
+        steps_ended: list[float] = []
+        refused_seen = 0
+
+        async def refused_steps() -> None:
+            nonlocal refused_seen
+            for n in range(1, rounds + 1):
+                unknown = [FinishOwner(engine_id="pod-a", owner_id=10**6 + i) for i in range(commands)]
+                result = await flooder.step(n, float(n), unknown)
+                refused_seen += sum(1 for events in result.results for e in events if type(e).__name__ == "Refused")
+            flood_ended.append(anyio.current_time())
+
+        async def stepping() -> None:
+            for n in range(1, 6):
+                await bystander.step(n, float(n), [])
+                steps_ended.append(anyio.current_time())
+
+        started = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(refused_steps)
+            tg.start_soon(stepping)
+        assert refused_seen == commands * rounds  # refused, recorded and answered: nothing lost
+        # Each step's refusals past the budget waited (the first at most `free` of them free).
+        least = (commands * rounds - 2 * free) / REFUSED_PER_ERROR_DELAY * ERROR_DELAY
+        assert flood_ended[0] - started >= least * 0.9, (flood_ended[0] - started, least)
+        assert steps_ended[-1] < flood_ended[0], "the bystander's steps waited behind the refused ones"
+        await flooder.step(rounds + 1, float(rounds + 1), [])  # the sender itself is still served
+
+
 async def test_a_lookup_packs_its_token_ids_and_hits_as_the_listed_one(event_log: EventLog, tmp_path: Path) -> None:
     """A long Lookup's token ids were decoded one Python int each, holding the GIL (~7 ms for
     262,144) while other engines waited; packed (4 bytes a token) they are one copy. Both forms
