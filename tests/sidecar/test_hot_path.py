@@ -32,7 +32,16 @@ from coordinator.ledger.ledger import DecidedGroup, Transaction
 from coordinator.sidecar import committer as committer_module
 from coordinator.sidecar import protocol as p
 from coordinator.sidecar.admission import scoped
-from events import Event, EventCodec, ExternalKeysLookedUp, ExternalStoreStarted, KeyPublished, RankReported, StepBegan
+from events import (
+    Event,
+    EventCodec,
+    ExternalKeysLookedUp,
+    ExternalStoreStarted,
+    KeyPublished,
+    RankReported,
+    StepBegan,
+    event_tag,
+)
 from events.log import AppendBatch, AppendResult, EventLog, LogUnavailable
 from events.log.reading import decode
 from tests.kit import builders as b
@@ -184,12 +193,16 @@ async def test_a_group_decided_while_the_previous_append_fails_is_never_shown(
         calls = 0
 
         async def held_then_failed(batches: list[AppendBatch]) -> list[AppendResult]:
+            # The worker's report's append, not whichever comes first: the lookups' records are
+            # appended alone RECORD_DELAY after them, and one landing here first held the wrong
+            # append (the test then hung on a report that was never answered).
             nonlocal calls
-            calls += 1
-            if calls == 1:
-                holding.set()
-                await release.wait()
-                raise LogUnavailable("the first append of two in flight fails (test)")
+            if any(event.event_type == event_tag(RankReported) for batch in batches for event in batch.events):
+                calls += 1
+                if calls == 1:
+                    holding.set()
+                    await release.wait()
+                    raise LogUnavailable("the first append of two in flight fails (test)")
             return await append(batches)
 
         monkeypatch.setattr(event_log, "append", held_then_failed)
@@ -199,21 +212,24 @@ async def test_a_group_decided_while_the_previous_append_fails_is_never_shown(
         reported: list[list[Event]] = []
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: anyio.to_thread.run_sync(lambda: reported.append(worker.report(_report(job), command_id="r1"))))
-            await holding.wait()
+            try:
+                with anyio.fail_after(10):
+                    await holding.wait()
 
-            async def b_step() -> None:
-                b_reply.append(await b_client.step(2, 2.0, [], command_id="b-2"))
-                shown_at.append(await event_log.head())
+                async def b_step() -> None:
+                    b_reply.append(await b_client.step(2, 2.0, [], command_id="b-2"))
+                    shown_at.append(await event_log.head())
 
-            tg.start_soon(b_step)
-            with anyio.fail_after(10):
-                while len(decided) < 2:  # B's group is decided while A's append is in flight
-                    await anyio.sleep(0.005)
-            assert sidecar.ledger.in_flight == 2
-            lookup = await a.lookup_keys(TIER_SPEC.name, [_key(1)])
-            assert isinstance(lookup.answer, ExternalKeysLookedUp) and lookup.answer.loadable == [False]
-            assert not b_reply  # nothing of B's group is shown while the group under it is in flight
-            release.set()
+                tg.start_soon(b_step)
+                with anyio.fail_after(10):
+                    while len(decided) < 2:  # B's group is decided while A's append is in flight
+                        await anyio.sleep(0.005)
+                assert sidecar.ledger.in_flight == 2
+                lookup = await a.lookup_keys(TIER_SPEC.name, [_key(1)])
+                assert isinstance(lookup.answer, ExternalKeysLookedUp) and lookup.answer.loadable == [False]
+                assert not b_reply  # nothing of B's group is shown while the group under it is in flight
+            finally:
+                release.set()  # on a failure too: the worker's thread waits for its answer
         worker.close()
         (reply,) = b_reply
         assert shown_at[0] >= reply.last_seq  # B heard of its step only once the log held it
