@@ -194,10 +194,10 @@ class LoadItem(msgspec.Struct, frozen=True, array_like=True):
     Empty in events written before it was added."""
 
 
-class LoadJobStarted(Event, frozen=True, tag="load_job_started"):
+class LoadJobStarted(Event, frozen=True, tag="load_job_started", omit_defaults=True):
     """A decision: each rank fills every destination (duplicates included, I11), verifies it
     against the published checksum (I13) and reports. Keys are leased until `lease_expires_at`
-    (I12)."""
+    (I12). The destinations are pinned until every rank reports (I3)."""
 
     job_id: int
     engine_id: str
@@ -206,6 +206,10 @@ class LoadJobStarted(Event, frozen=True, tag="load_job_started"):
     world_size: int
     items: list[LoadItem]
     lease_expires_at: float
+    pinned: bool = True
+    """False only in the simulator's abort-during-load-back scenario (PINS off): the destinations
+    can be allocated again while the load still writes them. Left out of the encoding when True,
+    so a load decision's bytes are what they were before the field."""
 
 
 class StateCopyPlanned(Event, frozen=True, tag="state_copy_planned"):

@@ -78,11 +78,15 @@ class Worker:
         self.state = self._load_state()
         self.executed: list[int] = []
         """Sequences of the decisions this process executed (for tests and logs)."""
+        self._unfenced: list[tuple[Tier, bytes, int, torch.Tensor]] = []
+        """Store copies reported but not yet run: only with STORE_FENCE off (the simulator's
+        vLLM #45704), each (tier, key, tier slot, source block)."""
 
     # --- executing one decision -----------------------------------------------------------------
 
     def execute(self, event: StoreJobStarted | LoadJobStarted | StateCopyPlanned) -> ReportRank:
         """Carry out one decision on the device and the tiers; the report to send for it."""
+        self._catch_up_copies()
         try:
             with self.stream.ordered():
                 if isinstance(event, StoreJobStarted):
@@ -107,7 +111,18 @@ class Worker:
         tier = self._tier(event.tier)
         naive = Protection.NULL_STATES in self.protections_off
         blocks = [self.pools.block(item.source, allow_null=naive) for item in event.items]  # all validated first
+        if Protection.STORE_FENCE in self.protections_off:
+            # vLLM #45704: "done" once the copy is queued, with the checksum of the source as it
+            # is now; the copy itself runs later (_catch_up_copies), from what the block holds then.
+            self._unfenced += [(tier, item.key, item.tier_slot, block) for item, block in zip(event.items, blocks, strict=True)]
+            return [checksum(block) for block in blocks]
         return [tier.write(item.key, block, slot=item.tier_slot) for item, block in zip(event.items, blocks, strict=True)]
+
+    def _catch_up_copies(self) -> None:
+        """The unfenced store copies (STORE_FENCE off only) run now, before anything else."""
+        unfenced, self._unfenced = self._unfenced, []
+        for tier, key, slot, block in unfenced:
+            tier.write(key, block, slot=slot)
 
     def _load(self, event: LoadJobStarted) -> list[bytes]:
         tier = self._tier(event.tier)

@@ -355,11 +355,19 @@ class SoakEngine(SimEngine):
         self._reported.set()
         self._reported = anyio.Event()
 
-    async def execute(self, *, hold: frozenset[int] = frozenset(), only: frozenset[int] | None = None) -> list[Event]:
+    async def execute(
+        self,
+        *,
+        hold: frozenset[int] = frozenset(),
+        only: frozenset[int] | None = None,
+        failing: frozenset[tuple[int, int]] = frozenset(),
+    ) -> list[Event]:
         """Wait until every rank has reported each job in `only` (the workers run on their own);
         returns what those reports committed."""
         if only is None:
             raise ValueError("the soak's workers run on their own: name the jobs to wait for")
+        if failing:
+            raise ValueError("the soak's workers run on their own: a failure cannot be injected here")
         try:
             with anyio.fail_after(JOB_TIMEOUT):
                 for job in sorted(only):

@@ -116,12 +116,15 @@ def _demo_on_the_sidecar(json_output: bool) -> None:
     workers and real bytes, each with its protection on and off."""
     quiet_torch()
     from coordinator.simulator.report import mixed_workload, not_holding, run_scenarios, scenario_table, workload_table
+    from coordinator.simulator.reported import REPORTED
     from events.log import data_dir
 
     keep = data_dir() / "demo"
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up
     workload = anyio.run(lambda: mixed_workload(engines=2, steps=120, keep=keep / "mixed-workload"))
-    results = anyio.run(lambda: run_scenarios(keep=keep))
+    seeds = anyio.run(lambda: run_scenarios(keep=keep))
+    reported = anyio.run(lambda: run_scenarios(list(REPORTED.values()), keep=keep))
+    results = seeds + reported
     if json_output:
         typer.echo(msgspec.json.encode({"workload": workload}).decode())
         for on, off in results:
@@ -134,7 +137,12 @@ def _demo_on_the_sidecar(json_output: bool) -> None:
             )
         )
         console.print(
-            scenario_table(results, "kvledger demo, part three: the seeds' failures as fault scenarios, protection on and off")
+            scenario_table(seeds, "kvledger demo, part three: the seeds' failures as fault scenarios, protection on and off")
+        )
+        console.print(
+            scenario_table(
+                reported, "kvledger demo, part four: failures users reported this year, as fault scenarios, protection on and off"
+            )
         )
         example = keep / "mixed-workload" / "log.sqlite"
         refused = keep / "duplicate-offload-with-different-bytes-on" / "log.sqlite"
@@ -484,8 +492,8 @@ def simulate(
     quiet_torch()
     from pathlib import Path
 
+    from coordinator.simulator.report import ALL_SCENARIOS as SCENARIOS
     from coordinator.simulator.report import mixed_workload, not_holding, run_scenarios, scenario_table, workload_table
-    from coordinator.simulator.scenarios import SCENARIOS
 
     if engines:
         if engines < 1 or steps < 1:

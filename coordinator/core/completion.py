@@ -95,7 +95,8 @@ def _publish(state: State, tier: TierState, decision: Store, per_rank: list[list
             source_job=decision.job_id,
         )
         existing = tier.entry(pool_id, item.key)
-        if existing is None:
+        if existing is None or (existing.source_job == decision.job_id and not existing.checksums):
+            # (The second case only with PUBLISH_WHEN_COMPLETE off: the store's own early entry.)
             events.append(published)
         elif existing.checksums != checksums and is_off(Protection.IDEMPOTENT_STORE):
             # The naive store of seed 002: the last writer wins.

@@ -214,12 +214,16 @@ def _declare_engine(state: State, command: DeclareEngine) -> list[Event]:
 
 
 def _weakened(ns: NamespaceSpec) -> NamespaceSpec:
-    """The namespace as its id is computed: whole, unless a simulator scenario switched off the
-    weights revision or the tenant (the seeds' naive namespaces, seed 003)."""
+    """The namespace as its id is computed: whole, unless a simulator scenario switched off a
+    part of it (the naive namespaces of seed 003, vLLM #56772, LMCache #4463)."""
     if is_off(Protection.NAMESPACE_WEIGHTS):
         ns = msgspec.structs.replace(ns, weights_revision="")
     if is_off(Protection.NAMESPACE_TENANT):
         ns = msgspec.structs.replace(ns, tenant="")
+    if is_off(Protection.NAMESPACE_PARALLEL):
+        ns = msgspec.structs.replace(ns, tensor_parallel_size=1, pipeline_parallel_size=1, kv_rank_layout="")
+    if is_off(Protection.NAMESPACE_LAYOUT):
+        ns = msgspec.structs.replace(ns, kv_layout_version=0, kv_dtype="")
     return ns
 
 
@@ -239,7 +243,8 @@ def _reset_events(state: State, eng: EngineState, incarnation: int, reason: str)
 def _reset_cache(state: State, command: ResetCache) -> list[Event]:
     eng = check.engine(state, command.engine_id)
     events = _reset_events(state, eng, eng.incarnation + 1, command.reason or "reset_cache")
-    if command.drop_tier_keys:  # vLLM's reset_prefix_cache(reset_connector=True): the tier too
+    # vLLM's reset_prefix_cache(reset_connector=True): the tier too (off: vLLM #57727)
+    if command.drop_tier_keys and not is_off(Protection.TIER_RESET):
         events += namespaces.ended_by_reset(state, eng.engine_id, eng.namespace_id, eng.tiers)
     return events
 
@@ -448,7 +453,7 @@ def _mark_computed(state: State, command: MarkComputed) -> list[Event]:
     parent = command.parent_key
     for index, ref in enumerate(command.blocks):
         tokens = command.token_ids[index * size : (index + 1) * size]
-        parent = content_key(eng.namespace_id, parent, tokens, command.extra_keys)
+        parent = content_key(eng.namespace_id, parent, tokens, jobs.keyed_extras(command.extra_keys))
         computed.append(ComputedBlock(ref, parent))
     return [BlocksComputed(engine_id=eng.engine_id, blocks=computed)]
 

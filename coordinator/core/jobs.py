@@ -26,6 +26,7 @@ from events import (
     FencedRankReleased,
     GroupHit,
     JobSucceeded,
+    KeyPublished,
     LoadItem,
     LoadJobStarted,
     PrefixLookedUp,
@@ -63,6 +64,14 @@ def lookup_groups(eng: EngineState) -> dict[int, int]:
     return {pool.spec.pool_id: pool.spec.block_size for pool in eng.pools.values() if pool.spec.kind != "encoder"}
 
 
+def keyed_extras(extra_keys: Sequence[str]) -> Sequence[str]:
+    """The extra keys as a content key covers them: whole (I8). With FULL_WIDTH_EXTRAS off (the
+    simulator's LMCache #4086), each by its first 16 bits (four hex digits)."""
+    if is_off(Protection.FULL_WIDTH_EXTRAS):
+        return [extra[:4] for extra in extra_keys]
+    return extra_keys
+
+
 def hash_chains(namespace_id: bytes, block_sizes: dict[int, int], token_ids: Sequence[int], extra_keys: Sequence[str]) -> Chains:
     """Pure, and touches no state: it can run on any thread."""
     return Chains(
@@ -95,9 +104,13 @@ def prefix_hit(
     if is_off(Protection.WHOLE_UNITS) and groups:
         unit = min(p.spec.block_size for p in groups)  # the naive, finer granularity
     tokens = command.token_ids
+    extras = keyed_extras(command.extra_keys)
     precomputed = (
         hashed.keys
-        if hashed is not None and hashed.namespace_id == eng.namespace_id and hashed.block_sizes == lookup_groups(eng)
+        if hashed is not None
+        and hashed.namespace_id == eng.namespace_id
+        and hashed.block_sizes == lookup_groups(eng)
+        and extras == command.extra_keys
         else None
     )
 
@@ -111,7 +124,7 @@ def prefix_hit(
         if precomputed is not None:
             return iter(precomputed[pool.spec.pool_id][:blocks])
         upto = tokens if blocks is None else tokens[: blocks * size]
-        return iter_chain_keys(eng.namespace_id, upto, size, command.extra_keys)
+        return iter_chain_keys(eng.namespace_id, upto, size, extras)
 
     # A full-attention group needs every block before the boundary, so none lies past its first
     # unloadable block: its keys are hashed only up to there, and every other group's only up to
@@ -213,6 +226,21 @@ def _start_store(state: State, command: StartStore) -> list[Event]:
             pinned=not is_off(Protection.PINS),
         )
     )
+    if is_off(Protection.PUBLISH_WHEN_COMPLETE):  # Mooncake #1374: the key exists from put_start
+        events += [
+            KeyPublished(
+                tier=tier.spec.name,
+                namespace_id=eng.namespace_id,
+                pool_id=item.source.pool_id,
+                key=item.key,
+                tier_slot=item.tier_slot,
+                tier_generation=item.tier_generation,
+                checksums=[],
+                size_bytes=eng.pools[item.source.pool_id].spec.bytes_per_block,
+                source_job=job_id,
+            )
+            for item in items
+        ]
     if not items:
         events.append(JobSucceeded(job_id=job_id))
     return events
@@ -262,6 +290,7 @@ def _start_load(state: State, command: StartLoad) -> list[Event]:
             world_size=eng.world_size,
             items=items,
             lease_expires_at=eng.clock + command.lease_seconds,
+            pinned=not is_off(Protection.PINS),
         )
     ]
 

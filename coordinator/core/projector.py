@@ -336,7 +336,8 @@ def _load_job_started(state: State, event: LoadJobStarted) -> None:
     pools = state.engines[event.engine_id].pools
     tier = state.tiers[event.tier]
     for item in event.items:
-        _pin(pools[item.dest.pool_id], item.dest.block_id)
+        if event.pinned:
+            _pin(pools[item.dest.pool_id], item.dest.block_id)
         entry = tier.entries[item.dest.pool_id][item.key]
         if entry.leases is None:
             entry.leases = {}
@@ -434,7 +435,8 @@ def _end_job(state: State, job: JobState, succeeded: bool, kept: int = 0) -> Non
                 if load_item.tier_slot in tier.lru:  # touch: most recently used
                     tier.lru[load_item.tier_slot] = tier.lru.pop(load_item.tier_slot)
                     removed(tier, "lru")
-            _unpin(engine, pool, dest.block_id)
+            if decision.pinned:
+                _unpin(engine, pool, dest.block_id)
     else:
         pool = pools[decision.pool_id]
         for ref in decision.blocks:

@@ -26,7 +26,10 @@ from contextvars import ContextVar
 
 
 class Protection(enum.StrEnum):
-    """One protection each; the value is the scenario that switches it off."""
+    """One protection each; the value is the first scenario that switches it off (the seeds',
+    coordinator/simulator/scenarios.py, or a failure users reported, reported.py). A reported
+    failure may switch off a protection an earlier scenario already shows: the same guard, met
+    another way."""
 
     PINS = "preempt-during-async-store"
     """I3: a slot with a store in flight is pinned. Off: it can be reallocated under the store."""
@@ -72,6 +75,31 @@ class Protection(enum.StrEnum):
     the coordinator compares the checksums reported with the published ones; a mismatch fails
     the load (and quarantines the key while it is still published). Off (MOONCAKE_STORE_CHECKSUM
     unset, seed 002): neither. Its scenario runs with LEASES off in both runs."""
+    STORE_FENCE = "store-reported-before-copy-fence"
+    """I5: a rank reports a store only once its copy landed (the transfer stream synchronized),
+    with the checksum of the bytes written. Off (vLLM #45704, #46278, #47282): the report goes out
+    when the copy is queued, with the source block's checksum; the copy runs when the worker
+    next acts, reading whatever the source block holds by then."""
+    TIER_RESET = "reset-keeps-offloaded-blocks"
+    """A reset that reaches the tier (ResetCache.drop_tier_keys) ends every key of the engine's
+    namespace there. Off (vLLM #57727): the reset succeeds and the tier keeps serving the old
+    blocks."""
+    NAMESPACE_PARALLEL = "parallel-layouts-share-keys"
+    """I9: namespaces include the parallel layout (TP/PP sizes, kv_rank_layout) unless the engine
+    says its blocks do not depend on it. Off (vLLM #56772): TP1 and TP2 engines share keys whose
+    bytes are laid out differently."""
+    NAMESPACE_LAYOUT = "packed-layout-missing-from-identity"
+    """I9: namespaces include the KV layout version and dtype. Off (LMCache #4463, #4247; Dynamo
+    #14416): a new packed layout is missing from the cache identity, and old bytes are read as
+    the new layout."""
+    FULL_WIDTH_EXTRAS = "truncated-multimodal-hash"
+    """I8: a content key covers its extra keys (multimodal hashes, salts) whole. Off (LMCache
+    #4086): each extra key counts by its first 16 bits, so two images that share them share keys."""
+    PUBLISH_WHEN_COMPLETE = "exists-without-value"
+    """I5: a key is published when every rank's store reported success, with their checksums.
+    Off (Mooncake #1374, #2827): it exists from the store's start (put_start), without checksums;
+    a duplicate put of it is skipped, and a store that then fails leaves it existing with no
+    value."""
 
 
 ALL = frozenset(Protection)

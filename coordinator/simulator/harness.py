@@ -24,7 +24,7 @@ import torch
 from anyio.abc import TaskGroup
 
 from coordinator.client import Address, EngineClient, WorkerClient
-from coordinator.core.commands import AnyCommand, DeclareEngine
+from coordinator.core.commands import AnyCommand, DeclareEngine, ReportRank
 from coordinator.core.protections import Protection
 from coordinator.core.routing import Decision
 from coordinator.sidecar import protocol as p
@@ -45,7 +45,7 @@ from events import (
 )
 from events.log import EventLog, open_log
 from gpu.pools import DevicePools
-from gpu.tiers import SlotTier, Tier
+from gpu.tiers import DiskTier, SlotTier, Tier
 from gpu.worker import Worker
 
 log = structlog.get_logger("kvledger.simulator")
@@ -132,9 +132,16 @@ class SimEngine:
 
     # --- workers -----------------------------------------------------------------------------
 
-    async def execute(self, *, hold: frozenset[int] = frozenset(), only: frozenset[int] | None = None) -> list[Event]:
+    async def execute(
+        self,
+        *,
+        hold: frozenset[int] = frozenset(),
+        only: frozenset[int] | None = None,
+        failing: frozenset[tuple[int, int]] = frozenset(),
+    ) -> list[Event]:
         """Let the workers carry out the committed decisions not yet done, in order, except the
-        jobs in `hold` (or only those in `only`); returns what their reports committed."""
+        jobs in `hold` (or only those in `only`); returns what their reports committed. A (job,
+        rank) in `failing` does nothing and reports a failure, as a rank whose transfer failed."""
         committed: list[Event] = []
         for seq in sorted(self.expected):
             decision = self.expected[seq]
@@ -143,7 +150,10 @@ class SimEngine:
                 continue
             for worker in self.workers:
                 arrived = await self._arrival(worker.rank, seq)
-                report = await anyio.to_thread.run_sync(worker.execute, arrived.event)
+                if (job_id, worker.rank) in failing:
+                    report = ReportRank(job_id=job_id, rank=worker.rank, ok=False, error="transfer_failed: the rank's put failed")
+                else:
+                    report = await anyio.to_thread.run_sync(worker.execute, arrived.event)
                 result = await self.sim.worker_clients[(self.engine_id, worker.rank)].report(report)
                 committed += result.events
             self.executed.add(seq)
@@ -170,6 +180,7 @@ class Simulation:
         *,
         world_size: int = 2,
         tier_slots: int = 4096,
+        disk_tier: bool = False,
     ) -> None:
         self._own_dir = tempfile.TemporaryDirectory(prefix="kvl-sim-") if directory is None else None
         self.directory: Path = Path(self._own_dir.name) if self._own_dir is not None else Path(str(directory))
@@ -177,11 +188,17 @@ class Simulation:
         self.tally = Tally()
         self.tier_spec = TierSpec(name=TIER, num_slots=tier_slots, bytes_per_slot=1 << 20)
         self.tiers: list[dict[str, Tier]] = [
-            {TIER: SlotTier(TIER, CPU, self.tier_spec.num_slots, self.tier_spec.bytes_per_slot)} for _ in range(world_size)
+            {
+                TIER: DiskTier(TIER, self.directory / "tier" / f"rank{rank}", CPU, fsync="never")
+                if disk_tier
+                else SlotTier(TIER, CPU, self.tier_spec.num_slots, self.tier_spec.bytes_per_slot)
+            }
+            for rank in range(world_size)
         ]
         """One shared tier per rank: every engine's worker of that rank sees the same one. It is
         addressed by tier slot, like a shared store's memory segment (gpu.tiers.SlotTier): a
-        slot the coordinator gives to another key holds that key's bytes from its store on."""
+        slot the coordinator gives to another key holds that key's bytes from its store on. With
+        `disk_tier`, a file per key instead (gpu.tiers.DiskTier, vLLM's file tier)."""
         # A Unix socket path has a length limit (108 bytes on Linux): the socket gets a short
         # directory of its own, whatever the log's directory is.
         self._socket_dir = tempfile.TemporaryDirectory(prefix="kvl-")

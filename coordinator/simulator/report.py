@@ -10,16 +10,21 @@ from rich.table import Table
 
 from coordinator.core.protections import Protection
 from coordinator.simulator.harness import Simulation
+from coordinator.simulator.reported import REPORTED
 from coordinator.simulator.scenarios import SCENARIOS, Outcome, Scenario, run_scenario
 from coordinator.simulator.workload import TIER_SLOTS, WorkloadReport, run_workload
 
 Pair = tuple[Outcome, Outcome]
 """(protection on, protection off)."""
 
+ALL_SCENARIOS = {**SCENARIOS, **REPORTED}
+"""The seeds' scenarios, then the failures users reported (coordinator/simulator/reported.py)."""
+
 
 async def run_scenarios(chosen: Sequence[Scenario] | None = None, keep: Path | None = None) -> list[Pair]:
     """Each scenario on a fresh simulation with its protection on, then off (its baseline off in
-    both runs). With `keep`, each run's log stays in keep/NAME-on and keep/NAME-off."""
+    both runs); by default the seeds'. With `keep`, each run's log stays in keep/NAME-on and
+    keep/NAME-off."""
     results = []
     for scenario in chosen or list(SCENARIOS.values()):
         runs = []
@@ -39,6 +44,7 @@ def scenario_table(results: Sequence[Pair], title: str) -> Table:
     table = Table(title=title)
     for column in (
         "scenario",
+        "report",
         "invariant",
         "baseline off (both runs)",
         "requests",
@@ -49,9 +55,10 @@ def scenario_table(results: Sequence[Pair], title: str) -> Table:
     ):
         table.add_column(column, overflow="fold")
     for on, off in results:
-        recorded = ", ".join(f"{reason} x{count}" for reason, count in on.refusals.items()) or "-"
+        recorded = ", ".join(f"{reason} x{count}" for reason, count in on.refusals.items()) or on.evidence or "-"
         table.add_row(
             on.scenario,
+            on.report,
             on.invariant,
             ", ".join(Protection(value).name.lower() for value in on.baseline) or "-",
             str(on.requests),

@@ -58,16 +58,25 @@ ENCODER_GROUP = 1 << 16
 Run = Callable[[Simulation], Awaitable[None]]
 
 
-def namespace(*, weights: str = "sha256:weights-1", tenant: str = "tenant-a", tp: int = 2, blocks: int = 1) -> NamespaceSpec:
+def namespace(
+    *,
+    weights: str = "sha256:weights-1",
+    tenant: str = "tenant-a",
+    tp: int = 2,
+    blocks: int = 1,
+    layout: int = 1,
+    rank_layout: str = "heads",
+) -> NamespaceSpec:
     return NamespaceSpec(
         model_id="org/model-7b",
         weights_revision=weights,
         tokenizer_digest="sha256:tokenizer-1",
         kv_dtype="bfloat16",
-        kv_layout_version=1,
+        kv_layout_version=layout,
         block_sizes=(BLOCK,) * blocks,
         tensor_parallel_size=tp,
         tenant=tenant,
+        kv_rank_layout=rank_layout,
     )
 
 
@@ -220,13 +229,19 @@ async def preempt_during_async_store(sim: Simulation) -> None:
     """Seed 000: a request is preempted while its blocks are being stored asynchronously; the
     blocks go to another request, which writes them; the late store then saves that request's
     KV under the first one's keys, and a later hit serves it."""
+    await freed_under_store(sim, "preempted", prompt(4, 2), prompt(5, 2))
+
+
+async def freed_under_store(sim: Simulation, reason: str, first_prompt: list[int], second_prompt: list[int]) -> None:
+    """The shape of the stores whose source blocks are freed under them: r1 ends (`reason`)
+    while its store still runs, r2 takes and writes the blocks, the store lands late, and a
+    request with r1's prompt loads what it published."""
     engine = await sim.engine("pod-a", namespace(), [attention(num_blocks=3)])  # two usable blocks
-    first_prompt, second_prompt = prompt(4, 2), prompt(5, 2)
     owner = await admit(engine, "r1")
     blocks = await allocate(engine, owner, 2)
     assert blocks is not None
     store = await compute_and_store(engine, owner, blocks, first_prompt)
-    await engine.step([FinishOwner(engine_id=engine.engine_id, owner_id=owner, reason="preempted")])
+    await engine.step([FinishOwner(engine_id=engine.engine_id, owner_id=owner, reason=reason)])
     other = await admit(engine, "r2")
     taken = await allocate(engine, other, 2)
     if taken is None:  # refused: the slots are still pinned by the store (I3); it lands first
@@ -441,19 +456,22 @@ SMALL_TIER = 2
 """Tier slots for the slow-load scenarios: one two-block prompt fills the tier."""
 
 
-async def _slow_load_under_store_pressure(sim: Simulation, *, lease_seconds: float, pause: float) -> None:
-    """The shape both slow-load scenarios share. r1's prompt fills the (slot-addressed) tier; r2
-    starts a load of it with a lease of `lease_seconds`, but the worker is slow: the load is
-    held. `pause` seconds of engine clock later r3 stores another prompt; under store pressure
-    that evicts r1's keys and their slots go to r3's store, which lands. Then r2's load runs:
-    the slots it was told to read hold r3's bytes now."""
+async def _slow_load_under_store_pressure(sim: Simulation, *, lease_seconds: float, pause: float, prompts: int = 1) -> None:
+    """The shape the slow-load scenarios share. r1's prompt (or `prompts` prompts, the first
+    one's stored first) fills the (slot-addressed) tier; r2 starts one load of them all with a
+    lease of `lease_seconds`, but the worker is slow: the load is held. `pause` seconds of
+    engine clock later r3 stores another prompt; under store pressure that evicts the first
+    prompt's keys and their slots go to r3's store, which lands. Then r2's load runs: the slots
+    it was told to read hold r3's bytes now."""
     engine = await sim.engine("pod-a", namespace(), [attention()])
-    tokens, others = prompt(16, 2), prompt(17, 2)
-    stored = await produce(engine, "r1", tokens)
+    cached = [prompt(16 + 2 * index, 2) for index in range(prompts)]
+    others = prompt(17, 2)
+    stored = [await produce(engine, f"r1-{index}", tokens) for index, tokens in enumerate(cached)]
     reader = await admit(engine, "r2")
-    dests = await allocate(engine, reader, 2)
+    dests = await allocate(engine, reader, 2 * prompts)
     assert dests is not None
-    items = [LoadRequest(item.key, dest) for item, dest in zip(stored.items, dests, strict=True)]
+    keys = [item.key for job in stored for item in job.items]
+    items = [LoadRequest(key, dest) for key, dest in zip(keys, dests, strict=True)]
     load = await engine.step([StartLoad(engine_id=engine.engine_id, tier=TIER, items=items, lease_seconds=lease_seconds)])
     [decision] = load.decisions
     slow = frozenset({decision.event.job_id})
@@ -461,16 +479,18 @@ async def _slow_load_under_store_pressure(sim: Simulation, *, lease_seconds: flo
     blocks = await allocate(engine, writer, 2)
     assert blocks is not None
     engine.compute(blocks, others)
-    # The tier is full: r1's keys are evicted unless a live lease holds them (I12), and then the
-    # store is refused (TIER_FULL) and the load lands first.
+    # The tier is full: the first prompt's keys are evicted unless a live lease holds them (I12),
+    # and then the store is refused (TIER_FULL) and the load lands first.
     await engine.step(
         [
             MarkComputed(engine_id=engine.engine_id, owner_id=writer, blocks=blocks, token_ids=others),
             StartStore(engine_id=engine.engine_id, tier=TIER, blocks=blocks),
         ]
     )
-    await engine.execute(hold=slow)  # r3's store lands in the slots r1's keys had
-    use_or_recompute(engine, dests, tokens, await engine.execute(only=slow))
+    await engine.execute(hold=slow)  # r3's store lands in the slots the first prompt's keys had
+    landed = await engine.execute(only=slow)
+    for index, tokens in enumerate(cached):
+        use_or_recompute(engine, dests[2 * index : 2 * index + 2], tokens, landed)
 
 
 async def lease_expiry_during_slow_load(sim: Simulation) -> None:
@@ -562,6 +582,10 @@ class Scenario(msgspec.Struct, frozen=True):
     safety net left (coordinator/core/protections.py). Never includes `protection` itself."""
     tier_slots: int = 4096
     """The size of the simulation's shared tier (small: stores evict)."""
+    report: str = ""
+    """The public report(s) the scenario reproduces (a seed, or an issue thread)."""
+    disk_tier: bool = False
+    """The shared tier is a file per key (gpu.tiers.DiskTier) instead of slots of memory."""
 
     def off(self, *, protection_on: bool) -> frozenset[Protection]:
         """What one run switches off: the baseline, and the scenario's protection in the off run."""
@@ -572,22 +596,47 @@ SCENARIOS = {
     scenario.name: scenario
     for scenario in (
         Scenario(
-            "req-id-reuse-after-preemption", Protection.JOB_IDENTITY, "I4", req_id_reuse_after_preemption, "Refused:unknown_owner"
+            "req-id-reuse-after-preemption",
+            Protection.JOB_IDENTITY,
+            "I4",
+            req_id_reuse_after_preemption,
+            "Refused:unknown_owner",
+            report="seed 000",
         ),
         Scenario(
-            "reset-with-late-completions", Protection.FENCING, "I16", reset_with_late_completions, "FencedRankDone:late_report"
+            "reset-with-late-completions",
+            Protection.FENCING,
+            "I16",
+            reset_with_late_completions,
+            "FencedRankDone:late_report",
+            report="seed 000",
         ),
         Scenario(
-            "stale-encoder-eviction", Protection.END_OF_STEP, "I14", stale_encoder_eviction, "NoticeDropped:reallocated_in_step"
+            "stale-encoder-eviction",
+            Protection.END_OF_STEP,
+            "I14",
+            stale_encoder_eviction,
+            "NoticeDropped:reallocated_in_step",
+            report="seed 000",
         ),
-        Scenario("preempt-during-async-store", Protection.PINS, "I3", preempt_during_async_store, "Refused:pool_exhausted"),
-        Scenario("overlapping-state-copy", Protection.ORDERED_COPIES, "I15", overlapping_state_copy, "ordered plan"),
+        Scenario(
+            "preempt-during-async-store",
+            Protection.PINS,
+            "I3",
+            preempt_during_async_store,
+            "Refused:pool_exhausted",
+            report="seed 000",
+        ),
+        Scenario(
+            "overlapping-state-copy", Protection.ORDERED_COPIES, "I15", overlapping_state_copy, "ordered plan", report="seed 000"
+        ),
         Scenario(
             "duplicate-keys-in-batch-load",
             Protection.LOAD_DEDUPE,
             "I11",
             duplicate_keys_in_batch_load,
             "every destination verified",
+            report="seed 002 (Mooncake #3929)",
         ),
         Scenario(
             "weights-revision-change-under-same-model-name",
@@ -595,23 +644,42 @@ SCENARIOS = {
             "I9",
             weights_revision_change,
             "Refused:key_not_published",
+            report="seed 003",
         ),
-        Scenario("cross-tenant-prefix", Protection.NAMESPACE_TENANT, "I9", cross_tenant_prefix, "Refused:key_not_published"),
+        Scenario(
+            "cross-tenant-prefix",
+            Protection.NAMESPACE_TENANT,
+            "I9",
+            cross_tenant_prefix,
+            "Refused:key_not_published",
+            report="seed 003",
+        ),
         Scenario(
             "duplicate-offload-with-different-bytes",
             Protection.IDEMPOTENT_STORE,
             "I10",
             duplicate_offload_with_different_bytes,
             "KeyQuarantined:checksum_mismatch",
+            report="seed 002 (Mooncake #3135, #2827)",
         ),
-        Scenario("partial-hash-hit", Protection.WHOLE_UNITS, "I7", partial_hash_hit, "boundary at a whole unit"),
-        Scenario("null-state-publication", Protection.NULL_STATES, "I2", null_state_publication, "Refused:null_block"),
+        Scenario(
+            "partial-hash-hit", Protection.WHOLE_UNITS, "I7", partial_hash_hit, "boundary at a whole unit", report="seed 002"
+        ),
+        Scenario(
+            "null-state-publication",
+            Protection.NULL_STATES,
+            "I2",
+            null_state_publication,
+            "Refused:null_block",
+            report="seed 004",
+        ),
         Scenario(
             "load-before-compute-complete",
             Protection.VISIBLE_WHEN_COMPLETE,
             "I17",
             load_before_compute_complete,
             "Refused:not_computed",
+            report="I17 (seed 000)",
         ),
         Scenario(
             "lease-expiry-during-slow-load",
@@ -621,6 +689,7 @@ SCENARIOS = {
             "JobFailed:lease_expired",
             baseline=frozenset({Protection.CHECKSUMS}),
             tier_slots=SMALL_TIER,
+            report="seed 002 (Mooncake #4153)",
         ),
         Scenario(
             "eviction-under-store-pressure",
@@ -630,6 +699,7 @@ SCENARIOS = {
             "JobFailed:checksum_mismatch",
             baseline=frozenset({Protection.LEASES}),
             tier_slots=SMALL_TIER,
+            report="seed 002 (Mooncake #4153)",
         ),
     )
 }
@@ -646,6 +716,10 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True):
     events: int
     seconds: float
     log: str = ""
+    report: str = ""
+    """The public report(s) the scenario reproduces."""
+    evidence: str = ""
+    """What the on run should record instead of the wrong read (Scenario.evidence)."""
     baseline: list[str] = []
     """The scenario's baseline: protections off in both of its runs (sorted)."""
     protections_off: list[str] = []
@@ -655,7 +729,7 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True):
 async def run_scenario(scenario: Scenario, *, protection_on: bool, directory: Path | None = None) -> Outcome:
     off = scenario.off(protection_on=protection_on)
     started = time.perf_counter()
-    async with Simulation(directory, off, tier_slots=scenario.tier_slots) as sim:
+    async with Simulation(directory, off, tier_slots=scenario.tier_slots, disk_tier=scenario.disk_tier) as sim:
         await scenario.run(sim)
         tally: Tally = sim.tally
         where = str(sim.log_path) if directory is not None else ""
@@ -670,6 +744,8 @@ async def run_scenario(scenario: Scenario, *, protection_on: bool, directory: Pa
         events=tally.events,
         seconds=time.perf_counter() - started,
         log=where,
+        report=scenario.report,
+        evidence=scenario.evidence,
         baseline=sorted(p.value for p in scenario.baseline),
         protections_off=sorted(p.value for p in off),
     )

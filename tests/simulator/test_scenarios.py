@@ -14,8 +14,10 @@ import pytest
 
 from coordinator.core.protections import Protection
 from coordinator.ledger.recovery import replay
-from coordinator.simulator.scenarios import SCENARIOS, Outcome, Scenario, run_scenario
-from events import Event, EventCodec, StateCopyPlanned, StoreJobStarted
+from coordinator.simulator.report import ALL_SCENARIOS
+from coordinator.simulator.reported import REPORTED, colliding_images
+from coordinator.simulator.scenarios import SCENARIOS, Outcome, Scenario, _foreign_namespace, namespace, run_scenario
+from events import Event, EventCodec, KeyPublished, LoadJobStarted, StateCopyPlanned, StoreJobStarted
 from events.log import open_log
 from tests.kit.sidecar import ROOT
 
@@ -44,10 +46,12 @@ async def decided(log: Path) -> list[Event]:
         await event_log.close()
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("name", sorted(ALL_SCENARIOS))
 def test_each_scenario_bites_with_its_protection_off_and_is_prevented_with_it_on(name: str, tmp_path: Path) -> None:
-    scenario = SCENARIOS[name]
-    assert scenario.protection == Protection(name), "a scenario switches off exactly its own protection"
+    scenario = ALL_SCENARIOS[name]
+    if name in {p.value for p in Protection}:
+        assert scenario.protection == Protection(name), "a scenario named after a protection switches off that one"
+    assert scenario.report, "every scenario names the report it reproduces"
     on, off = both(scenario, tmp_path)
     baseline = sorted(p.value for p in scenario.baseline)
     assert on.baseline == off.baseline == baseline
@@ -76,16 +80,47 @@ def test_each_scenario_bites_with_its_protection_off_and_is_prevented_with_it_on
         stores_off = [e for e in events_off if isinstance(e, StoreJobStarted)]
         assert stores_off and not any(s.pinned for s in stores_off), "the unprotected store is recorded as unpinned"
         assert all(s.pinned for s in events_on if isinstance(s, StoreJobStarted))
+        loads_off = [e for e in events_off if isinstance(e, LoadJobStarted)]
+        assert not any(load.pinned for load in loads_off), "the unprotected load is recorded as unpinned"
+        assert all(load.pinned for load in events_on if isinstance(load, LoadJobStarted))
+    if scenario.protection == Protection.PUBLISH_WHEN_COMPLETE:
+        # Off: the keys exist from the store's start, without checksums; on: never without them.
+        assert [e.checksums for e in events_off if isinstance(e, KeyPublished)][-2:] == [[], []]
+        assert all(e.checksums for e in events_on if isinstance(e, KeyPublished))
 
 
 def test_a_baseline_never_includes_the_protection_it_toggles_and_only_layered_scenarios_have_one() -> None:
-    with_baseline = {name: scenario.baseline for name, scenario in SCENARIOS.items() if scenario.baseline}
+    with_baseline = {name: scenario.baseline for name, scenario in ALL_SCENARIOS.items() if scenario.baseline}
     assert with_baseline == {
         "lease-expiry-during-slow-load": frozenset({Protection.CHECKSUMS}),
         "eviction-under-store-pressure": frozenset({Protection.LEASES}),
+        "store-reported-before-copy-fence": frozenset({Protection.CHECKSUMS}),
+        "batch-get-skips-lease-check": frozenset({Protection.CHECKSUMS}),
     }
-    assert all(scenario.protection not in scenario.baseline for scenario in SCENARIOS.values())
-    assert set(SCENARIOS) == {p.value for p in Protection}, "one scenario per protection"
+    assert all(scenario.protection not in scenario.baseline for scenario in ALL_SCENARIOS.values())
+    assert {p.value for p in Protection} <= set(ALL_SCENARIOS), "every protection has a scenario named after it"
+    assert set(SCENARIOS) <= {p.value for p in Protection}, "each seed's scenario has a protection of its own"
+    assert not set(SCENARIOS) & set(REPORTED)
+    assert len(REPORTED) >= 10
+
+
+def test_the_colliding_images_differ_and_share_their_first_16_bits() -> None:
+    first, second = colliding_images()
+    assert first != second and first[:4] == second[:4] and len(first) == len(second) == 64
+
+
+def test_engines_of_other_tensor_parallel_sizes_are_caught_by_the_checksums_too(tmp_path: Path) -> None:
+    """What parallel-layouts-share-keys says of TP1 against TP2: with the namespace blind to the
+    parallel layout, the keys are shared, but a TP1 load of a TP2 store has one checksum per
+    rank where two were published, and fails; nothing wrong is read."""
+
+    async def tp1_loads_tp2(sim: object) -> None:
+        await _foreign_namespace(sim, namespace(tp=1))  # type: ignore[arg-type]
+
+    scenario = msgspec.structs.replace(REPORTED["parallel-layouts-share-keys"], run=tp1_loads_tp2)
+    outcome = anyio.run(lambda: run_scenario(scenario, protection_on=False, directory=tmp_path))
+    assert outcome.protections_off == [Protection.NAMESPACE_PARALLEL.value]
+    assert outcome.wrong_reads == 0 and outcome.refusals.get("JobFailed:checksum_mismatch") == 1, outcome
 
 
 @pytest.mark.parametrize(
@@ -96,6 +131,8 @@ def test_a_baseline_never_includes_the_protection_it_toggles_and_only_layered_sc
         ("lease-expiry-during-slow-load", "JobFailed:checksum_mismatch"),
         # The lease is live: r1's keys stay, r3's store is refused and the load lands intact.
         ("eviction-under-store-pressure", "Refused:tier_full"),
+        # A batch load, the same way as the single one above.
+        ("batch-get-skips-lease-check", "JobFailed:checksum_mismatch"),
     ],
 )
 @pytest.mark.parametrize("only_own_off", [True, False])
@@ -104,7 +141,7 @@ def test_leases_and_checksums_are_layered_either_one_alone_prevents_the_wrong_re
 ) -> None:
     """Why these scenarios have a baseline: without it, with only the scenario's own protection
     off (or every protection on), the other layer still stops the wrong read."""
-    scenario = msgspec.structs.replace(SCENARIOS[name], baseline=frozenset())
+    scenario = msgspec.structs.replace(ALL_SCENARIOS[name], baseline=frozenset())
     outcome = anyio.run(lambda: run_scenario(scenario, protection_on=not only_own_off, directory=tmp_path))
     assert outcome.protections_off == ([scenario.protection.value] if only_own_off else [])
     assert outcome.wrong_reads == 0, outcome
@@ -150,3 +187,14 @@ def test_kvledger_simulate_prints_one_json_line_per_run_and_exits_0(tmp_path: Pa
     on, off = (msgspec.json.decode(line, type=Outcome) for line in run.stdout.splitlines())
     assert (on.protection_on, off.protection_on) == (True, False)
     assert on.wrong_reads == 0 < off.wrong_reads
+
+
+def test_with_the_store_fence_off_the_checksums_alone_catch_the_garbled_block(tmp_path: Path) -> None:
+    """store-reported-before-copy-fence's baseline: with only the fence off, the copy that ran
+    after the report wrote the next request's bytes, and the load finds they differ from the
+    checksum the store reported: it fails, the key is quarantined, nothing wrong is read."""
+    scenario = msgspec.structs.replace(REPORTED["store-reported-before-copy-fence"], baseline=frozenset())
+    outcome = anyio.run(lambda: run_scenario(scenario, protection_on=False, directory=tmp_path))
+    assert outcome.protections_off == [Protection.STORE_FENCE.value]
+    assert outcome.wrong_reads == 0, outcome
+    assert outcome.refusals.get("JobFailed:checksum_mismatch") == 1, outcome.refusals
