@@ -279,10 +279,18 @@ class Ledger:
         appended (`append_decided` does). Raises DecideFailed when the core fails on one."""
         with _outages_retried(self.log.url):
             async with self._lock:
-                await self._fresh()
                 ids = [tx.command_id for tx in transactions if not isinstance(tx, Recorded) and tx.command_id is not None]
-                done = await self.log.find_commands(ids) if ids else {}
-                epoch = self._epoch
+                while True:
+                    await self._fresh()
+                    epoch = self._epoch
+                    done = await self.log.find_commands(ids) if ids else {}
+                    # Unless the append in flight failed while the ids were read: then the state
+                    # is no longer the log's. Decided on it, this group would be one that the
+                    # failed append's rebuild waits for (it settles the groups in flight), while
+                    # the committer appends it only once that append returned: neither would
+                    # ever go on. So the state is rebuilt first (_fresh) and the ids read again.
+                    if epoch == self._epoch:
+                        break
                 try:
                     batches, decided, first_of = self._decide_group(transactions, done)
                 except BaseException:

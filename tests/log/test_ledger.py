@@ -23,7 +23,7 @@ from coordinator.core.state import encode_state
 from coordinator.ledger.ledger import Ledger, Step, StepCommit
 from coordinator.ledger.recovery import make_snapshot, recover, replay
 from events import BlocksAllocated, EventCodec, OwnerStarted, Reason, Refused, StoreJobStarted, TierSpec
-from events.log import AppendBatch, EventLog, PendingEvent, Snapshot, WrongExpectedVersion
+from events.log import AppendBatch, AppendResult, EventLog, LogUnavailable, PendingEvent, Snapshot, WrongExpectedVersion
 from tests.kit import builders as b
 
 pytestmark = pytest.mark.anyio
@@ -264,3 +264,69 @@ async def test_a_retried_step_gives_back_its_end_of_step_notices_with_its_end(ev
     ]
     assert retried.began == original.began and retried.ended == original.ended
     assert retried.results == [[e for group in original.results for e in group]]
+
+
+async def test_a_group_decided_while_the_append_before_it_fails_is_decided_on_the_rebuilt_state(
+    event_log: EventLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sidecar decides a group while the one before it is appended (pipelined). That append
+    fails while the new group's command ids are read from the log: the new group must then be
+    decided on the state rebuilt from the log. Decided on the state the failed append left, it
+    was a group the append's rebuild waited for, and nothing appended it: the sidecar hung
+    (seen as tests/sidecar/test_hot_path.py's PostgreSQL case hanging under load)."""
+    ledger = await Ledger.open(event_log)
+    await _declare(ledger)
+    head = await event_log.head()
+
+    def step(number: int, req_id: str) -> Step:
+        return Step(
+            engine_id=ENGINE,
+            step=number,
+            clock=float(number),
+            commands=[StartOwner(engine_id=ENGINE, req_id=req_id)],
+            command_id=req_id,
+        )
+
+    first = await ledger.decide_group([step(1, "first")])
+    find = event_log.find_commands
+    reading = anyio.Event()
+    reads = 0
+
+    async def fails(batches: list[AppendBatch]) -> list[AppendResult]:
+        await reading.wait()
+        raise LogUnavailable("the append in flight fails while the next group's ids are read (test)")
+
+    async def slow_find(ids: list[str]) -> dict[str, AppendResult]:
+        nonlocal reads
+        reads += 1
+        found = await find(ids)
+        if reads == 1:
+            reading.set()
+            with anyio.fail_after(10):
+                while not ledger.stale:  # the append failed (its rebuild waits for the lock)
+                    await anyio.sleep(0.001)
+        return found
+
+    monkeypatch.setattr(event_log, "append", fails)
+    monkeypatch.setattr(event_log, "find_commands", slow_find)
+    failed: list[BaseException] = []
+
+    async def append_first() -> None:
+        try:
+            await ledger.append_decided(first)
+        except LogUnavailable as error:
+            failed.append(error)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(append_first)
+        second = await ledger.decide_group([step(2, "second")])
+        stale = ledger.stale
+        if stale:  # decided on the state the failed append left: let its rebuild go, so this fails, not hangs
+            ledger._fail_epoch()
+        assert not stale, "the group was decided on a state the log does not hold"
+    assert failed and reads == 2  # the ids were read again, after the rebuild
+    monkeypatch.undo()
+    [commit] = await ledger.append_decided(second)
+    assert isinstance(commit, StepCommit) and commit.commit.first_seq == head + 1
+    assert [e.req_id for e in commit.commit.events if isinstance(e, OwnerStarted)] == ["second"]
+    assert encode_state(ledger.state) == encode_state((await replay(event_log, EventCodec()))[0])

@@ -222,9 +222,11 @@ async def test_a_group_decided_while_the_previous_append_fails_is_never_shown(
 
                 tg.start_soon(b_step)
                 with anyio.fail_after(10):
-                    while len(decided) < 2:  # B's group is decided while A's append is in flight
+                    # B's group is decided while A's append is in flight: both are in flight (the
+                    # spy sees B's group when its deciding begins, before its command id is read).
+                    while sidecar.ledger.in_flight < 2:
                         await anyio.sleep(0.005)
-                assert sidecar.ledger.in_flight == 2
+                assert len(decided) == 2
                 lookup = await a.lookup_keys(TIER_SPEC.name, [_key(1)])
                 assert isinstance(lookup.answer, ExternalKeysLookedUp) and lookup.answer.loadable == [False]
                 assert not b_reply  # nothing of B's group is shown while the group under it is in flight
