@@ -255,6 +255,25 @@ class Tally:
 Attack = Callable[[], Awaitable[None]]
 
 
+ATTACK_NAMES = (
+    "forge",
+    "takeover",
+    "collide",
+    "poison",
+    "step-control",
+    "lookups",
+    "big-steps",
+    "tiers-pools",
+    "owners",
+    "garbage",
+    "huge-frames",
+    "dense-frames",
+    "catch-up",
+    "stalls",
+)
+"""What --attacks may name (the attacker's names, below)."""
+
+
 async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None:
     """Run every attack in a loop, forever; `attacking` on stdout once each has begun."""
     tally = Tally()
@@ -455,6 +474,7 @@ async def attacker(socket_path: str, only: frozenset[str] = frozenset()) -> None
     ]
     attacks += [("catch-up", subscriber(i)) for i in range(SUBSCRIBERS)]
     attacks += [("stalls", staller(i)) for i in range(STALLERS)]
+    assert {name for name, _ in attacks} == set(ATTACK_NAMES)
     if only:
         attacks[:] = [(name, body) for name, body in attacks if name in only]
     begun = 0
@@ -511,6 +531,9 @@ def main() -> int:
         return 0
     if args.steps < 1 or args.commands < 1 or args.warmup < 0 or not 1 <= args.rounds <= args.steps:
         parser.error("--steps and --commands must be positive, --rounds between 1 and --steps, --warmup not negative")
+    unknown = sorted(set(filter(None, args.attacks.split(","))) - set(ATTACK_NAMES))
+    if unknown:  # the attacker would run nothing and never say `attacking`
+        parser.error(f"unknown attacks {unknown}; known: {', '.join(ATTACK_NAMES)}")
     kvledger = Path(sys.executable).parent / "kvledger"
     out(f"host at start: {load()}")
     with tempfile.TemporaryDirectory(prefix="kvl-hostile-bench-") as name:
