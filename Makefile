@@ -25,16 +25,22 @@ test: $(STAMP) test-tools lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # What some tests need beside the main venv, each built once and reused: the vLLM environment
-# (tests/vllm/test_vllm_*.py; about 3.4 GB, 2-4 minutes the first time) and promtool (tests/ops/test_ops.py).
+# (tests/vllm/test_vllm_*.py; about 3.4 GB, 2-4 minutes the first time), promtool
+# (tests/ops/test_ops.py) and a Mooncake Store (tests/gpu/test_mooncake_tier.py; about 350 MB).
 # A machine where one cannot be built still runs the rest: those tests skip, saying why; CI sets
-# KVLEDGER_REQUIRE_VLLM=1 and KVLEDGER_REQUIRE_PROMTOOL=1 (.ci/run), so there they fail instead.
-.PHONY: test-tools promtool
-test-tools:
+# KVLEDGER_REQUIRE_VLLM=1, KVLEDGER_REQUIRE_PROMTOOL=1 and KVLEDGER_REQUIRE_MOONCAKE=1 (.ci/run),
+# so there they fail instead.
+.PHONY: test-tools promtool mooncake
+test-tools: $(STAMP)
 	@$(MAKE) --no-print-directory vllm-env || echo "make test: the vLLM environment could not be built; its tests will skip with the reason"
 	@$(MAKE) --no-print-directory promtool || echo "make test: promtool could not be installed; tests/ops/test_ops.py will skip its rule checks"
+	@$(MAKE) --no-print-directory mooncake || echo "make test: the Mooncake Store could not be installed; its tests will skip with the reason"
 
 promtool:
 	sh ops/tools/install-promtool.sh
+
+mooncake: $(STAMP)
+	sh ops/tools/install-mooncake.sh $(BIN)/python
 
 bench: $(STAMP)
 	$(BIN)/python ops/bench/projector.py

@@ -12,6 +12,8 @@ is addressed by one of them:
   old key at that slot returns them. Only the coordinator's leases (I12) and the checksums
   (I13) stand between that and a wrong-KV read (the simulator's fault scenarios use it).
 
+Every call also names the slot's generation (StoreItem / LoadItem.tier_generation): a tier whose
+objects outlive a slot's reuse names them by it (gpu.mooncake.MooncakeTier); these do not need it.
 `write` returns the checksum of the bytes actually written (gpu/checksum.py). `read` fills a
 host buffer and fails with a TierError naming why: a missing, truncated or oversized file.
 """
@@ -39,9 +41,9 @@ class TierError(Exception):
 class Tier(Protocol):
     name: str
 
-    def write(self, key: bytes, data: torch.Tensor, *, slot: int) -> bytes: ...
+    def write(self, key: bytes, data: torch.Tensor, *, slot: int, generation: int = 0) -> bytes: ...
 
-    def read(self, key: bytes, nbytes: int, *, slot: int) -> torch.Tensor: ...
+    def read(self, key: bytes, nbytes: int, *, slot: int, generation: int = 0) -> torch.Tensor: ...
 
     def delete(self, key: bytes) -> None: ...
 
@@ -52,14 +54,14 @@ class HostTier:
         self.device = device
         self._blocks: dict[bytes, torch.Tensor] = {}
 
-    def write(self, key: bytes, data: torch.Tensor, *, slot: int) -> bytes:
+    def write(self, key: bytes, data: torch.Tensor, *, slot: int, generation: int = 0) -> bytes:
         """`slot` is not used: this tier is addressed by key."""
         buffer = host_buffer(data.numel(), self.device)
         buffer.copy_(data.reshape(-1))
         self._blocks[key] = buffer
         return checksum(buffer)
 
-    def read(self, key: bytes, nbytes: int, *, slot: int) -> torch.Tensor:
+    def read(self, key: bytes, nbytes: int, *, slot: int, generation: int = 0) -> torch.Tensor:
         found = self._blocks.get(key)
         if found is None:
             raise TierError("missing", f"key {key.hex()} is not in host tier {self.name!r}")
@@ -88,7 +90,7 @@ class SlotTier:
         if not 0 <= slot < self.num_slots:
             raise TierError("unknown_slot", f"slot {slot} is outside tier {self.name!r} of {self.num_slots} slots")
 
-    def write(self, key: bytes, data: torch.Tensor, *, slot: int) -> bytes:
+    def write(self, key: bytes, data: torch.Tensor, *, slot: int, generation: int = 0) -> bytes:
         self._check_slot(slot)
         if data.numel() * data.element_size() > self.bytes_per_slot:
             raise TierError(
@@ -100,7 +102,7 @@ class SlotTier:
         self._slots[slot] = (key, buffer)
         return checksum(buffer)
 
-    def read(self, key: bytes, nbytes: int, *, slot: int) -> torch.Tensor:
+    def read(self, key: bytes, nbytes: int, *, slot: int, generation: int = 0) -> torch.Tensor:
         self._check_slot(slot)
         found = self._slots.get(slot)
         if found is None:
@@ -131,7 +133,7 @@ class DiskTier:
     def path(self, key: bytes) -> Path:
         return self.root / f"{key.hex()}.kv"
 
-    def write(self, key: bytes, data: torch.Tensor, *, slot: int) -> bytes:
+    def write(self, key: bytes, data: torch.Tensor, *, slot: int, generation: int = 0) -> bytes:
         """`slot` is not used: this tier is addressed by key (a file per key)."""
         payload = tensor_bytes(data)
         final = self.path(key)
@@ -150,7 +152,7 @@ class DiskTier:
                 os.close(directory)
         return checksum(payload)
 
-    def read(self, key: bytes, nbytes: int, *, slot: int) -> torch.Tensor:
+    def read(self, key: bytes, nbytes: int, *, slot: int, generation: int = 0) -> torch.Tensor:
         path = self.path(key)
         try:
             with open(path, "rb") as handle:

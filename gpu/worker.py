@@ -34,7 +34,7 @@ from coordinator.client import WorkerClient
 from coordinator.core.commands import ReportRank
 from coordinator.core.protections import Protection
 from coordinator.core.routing import Decision
-from events import LoadJobStarted, StateCopyPlanned, StoreJobStarted
+from events import LoadJobStarted, StateCopyPlanned, StoreItem, StoreJobStarted
 from gpu.checksum import checksum
 from gpu.copies import CopyError, execute_plan
 from gpu.device import TransferStream
@@ -78,9 +78,9 @@ class Worker:
         self.state = self._load_state()
         self.executed: list[int] = []
         """Sequences of the decisions this process executed (for tests and logs)."""
-        self._unfenced: list[tuple[Tier, bytes, int, torch.Tensor]] = []
+        self._unfenced: list[tuple[Tier, StoreItem, torch.Tensor]] = []
         """Store copies reported but not yet run: only with STORE_FENCE off (the simulator's
-        vLLM #45704), each (tier, key, tier slot, source block)."""
+        vLLM #45704), each (tier, item, source block)."""
 
     # --- executing one decision -----------------------------------------------------------------
 
@@ -103,8 +103,10 @@ class Worker:
             )
         except (TransferError, TierError, CopyError) as error:
             reason = getattr(error, "reason", type(error).__name__)
-            log.warning("job_failed_here", job_id=event.job_id, rank=self.rank, reason=reason, error=str(error))
-            return ReportRank(job_id=event.job_id, rank=self.rank, ok=False, error=f"{reason}: {error}")
+            text = str(error)
+            log.warning("job_failed_here", job_id=event.job_id, rank=self.rank, reason=reason, error=text)
+            said = text if text.startswith(f"{reason}: ") else f"{reason}: {text}"  # a TierError says its reason first
+            return ReportRank(job_id=event.job_id, rank=self.rank, ok=False, error=said)
         return ReportRank(job_id=event.job_id, rank=self.rank, ok=True, checksums=checksums)
 
     def _store(self, event: StoreJobStarted) -> list[bytes]:
@@ -114,15 +116,18 @@ class Worker:
         if Protection.STORE_FENCE in self.protections_off:
             # vLLM #45704: "done" once the copy is queued, with the checksum of the source as it
             # is now; the copy itself runs later (_catch_up_copies), from what the block holds then.
-            self._unfenced += [(tier, item.key, item.tier_slot, block) for item, block in zip(event.items, blocks, strict=True)]
+            self._unfenced += [(tier, item, block) for item, block in zip(event.items, blocks, strict=True)]
             return [checksum(block) for block in blocks]
-        return [tier.write(item.key, block, slot=item.tier_slot) for item, block in zip(event.items, blocks, strict=True)]
+        return [
+            tier.write(item.key, block, slot=item.tier_slot, generation=item.tier_generation)
+            for item, block in zip(event.items, blocks, strict=True)
+        ]
 
     def _catch_up_copies(self) -> None:
         """The unfenced store copies (STORE_FENCE off only) run now, before anything else."""
         unfenced, self._unfenced = self._unfenced, []
-        for tier, key, slot, block in unfenced:
-            tier.write(key, block, slot=slot)
+        for tier, item, block in unfenced:
+            tier.write(item.key, block, slot=item.tier_slot, generation=item.tier_generation)
 
     def _load(self, event: LoadJobStarted) -> list[bytes]:
         tier = self._tier(event.tier)
@@ -131,7 +136,7 @@ class Worker:
         for item, dest in zip(event.items, destinations, strict=True):
             if item.key in read:
                 continue  # a duplicate key is read once (I11)
-            data = tier.read(item.key, dest.numel(), slot=item.tier_slot)
+            data = tier.read(item.key, dest.numel(), slot=item.tier_slot, generation=item.tier_generation)
             read[item.key] = (data, checksum(data))
         # I13. Off: seed 002's offload path with MOONCAKE_STORE_CHECKSUM unset (its default):
         # whatever the slot holds is copied, and its checksum reported as read.

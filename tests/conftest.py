@@ -23,6 +23,8 @@ import asyncpg
 import pytest
 
 from tests.kit.kafka import BrokerUnavailable, KafkaBroker
+from tests.kit.mooncake import REQUIRE as REQUIRE_MOONCAKE
+from tests.kit.mooncake import MooncakeMaster, MooncakeUnavailable
 
 PG_URL = os.environ.get("KVLEDGER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 REQUIRE_PG = os.environ.get("KVLEDGER_REQUIRE_POSTGRES") == "1"
@@ -94,6 +96,22 @@ def require_postgres() -> None:
     if REQUIRE_PG:
         pytest.fail(message + "; KVLEDGER_REQUIRE_POSTGRES=1 makes this a failure")
     pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
+    """One real Mooncake Store master for the session (tests/kit/mooncake.py), stopped at its end."""
+    try:
+        master = MooncakeMaster.start(tmp_path_factory.mktemp("mooncake"))
+    except MooncakeUnavailable as unavailable:
+        message = f"no Mooncake Store for the tests: {unavailable}"
+        if REQUIRE_MOONCAKE:
+            pytest.fail(message + "; KVLEDGER_REQUIRE_MOONCAKE=1 makes this a failure")
+        pytest.skip(message)
+    try:
+        yield master
+    finally:
+        master.stop()
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -181,24 +181,25 @@ class Simulation:
         world_size: int = 2,
         tier_slots: int = 4096,
         disk_tier: bool = False,
+        tier: Callable[[int], Tier] | None = None,
     ) -> None:
         self._own_dir = tempfile.TemporaryDirectory(prefix="kvl-sim-") if directory is None else None
         self.directory: Path = Path(self._own_dir.name) if self._own_dir is not None else Path(str(directory))
         self.off = off
         self.tally = Tally()
         self.tier_spec = TierSpec(name=TIER, num_slots=tier_slots, bytes_per_slot=1 << 20)
-        self.tiers: list[dict[str, Tier]] = [
-            {
-                TIER: DiskTier(TIER, self.directory / "tier" / f"rank{rank}", CPU, fsync="never")
+        if tier is None:
+            tier = (
+                (lambda rank: DiskTier(TIER, self.directory / "tier" / f"rank{rank}", CPU, fsync="never"))
                 if disk_tier
-                else SlotTier(TIER, CPU, self.tier_spec.num_slots, self.tier_spec.bytes_per_slot)
-            }
-            for rank in range(world_size)
-        ]
+                else (lambda rank: SlotTier(TIER, CPU, self.tier_spec.num_slots, self.tier_spec.bytes_per_slot))
+            )
+        self.tiers: list[dict[str, Tier]] = [{TIER: tier(rank)} for rank in range(world_size)]
         """One shared tier per rank: every engine's worker of that rank sees the same one. It is
         addressed by tier slot, like a shared store's memory segment (gpu.tiers.SlotTier): a
         slot the coordinator gives to another key holds that key's bytes from its store on. With
-        `disk_tier`, a file per key instead (gpu.tiers.DiskTier, vLLM's file tier)."""
+        `disk_tier`, a file per key instead (gpu.tiers.DiskTier, vLLM's file tier); with `tier`,
+        what it makes for each rank (a Mooncake Store's: gpu.mooncake.MooncakeTier)."""
         # A Unix socket path has a length limit (108 bytes on Linux): the socket gets a short
         # directory of its own, whatever the log's directory is.
         self._socket_dir = tempfile.TemporaryDirectory(prefix="kvl-")

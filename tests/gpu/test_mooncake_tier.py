@@ -1,0 +1,124 @@
+"""The Mooncake tier (gpu/mooncake.py) on a real Mooncake Store master (tests/kit/mooncake.py):
+what a Mooncake Store does, and what kvledger's tier makes of it, with real workers and a real
+sidecar (the simulator's harness) where the engines' bytes are checked against recompute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from coordinator.simulator.harness import CPU, TIER, Simulation, Tally
+from coordinator.simulator.scenarios import admit, attention, load_prefix, namespace, produce, prompt
+from events import EventCodec, RankReported
+from events.log import open_log
+from events.log.reading import decode
+from gpu import mooncake
+from gpu.mooncake import MooncakeTier
+from gpu.tiers import TierError
+from tests.kit.mooncake import MooncakeMaster
+
+
+@pytest.fixture(scope="module")
+def store(mooncake_master: MooncakeMaster) -> Any:
+    client = mooncake.connect(mooncake_master.address, mooncake_master.metadata_url)
+    yield client
+    client.close()
+
+
+def _tier(store: Any, rank: int = 0) -> MooncakeTier:
+    return MooncakeTier(TIER, store, rank=rank, device=CPU)
+
+
+def test_a_put_of_an_existing_name_keeps_the_first_value_and_a_new_generation_is_a_new_object(store: Any) -> None:
+    """Mooncake's rule, seen here: a second put of a name returns 0 and keeps the first bytes,
+    even of another size. The tier names each object by the slot's generation too, so a key
+    stored again after its slot was reused (a new generation) reads back what was stored last."""
+    name = "kvledger-test/keep-first"
+    assert store.put(name, b"first" * 10) == 0
+    assert store.put(name, b"second") == 0
+    assert store.get(name) == b"first" * 10
+
+    tier = _tier(store)
+    key = bytes(range(16))
+    old, new = torch.full((64,), 1, dtype=torch.uint8), torch.full((64,), 2, dtype=torch.uint8)
+    tier.write(key, old, slot=5, generation=1)
+    tier.write(key, new, slot=5, generation=2)
+    assert torch.equal(tier.read(key, 64, slot=5, generation=2), new)
+    assert torch.equal(tier.read(key, 64, slot=5, generation=1), old)
+    assert tier.object_name(key, 5, 2) == f"kvledger/{TIER}/5/2/{key.hex()}/0"
+
+
+def test_a_missing_or_short_object_is_a_tier_error_naming_it(store: Any) -> None:
+    tier = _tier(store, rank=1)
+    key = b"\x07" * 16
+    with pytest.raises(TierError) as missing:
+        tier.read(key, 64, slot=1, generation=1)
+    assert missing.value.reason == "missing" and tier.object_name(key, 1, 1) in str(missing.value)
+    tier.write(key, torch.zeros(32, dtype=torch.uint8), slot=1, generation=1)
+    with pytest.raises(TierError) as short:
+        tier.read(key, 64, slot=1, generation=1)
+    assert short.value.reason == "truncated"
+
+
+def _simulation(directory: Path, store: Any) -> Simulation:
+    return Simulation(directory, frozenset(), tier=lambda rank: _tier(store, rank))
+
+
+def test_a_prompt_one_engine_stored_in_mooncake_is_loaded_verified_by_another(store: Any, tmp_path: Path) -> None:
+    """Two engines (each with two worker ranks) share the Mooncake tier through one sidecar:
+    pod-b loads what pod-a published, every rank's shard checked against the published checksum
+    and then against recompute."""
+
+    async def run() -> tuple[Tally, list[str]]:
+        async with _simulation(tmp_path, store) as sim:
+            a = await sim.engine("pod-a", namespace(), [attention()])
+            b = await sim.engine("pod-b", namespace(), [attention()])
+            tokens = prompt(1, 2)
+            stored = await produce(a, "a-1", tokens)
+            reader = await admit(b, "b-1")
+            assert await load_prefix(b, reader, [item.key for item in stored.items], tokens)
+            names = [
+                _tier(store, rank).object_name(item.key, item.tier_slot, item.tier_generation)
+                for item in stored.items
+                for rank in (0, 1)
+            ]
+            return sim.tally, names
+
+    tally, names = anyio.run(run)
+    assert tally.loads_checked == 2 and tally.wrong_reads == 0 and not tally.refusals, tally
+    assert all(store.is_exist(name) == 1 for name in names)
+
+
+def test_an_object_the_store_lost_is_a_failed_load_naming_it_and_the_engine_recomputes(store: Any, tmp_path: Path) -> None:
+    """Mooncake evicts on its own, with no notice: here the objects of a published key are
+    removed behind kvledger's back. The load fails on every rank (the report names the object
+    Mooncake has no value for); the engine recomputes; nothing wrong is read; the sidecar goes on."""
+
+    async def run() -> tuple[Tally, list[str]]:
+        async with _simulation(tmp_path, store) as sim:
+            engine = await sim.engine("pod-a", namespace(), [attention()])
+            tokens = prompt(2, 2)
+            stored = await produce(engine, "r1", tokens)
+            for item in stored.items:
+                for rank in (0, 1):
+                    assert store.remove(_tier(store, rank).object_name(item.key, item.tier_slot, item.tier_generation), True) == 0
+            reader = await admit(engine, "r2")
+            await load_prefix(engine, reader, [item.key for item in stored.items], tokens)
+            again = await admit(engine, "r3")  # the sidecar still serves
+            assert again > reader
+        event_log = await open_log(str(sim.log_path))
+        try:
+            events = [decode(EventCodec(), stored) for stored in await event_log.read(0, 10_000)]
+            errors = [e.error for e in events if isinstance(e, RankReported) and not e.ok]
+        finally:
+            await event_log.close()
+        return sim.tally, errors
+
+    tally, errors = anyio.run(run)
+    assert tally.wrong_reads == 0 and tally.loads_checked == 0, tally  # nothing used from the load: recomputed
+    assert tally.refusals == {"JobFailed:rank_failed": 1}, tally.refusals
+    assert len(errors) == 2 and all(error.startswith("missing: Mooncake has no value for kvledger/") for error in errors), errors
