@@ -234,6 +234,9 @@ class RankReported(Event, frozen=True, tag="rank_reported"):
     checksums: list[bytes]
     """One per item of the job, in item order."""
     error: str = ""
+    lost: list[int] = []
+    """A failed load's items (indices) whose bytes the tier no longer holds (missing, empty or
+    short): their keys leave the tier (JobFailed OBJECT_LOST)."""
 
 
 class JobSucceeded(Event, frozen=True, tag="job_succeeded"):

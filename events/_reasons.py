@@ -47,6 +47,7 @@ class Reason(enum.StrEnum):
     CHECKSUM_MISMATCH = "checksum_mismatch"  # I10 / I13
     LEASE_EXPIRED = "lease_expired"  # I12
     KEY_EVICTED = "key_evicted"  # I12
+    OBJECT_LOST = "object_lost"  # I13: a tier (Mooncake's) lost a published key's bytes on its own
     TIER_FULL = "tier_full"  # I12
     POOL_EXHAUSTED = "pool_exhausted"
     ENCODER_CACHE_FULL = "encoder_cache_full"

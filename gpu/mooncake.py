@@ -181,8 +181,11 @@ class MooncakeTier:
             raise TierError("truncated", f"Mooncake's {name} holds {len(payload)} bytes, expected {nbytes}")
         if len(payload) > nbytes:
             raise TierError("size_mismatch", f"Mooncake's {name} holds {len(payload)} bytes, more than the {nbytes} expected")
-        buffer = host_buffer(nbytes, self.device)
-        buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)  # a copy of its own, writable
+        if self.device.type != "cuda":
+            return data
+        buffer = host_buffer(nbytes, self.device)  # pinned: the copy to the device can be async
+        buffer.copy_(data)
         return buffer
 
     def delete(self, key: bytes) -> None:

@@ -43,6 +43,9 @@ from gpu.tiers import Tier, TierError
 
 log = structlog.get_logger("kvledger.worker")
 
+LOST = frozenset({"missing", "truncated", "size_mismatch"})
+"""TierError reasons that mean the tier no longer holds a key's bytes (ReportRank.lost)."""
+
 
 class Pending(msgspec.Struct, frozen=True):
     seq: int
@@ -99,7 +102,12 @@ class Worker:
         except _Failed as failed:
             log.warning("job_failed_here", job_id=event.job_id, rank=self.rank, reason=failed.reason, error=str(failed))
             return ReportRank(
-                job_id=event.job_id, rank=self.rank, ok=False, checksums=failed.checksums, error=f"{failed.reason}: {failed}"
+                job_id=event.job_id,
+                rank=self.rank,
+                ok=False,
+                checksums=failed.checksums,
+                error=f"{failed.reason}: {failed}",
+                lost=failed.lost,
             )
         except (TransferError, TierError, CopyError) as error:
             reason = getattr(error, "reason", type(error).__name__)
@@ -133,11 +141,25 @@ class Worker:
         tier = self._tier(event.tier)
         destinations = [self.pools.block(item.dest) for item in event.items]  # all validated first
         read: dict[bytes, tuple[torch.Tensor, bytes]] = {}
+        gone: dict[bytes, str] = {}
         for item, dest in zip(event.items, destinations, strict=True):
-            if item.key in read:
+            if item.key in read or item.key in gone:
                 continue  # a duplicate key is read once (I11)
-            data = tier.read(item.key, dest.numel(), slot=item.tier_slot, generation=item.tier_generation)
+            try:
+                data = tier.read(item.key, dest.numel(), slot=item.tier_slot, generation=item.tier_generation)
+            except TierError as error:
+                if error.reason not in LOST:
+                    raise
+                gone[item.key] = str(error)  # the tier lost the bytes: the key must leave it
+                continue
             read[item.key] = (data, checksum(data))
+        if gone:
+            raise _Failed(
+                "object_lost",
+                "; ".join(gone.values()),
+                [],
+                [index for index, item in enumerate(event.items) if item.key in gone],
+            )
         # I13. Off: seed 002's offload path with MOONCAKE_STORE_CHECKSUM unset (its default):
         # whatever the slot holds is copied, and its checksum reported as read.
         verify = Protection.CHECKSUMS not in self.protections_off
@@ -249,7 +271,9 @@ class Worker:
 class _Failed(Exception):
     """A load that must be reported as failed with what was read (the coordinator quarantines)."""
 
-    def __init__(self, reason: str, message: str, checksums: list[bytes]) -> None:
+    def __init__(self, reason: str, message: str, checksums: list[bytes], lost: list[int] | None = None) -> None:
         super().__init__(message)
         self.reason = reason
         self.checksums = checksums
+        self.lost = lost or []
+        """Items whose bytes the tier no longer holds (ReportRank.lost)."""

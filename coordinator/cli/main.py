@@ -405,7 +405,10 @@ def worker(
         help="The sidecar's Unix socket (default: kvledger.sock in the data directory).",
     ),
     tier: list[str] = typer.Option(
-        [], "--tier", help="NAME=host or NAME=disk:DIR (repeatable); tiers not named live in host memory."
+        [],
+        "--tier",
+        help="NAME=host, NAME=disk:DIR or NAME=mooncake:MASTER_HOST:PORT,METADATA_URL (repeatable); "
+        "tiers not named live in host memory.",
     ),
     fsync: str = typer.Option(
         "always", "--fsync", envvar="KVLEDGER_FSYNC", help="Disk tiers: always (file and directory before rename) or never."
@@ -425,7 +428,7 @@ def worker(
     from events.log import data_dir
     from gpu.device import default_device
     from gpu.pools import DevicePools
-    from gpu.tiers import DiskTier, HostTier, Tier
+    from gpu.tiers import DiskTier, HostTier, Tier, TierError
     from gpu.worker import Worker
 
     configure_json_logs()
@@ -435,8 +438,11 @@ def worker(
     configured: dict[str, str] = {}
     for item in tier:
         name, sep, where = item.partition("=")
-        if not sep or not name or not (where == "host" or where.startswith("disk:")):
-            raise typer.BadParameter(f"{item!r} is not NAME=host or NAME=disk:DIR", param_hint="--tier")
+        mooncake_ok = where.startswith("mooncake:") and len(where[9:].split(",")) == 2 and all(where[9:].split(","))
+        if not sep or not name or not (where == "host" or where.startswith("disk:") or mooncake_ok):
+            raise typer.BadParameter(
+                f"{item!r} is not NAME=host, NAME=disk:DIR or NAME=mooncake:MASTER_HOST:PORT,METADATA_URL", param_hint="--tier"
+            )
         configured[name] = where
     client = WorkerClient(Address(socket_path=socket_path or str(data_dir() / "kvledger.sock")), engine, rank)
 
@@ -453,6 +459,11 @@ def worker(
             where = configured.get(name, "host")
             if where.startswith("disk:"):
                 tiers[name] = DiskTier(name, Path(where[5:]) / f"rank-{rank}", device, fsync)  # type: ignore[arg-type]
+            elif where.startswith("mooncake:"):
+                from gpu.mooncake import MooncakeTier, connect
+
+                master, metadata_url = where[9:].split(",")
+                tiers[name] = MooncakeTier(name, connect(master, metadata_url), rank=rank, device=device)
             else:
                 tiers[name] = HostTier(name, device)
         state = Path(state_dir) if state_dir else data_dir()
@@ -472,7 +483,7 @@ def worker(
 
     try:
         anyio.run(main)
-    except (SidecarError, SidecarUnavailable, OSError) as error:
+    except (SidecarError, SidecarUnavailable, OSError, TierError, ImportError) as error:
         typer.echo(f"kvledger worker: {error}", err=True)
         raise typer.Exit(code=1) from None
 

@@ -175,6 +175,9 @@ class ReportRank(Command, frozen=True, tag="report_rank"):
     ok: bool
     checksums: list[bytes] = []
     error: str = ""
+    lost: list[int] = []
+    """A failed load's items whose bytes the tier no longer holds (a Mooncake Store evicts on
+    its own): their keys leave kvledger's tier, so no lookup offers them again."""
 
 
 class AllocateEncoderEntry(Command, frozen=True, tag="allocate_encoder_entry"):

@@ -57,6 +57,9 @@ def complete(state: State, decision: Completed, reports: dict[int, RankReported]
     job_id = decision.job_id
     failed = sorted(rank for rank, report in reports.items() if not report.ok)
     if failed and isinstance(decision, LoadJobStarted | ExternalLoadStarted):
+        lost = sorted({index for report in reports.values() for index in report.lost})
+        if lost and isinstance(decision, LoadJobStarted):
+            return _lost(state, decision, lost, reports)
         # A worker that found a checksum mismatch reports failure with what it read: the keys
         # whose bytes differ are quarantined all the same (I13).
         mismatched = _load_mismatches(state, decision, reports)
@@ -175,6 +178,44 @@ def _verify_load(state: State, tier: TierState, decision: Load, per_rank: list[l
             kept=kept or 0,
         ),
     ]
+
+
+def _lost(state: State, decision: LoadJobStarted, lost: list[int], reports: dict[int, RankReported]) -> list[Event]:
+    """A load some rank could not read because the tier lost the bytes (a Mooncake Store evicts
+    on its own, with no notice): the job fails, then each lost key that is still the entry the
+    load read leaves the tier, evicted, or quarantined while another load's lease holds it (I12),
+    so no lookup offers it again and the engine recomputes."""
+    tier = state.tiers[decision.tier]
+    errors = "; ".join(f"rank {rank}: {report.error}" for rank, report in sorted(reports.items()) if not report.ok)
+    events: list[Event] = [JobFailed(job_id=decision.job_id, reason=Reason.OBJECT_LOST, detail=errors[:2000])]
+    for index in lost:
+        item = decision.items[index]
+        entry = current_entry(tier, item)
+        if entry is None:
+            continue
+        others = sorted(job for job in entry.leases or {} if job != decision.job_id)
+        if not others:
+            events.append(
+                KeyEvicted(
+                    tier=tier.spec.name,
+                    pool_id=item.dest.pool_id,
+                    key=item.key,
+                    tier_slot=item.tier_slot,
+                    engine_id=decision.engine_id,
+                )
+            )
+        elif not entry.quarantined:
+            events.append(
+                KeyQuarantined(
+                    tier=tier.spec.name,
+                    pool_id=item.dest.pool_id,
+                    key=item.key,
+                    reason=Reason.OBJECT_LOST,
+                    job_id=decision.job_id,
+                    detail=f"the tier lost the bytes while load job(s) {others} hold the key",
+                )
+            )
+    return events
 
 
 def current_entry(tier: TierState, item: LoadItem | ExternalItem) -> KeyEntry | None:

@@ -376,12 +376,20 @@ def _report_rank(state: State, command: ReportRank) -> list[Event]:
     decision = job.decision
     if not 0 <= command.rank < decision.world_size:
         raise Refusal(Reason.RANK_OUT_OF_RANGE, f"rank {command.rank} of world size {decision.world_size}")
+    if command.lost and (
+        command.ok
+        or not isinstance(decision, LoadJobStarted)
+        or len(set(command.lost)) != len(command.lost)
+        or not all(0 <= index < len(decision.items) for index in command.lost)
+    ):
+        raise Refusal(Reason.INVALID_ARGUMENT, "lost names distinct items of a failed load, by index")
     report = RankReported(
         job_id=command.job_id,
         rank=command.rank,
         ok=command.ok,
         checksums=command.checksums,
         error=command.error,
+        lost=command.lost,
     )
     earlier = job.reports.get(command.rank)
     if earlier is not None:

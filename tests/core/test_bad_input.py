@@ -365,6 +365,19 @@ def test_rank_outside_the_world_size(world: World, rank: int) -> None:
     keeps_serving(world.core, valid_report(world, 0))
 
 
+@pytest.mark.parametrize(
+    ("ok", "lost"),
+    [(False, [0]), (True, [0])],
+    ids=["a failed store's report", "a report that says ok"],
+)
+def test_lost_items_are_named_only_by_a_failed_load(world: World, ok: bool, lost: list[int]) -> None:
+    """ReportRank.lost (the tier lost those items' bytes) belongs to a failed load's report: on
+    a store's (world.job_id is one), or on a report that says ok, it is refused."""
+    command = msgspec.structs.replace(valid_report(world), ok=ok, lost=lost)
+    assert_rejected(world.core, command, Reason.INVALID_ARGUMENT, "lost")
+    keeps_serving(world.core, valid_report(world))
+
+
 # --- counts and numbers ----------------------------------------------------------------------------
 
 

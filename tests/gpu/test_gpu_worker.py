@@ -237,7 +237,9 @@ async def test_I13_a_load_that_fails_verification_keeps_the_blocks_before_the_fi
 async def test_a_missing_or_wrong_sized_tier_file_is_a_failed_report_with_its_reason(
     event_log: EventLog, tmp_path: Path, damage: str
 ) -> None:
-    async with sidecar_on(event_log, tmp_path / "s.sock"):
+    """The tier lost the key's bytes: the report says which items (lost), the load fails
+    (OBJECT_LOST) and the key leaves the tier, so no lookup offers it again."""
+    async with sidecar_on(event_log, tmp_path / "s.sock") as sidecar:
         rig = Rig(tmp_path / "s.sock", tmp_path)
         async with rig.client:
             store, _ = await stored_keys(rig, list(range(2 * b.BLOCK)))
@@ -251,10 +253,13 @@ async def test_a_missing_or_wrong_sized_tier_file_is_a_failed_report_with_its_re
                 file.write_bytes(file.read_bytes() + b"extra")
             decision, _ = await load(rig, [key])
             report = rig.workers[0].execute(decision)
-            assert not report.ok and report.error.startswith(damage), report
+            assert not report.ok and report.error.startswith(f"object_lost: {damage}: ") and report.lost == [0], report
             await rig.run_workers(1)
             outcome = await job_outcome(event_log, decision.job_id)
-            assert [type(e) for e in outcome] == [JobFailed] and outcome[0].reason == "rank_failed"  # type: ignore[attr-defined]
+            assert [type(e) for e in outcome] == [JobFailed] and outcome[0].reason == "object_lost"  # type: ignore[attr-defined]
+            tier = sidecar.ledger.state.tiers[b.TIER]
+            assert tier.entry(decision.items[0].dest.pool_id, key) is None  # evicted: the tier lost it
+            assert tier.entry(store.items[1].source.pool_id, store.items[1].key) is not None  # the other is kept
 
 
 def test_decisions_naming_the_null_block_or_a_block_outside_the_pool_are_failed_reports(tmp_path: Path) -> None:

@@ -11,9 +11,10 @@ import anyio
 import pytest
 import torch
 
+from coordinator.audit.verify_run import verify_log
 from coordinator.simulator.harness import CPU, TIER, Simulation, Tally
 from coordinator.simulator.scenarios import admit, attention, load_prefix, namespace, produce, prompt
-from events import EventCodec, RankReported
+from events import EventCodec, PrefixLookedUp, RankReported
 from events.log import open_log
 from events.log.reading import decode
 from gpu import mooncake
@@ -96,7 +97,8 @@ def test_a_prompt_one_engine_stored_in_mooncake_is_loaded_verified_by_another(st
 def test_an_object_the_store_lost_is_a_failed_load_naming_it_and_the_engine_recomputes(store: Any, tmp_path: Path) -> None:
     """Mooncake evicts on its own, with no notice: here the objects of a published key are
     removed behind kvledger's back. The load fails on every rank (the report names the object
-    Mooncake has no value for); the engine recomputes; nothing wrong is read; the sidecar goes on."""
+    Mooncake has no value for, and the items it lost); the keys leave kvledger's tier, so a
+    lookup no longer offers them; the engine recomputes; nothing wrong is read."""
 
     async def run() -> tuple[Tally, list[str]]:
         async with _simulation(tmp_path, store) as sim:
@@ -108,17 +110,21 @@ def test_an_object_the_store_lost_is_a_failed_load_naming_it_and_the_engine_reco
                     assert store.remove(_tier(store, rank).object_name(item.key, item.tier_slot, item.tier_generation), True) == 0
             reader = await admit(engine, "r2")
             await load_prefix(engine, reader, [item.key for item in stored.items], tokens)
-            again = await admit(engine, "r3")  # the sidecar still serves
-            assert again > reader
+            hit = await engine.client.lookup(TIER, tokens)  # the sidecar still serves, and offers nothing lost
+            assert isinstance(hit.answer, PrefixLookedUp) and hit.answer.boundary == 0
         event_log = await open_log(str(sim.log_path))
         try:
             events = [decode(EventCodec(), stored) for stored in await event_log.read(0, 10_000)]
             errors = [e.error for e in events if isinstance(e, RankReported) and not e.ok]
+            verified = await verify_log(event_log)  # the lost keys' evictions keep every invariant
+            assert verified.ok and not verified.violations, verified.violations
         finally:
             await event_log.close()
         return sim.tally, errors
 
     tally, errors = anyio.run(run)
     assert tally.wrong_reads == 0 and tally.loads_checked == 0, tally  # nothing used from the load: recomputed
-    assert tally.refusals == {"JobFailed:rank_failed": 1}, tally.refusals
-    assert len(errors) == 2 and all(error.startswith("missing: Mooncake has no value for kvledger/") for error in errors), errors
+    assert tally.refusals == {"JobFailed:object_lost": 1}, tally.refusals
+    assert len(errors) == 2 and all(
+        error.startswith("object_lost: missing: Mooncake has no value for kvledger/") for error in errors
+    )
