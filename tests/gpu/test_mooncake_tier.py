@@ -4,6 +4,9 @@ sidecar (the simulator's harness) where the engines' bytes are checked against r
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +17,17 @@ import torch
 from coordinator.audit.verify_run import verify_log
 from coordinator.simulator.harness import CPU, TIER, Simulation, Tally
 from coordinator.simulator.scenarios import admit, attention, load_prefix, namespace, produce, prompt
-from events import EventCodec, PrefixLookedUp, RankReported
+from events import BlockRef, EventCodec, LoadItem, LoadJobStarted, PrefixLookedUp, RankReported
 from events.log import open_log
 from events.log.reading import decode
 from gpu import mooncake
+from gpu.checksum import checksum
 from gpu.mooncake import MooncakeTier
+from gpu.pools import DevicePools
 from gpu.tiers import TierError
+from gpu.worker import Worker
 from tests.kit.mooncake import MooncakeMaster
+from tests.kit.sidecar import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +135,55 @@ def test_an_object_the_store_lost_is_a_failed_load_naming_it_and_the_engine_reco
     assert len(errors) == 2 and all(
         error.startswith("object_lost: missing: Mooncake has no value for kvledger/") for error in errors
     )
+
+
+def test_objects_in_a_killed_clients_segment_are_a_failed_load_naming_them_never_a_crash(
+    mooncake_master: MooncakeMaster, store: Any
+) -> None:
+    """Mooncake, seen here: after the client whose segment holds objects is killed (SIGKILL),
+    `is_exist` still says 1 while `get` returns nothing, for ~10 s. Another engine's worker that
+    loads those keys reports the load failed, naming each object and the items lost (so the keys
+    leave kvledger's tier), and goes on."""
+    key_a, key_b = b"\x0a" * 16, b"\x0b" * 16
+    block = torch.arange(256, dtype=torch.uint8)
+    names = [_tier(store).object_name(key, slot, 3) for slot, key in enumerate((key_a, key_b))]
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from gpu import mooncake\n"
+            f"client = mooncake.connect({mooncake_master.address!r}, {mooncake_master.metadata_url!r})\n"
+            "from mooncake.store import ReplicateConfig  # importable once connect() loaded the install\n"
+            "config = ReplicateConfig()\n"
+            "config.preferred_segment = client.get_hostname()  # in this process's own segment\n"
+            f"for name in {names!r}:\n"
+            f"    assert client.put(name, bytes(range(256)), config) == 0\n"
+            "print('stored', flush=True)\n"
+            "time.sleep(120)\n",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == b"stored"
+        assert [len(store.get(name)) for name in names] == [256, 256]
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert [store.is_exist(name) for name in names] == [1, 1]  # the master still says they exist
+    worker = Worker("pod-b", 0, DevicePools([attention()], CPU), {TIER: _tier(store)})
+    published = checksum(block)
+    load = LoadJobStarted(
+        job_id=7,
+        engine_id="pod-b",
+        incarnation=1,
+        tier=TIER,
+        world_size=1,
+        items=[LoadItem(key, slot, 3, BlockRef(0, 1 + slot, 1), [published]) for slot, key in enumerate((key_a, key_b))],
+        lease_expires_at=1e9,
+    )
+    report = worker.execute(load)
+    assert not report.ok and report.lost == [0, 1], report
+    assert report.error.startswith("object_lost: missing: ") and all(name in report.error for name in names)
