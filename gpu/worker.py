@@ -150,6 +150,11 @@ class Worker:
             except TierError as error:
                 if error.reason not in LOST:
                     raise
+                if Protection.LOST_OBJECTS in self.protections_off:
+                    # A connector that copies what the get returned (nothing): the destination
+                    # keeps what it held, and that is what it reports having read.
+                    read[item.key] = (dest.clone(), checksum(dest))
+                    continue
                 gone[item.key] = str(error)  # the tier lost the bytes: the key must leave it
                 continue
             read[item.key] = (data, checksum(data))

@@ -95,6 +95,12 @@ class Protection(enum.StrEnum):
     FULL_WIDTH_EXTRAS = "truncated-multimodal-hash"
     """I8: a content key covers its extra keys (multimodal hashes, salts) whole. Off (LMCache
     #4086): each extra key counts by its first 16 bits, so two images that share them share keys."""
+    LOST_OBJECTS = "mooncake-silent-eviction"
+    """I13: a tier read that finds a key's bytes gone (missing, empty or short) fails the load, and
+    the key leaves the tier (ReportRank.lost). Off (a connector that copies what a Mooncake get
+    returned, nothing once the store evicted the object): the destination keeps what it held and
+    the load counts as success. Its scenario needs a Mooncake Store (tests/gpu/test_mooncake_tier.py)
+    and runs with CHECKSUMS off (with them, the empty read differs from the published checksum)."""
     PUBLISH_WHEN_COMPLETE = "exists-without-value"
     """I5: a key is published when every rank's store reported success, with their checksums.
     Off (Mooncake #1374, #2827): it exists from the store's start (put_start), without checksums;

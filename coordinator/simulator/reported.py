@@ -41,8 +41,10 @@ from coordinator.simulator.scenarios import (
     namespace,
     produce,
     prompt,
+    use_or_recompute,
 )
 from events import PrefixLookedUp
+from gpu.mooncake import MooncakeTier
 from gpu.tiers import DiskTier
 
 
@@ -249,6 +251,58 @@ async def exists_without_value(sim: Simulation) -> None:
     await b.step([FinishOwner(engine_id=b.engine_id, owner_id=owners[1])])
     reader = await admit(b, "b-2")
     await load_prefix(b, reader, [item.key for item in first.items], tokens)
+
+
+async def mooncake_silent_eviction(sim: Simulation) -> None:
+    """Issue 21 (Mooncake Store, seen with 0.3.13.post1): the store evicts on its own past ~90% of
+    a segment, with no notice, and a put that returned 0 can be gone seconds later; a get then
+    returns nothing. Here, on a real Mooncake Store, r1's prompt is stored and its objects are
+    then evicted behind kvledger's back (removed: an eviction at a chosen moment); r2's blocks,
+    recycled, still hold another request's KV when it loads the prompt. Baseline: CHECKSUMS off.
+    On: the worker finds the objects gone, the load fails (OBJECT_LOST), the keys leave the tier
+    and the engine recomputes."""
+    engine = await sim.engine("pod-a", namespace(), [attention()])
+    tokens = prompt(30, 2)
+    stored = await produce(engine, "r1", tokens)
+    for tiers in sim.tiers:
+        tier = tiers[TIER]
+        assert isinstance(tier, MooncakeTier), "this scenario runs on a Mooncake Store tier"
+        for item in stored.items:
+            removed = tier.remove(item.key, slot=item.tier_slot, generation=item.tier_generation, force=True)
+            assert removed == 0, f"Mooncake's remove returned {removed}"
+    reader = await admit(engine, "r2")
+    dests = await allocate(engine, reader, 2)
+    assert dests is not None
+    engine.compute(dests, prompt(98, 2))  # what the recycled blocks held before
+    load = await engine.step(
+        [
+            StartLoad(
+                engine_id=engine.engine_id,
+                tier=TIER,
+                items=[LoadRequest(i.key, d) for i, d in zip(stored.items, dests, strict=True)],
+            )
+        ]
+    )
+    if load.decisions:
+        use_or_recompute(engine, dests, tokens, await engine.execute())
+
+
+MOONCAKE = {
+    scenario.name: scenario
+    for scenario in (
+        Scenario(
+            "mooncake-silent-eviction",
+            Protection.LOST_OBJECTS,
+            "I13",
+            mooncake_silent_eviction,
+            "JobFailed:object_lost",
+            baseline=frozenset({Protection.CHECKSUMS}),
+            report="issue 21 (Mooncake Store 0.3.13.post1, seen here)",
+        ),
+    )
+}
+"""Scenarios that need a real Mooncake Store (run_scenario(tier=...)): tests/gpu/test_mooncake_tier.py
+runs them; `kvledger demo` does not (a fresh machine has no Mooncake Store)."""
 
 
 REPORTED = {

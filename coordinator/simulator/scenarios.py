@@ -50,6 +50,7 @@ from events import (
     StepEnded,
     StoreJobStarted,
 )
+from gpu.tiers import Tier
 
 BLOCK = 16
 BLOCK_BYTES = 256
@@ -726,10 +727,14 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True):
     """What this run switched off (sorted): the baseline, and the scenario's protection when off."""
 
 
-async def run_scenario(scenario: Scenario, *, protection_on: bool, directory: Path | None = None) -> Outcome:
+async def run_scenario(
+    scenario: Scenario, *, protection_on: bool, directory: Path | None = None, tier: Callable[[int], Tier] | None = None
+) -> Outcome:
+    """One run; `tier` makes each rank's shared tier (a Mooncake Store's, for the scenarios that
+    need one: coordinator/simulator/reported.py's MOONCAKE)."""
     off = scenario.off(protection_on=protection_on)
     started = time.perf_counter()
-    async with Simulation(directory, off, tier_slots=scenario.tier_slots, disk_tier=scenario.disk_tier) as sim:
+    async with Simulation(directory, off, tier_slots=scenario.tier_slots, disk_tier=scenario.disk_tier, tier=tier) as sim:
         await scenario.run(sim)
         tally: Tally = sim.tally
         where = str(sim.log_path) if directory is not None else ""

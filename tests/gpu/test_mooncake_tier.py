@@ -14,9 +14,11 @@ import anyio
 import pytest
 import torch
 
-from coordinator.audit.verify_run import verify_log
+from coordinator.audit.verify_run import VerifyReport, verify_log
 from coordinator.simulator.harness import CPU, TIER, Simulation, Tally
-from coordinator.simulator.scenarios import admit, attention, load_prefix, namespace, produce, prompt
+from coordinator.simulator.report import ALL_SCENARIOS
+from coordinator.simulator.reported import MOONCAKE
+from coordinator.simulator.scenarios import Outcome, admit, attention, load_prefix, namespace, produce, prompt, run_scenario
 from events import BlockRef, EventCodec, LoadItem, LoadJobStarted, PrefixLookedUp, RankReported
 from events.log import open_log
 from events.log.reading import decode
@@ -138,12 +140,15 @@ def test_an_object_the_store_lost_is_a_failed_load_naming_it_and_the_engine_reco
 
 
 def test_objects_in_a_killed_clients_segment_are_a_failed_load_naming_them_never_a_crash(
-    mooncake_master: MooncakeMaster, store: Any
+    mooncake_master: MooncakeMaster, tmp_path: Path
 ) -> None:
     """Mooncake, seen here: after the client whose segment holds objects is killed (SIGKILL),
     `is_exist` still says 1 while `get` returns nothing, for ~10 s. Another engine's worker that
     loads those keys reports the load failed, naming each object and the items lost (so the keys
-    leave kvledger's tier), and goes on."""
+    leave kvledger's tier), and goes on. On a master of its own: a dead client leaves the
+    master slow to answer for a while, which the other tests need not share."""
+    master = MooncakeMaster.start(tmp_path)
+    store = mooncake.connect(master.address, master.metadata_url)
     key_a, key_b = b"\x0a" * 16, b"\x0b" * 16
     block = torch.arange(256, dtype=torch.uint8)
     names = [_tier(store).object_name(key, slot, 3) for slot, key in enumerate((key_a, key_b))]
@@ -153,7 +158,7 @@ def test_objects_in_a_killed_clients_segment_are_a_failed_load_naming_them_never
             "-c",
             "import sys, time\n"
             "from gpu import mooncake\n"
-            f"client = mooncake.connect({mooncake_master.address!r}, {mooncake_master.metadata_url!r})\n"
+            f"client = mooncake.connect({master.address!r}, {master.metadata_url!r})\n"
             "from mooncake.store import ReplicateConfig  # importable once connect() loaded the install\n"
             "config = ReplicateConfig()\n"
             "config.preferred_segment = client.get_hostname()  # in this process's own segment\n"
@@ -184,6 +189,41 @@ def test_objects_in_a_killed_clients_segment_are_a_failed_load_naming_them_never
         items=[LoadItem(key, slot, 3, BlockRef(0, 1 + slot, 1), [published]) for slot, key in enumerate((key_a, key_b))],
         lease_expires_at=1e9,
     )
-    report = worker.execute(load)
+    try:
+        report = worker.execute(load)
+    finally:
+        store.close()
+        master.stop()
     assert not report.ok and report.lost == [0, 1], report
     assert report.error.startswith("object_lost: missing: ") and all(name in report.error for name in names)
+
+
+@pytest.mark.parametrize("name", sorted(MOONCAKE))
+def test_each_mooncake_scenario_bites_off_and_is_prevented_on_and_verify_finds_the_off_incident(
+    name: str, store: Any, tmp_path: Path
+) -> None:
+    """The Mooncake Store's silent failures as fault scenarios, on a real store: protection off,
+    wrong-KV reads counted from the bytes; on, none, and what kvledger recorded instead; the
+    off run's log shows the incident to `kvledger verify`, the on run's shows nothing but what the
+    baseline lets through."""
+    scenario = MOONCAKE[name]
+
+    async def run(protection_on: bool) -> tuple[Outcome, VerifyReport]:
+        where = tmp_path / ("on" if protection_on else "off")
+        where.mkdir()
+        outcome = await run_scenario(scenario, protection_on=protection_on, directory=where, tier=lambda rank: _tier(store, rank))
+        event_log = await open_log(outcome.log)
+        try:
+            return outcome, await verify_log(event_log)
+        finally:
+            await event_log.close()
+
+    on, verified_on = anyio.run(run, True)
+    off, verified_off = anyio.run(run, False)
+    assert off.wrong_reads > 0, off
+    assert on.wrong_reads == 0, on
+    assert scenario.evidence in on.refusals and scenario.evidence not in off.refusals, (on.refusals, off.refusals)
+    assert off.protections_off == sorted([*on.protections_off, scenario.protection.value])
+    allowed = {ALL_SCENARIOS[p.value].invariant for p in scenario.baseline}
+    assert {v.invariant for v in verified_on.violations} <= allowed, verified_on.violations
+    assert scenario.invariant in {v.invariant for v in verified_off.violations}, verified_off.violations

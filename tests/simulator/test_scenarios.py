@@ -15,7 +15,7 @@ import pytest
 from coordinator.core.protections import Protection
 from coordinator.ledger.recovery import replay
 from coordinator.simulator.report import ALL_SCENARIOS
-from coordinator.simulator.reported import REPORTED, colliding_images
+from coordinator.simulator.reported import MOONCAKE, REPORTED, colliding_images
 from coordinator.simulator.scenarios import SCENARIOS, Outcome, Scenario, _foreign_namespace, namespace, run_scenario
 from events import Event, EventCodec, KeyPublished, LoadJobStarted, StateCopyPlanned, StoreJobStarted
 from events.log import open_log
@@ -98,7 +98,9 @@ def test_a_baseline_never_includes_the_protection_it_toggles_and_only_layered_sc
         "batch-get-skips-lease-check": frozenset({Protection.CHECKSUMS}),
     }
     assert all(scenario.protection not in scenario.baseline for scenario in ALL_SCENARIOS.values())
-    assert {p.value for p in Protection} <= set(ALL_SCENARIOS), "every protection has a scenario named after it"
+    named = set(ALL_SCENARIOS) | set(MOONCAKE)
+    assert {p.value for p in Protection} <= named, "every protection has a scenario named after it"
+    assert all(scenario.protection not in scenario.baseline for scenario in MOONCAKE.values())
     assert set(SCENARIOS) <= {p.value for p in Protection}, "each seed's scenario has a protection of its own"
     assert not set(SCENARIOS) & set(REPORTED)
     assert len(REPORTED) >= 10
