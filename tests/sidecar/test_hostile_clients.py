@@ -10,6 +10,7 @@ that open and close a step (BeginStep, EndStep): the sidecar frames every step i
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
@@ -329,29 +330,38 @@ async def test_a_client_flooding_refused_requests_slows_only_itself(event_log: E
         _client(sock, "pod-a") as flooder,
         _client(sock, "pod-b") as bystander,
     ):
-        flood_ended: list[float] = []
-        steps_ended: list[float] = []
 
         async def refused_again_and_again() -> None:
             for _ in range(flood):
                 with pytest.raises(SidecarError, match="controls the step"):
                     await flooder.execute(BeginStep(engine_id="pod-a", step=1, clock=1.0))
-            flood_ended.append(anyio.current_time())
 
-        async def stepping() -> None:
-            for n in range(1, 6):
-                await bystander.step(n, float(n), [])
-                steps_ended.append(anyio.current_time())
-
-        started = anyio.current_time()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(refused_again_and_again)
-            tg.start_soon(stepping)
+        flooding, stepping = await _beside_a_bystander(refused_again_and_again, bystander)
         # At most `free` refusals a second are answered at once (the flood spans at most two
         # seconds' windows); each other one waited.
-        assert flood_ended[0] - started >= (flood - 2 * free) * ERROR_DELAY * 0.9
-        assert steps_ended[-1] < flood_ended[0], "the bystander's steps waited behind the flood"
+        assert flooding >= (flood - 2 * free) * ERROR_DELAY * 0.9
+        assert stepping < flooding, "the bystander's steps waited behind the flood"
         await flooder.step(1, 1.0, [])  # the flooder itself is still served
+
+
+async def _beside_a_bystander(flood: Callable[[], Awaitable[None]], bystander: EngineClient) -> tuple[float, float]:
+    """Run `flood` while `bystander` takes 5 empty steps; the seconds each took from the start."""
+    ended: dict[str, float] = {}
+
+    async def flooding() -> None:
+        await flood()
+        ended["flood"] = anyio.current_time()
+
+    async def stepping() -> None:
+        for n in range(1, 6):
+            await bystander.step(n, float(n), [])
+        ended["steps"] = anyio.current_time()
+
+    started = anyio.current_time()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(flooding)
+        tg.start_soon(stepping)
+    return ended["flood"] - started, ended["steps"] - started
 
 
 async def test_steps_of_refused_commands_slow_only_their_sender(event_log: EventLog, tmp_path: Path) -> None:
@@ -370,8 +380,6 @@ async def test_steps_of_refused_commands_slow_only_their_sender(event_log: Event
         _client(sock, "pod-a") as flooder,
         _client(sock, "pod-b") as bystander,
     ):
-        flood_ended: list[float] = []
-        steps_ended: list[float] = []
         refused_seen = 0
 
         async def refused_steps() -> None:
@@ -380,22 +388,13 @@ async def test_steps_of_refused_commands_slow_only_their_sender(event_log: Event
                 unknown = [FinishOwner(engine_id="pod-a", owner_id=10**6 + i) for i in range(commands)]
                 result = await flooder.step(n, float(n), unknown)
                 refused_seen += sum(1 for events in result.results for e in events if type(e).__name__ == "Refused")
-            flood_ended.append(anyio.current_time())
 
-        async def stepping() -> None:
-            for n in range(1, 6):
-                await bystander.step(n, float(n), [])
-                steps_ended.append(anyio.current_time())
-
-        started = anyio.current_time()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(refused_steps)
-            tg.start_soon(stepping)
+        flooding, stepping = await _beside_a_bystander(refused_steps, bystander)
         assert refused_seen == commands * rounds  # refused, recorded and answered: nothing lost
         # Each step's refusals past the budget waited (the first at most `free` of them free).
         least = (commands * rounds - 2 * free) / REFUSED_PER_ERROR_DELAY * ERROR_DELAY
-        assert flood_ended[0] - started >= least * 0.9, (flood_ended[0] - started, least)
-        assert steps_ended[-1] < flood_ended[0], "the bystander's steps waited behind the refused ones"
+        assert flooding >= least * 0.9, (flooding, least)
+        assert stepping < flooding, "the bystander's steps waited behind the refused ones"
         await flooder.step(rounds + 1, float(rounds + 1), [])  # the sender itself is still served
 
 
