@@ -30,14 +30,18 @@ import ctypes
 import os
 import re
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 
 from gpu.checksum import checksum, tensor_bytes
 from gpu.device import host_buffer
 from gpu.tiers import TierError
+
+log = structlog.get_logger("kvledger.mooncake")
 
 HOME_ENV = "KVLEDGER_MOONCAKE_HOME"
 """Where ops/tools/install-mooncake.sh put the Mooncake install (default: .tools/mooncake)."""
@@ -191,6 +195,33 @@ class MooncakeTier:
     def delete(self, key: bytes) -> None:
         """Objects are named by slot and generation too: see `remove`."""
         raise NotImplementedError("a Mooncake tier removes an object by its slot and generation: remove()")
+
+    def retire(self, previous: Iterable[tuple[int, int]]) -> int:
+        """Remove the objects, every rank's, of each (slot, generation) given: what a slot held
+        before kvledger gave it to another key (issue 21: kvledger's evictions remove objects).
+
+        A store calls it for its items' slots at the generation before theirs, so the store never
+        holds more of this tier's objects than its slots (times the ranks) however many keys come
+        and go; the objects of a slot that is not given out again stay until Mooncake evicts them,
+        and no lookup offers their keys. Forced: a slot is given to a new key only once its old
+        key is evicted, which kvledger never does while a load's lease holds it (I12), so no
+        reader of kvledger's remains, whatever lease Mooncake's own gets left (-706 unforced).
+        One call to the master for all of them. Returns how many objects it removed; a removal
+        that fails is logged (the space waits for Mooncake's eviction), never a failed store."""
+        pairs = sorted({(slot, generation) for slot, generation in previous if generation > 0})
+        if not pairs:
+            return 0
+        alternatives = "|".join(f"{slot}/{generation}" for slot, generation in pairs)
+        pattern = f"^{re.escape(self.prefix)}/{re.escape(self.name)}/({alternatives})/"
+        removed = int(self.store.remove_by_regex(pattern, True))
+        if removed < 0:
+            log.warning("mooncake_retire_failed", tier=self.name, slots=len(pairs), rc=removed, meaning=_meaning(removed))
+            return 0
+        return removed
+
+    def close(self) -> None:
+        """Close this rank's client (its segment's objects leave the store with it)."""
+        self.store.close()
 
     def remove(self, key: bytes, *, slot: int, generation: int, force: bool = False) -> int:
         """Remove one object (an eviction kvledger decided). `force` only when kvledger's lease

@@ -38,6 +38,7 @@ from events import LoadJobStarted, StateCopyPlanned, StoreItem, StoreJobStarted
 from gpu.checksum import checksum
 from gpu.copies import CopyError, execute_plan
 from gpu.device import TransferStream
+from gpu.mooncake import MooncakeTier
 from gpu.pools import DevicePools, TransferError
 from gpu.tiers import Tier, TierError
 
@@ -121,6 +122,8 @@ class Worker:
         tier = self._tier(event.tier)
         naive = Protection.NULL_STATES in self.protections_off
         blocks = [self.pools.block(item.source, allow_null=naive) for item in event.items]  # all validated first
+        if isinstance(tier, MooncakeTier) and self.rank == 0:  # what the slots held before: evicted, removed
+            tier.retire((item.tier_slot, item.tier_generation - 1) for item in event.items)
         if Protection.STORE_FENCE in self.protections_off:
             # vLLM #45704: "done" once the copy is queued, with the checksum of the source as it
             # is now; the copy itself runs later (_catch_up_copies), from what the block holds then.

@@ -239,6 +239,13 @@ def serve(
         envvar="KVLEDGER_SUBSCRIBER_BUFFER",
         help="Decisions a worker may fall behind before it is cut off (it resumes).",
     ),
+    follow: float = typer.Option(
+        0.1,
+        "--follow",
+        envvar="KVLEDGER_FOLLOW",
+        help="Seconds between looks for what other sidecars on the same log appended (their publications "
+        "become lookups' answers here); 0: never.",
+    ),
     snapshot_every: int = typer.Option(
         1000,
         "--snapshot-every",
@@ -346,6 +353,7 @@ def serve(
         max_frame=max_frame,
         subscriber_buffer=subscriber_buffer,
         snapshot_every=snapshot_every,
+        follow_seconds=follow,
         allow_remote=allow_remote,
         audit_tokens=audit_tokens,
         metrics_token=metrics_token,

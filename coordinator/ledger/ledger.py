@@ -33,13 +33,14 @@ from coordinator.core.projector import read_effects
 from coordinator.core.protections import Protection
 from coordinator.core.state import State
 from coordinator.core.step import engine_stream, run_step, stream_for
-from coordinator.ledger.recovery import make_snapshot, recover
+from coordinator.ledger.recovery import make_snapshot, recover, replay
 from events import Event, EventCodec, NoticeDropped, StepBegan, StepEnded
 from events.log import (
     AppendBatch,
     AppendRejected,
     AppendResult,
     EventLog,
+    HeadMoved,
     LogError,
     LogUnavailable,
     PendingEvent,
@@ -120,6 +121,10 @@ class StepCommit(msgspec.Struct, frozen=True, kw_only=True):
 SubmitAll = Callable[[Sequence[Submission]], Awaitable[list[StepCommit | Commit]]]
 """A group commit (the sidecar's Committer.submit_all): transactions committed together, in
 order; how a service the sidecar runs commits beside the engines' steps."""
+
+
+HEAD_MOVED_ATTEMPTS = 50
+"""How often `commit_group` decides a group again because another writer appended first."""
 
 
 class Superseded(Exception):
@@ -268,11 +273,43 @@ class Ledger:
         come back with `duplicate=True`. If the append fails, nothing of the group is committed,
         the state is rebuilt from the log, and the error propagates."""
         async with self._serial:  # concurrent callers: one group decided and appended at a time
-            group = await self.decide_group(transactions)
-            with _outages_retried(self.log.url):
-                results, snapshot = await self._append(group)
+            for attempt in range(1, HEAD_MOVED_ATTEMPTS + 1):
+                group = await self.decide_group(transactions)
+                try:
+                    with _outages_retried(self.log.url):
+                        results, snapshot = await self._append(group)
+                except HeadMoved:  # another writer's steps came first: decided again on top of them
+                    if attempt == HEAD_MOVED_ATTEMPTS:
+                        raise
+                    continue
+                break
         await self._snapshot_due(snapshot, save_snapshot)
         return results
+
+    async def catch_up(self) -> int:
+        """Fold what other writers appended to the log (another sidecar on the same log) into
+        the state, when nothing of this ledger's is in flight; returns how many events. A
+        sidecar calls it now and then so its lookups see the fleet's publications; its own
+        appends never need it to be safe (they name the head they were decided on)."""
+        async with self._lock:
+            if self._pending or self.stale:
+                return 0
+            head = await self.log.head()
+            if head <= self.last_seq:
+                return 0
+            before = self.last_seq
+            try:
+                state, last = await replay(self.log, self.codec, self.core.state, self.last_seq)
+                versions = await self.log.stream_versions()
+            except BaseException:
+                self._fail_epoch()  # folded in part: rebuilt before the next decision (_fresh)
+                raise
+            self.core.state = state
+            self.last_seq = last
+            self._versions = versions
+            self._next_versions = dict(versions)
+            log.info("ledger_caught_up", global_seq=last, events=last - before)
+            return last - before
 
     async def decide_group(self, transactions: Sequence[Transaction]) -> DecidedGroup:
         """Decide and fold the group in memory, on top of the groups still in flight; nothing is
@@ -374,14 +411,16 @@ class Ledger:
         results: dict[int, StepCommit | Commit] = {}
         if group.batches:
             try:
-                appended = await self.log.append(group.batches)
-            except BaseException:
+                # Decided on the log up to last_seq: appended only if no other writer (another
+                # sidecar on the same log) appended since, else it is decided again (HeadMoved).
+                appended = await self.log.append(group.batches, expected_head=self.last_seq)
+            except BaseException as error:
                 # The state ran ahead of a log that did not take the group (and of whatever was
-                # decided on top of it): rebuild it from the log.
+                # decided on top of it): rebuild it from the log, with what other writers appended.
                 self._fail_epoch()
                 self._landed(group)
                 with anyio.CancelScope(shield=True):
-                    await self._rebuild_after("append_failed")
+                    await self._rebuild_after("head_moved" if isinstance(error, HeadMoved) else "append_failed")
                 raise
             self._landed(group)
             if any(r.duplicate for r in appended):

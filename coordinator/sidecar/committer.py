@@ -30,6 +30,7 @@ import anyio
 import structlog
 
 from coordinator.ledger.ledger import (
+    HEAD_MOVED_ATTEMPTS,
     Commit,
     DecidedGroup,
     DecideFailed,
@@ -44,6 +45,7 @@ from coordinator.ledger.ledger import (
 from coordinator.sidecar.hub import DecisionHub
 from coordinator.sidecar.metrics import SidecarMetrics
 from events import Event, ExternalKeysLookedUp
+from events.log import HeadMoved
 
 log = structlog.get_logger("kvledger.committer")
 
@@ -77,7 +79,7 @@ class NotCommitted(Exception):
 
 
 class _Waiter:
-    __slots__ = ("tx", "batch", "done", "result", "error")
+    __slots__ = ("tx", "batch", "done", "result", "error", "moved")
 
     def __init__(self, tx: Submission, batch: object | None = None) -> None:
         self.tx = tx
@@ -86,6 +88,8 @@ class _Waiter:
         self.done = anyio.Event()
         self.result: StepCommit | Commit | None = None
         self.error: BaseException | None = None
+        self.moved = 0
+        """How often its group was refused because another writer appended first (HeadMoved)."""
 
 
 class _InFlight:
@@ -354,8 +358,9 @@ class Committer:
         try:
             with anyio.CancelScope(shield=True):
                 await flight.landed.wait()
-            if isinstance(flight.error, Superseded):
-                # Decided on top of a group whose append failed: decided again, first in line.
+            if isinstance(flight.error, Superseded) or self._moved(flight):
+                # Decided on top of a group whose append failed, or on a log another writer (a
+                # sidecar on the same log) appended to since: decided again, first in line.
                 self._queue.extendleft(reversed(flight.waiters))
                 self._put_back(flight.records)
                 return
@@ -372,10 +377,23 @@ class Committer:
             await self._published(flight)
         finally:
             for waiter in flight.waiters:
-                if waiter.result is None and waiter.error is None and not isinstance(flight.error, Superseded):
+                if waiter.result is None and waiter.error is None and not isinstance(flight.error, Superseded | HeadMoved):
                     waiter.error = ShuttingDown("the sidecar stopped before this commit finished; retry it with its command id")
                 if waiter.result is not None or waiter.error is not None:
                     waiter.done.set()
+
+    def _moved(self, flight: _InFlight) -> bool:
+        """The group was refused because another writer appended first: True when its waiters
+        go back in line (each at most HEAD_MOVED_ATTEMPTS times, then it is their error)."""
+        if not isinstance(flight.error, HeadMoved):
+            return False
+        self.metrics.head_moved.inc()
+        for waiter in flight.waiters:
+            waiter.moved += 1
+        if any(waiter.moved >= HEAD_MOVED_ATTEMPTS for waiter in flight.waiters):
+            return False
+        log.info("group_decided_again", transactions=len(flight.waiters), reason=str(flight.error))
+        return True
 
     def _failed(self, error: BaseException, transactions: int) -> None:
         self.metrics.append_errors.inc()

@@ -53,6 +53,10 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     socket_uids: list[int] = []
     """Unix uids, beside the sidecar's own (and the credentials file's), that may connect to the
     socket (SO_PEERCRED). Any of them makes the socket 0666: the kernel's peer uid is the check."""
+    follow_seconds: float = 0.1
+    """How often the sidecar folds what other writers (sidecars on the same log: the fleet case)
+    appended into its state, so its lookups see their publications; 0: never (its own appends
+    are safe either way: a group decided before another writer's append is decided again)."""
     metrics_engine_labels: bool = True
     """Label per-engine gauges with each engine id; False: one series, engine="all", for every engine
     (engine ids can name tenants, and /metrics is often scraped by a shared Prometheus)."""

@@ -129,10 +129,11 @@ class DecisionHub:
                         subscription.offer(decisions)
         self.last_seq = max(self.last_seq, last_seq)
 
-    async def publish_from_log(self, until: int) -> None:
+    async def publish_from_log(self, until: int, *, quiet: bool = False) -> None:
         """Publish what the log committed after the last published sequence, up to `until`: for
         a group whose append landed although the commit call then failed (its waiters got an
-        error, and a retry is answered as a duplicate, which is never published)."""
+        error, and a retry is answered as a duplicate, which is never published); `quiet` for
+        what other writers appended (the sidecar's follower: nothing went wrong)."""
         if until <= self.last_seq:
             return
         commits: list[tuple[list[Event], int]] = []
@@ -140,7 +141,7 @@ class DecisionHub:
             for step in steps:
                 after = max(self.last_seq, step.first_seq - 1)
                 commits.append((decode_step(self.codec, step, after), after + 1))
-        log.warning("published_from_log", after_seq=self.last_seq, until_seq=until, steps=len(commits))
+        (log.debug if quiet else log.warning)("published_from_log", after_seq=self.last_seq, until_seq=until, steps=len(commits))
         self.publish(commits, until)
 
     async def stream(self, subscription: Subscription) -> AsyncIterator[list[Decision]]:

@@ -79,6 +79,14 @@ class SidecarMetrics:
         for kind in INTEGRITY_KINDS:
             self.integrity_violations.labels(kind)
         self.append_errors = Counter("kvledger_log_append_errors", "Appends the log did not take.", registry=r)
+        self.head_moved = Counter(
+            "kvledger_log_head_moved",
+            "Groups decided again because another writer (a sidecar on the same log) appended first.",
+            registry=r,
+        )
+        self.caught_up_events = Counter(
+            "kvledger_log_caught_up_events", "Events other writers appended, folded into this sidecar's state.", registry=r
+        )
         self.protocol_errors = Counter("kvledger_protocol_errors", "Error replies sent, by code.", ["code"], registry=r)
         self.connections = Gauge("kvledger_connections", "Open client connections.", registry=r)
         self.subscribers = Gauge("kvledger_subscribers", "Open decision subscriptions.", registry=r)

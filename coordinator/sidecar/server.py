@@ -175,6 +175,8 @@ class Sidecar:
         async with anyio.create_task_group() as service:
             service.start_soon(commit_loop)
             service.start_soon(self._probe_log)
+            if self.config.follow_seconds > 0:
+                service.start_soon(self._follow_log)
             async with anyio.create_task_group() as doors:
                 listeners = await self._listeners()
                 for listener in listeners:
@@ -250,6 +252,21 @@ class Sidecar:
                 if self.probe_failure is not None:
                     log.info("log_probe_recovered")
                     self.probe_failure = None
+
+    async def _follow_log(self) -> None:
+        """Every follow_seconds, fold what other writers appended to the log (the other sidecars
+        of a fleet on one log) into the state: their publications, leases and evictions of a
+        shared tier become this sidecar's answers. A failure is the probe's to report."""
+        while True:
+            await anyio.sleep(self.config.follow_seconds)
+            try:
+                folded = await self.ledger.catch_up()
+            except Exception as error:  # noqa: BLE001 - the log is down: _probe_log and the next append say so
+                log.debug("log_follow_failed", error=f"{type(error).__name__}: {error}")
+                continue
+            if folded:
+                self.metrics.caught_up_events.inc(folded)
+                await self.hub.publish_from_log(self.ledger.last_seq, quiet=True)
 
     def where(self) -> dict[str, Any]:
         return {

@@ -182,6 +182,7 @@ class Simulation:
         tier_slots: int = 4096,
         disk_tier: bool = False,
         tier: Callable[[int], Tier] | None = None,
+        log_url: str | None = None,
     ) -> None:
         self._own_dir = tempfile.TemporaryDirectory(prefix="kvl-sim-") if directory is None else None
         self.directory: Path = Path(self._own_dir.name) if self._own_dir is not None else Path(str(directory))
@@ -207,6 +208,9 @@ class Simulation:
         self.engines: list[SimEngine] = []
         self.worker_clients: dict[tuple[str, int], WorkerClient] = {}
         self.started = time.perf_counter()
+        self.log_url = log_url or str(self.log_path)
+        """The sidecar's log: a SQLite file in `directory`, or any log URL (a Kafka topic that
+        another Simulation's sidecar writes too: the fleet case)."""
         self.log: EventLog | None = None
         self.sidecar: Sidecar | None = None
 
@@ -215,7 +219,7 @@ class Simulation:
         return self.directory / "log.sqlite"
 
     async def __aenter__(self) -> Simulation:
-        self.log = await open_log(str(self.log_path))
+        self.log = await open_log(self.log_url)
         self._sidecar_cm = embedded_sidecar(self.log, Path(str(self.address)), http=None, protections_off=self.off)
         self.sidecar = await self._sidecar_cm.__aenter__()
         self._tasks_cm = anyio.create_task_group()

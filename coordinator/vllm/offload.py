@@ -33,9 +33,9 @@ that connector (get_worker refuses otherwise).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Collection, Iterable
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -74,6 +74,7 @@ from coordinator.vllm.offload_client import (
     SettingsError,
     SidecarError,
     SidecarUnavailable,
+    SpecItem,
     check_groups,
     engine_id,
     in_prefix_order,
@@ -82,6 +83,7 @@ from coordinator.vllm.offload_client import (
 )
 from events import ExternalLoadStarted, ExternalStoreStarted, JobFailed, KeyEvicted, KeyQuarantined
 from gpu.checksum import checksum
+from gpu.mooncake import MooncakeTier
 from gpu.tiers import DiskTier, SlotTier, Tier, TierError
 
 log = structlog.get_logger("kvledger.vllm.offload")
@@ -128,7 +130,7 @@ class KvledgerSpec(LoadStoreSpec):
         self.offered = offered
         self.job_id: int | None = None
         self.tier = ""
-        self.items: list[tuple[int, bytes, bytes, int, list[bytes]]] = []
+        self.items: list[SpecItem] = []
         self.refused = "not decided"
 
     def fill(self, job: ExternalStoreStarted | ExternalLoadStarted | None, refused: str = "") -> None:
@@ -137,13 +139,16 @@ class KvledgerSpec(LoadStoreSpec):
             return
         self.job_id = job.job_id
         self.tier = job.tier
-        self.items = [(item.pool_id, item.engine_key, item.key, item.tier_slot, list(item.checksums)) for item in job.items]
+        self.items = [
+            SpecItem(item.pool_id, item.engine_key, item.key, item.tier_slot, item.tier_generation, list(item.checksums))
+            for item in job.items
+        ]
         self.refused = ""
 
     def __repr__(self) -> str:
         if self.job_id is None:
             return f"KvledgerSpec(refused={self.refused!r}, {len(self.offered)} keys)"
-        return f"KvledgerSpec(job={self.job_id}, tier={self.tier!r}, slots={[item[3] for item in self.items]})"
+        return f"KvledgerSpec(job={self.job_id}, tier={self.tier!r}, slots={[item.slot for item in self.items]})"
 
 
 class KvledgerOffloadingManager(OffloadingManager):
@@ -327,13 +332,7 @@ class KvledgerOffloadingWorker(OffloadingWorker):
         self.rank = rank
         self.tensors = [t.tensor for t in kv_caches.tensors]
         self.group_tensors = {group: [ref.tensor_idx for ref in refs] for group, refs in enumerate(kv_caches.group_data_refs)}
-        spec = tier_spec(settings, facts)
-        device = torch.device("cpu")
-        self.tier: Tier = (
-            DiskTier(spec.name, _rank_dir(settings.tier_dir, rank), device)
-            if settings.tier_dir
-            else SlotTier(spec.name, device, spec.num_slots, spec.bytes_per_slot)
-        )
+        self.tier = _tier(settings, tier_spec(settings, facts), rank)
         self.reporter = Reporter(settings.socket, engine_id(settings, facts), rank)
         self.load_errors = load_errors
         self.finished: list[TransferResult] = []
@@ -348,10 +347,10 @@ class KvledgerOffloadingWorker(OffloadingWorker):
         block_ids = [int(b) for b in np.asarray(engine_spec.block_ids)]
         if len(block_ids) != len(spec.offered):
             raise RuntimeError(f"kvledger job {spec.job_id}: {len(spec.offered)} keys for {len(block_ids)} vLLM blocks")
-        if [item[1] for item in spec.items] == spec.offered:  # a load, or a store that admitted every key
+        if [item.engine_key for item in spec.items] == spec.offered:  # a load, or a store that admitted every key
             return block_ids
         position = {engine_key: index for index, engine_key in enumerate(spec.offered)}
-        return [block_ids[position[item[1]]] for item in spec.items]
+        return [block_ids[position[item.engine_key]] for item in spec.items]
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, KvledgerSpec), dst_spec
@@ -365,9 +364,11 @@ class KvledgerOffloadingWorker(OffloadingWorker):
         # sidecar decides every lookup). vLLM asserts success: the transfer is "done" either way.
         report = None
         try:
-            for block_id, (group, _, key, slot, _) in zip(self._blocks(dst_spec, src_spec), dst_spec.items, strict=True):
-                data = torch.cat([row.reshape(-1) for row in self._rows(group, block_id)]).view(torch.uint8)
-                checksums.append(self.tier.write(key, data, slot=slot))
+            if isinstance(self.tier, MooncakeTier) and self.rank == 0:  # what the slots held before: evicted, removed
+                self.tier.retire((item.slot, item.generation - 1) for item in dst_spec.items)
+            for block_id, item in zip(self._blocks(dst_spec, src_spec), dst_spec.items, strict=True):
+                data = torch.cat([row.reshape(-1) for row in self._rows(item.group, block_id)]).view(torch.uint8)
+                checksums.append(self.tier.write(item.key, data, slot=item.slot, generation=item.generation))
                 size += data.numel()
         except (TierError, OSError) as error:
             log.warning("kvledger_store_write_failed", job_id=dst_spec.job_id, rank=self.rank, error=str(error))
@@ -449,20 +450,20 @@ class KvledgerOffloadingWorker(OffloadingWorker):
             )
         started = time.perf_counter()
         block_ids = self._blocks(src_spec, dst_spec)
-        keys = [item[2].hex() for item in src_spec.items]
+        keys = [item.key.hex() for item in src_spec.items]
         read: list[torch.Tensor] = []
         sums: list[bytes] = []
         unreadable: list[str] = []
-        for block_id, (group, _, key, slot, _) in zip(block_ids, src_spec.items, strict=True):
-            nbytes = sum(row.numel() * row.element_size() for row in self._rows(group, block_id))
+        for block_id, item in zip(block_ids, src_spec.items, strict=True):
+            nbytes = sum(row.numel() * row.element_size() for row in self._rows(item.group, block_id))
             try:
-                data = self.tier.read(key, nbytes, slot=slot)
+                data = self.tier.read(item.key, nbytes, slot=item.slot, generation=item.generation)
             except TierError as error:  # no checksum: the key is not quarantined, the job fails RANK_FAILED
                 unreadable.append(str(error))
                 data = torch.empty(0, dtype=torch.uint8)
             read.append(data)
             sums.append(checksum(data) if data.numel() else b"")
-        bad = unverified([item[4] for item in src_spec.items], sums, self.rank)
+        bad = unverified([item.checksums for item in src_spec.items], sums, self.rank)
         if bad:
             # I13: not one byte of a bad block reaches vLLM's cache. The blocks before the first
             # are copied (the sidecar keeps them: JobFailed.kept) and vLLM recomputes from there
@@ -505,13 +506,13 @@ class KvledgerOffloadingWorker(OffloadingWorker):
         )
         return True
 
-    def _copy(self, block_ids: list[int], items: list, read: list[torch.Tensor]) -> tuple[list[bytes], int]:
+    def _copy(self, block_ids: list[int], items: list[SpecItem], read: list[torch.Tensor]) -> tuple[list[bytes], int]:
         """Copy what was read into vLLM's blocks; the checksum of what landed in each, and the bytes moved."""
         landed = []
         size = 0
-        for block_id, (group, _, _, _, _), data in zip(block_ids, items, read, strict=True):
+        for block_id, item, data in zip(block_ids, items, read, strict=True):
             offset = 0
-            rows = self._rows(group, block_id)
+            rows = self._rows(item.group, block_id)
             for row in rows:
                 length = row.numel() * row.element_size()
                 row.view(-1).view(torch.uint8).copy_(data[offset : offset + length])
@@ -534,12 +535,27 @@ class KvledgerOffloadingWorker(OffloadingWorker):
     def shutdown(self) -> None:
         self._send_reports()
         self.reporter.close()
+        if isinstance(self.tier, MooncakeTier):
+            self.tier.close()
 
 
-def _rank_dir(root: str, rank: int) -> os.PathLike[str]:
-    from pathlib import Path
+def _tier(settings: OffloadSettings, spec, rank: int) -> Tier:
+    """This rank's view of the tier: files under rank-N of kvledger_tier_dir; objects in the
+    Mooncake Store kvledger_mooncake names (this rank's own client, its objects named by slot,
+    generation, key and rank); else the worker process's memory."""
+    device = torch.device("cpu")
+    if settings.mooncake is not None:
+        from gpu.mooncake import connect
 
-    return Path(root) / f"rank-{rank}"
+        mooncake = settings.mooncake
+        client = connect(
+            mooncake.master, mooncake.metadata_url, segment_bytes=mooncake.segment_bytes, buffer_bytes=mooncake.buffer_bytes
+        )
+        log.info("kvledger_mooncake_connected", tier=spec.name, rank=rank, master=mooncake.master)
+        return MooncakeTier(spec.name, client, rank=rank, device=device)
+    if settings.tier_dir:
+        return DiskTier(spec.name, Path(settings.tier_dir) / f"rank-{rank}", device)
+    return SlotTier(spec.name, device, spec.num_slots, spec.bytes_per_slot)
 
 
 class KvledgerOffloadingSpec(OffloadingSpec):

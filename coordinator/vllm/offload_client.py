@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -72,6 +72,34 @@ class SettingsError(ValueError):
     """kv_connector_extra_config cannot be used; the message names the key to fix."""
 
 
+class MooncakeSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """kvledger_mooncake: {"master": "host:port", "metadata_url": "http://host:port/metadata",
+    "segment_bytes": 67108864, "buffer_bytes": 16777216}: the master every worker's client names
+    and what each client contributes to the store (gpu.mooncake.connect)."""
+
+    master: str
+    metadata_url: str
+    segment_bytes: int = 64 << 20
+    buffer_bytes: int = 16 << 20
+
+    @classmethod
+    def parse(cls, given: Any) -> MooncakeSettings:
+        if not isinstance(given, Mapping) or not given.get("master") or not given.get("metadata_url"):
+            raise SettingsError(
+                'kvledger_mooncake needs {"master": "host:port", "metadata_url": "http://host:port/metadata"}: '
+                f"the Mooncake master the workers connect to (given {given!r})"
+            )
+        try:
+            return cls(
+                master=str(given["master"]),
+                metadata_url=str(given["metadata_url"]),
+                segment_bytes=int(given.get("segment_bytes", 64 << 20)),
+                buffer_bytes=int(given.get("buffer_bytes", 16 << 20)),
+            )
+        except (TypeError, ValueError) as error:
+            raise SettingsError(f"kvledger_mooncake: {error}") from error
+
+
 class OffloadSettings(msgspec.Struct, frozen=True, kw_only=True):
     """What the operator writes in kv_connector_extra_config (besides spec_name and spec_module_path)."""
 
@@ -92,6 +120,9 @@ class OffloadSettings(msgspec.Struct, frozen=True, kw_only=True):
     tier_dir: str = ""
     """kvledger_tier_dir: keep blocks in files there (gpu.tiers.DiskTier), reachable by later engine
     processes; default: in the worker process's memory (gpu.tiers.SlotTier), for this engine only."""
+    mooncake: MooncakeSettings | None = None
+    """kvledger_mooncake: keep blocks in a Mooncake Store (gpu.mooncake.MooncakeTier), shared by
+    every engine whose workers name the same master; not with kvledger_tier_dir."""
     lease_seconds: float = 60.0
     """kvledger_lease_seconds: how long a load holds its keys against eviction (I12)."""
 
@@ -109,9 +140,13 @@ class OffloadSettings(msgspec.Struct, frozen=True, kw_only=True):
         ]
         if missing:
             raise SettingsError(f"kvledger_namespace lacks {missing}: declare what the engine must run")
+        mooncake = extra.get("kvledger_mooncake")
+        if mooncake is not None and extra.get("kvledger_tier_dir"):
+            raise SettingsError("kv_connector_extra_config names kvledger_tier_dir and kvledger_mooncake: one tier, not both")
         try:
             return cls(
                 socket=str(extra["kvledger_socket"]),
+                mooncake=None if mooncake is None else MooncakeSettings.parse(mooncake),
                 namespace=dict(namespace),
                 engine_id=str(extra.get("kvledger_engine_id", "")),
                 tier_slots=int(extra.get("kvledger_tier_slots", 256)),
@@ -120,6 +155,21 @@ class OffloadSettings(msgspec.Struct, frozen=True, kw_only=True):
             )
         except (TypeError, ValueError) as error:
             raise SettingsError(f"kv_connector_extra_config: {error}") from error
+
+
+class SpecItem(NamedTuple):
+    """One block of a committed job as the worker needs it (KvledgerSpec.items)."""
+
+    group: int
+    """vLLM's KV-cache group (kvledger's pool)."""
+    engine_key: bytes
+    key: bytes
+    """The tier key (in the engine's namespace)."""
+    slot: int
+    generation: int
+    """The tier slot's generation: a tier whose objects outlive a slot's reuse names them by it."""
+    checksums: list[bytes]
+    """Published, one a rank (loads); empty for stores."""
 
 
 SPEC_NAME = "KvledgerOffloadingSpec"
@@ -247,8 +297,14 @@ def engine_id(settings: OffloadSettings, facts: EngineFacts) -> str:
 
 def tier_spec(settings: OffloadSettings, facts: EngineFacts) -> TierSpec:
     # A memory tier dies with its worker process: it is this engine start's alone, so a later
-    # start never finds keys published whose bytes are gone. A directory outlives processes.
-    name = f"vllm-disk:{settings.tier_dir}" if settings.tier_dir else f"vllm-host/{facts.vllm_engine_id}"
+    # start never finds keys published whose bytes are gone. A directory or a Mooncake Store
+    # outlives processes, and every engine naming the same one shares its tier.
+    if settings.mooncake is not None:
+        name = f"vllm-mooncake:{settings.mooncake.master}"
+    elif settings.tier_dir:
+        name = f"vllm-disk:{settings.tier_dir}"
+    else:
+        name = f"vllm-host/{facts.vllm_engine_id}"
     return TierSpec(name=name, num_slots=settings.tier_slots, bytes_per_slot=facts.bytes_per_block)
 
 

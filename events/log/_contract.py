@@ -165,6 +165,16 @@ class WrongExpectedVersion(LogError):
         self.stream_id, self.expected, self.actual = stream_id, expected, actual
 
 
+class HeadMoved(LogError):
+    """Another writer appended to the log since the appender last read it: the append named the
+    head it was decided on (`expected_head`) and the log is past it. Nothing was appended; the
+    appender reads what the other wrote and decides again (two sidecars on one log)."""
+
+    def __init__(self, expected: int, actual: int) -> None:
+        super().__init__(f"the log's head is at global sequence {actual}, the append was decided at {expected}")
+        self.expected, self.actual = expected, actual
+
+
 class AppendRejected(LogError):
     """The database refused the append (a duplicate event id, say); nothing of it was kept."""
 
@@ -207,7 +217,11 @@ class EventLog(Protocol):
 
     url: str
 
-    async def append(self, batches: Sequence[AppendBatch]) -> list[AppendResult]: ...
+    async def append(self, batches: Sequence[AppendBatch], *, expected_head: int | None = None) -> list[AppendResult]:
+        """Append every batch atomically. With `expected_head`, only if the log's last global
+        sequence is that one (else HeadMoved, nothing appended): the appender's state is the
+        log's up to there, so what it decided on it holds (several writers on one log)."""
+        ...
 
     async def read(self, after_seq: int = 0, limit: int = 10_000) -> list[StoredEvent]: ...
 

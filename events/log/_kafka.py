@@ -78,6 +78,7 @@ from events.log._contract import (
     AppendBatch,
     AppendRejected,
     AppendResult,
+    HeadMoved,
     LogDiverged,
     LogError,
     LogUnavailable,
@@ -200,11 +201,13 @@ class KafkaEventLog(SqlEventLog):
 
     # --- writing ---------------------------------------------------------------------------
 
-    async def append(self, batches: Sequence[AppendBatch]) -> list[AppendResult]:
-        """Append every batch in one record, atomically; raises WrongExpectedVersion,
+    async def append(self, batches: Sequence[AppendBatch], *, expected_head: int | None = None) -> list[AppendResult]:
+        """Append every batch in one record, atomically; raises WrongExpectedVersion, HeadMoved,
         WriterFenced or AppendRejected and appends nothing."""
         async with self._appending:
             self._check()
+            if expected_head is not None and self._fold.head != expected_head:
+                raise HeadMoved(expected_head, self._fold.head)  # the fold would refuse it too (its rule 0)
             results: list[AppendResult | None] = [None] * len(batches)
             sent: list[tuple[int, AppendBatch]] = []
             first_of: dict[str, int] = {}
@@ -234,7 +237,7 @@ class KafkaEventLog(SqlEventLog):
                 else:
                     results[index] = AppendResult(stream_id=stream, first_seq=0, last_seq=0, stream_version=actual)
             if sent:
-                appended = await self._append_record([batch for _, batch in sent])
+                appended = await self._append_record([batch for _, batch in sent], expected_head)
                 for (index, _), result in zip(sent, appended, strict=True):
                     results[index] = result
             for index, batch in enumerate(batches):
@@ -253,7 +256,7 @@ class KafkaEventLog(SqlEventLog):
                 f"({self.writer_id}, epoch {self._held[stream]}) is fenced and may not append to it"
             )
 
-    async def _append_record(self, batches: list[AppendBatch]) -> list[AppendResult]:
+    async def _append_record(self, batches: list[AppendBatch], expected_head: int | None = None) -> list[AppendResult]:
         unclaimed = sorted({batch.stream_id for batch in batches} - set(self._held))
         if unclaimed:
             await self._claim(unclaimed)
@@ -275,7 +278,7 @@ class KafkaEventLog(SqlEventLog):
                     batch.digest,
                 )
             )
-        record = AppendRecord(uuid.uuid4().hex, self.writer_id, parts)
+        record = AppendRecord(uuid.uuid4().hex, self.writer_id, parts, expected_head)
         verdict = await self._send(record.append_id, *encode_append(record), key=batches[0].stream_id)
         if isinstance(verdict, LogError):
             if isinstance(verdict, AppendRejected):

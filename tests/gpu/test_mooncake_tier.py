@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from coordinator.audit.verify_run import VerifyReport, verify_log
-from coordinator.simulator.harness import CPU, TIER, Simulation, Tally
+from coordinator.simulator.harness import CPU, TIER, SimEngine, Simulation, Tally
 from coordinator.simulator.report import ALL_SCENARIOS
 from coordinator.simulator.reported import MOONCAKE
 from coordinator.simulator.scenarios import Outcome, admit, attention, load_prefix, namespace, produce, prompt, run_scenario
-from events import BlockRef, EventCodec, LoadItem, LoadJobStarted, PrefixLookedUp, RankReported
+from events import BlockRef, EventCodec, LoadItem, LoadJobStarted, PrefixLookedUp, RankReported, StoreJobStarted
 from events.log import open_log
 from events.log.reading import decode
 from gpu import mooncake
@@ -28,6 +28,8 @@ from gpu.mooncake import MooncakeTier
 from gpu.pools import DevicePools
 from gpu.tiers import TierError
 from gpu.worker import Worker
+from tests.conftest import KAFKA_FETCH_WAIT_MS
+from tests.kit.kafka import KafkaBroker
 from tests.kit.mooncake import MooncakeMaster
 from tests.kit.sidecar import ROOT
 
@@ -74,6 +76,58 @@ def test_a_missing_or_short_object_is_a_tier_error_naming_it(store: Any) -> None
     assert short.value.reason == "truncated"
 
 
+def test_retiring_a_slots_generation_removes_every_ranks_object_of_it_and_nothing_else(store: Any) -> None:
+    """What a store job's rank 0 does before it writes (gpu.worker): the objects of each slot's
+    previous generation go, every rank's, in one call, forced (a get's lease would refuse an
+    unforced remove); the slot's new generation, other slots and other tiers stay. The tier's name
+    is vLLM's kind (punctuation the master's regex must take literally)."""
+    name = "vllm-mooncake:127.0.0.1:1"
+    tiers = [MooncakeTier(name, store, rank=rank, device=CPU) for rank in (0, 1)]
+    lookalike = MooncakeTier("vllm-mooncake:127x0.0.1:1", store, rank=0, device=CPU)
+    key, other = b"\x01" * 16, b"\x02" * 16
+    block = torch.arange(64, dtype=torch.uint8)
+    for tier in tiers:
+        tier.write(key, block, slot=3, generation=1)
+        tier.write(other, block, slot=3, generation=2)
+        tier.write(key, block, slot=13, generation=1)
+    lookalike.write(key, block, slot=3, generation=1)
+    tiers[0].read(key, 64, slot=3, generation=1)  # a get: Mooncake's own lease on the object
+    assert tiers[0].retire([(3, 1), (7, 0)]) == 2
+    gone = [tier.object_name(key, 3, 1) for tier in tiers]
+    kept = [tier.object_name(other, 3, 2) for tier in tiers] + [tier.object_name(key, 13, 1) for tier in tiers]
+    assert [store.is_exist(n) for n in gone] == [0, 0]
+    assert [store.is_exist(n) for n in kept] == [1] * 4 and store.is_exist(lookalike.object_name(key, 3, 1)) == 1
+
+
+def test_kvledgers_evictions_remove_the_evicted_keys_objects_when_their_slots_are_given_out_again(
+    store: Any, tmp_path: Path
+) -> None:
+    """Issue 21, item 1: a tier of 2 slots, three prompts of 2 blocks stored in turn: each store
+    evicts the prompt before (LRU), and its objects leave the Mooncake Store (every rank's) as
+    the new keys are written; what is published is there and loads, verified."""
+
+    async def run() -> tuple[list[list[str]], Tally]:
+        async with Simulation(tmp_path, frozenset(), tier_slots=2, tier=lambda rank: _tier(store, rank)) as sim:
+            engine = await sim.engine("pod-a", namespace(), [attention()])
+            names = []
+            for index in range(3):
+                stored = await produce(engine, f"r{index}", prompt(40 + index, 2))
+                names.append(
+                    [
+                        _tier(store, rank).object_name(i.key, i.tier_slot, i.tier_generation)
+                        for i in stored.items
+                        for rank in (0, 1)
+                    ]
+                )
+            reader = await admit(engine, "reader")
+            assert await load_prefix(engine, reader, [item.key for item in stored.items], prompt(42, 2))
+            return names, sim.tally
+
+    names, tally = anyio.run(run)
+    assert [[store.is_exist(name) for name in prompt_names] for prompt_names in names] == [[0] * 4, [0] * 4, [1] * 4]
+    assert tally.loads_checked == 2 and tally.wrong_reads == 0, tally
+
+
 def _simulation(directory: Path, store: Any) -> Simulation:
     return Simulation(directory, frozenset(), tier=lambda rank: _tier(store, rank))
 
@@ -101,6 +155,71 @@ def test_a_prompt_one_engine_stored_in_mooncake_is_loaded_verified_by_another(st
     tally, names = anyio.run(run)
     assert tally.loads_checked == 2 and tally.wrong_reads == 0 and not tally.refusals, tally
     assert all(store.is_exist(name) == 1 for name in names)
+
+
+def test_two_sidecars_on_one_kafka_log_share_the_mooncake_tier_publications_leases_and_slots(
+    store: Any, kafka_broker: KafkaBroker, tmp_path: Path
+) -> None:
+    """Issue 21, item 2, the fleet case: two sidecars, each with its own state store, write one
+    Kafka topic (a real broker); engine pod-a (two worker ranks) on the first, pod-b on the second,
+    both on the one Mooncake Store. What pod-a publishes, pod-b's sidecar folds in from the log
+    (its follower): a lookup there finds it, and pod-b loads it, verified against the published
+    checksums and recompute. Then both store at once into a tier of 8 slots: every append names
+    the head it was decided on, so a group decided before the other sidecar's append is decided
+    again on top of it; no slot is given twice at one generation, and `kvledger verify` finds
+    nothing in the fleet's log."""
+    topic = f"kvl-fleet-{tmp_path.name[-12:]}"
+
+    def url(state: str) -> str:
+        return kafka_broker.url(topic, state=tmp_path / state, fetch_wait_ms=KAFKA_FETCH_WAIT_MS)
+
+    async def run() -> tuple[Tally, Tally, int, list[int]]:
+        mooncake_tier = lambda rank: _tier(store, rank)  # noqa: E731 - the factory each Simulation calls per rank
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        async with (
+            Simulation(tmp_path / "a", frozenset(), tier_slots=8, tier=mooncake_tier, log_url=url("a.sqlite")) as first,
+            Simulation(tmp_path / "b", frozenset(), tier_slots=8, tier=mooncake_tier, log_url=url("b.sqlite")) as second,
+        ):
+            a = await first.engine("pod-a", namespace(), [attention()])
+            b = await second.engine("pod-b", namespace(), [attention()])
+            tokens = prompt(50, 2)
+            stored = await produce(a, "a-1", tokens)
+            with anyio.fail_after(20):  # the second sidecar's follower folds pod-a's steps in
+                while True:
+                    hit = await b.client.lookup(TIER, tokens)
+                    assert isinstance(hit.answer, PrefixLookedUp)
+                    if hit.answer.boundary > 0:
+                        break
+                    await anyio.sleep(0.05)
+            reader = await admit(b, "b-1")
+            assert await load_prefix(b, reader, [item.key for item in stored.items], tokens)
+
+            async def stores(engine: SimEngine, seeds: range) -> None:
+                for seed in seeds:
+                    await produce(engine, f"{engine.engine_id}-{seed}", prompt(seed, 2))
+
+            async with anyio.create_task_group() as both:  # 12 keys into 8 slots, from both sidecars at once
+                both.start_soon(stores, a, range(60, 63))
+                both.start_soon(stores, b, range(70, 73))
+            assert first.sidecar is not None and second.sidecar is not None
+            moved = [int(s.metrics.head_moved._value.get()) for s in (first.sidecar, second.sidecar)]
+            head = first.sidecar.ledger.last_seq
+        fleet = await open_log(url("reader.sqlite"))
+        try:
+            verified = await verify_log(fleet)
+            assert verified.ok and not verified.violations, verified.violations
+            events = [decode(EventCodec(), stored) for stored in await fleet.read(0, 100_000)]
+        finally:
+            await fleet.close()
+        reserved = [(i.tier_slot, i.tier_generation) for e in events if isinstance(e, StoreJobStarted) for i in e.items]
+        assert len(reserved) == len(set(reserved)) == 14, reserved  # 7 prompts of 2 blocks, no (slot, generation) twice
+        return first.tally, second.tally, head, moved
+
+    tally_a, tally_b, head, moved = anyio.run(run)
+    assert tally_b.loads_checked == 2 and tally_b.wrong_reads == 0 and tally_a.wrong_reads == 0, (tally_a, tally_b)
+    assert not tally_a.refusals and not tally_b.refusals, (tally_a.refusals, tally_b.refusals)
+    print(f"fleet on one topic: head {head}, groups decided again after the other's append {moved}")
 
 
 def test_an_object_the_store_lost_is_a_failed_load_naming_it_and_the_engine_recomputes(store: Any, tmp_path: Path) -> None:

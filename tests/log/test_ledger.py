@@ -23,7 +23,7 @@ from coordinator.core.state import encode_state
 from coordinator.ledger.ledger import Ledger, Step, StepCommit
 from coordinator.ledger.recovery import make_snapshot, recover, replay
 from events import BlocksAllocated, EventCodec, OwnerStarted, Reason, Refused, StoreJobStarted, TierSpec
-from events.log import AppendBatch, AppendResult, EventLog, LogUnavailable, PendingEvent, Snapshot, WrongExpectedVersion
+from events.log import AppendBatch, AppendResult, EventLog, HeadMoved, LogUnavailable, PendingEvent, Snapshot
 from tests.kit import builders as b
 
 pytestmark = pytest.mark.anyio
@@ -110,11 +110,16 @@ async def test_a_retried_command_id_returns_the_original_commit_and_appends_noth
     assert encode_state(full) == encode_state(ledger.state)
 
 
-async def test_a_failed_append_leaves_the_state_equal_to_the_log(event_log: EventLog) -> None:
+async def test_an_append_refused_because_another_writer_appended_first_rebuilds_and_is_decided_again(
+    event_log: EventLog,
+) -> None:
+    """Another writer appends between two of the ledger's steps (here to the engine's own stream).
+    The next append names the head it was decided on, so the log refuses it (HeadMoved) whatever
+    stream the other wrote; the state is rebuilt from the log, with the other's event, and the
+    step is decided again on top of it: the state equals the log's, nothing is lost."""
     ledger = await Ledger.open(event_log)
     await _declare(ledger)
     await ledger.run_step(ENGINE, 1, 1.0, [StartOwner(engine_id=ENGINE, req_id="r")])
-    # Another writer takes the next version of this engine's stream.
     stream = f"engine/{ENGINE}"
     intruder = PendingEvent(
         event_id="intruder",
@@ -124,16 +129,36 @@ async def test_a_failed_append_leaves_the_state_equal_to_the_log(event_log: Even
         schema_version=1,
         payload=EventCodec().encode(Refused(engine_id=ENGINE, command="x", reason=Reason.INVALID_ARGUMENT, detail="x"))[2],
     )
+    head = await event_log.head()
+    with pytest.raises(HeadMoved):  # what the ledger's append meets: the log is past its head
+        await event_log.append([AppendBatch(stream_id="elsewhere", expected_version=0, events=[])], expected_head=head - 1)
     await event_log.append(
         [AppendBatch(stream_id=stream, expected_version=await event_log.stream_version(stream), events=[intruder])]
     )
-    with pytest.raises(WrongExpectedVersion):
-        await ledger.run_step(ENGINE, 2, 2.0, [StartOwner(engine_id=ENGINE, req_id="lost")])
+    commit = await ledger.run_step(ENGINE, 2, 2.0, [StartOwner(engine_id=ENGINE, req_id="again")])
+    assert commit.first_seq == head + 2  # after the intruder's event
     full, _ = await replay(event_log, EventCodec())
     assert encode_state(ledger.state) == encode_state(full)
-    assert [o.req_id for o in ledger.state.owners.values()] == ["r"]
-    await ledger.run_step(ENGINE, 2, 2.0, [StartOwner(engine_id=ENGINE, req_id="again")])  # serving on
     assert sorted(o.req_id for o in ledger.state.owners.values()) == ["again", "r"]
+
+
+async def test_a_ledger_catches_up_with_what_another_writer_appended(event_log: EventLog) -> None:
+    """Two ledgers on one log (two sidecars of a fleet): what one commits, the other folds in
+    when it catches up (its lookups then see it), and its own next step lands after it."""
+    first = await Ledger.open(event_log)
+    await _declare(first)
+    second = await Ledger.open(event_log)
+    await first.run_step(ENGINE, 1, 1.0, [StartOwner(engine_id=ENGINE, req_id="r")])
+    assert not second.state.owners
+    assert await second.catch_up() > 0
+    assert [o.req_id for o in second.state.owners.values()] == ["r"]
+    assert await second.catch_up() == 0
+    await second.run_step(ENGINE, 2, 2.0, [StartOwner(engine_id=ENGINE, req_id="s")])
+    await first.run_step(ENGINE, 3, 3.0, [StartOwner(engine_id=ENGINE, req_id="t")])  # HeadMoved, decided again
+    full, _ = await replay(event_log, EventCodec())
+    await second.catch_up()
+    assert encode_state(first.state) == encode_state(full) == encode_state(second.state)
+    assert sorted(o.req_id for o in full.owners.values()) == ["r", "s", "t"]
 
 
 async def test_refusals_are_committed_to_the_log(event_log: EventLog) -> None:
@@ -292,7 +317,7 @@ async def test_a_group_decided_while_the_append_before_it_fails_is_decided_on_th
     reading = anyio.Event()
     reads = 0
 
-    async def fails(batches: list[AppendBatch]) -> list[AppendResult]:
+    async def fails(batches: list[AppendBatch], *, expected_head: int | None = None) -> list[AppendResult]:
         await reading.wait()
         raise LogUnavailable("the append in flight fails while the next group's ids are read (test)")
 

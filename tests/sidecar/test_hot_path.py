@@ -114,7 +114,7 @@ def _log_down(event_log: EventLog, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     """Every append fails as an unreachable database does, until the block ends."""
     refused: list[int] = []
 
-    async def down(batches: list[AppendBatch]) -> list[AppendResult]:
+    async def down(batches: list[AppendBatch], *, expected_head: int | None = None) -> list[AppendResult]:
         refused.append(len(batches))
         raise LogUnavailable(f"{event_log.url} is unreachable (test)")
 
@@ -192,7 +192,7 @@ async def test_a_group_decided_while_the_previous_append_fails_is_never_shown(
         holding, release = anyio.Event(), anyio.Event()
         calls = 0
 
-        async def held_then_failed(batches: list[AppendBatch]) -> list[AppendResult]:
+        async def held_then_failed(batches: list[AppendBatch], *, expected_head: int | None = None) -> list[AppendResult]:
             # The worker's report's append, not whichever comes first: the lookups' records are
             # appended alone RECORD_DELAY after them, and one landing here first held the wrong
             # append (the test then hung on a report that was never answered).
@@ -203,7 +203,7 @@ async def test_a_group_decided_while_the_previous_append_fails_is_never_shown(
                     holding.set()
                     await release.wait()
                     raise LogUnavailable("the first append of two in flight fails (test)")
-            return await append(batches)
+            return await append(batches, expected_head=expected_head)
 
         monkeypatch.setattr(event_log, "append", held_then_failed)
         worker = SyncWorkerClient(Address(socket_path=str(sock)), "vllm-a", 0, retry_for=10)

@@ -305,7 +305,7 @@ async def test_a_hello_that_fails_to_commit_affects_only_its_connection(event_lo
         await bystander.step(1, 1.0, [])
         original = sidecar.ledger.log.append
 
-        async def broken(batches: Sequence[AppendBatch]) -> list[AppendResult]:
+        async def broken(batches: Sequence[AppendBatch], *, expected_head: int | None = None) -> list[AppendResult]:
             raise RuntimeError("driver exploded (injected)")
 
         sidecar.ledger.log.append = broken  # type: ignore[method-assign]

@@ -86,7 +86,7 @@ async def test_metrics_never_show_a_group_whose_append_is_in_flight(
             appending, release = anyio.Event(), anyio.Event()
             append = event_log.append
 
-            async def held_then_failed(batches: Sequence[AppendBatch]) -> list[AppendResult]:
+            async def held_then_failed(batches: Sequence[AppendBatch], *, expected_head: int | None = None) -> list[AppendResult]:
                 appending.set()
                 await release.wait()
                 raise LogUnavailable("the log went away during this append")
@@ -133,7 +133,7 @@ async def test_a_log_that_fails_makes_the_step_fail_whole_and_readiness_false(tm
             ledger: Ledger = sidecar.ledger
             original = ledger.log.append
 
-            async def failing(batches: Sequence[AppendBatch]) -> list[AppendResult]:
+            async def failing(batches: Sequence[AppendBatch], *, expected_head: int | None = None) -> list[AppendResult]:
                 raise OSError("disk I/O error (injected)")
 
             ledger.log.append = failing  # type: ignore[method-assign]
@@ -283,7 +283,7 @@ async def test_a_failed_commit_tells_the_client_no_sql(
     async with sidecar_on(event_log, sock), engine_client(sock, "pod-a") as client:
         client.retry_for = 0.1
 
-        async def failing(batches: Sequence[AppendBatch]) -> list[AppendResult]:
+        async def failing(batches: Sequence[AppendBatch], *, expected_head: int | None = None) -> list[AppendResult]:
             raise sa.exc.IntegrityError(
                 "INSERT INTO kvl_steps (secret_column) VALUES (?)", ("tenant-a's-payload",), Exception("boom")
             )

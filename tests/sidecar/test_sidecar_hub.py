@@ -91,12 +91,12 @@ async def test_a_workers_welcome_never_shows_a_declaration_the_log_has_not_taken
         appending, release = anyio.Event(), anyio.Event()
         append = event_log.append
 
-        async def failing_append(batches: Sequence[AppendBatch]) -> list[AppendResult]:
+        async def failing_append(batches: Sequence[AppendBatch], *, expected_head: int | None = None) -> list[AppendResult]:
             if any(b.stream_id == "engine/pod-a" for b in batches):
                 appending.set()
                 await release.wait()
                 raise LogUnavailable("the log went away during this append")
-            return await append(batches)
+            return await append(batches, expected_head=expected_head)
 
         monkeypatch.setattr(event_log, "append", failing_append)
         welcome: list[p.Welcome] = []

@@ -266,11 +266,11 @@ async def test_a_batch_is_committed_whole_in_order_even_when_larger_than_a_group
         committer = Committer(ledger, DecisionHub(event_log, EventCodec(), ledger.last_seq), SidecarMetrics(lambda: ledger.state))
         append, calls = event_log.append, [0]
 
-        async def fails_once(batches: object) -> object:
+        async def fails_once(batches: object, *, expected_head: int | None = None) -> object:
             calls[0] += 1
             if calls[0] == 1:
                 raise LogUnavailable("a blip (test)")
-            return await append(batches)  # type: ignore[arg-type]
+            return await append(batches, expected_head=expected_head)  # type: ignore[arg-type]
 
         event_log.append = fails_once  # type: ignore[method-assign,assignment]
         count = MAX_GROUP + 6

