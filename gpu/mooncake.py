@@ -29,6 +29,9 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import select
+import signal
+import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -155,12 +158,28 @@ def _meaning(rc: int) -> str:
 class MooncakeTier:
     """One rank's view of a Mooncake Store tier: object `PREFIX/TIER/SLOT/GENERATION/KEY/RANK`."""
 
-    def __init__(self, name: str, store: Any, *, rank: int, device: torch.device, prefix: str = "kvledger") -> None:
+    def __init__(
+        self,
+        name: str,
+        store: Any,
+        *,
+        rank: int,
+        device: torch.device | None,
+        prefix: str = "kvledger",
+        master: str = "",
+        metadata_url: str = "",
+    ) -> None:
         self.name = name
         self.store = store
         self.rank = rank
         self.device = device
         self.prefix = prefix
+        self.master = master
+        self.metadata_url = metadata_url
+        """Where `store` is connected, when the maker said (a scenario starts other clients there)."""
+        self.preferred_segment: str | None = None
+        """Put objects in this client's segment (Mooncake's ReplicateConfig.preferred_segment);
+        None: where the master places them. The simulator's dead-client scenario sets it."""
 
     def object_name(self, key: bytes, slot: int, generation: int) -> str:
         return f"{self.prefix}/{self.name}/{slot}/{generation}/{key.hex()}/{self.rank}"
@@ -168,7 +187,12 @@ class MooncakeTier:
     def write(self, key: bytes, data: torch.Tensor, *, slot: int, generation: int = 0) -> bytes:
         payload = tensor_bytes(data)
         name = self.object_name(key, slot, generation)
-        rc = self.store.put(name, payload)
+        if self.preferred_segment:
+            config = sys.modules["mooncake.store"].ReplicateConfig()  # imported with the store's class
+            config.preferred_segment = self.preferred_segment
+            rc = self.store.put(name, payload, config)
+        else:
+            rc = self.store.put(name, payload)
         if rc != 0:
             raise TierError("put_failed", f"Mooncake put of {name} returned {rc} ({_meaning(rc)})")
         return checksum(payload)
@@ -186,7 +210,7 @@ class MooncakeTier:
         if len(payload) > nbytes:
             raise TierError("size_mismatch", f"Mooncake's {name} holds {len(payload)} bytes, more than the {nbytes} expected")
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)  # a copy of its own, writable
-        if self.device.type != "cuda":
+        if self.device is None or self.device.type != "cuda":
             return data
         buffer = host_buffer(nbytes, self.device)  # pinned: the copy to the device can be async
         buffer.copy_(data)
@@ -227,3 +251,44 @@ class MooncakeTier:
         """Remove one object (an eviction kvledger decided). `force` only when kvledger's lease
         says no reader remains: Mooncake refuses (-706) while a read holds its own lease."""
         return int(self.store.remove(self.object_name(key, slot, generation), force))
+
+
+class SegmentHolder:
+    """Another Mooncake client, in a child process of its own, that mounts a segment and holds it
+    until killed: where a store's objects can be placed (MooncakeTier.preferred_segment) to see
+    what Mooncake does when that client dies (SIGKILL: `is_exist` still 1, `get` empty, puts
+    there -800). For tests and the simulator's dead-client scenario."""
+
+    def __init__(self, process: subprocess.Popen[bytes], segment: str) -> None:
+        self.process = process
+        self.segment = segment
+
+    @classmethod
+    def start(cls, master: str, metadata_url: str, *, timeout: float = 30.0) -> SegmentHolder:
+        code = (
+            "import sys, time\n"
+            "from gpu import mooncake\n"
+            f"client = mooncake.connect({master!r}, {metadata_url!r})\n"
+            "print(client.get_hostname(), flush=True)\n"
+            "time.sleep(3600)\n"
+        )
+        process = subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=Path(__file__).resolve().parents[1],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        assert process.stdout is not None
+        ready, _, _ = select.select([process.stdout], [], [], timeout)
+        segment = process.stdout.readline().decode().strip() if ready else ""
+        if not segment:
+            process.kill()
+            process.wait()
+            raise TierError("setup_failed", f"a Mooncake client against master {master} did not start within {timeout} s")
+        return cls(process, segment)
+
+    def kill(self) -> None:
+        """SIGKILL: the client goes without a word to the master."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait()

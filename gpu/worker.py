@@ -34,7 +34,7 @@ from coordinator.client import WorkerClient
 from coordinator.core.commands import ReportRank
 from coordinator.core.protections import Protection
 from coordinator.core.routing import Decision
-from events import LoadJobStarted, StateCopyPlanned, StoreItem, StoreJobStarted
+from events import LoadItem, LoadJobStarted, StateCopyPlanned, StoreItem, StoreJobStarted
 from gpu.checksum import checksum
 from gpu.copies import CopyError, execute_plan
 from gpu.device import TransferStream
@@ -129,16 +129,13 @@ class Worker:
             # is now; the copy itself runs later (_catch_up_copies), from what the block holds then.
             self._unfenced += [(tier, item, block) for item, block in zip(event.items, blocks, strict=True)]
             return [checksum(block) for block in blocks]
-        return [
-            tier.write(item.key, block, slot=item.tier_slot, generation=item.tier_generation)
-            for item, block in zip(event.items, blocks, strict=True)
-        ]
+        return [self._write(tier, item, block) for item, block in zip(event.items, blocks, strict=True)]
 
     def _catch_up_copies(self) -> None:
         """The unfenced store copies (STORE_FENCE off only) run now, before anything else."""
         unfenced, self._unfenced = self._unfenced, []
         for tier, item, block in unfenced:
-            tier.write(item.key, block, slot=item.tier_slot, generation=item.tier_generation)
+            self._write(tier, item, block)
 
     def _load(self, event: LoadJobStarted) -> list[bytes]:
         tier = self._tier(event.tier)
@@ -149,7 +146,8 @@ class Worker:
             if item.key in read or item.key in gone:
                 continue  # a duplicate key is read once (I11)
             try:
-                data = tier.read(item.key, dest.numel(), slot=item.tier_slot, generation=item.tier_generation)
+                key, generation = self._object(tier, item)
+                data = tier.read(key, dest.numel(), slot=item.tier_slot, generation=generation)
             except TierError as error:
                 if error.reason not in LOST:
                     raise
@@ -220,6 +218,18 @@ class Worker:
                 dest.copy_(read[item.key][0].view(dest.shape))
                 filled.add(item.key)
         return [read[item.key][1] for item in event.items]
+
+    def _write(self, tier: Tier, item: StoreItem, block: torch.Tensor) -> bytes:
+        key, generation = self._object(tier, item)
+        return tier.write(key, block, slot=item.tier_slot, generation=generation)
+
+    def _object(self, tier: Tier, item: StoreItem | LoadItem) -> tuple[bytes, int]:
+        """The key and generation a tier call names. With OBJECT_GENERATIONS off (the
+        simulator's mooncake-duplicate-put-keeps-first-value) a Mooncake object is named by its
+        slot alone: every key the slot is given to puts to one name."""
+        if Protection.OBJECT_GENERATIONS in self.protections_off and isinstance(tier, MooncakeTier):
+            return b"", 0
+        return item.key, item.tier_generation
 
     def _tier(self, name: str) -> Tier:
         tier = self.tiers.get(name)

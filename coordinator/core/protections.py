@@ -101,6 +101,12 @@ class Protection(enum.StrEnum):
     returned, nothing once the store evicted the object): the destination keeps what it held and
     the load counts as success. Its scenario needs a Mooncake Store (tests/gpu/test_mooncake_tier.py)
     and runs with CHECKSUMS off (with them, the empty read differs from the published checksum)."""
+    OBJECT_GENERATIONS = "mooncake-duplicate-put-keeps-first-value"
+    """I1 on a shared store: a Mooncake object's name holds the tier slot's generation and the
+    key (gpu.mooncake.MooncakeTier), so a slot given to another key is a new object. Off (a
+    connector that names objects by where they live, tier slot and rank, like a segment offset):
+    the new key's put of the old name returns 0 and Mooncake keeps the old key's bytes, served
+    under the new key's published checksum. Needs a Mooncake Store; runs with CHECKSUMS off."""
     PUBLISH_WHEN_COMPLETE = "exists-without-value"
     """I5: a key is published when every rank's store reported success, with their checksums.
     Off (Mooncake #1374, #2827): it exists from the store's start (put_start), without checksums;

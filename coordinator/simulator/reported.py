@@ -43,8 +43,8 @@ from coordinator.simulator.scenarios import (
     prompt,
     use_or_recompute,
 )
-from events import PrefixLookedUp
-from gpu.mooncake import MooncakeTier
+from events import PrefixLookedUp, StoreJobStarted
+from gpu.mooncake import MooncakeTier, SegmentHolder
 from gpu.tiers import DiskTier
 
 
@@ -264,16 +264,27 @@ async def mooncake_silent_eviction(sim: Simulation) -> None:
     engine = await sim.engine("pod-a", namespace(), [attention()])
     tokens = prompt(30, 2)
     stored = await produce(engine, "r1", tokens)
-    for tiers in sim.tiers:
-        tier = tiers[TIER]
-        assert isinstance(tier, MooncakeTier), "this scenario runs on a Mooncake Store tier"
+    for tier in _mooncake_tiers(sim):
         for item in stored.items:
             removed = tier.remove(item.key, slot=item.tier_slot, generation=item.tier_generation, force=True)
             assert removed == 0, f"Mooncake's remove returned {removed}"
+    await _load_into_recycled_blocks(engine, stored, tokens)
+
+
+def _mooncake_tiers(sim: Simulation) -> list[MooncakeTier]:
+    tiers = [tiers[TIER] for tiers in sim.tiers]
+    mooncake = [tier for tier in tiers if isinstance(tier, MooncakeTier)]
+    assert len(mooncake) == len(tiers), "this scenario runs on a Mooncake Store tier"
+    return mooncake
+
+
+async def _load_into_recycled_blocks(engine: SimEngine, stored: StoreJobStarted, tokens: list[int]) -> None:
+    """A new request loads the stored prompt into blocks that still hold another request's KV
+    (a recycled block), and uses what the load left there, or recomputes when it failed."""
     reader = await admit(engine, "r2")
-    dests = await allocate(engine, reader, 2)
+    dests = await allocate(engine, reader, len(stored.items))
     assert dests is not None
-    engine.compute(dests, prompt(98, 2))  # what the recycled blocks held before
+    engine.compute(dests, prompt(98, len(stored.items)))  # what the recycled blocks held before
     load = await engine.step(
         [
             StartLoad(
@@ -287,6 +298,50 @@ async def mooncake_silent_eviction(sim: Simulation) -> None:
         use_or_recompute(engine, dests, tokens, await engine.execute())
 
 
+async def mooncake_dead_client_segment(sim: Simulation) -> None:
+    """Issue 21 (Mooncake Store, seen with 0.3.13.post1): a client killed with SIGKILL takes its
+    segment's objects with it, while for ~10 s the master still says they exist (`is_exist` 1)
+    and a get returns nothing. Here r1's prompt is stored in another client's segment (a process
+    of its own, as another engine's worker would be), which is then killed; r2's blocks, recycled,
+    still hold another request's KV when it loads the prompt. Baseline: CHECKSUMS off. On: the
+    worker finds the objects empty, the load fails (OBJECT_LOST), the keys leave the tier and the
+    engine recomputes; a lookup no longer offers them."""
+    engine = await sim.engine("pod-a", namespace(), [attention()])
+    tiers = _mooncake_tiers(sim)
+    assert tiers[0].master, "this scenario starts a client of its own: the tier must say where its master is"
+    holder = SegmentHolder.start(tiers[0].master, tiers[0].metadata_url)
+    tokens = prompt(33, 2)
+    try:
+        for tier in tiers:
+            tier.preferred_segment = holder.segment
+        stored = await produce(engine, "r1", tokens)
+    finally:
+        for tier in tiers:
+            tier.preferred_segment = None
+        holder.kill()
+    await _load_into_recycled_blocks(engine, stored, tokens)
+
+
+async def mooncake_duplicate_put_keeps_first_value(sim: Simulation) -> None:
+    """Issue 21 (Mooncake Store, seen with 0.3.13.post1): a put of a name that exists returns 0
+    and keeps the FIRST value. Here the tier has 2 slots: r1's prompt is stored in them, then
+    r2's prompt evicts it and is stored in the same slots. Off: objects are named by slot and
+    rank, so r2's puts return 0 and the store keeps r1's bytes; r2's keys are published with the
+    checksums of the bytes the workers sent, and a load of them copies r1's KV. Baseline:
+    CHECKSUMS off (with them the load fails and r2's keys are quarantined: no wrong read, but
+    every key that slot holds from then on is lost). On: r2's objects are new names (the slot's
+    generation is in them), nothing is refused, the right bytes are read; r1's objects are
+    removed as r2's store begins (MooncakeTier.retire)."""
+    engine = await sim.engine("pod-a", namespace(), [attention()])
+    first = await produce(engine, "r1", prompt(31, 2))
+    tokens = prompt(32, 2)
+    stored = await produce(engine, "r2", tokens)
+    reused = {(i.tier_slot, i.tier_generation - 1) for i in stored.items}
+    assert reused == {(i.tier_slot, i.tier_generation) for i in first.items}, "r2 must be stored in r1's slots"
+    reader = await admit(engine, "r3")
+    await load_prefix(engine, reader, [item.key for item in stored.items], tokens)
+
+
 MOONCAKE = {
     scenario.name: scenario
     for scenario in (
@@ -297,6 +352,25 @@ MOONCAKE = {
             mooncake_silent_eviction,
             "JobFailed:object_lost",
             baseline=frozenset({Protection.CHECKSUMS}),
+            report="issue 21 (Mooncake Store 0.3.13.post1, seen here)",
+        ),
+        Scenario(
+            "mooncake-dead-client-segment",
+            Protection.LOST_OBJECTS,
+            "I13",
+            mooncake_dead_client_segment,
+            "JobFailed:object_lost",
+            baseline=frozenset({Protection.CHECKSUMS}),
+            report="issue 21 (Mooncake Store 0.3.13.post1, seen here)",
+        ),
+        Scenario(
+            "mooncake-duplicate-put-keeps-first-value",
+            Protection.OBJECT_GENERATIONS,
+            "I13",
+            mooncake_duplicate_put_keeps_first_value,
+            "",
+            baseline=frozenset({Protection.CHECKSUMS}),
+            tier_slots=2,
             report="issue 21 (Mooncake Store 0.3.13.post1, seen here)",
         ),
     )

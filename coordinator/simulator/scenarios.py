@@ -577,7 +577,9 @@ class Scenario(msgspec.Struct, frozen=True):
     invariant: str
     run: Run
     evidence: str
-    """What the on run records instead of the wrong read (a refusal reason, or a decision)."""
+    """What the on run records instead of the wrong read (a refusal reason, or a decision);
+    empty when it records nothing of the kind: the protection leaves nothing wrong to refuse
+    (a new object a generation: the right bytes are read)."""
     baseline: frozenset[Protection] = frozenset()
     """Protections off in both runs: the seed's deployment, where `protection` is the last
     safety net left (coordinator/core/protections.py). Never includes `protection` itself."""

@@ -94,6 +94,9 @@ from events.log.kafka_target import KafkaTarget, ensure_topic, one_line
 
 log = structlog.get_logger("kvledger.log")
 
+ENGINE_STREAM_PREFIX = "engine/"
+"""An engine's stream (coordinator.core.step.engine_stream) has one writer at a time: a second one
+fences the first. Every other stream is shared by the sidecars of a fleet (re-claimed, never fenced)."""
 TAIL_CHECK_S = 1.0
 """An idle tail asks for the topic's end this often, to notice a topic that went backwards."""
 FETCH_RECORDS = 256
@@ -223,6 +226,11 @@ class KafkaEventLog(SqlEventLog):
                     if command_id in first_of:
                         continue  # answered by its first batch below, as the SQL log does
                     first_of[command_id] = index
+                if not stream.startswith(ENGINE_STREAM_PREFIX) and stream in self._held and self._claimed_by_other(stream):
+                    # A shared stream (a tier's, the namespaces', reports') that another writer (a
+                    # sidecar on the same log) claimed since: claimed again. Its expected versions
+                    # and the head guard it; only an engine's stream has a single writer.
+                    del self._held[stream]
                 self._check_not_fenced(stream)
                 actual = versions.get(stream, fold.versions.get(stream, 0))
                 if batch.expected_version != actual:
@@ -248,8 +256,11 @@ class KafkaEventLog(SqlEventLog):
                     results[index] = msgspec.structs.replace(first, duplicate=True)
         return [result for result in results if result is not None]
 
+    def _claimed_by_other(self, stream: str) -> bool:
+        return self._fold.epochs.get(stream) != (self._held[stream], self.writer_id)
+
     def _check_not_fenced(self, stream: str) -> None:
-        if stream in self._held and self._fold.epochs.get(stream) != (self._held[stream], self.writer_id):
+        if stream in self._held and self._claimed_by_other(stream):
             epoch, writer = self._fold.epochs[stream]
             raise WriterFenced(
                 f"stream {stream!r} of {self.url} was claimed at epoch {epoch} by writer {writer}; this writer "

@@ -309,6 +309,32 @@ async def test_a_second_writer_fences_the_first(kafka_log: KafkaEventLog, kafka_
         await second.close()
 
 
+async def test_writers_take_turns_on_a_shared_stream_while_an_engines_stream_keeps_one_writer(
+    kafka_log: KafkaEventLog, kafka_url: str
+) -> None:
+    """Two sidecars of a fleet both write a tier's stream (and the namespaces'): each claims it
+    again when the other has, instead of being fenced out of it for good; an engine's stream
+    stays its one writer's."""
+    await kafka_log.append([step("engine/a", 0, ["a1"]), step("tier/shared", 0, ["t1"])])
+    second = await open_log(kafka_url)
+    try:
+        # Each turn reads what the other wrote first (head() folds the topic to its end), as a
+        # sidecar's ledger does before it decides: its expected version is then the stream's.
+        await second.append([step("engine/b", 0, ["b1"]), step("tier/shared", 1, ["t2"])])
+        await kafka_log.head()
+        await kafka_log.append([step("tier/shared", 2, ["t3"])])  # claimed again, not fenced
+        await second.head()
+        await second.append([step("tier/shared", 3, ["t4"])])
+        await second.append([step("engine/a", 1, ["a2"])])  # a takeover of pod-a (a restarted sidecar)
+        await kafka_log.head()
+        with pytest.raises(WriterFenced, match="engine/a"):  # an engine's stream is not shared: fenced
+            await kafka_log.append([step("engine/a", 2, ["late"])])
+        await kafka_log.append([step("tier/shared", 4, ["t5"])])  # the shared one still takes turns
+        assert [e.event_id for e in await everything(kafka_log)] == ["a1", "t1", "b1", "t2", "t3", "t4", "a2", "t5"]
+    finally:
+        await second.close()
+
+
 async def test_a_zombie_writers_late_record_is_dropped_by_every_reader(kafka_url: str) -> None:
     """A record the old writer sent before it was fenced lands after the new writer's claim."""
     await produce(
