@@ -291,12 +291,11 @@ class Ledger:
         the state, when nothing of this ledger's is in flight; returns how many events. A
         sidecar calls it now and then so its lookups see the fleet's publications; its own
         appends never need it to be safe (they name the head they were decided on)."""
+        if self._pending or self.stale or await self.log.head() <= self.last_seq:
+            return 0  # looked at without the lock: deciding never waits for a look that finds nothing
         async with self._lock:
             if self._pending or self.stale:
-                return 0
-            head = await self.log.head()
-            if head <= self.last_seq:
-                return 0
+                return 0  # past last_seq are this ledger's own appends in flight too: not now
             before = self.last_seq
             try:
                 state, last = await replay(self.log, self.codec, self.core.state, self.last_seq)
