@@ -346,8 +346,20 @@ class WorkerClient:
         self._reporting = anyio.Lock()
 
     async def welcome(self) -> p.Welcome:
-        """Hello as this worker; the Welcome names the engine's pools once it is declared."""
-        channel = await self._open()
+        """Hello as this worker; the Welcome names the engine's pools once it is declared. A
+        sidecar that cannot be reached (not started yet, or restarting) is waited for, up to
+        retry_for: a worker process started beside it need not be started after it."""
+        deadline = anyio.current_time() + self.retry_for
+        delay = 0.05
+        while True:
+            try:
+                channel = await self._open()
+                break
+            except OSError:
+                if anyio.current_time() + delay > deadline:
+                    raise
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 1.0)
         await channel.aclose()
         assert self.last_welcome is not None
         return self.last_welcome

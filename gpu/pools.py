@@ -7,6 +7,7 @@ shard); every rank has its own pools. Transfers and copies work on the same memo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -40,7 +41,14 @@ def kv_dtype(name: str) -> torch.dtype:
 
 
 class DevicePools:
-    def __init__(self, specs: Sequence[PoolSpec], device: torch.device, dtype: str = "uint8") -> None:
+    def __init__(
+        self, specs: Sequence[PoolSpec], device: torch.device, dtype: str = "uint8", *, directory: Path | None = None
+    ) -> None:
+        """With `directory` (CPU only), each pool is the file `pool-ID.kv` there, mapped shared:
+        every process that maps the same directory sees the same memory (an engine and its
+        worker processes; `/dev/shm` keeps it in memory). Created zero-filled when missing."""
+        if directory is not None and device.type != "cpu":
+            raise ValueError(f"pools mapped from files live in host memory, not on {device}")
         self.device = device
         self.dtype = kv_dtype(dtype)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
@@ -50,9 +58,18 @@ class DevicePools:
         for spec in specs:
             if spec.bytes_per_block % itemsize:
                 raise ValueError(f"pool {spec.pool_id}: {spec.bytes_per_block} bytes per block is not a whole number of {dtype}")
-            self.typed[spec.pool_id] = torch.zeros(
-                (spec.num_blocks, spec.bytes_per_block // itemsize), dtype=self.dtype, device=device
+            shape = (spec.num_blocks, spec.bytes_per_block // itemsize)
+            if directory is None:
+                self.typed[spec.pool_id] = torch.zeros(shape, dtype=self.dtype, device=device)
+                continue
+            directory.mkdir(parents=True, exist_ok=True)
+            mapped = torch.from_file(
+                str(directory / f"pool-{spec.pool_id}.kv"),
+                shared=True,
+                size=spec.num_blocks * spec.bytes_per_block,
+                dtype=torch.uint8,
             )
+            self.typed[spec.pool_id] = mapped.view(self.dtype).view(shape)
         self.tensors = {pool_id: typed.view(torch.uint8) for pool_id, typed in self.typed.items()}
         """The same memory as bytes, [num_blocks, bytes_per_block]: what transfers move."""
 

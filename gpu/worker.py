@@ -257,7 +257,8 @@ class Worker:
 
     async def _send(self, client: WorkerClient, pending: Pending) -> None:
         # The command id makes a re-sent report return the committed one.
-        committed = await client.report(pending.report, command_id=f"report/{self.engine_id}/{self.rank}/{pending.seq}")
+        command_id = f"report/{self.engine_id}/{self.rank}/{pending.seq}"
+        committed = await client.report(pending.report, command_id=command_id)
         self._save(WorkerState(acked=pending.seq))
         log.info(
             "reported",
@@ -267,6 +268,9 @@ class Worker:
             job_id=pending.report.job_id,
             ok=pending.report.ok,
             duplicate=committed.duplicate,
+            command_id=command_id,
+            first_seq=committed.first_seq,
+            last_seq=committed.last_seq,
         )
 
     def _load_state(self) -> WorkerState:

@@ -10,20 +10,20 @@ prefill, preemption, attention and state groups, an encoder cache, two tensor-pa
 small tier that evicts, one cache reset halfway), each engine in a task of its own, through
 EngineClient on the serve process's socket, until `--seconds` have passed.
 
-Workers, and what killing one means. Each (engine, rank) runs gpu.worker.Worker.run, the loop
-`kvledger worker` runs, with its state file, as a task in this process: on the engine's device
-pools and the shared tier, both in this process's memory, because the wrong-KV check compares
-those very bytes with recompute (a `kvledger worker` subprocess allocates pools of its own, which
-the engines' forward passes could not write nor the check read). So a worker kill cancels its task
-wherever it awaits (mid-report, mid-subscription, just after a copy) and drops the Worker and its
-WorkerClient with everything they held in memory (acknowledged sequence, subscription position,
-received decisions); a fresh Worker then starts from the state file, as a restarted `kvledger
-worker` does: it re-sends a saved report, then subscribes after the acknowledged sequence. What
-survives is what survives a killed worker process: the device pools (the engine's memory) and the
-tier (the store's). Unlike SIGKILL, the cancellation waits for a copy already running in its thread
-to end, so a kill never leaves half a block written. Unlike `kvledger simulate`, workers run each
-decision as it arrives (as `kvledger worker` does); the scheduler still waits for a load to land,
-and checks its bytes, before it uses it.
+Workers, and what killing one means. Each (engine, rank) is a `kvledger worker` process of its own
+(WorkerProcess), on its state file in the run's directory, the engine's device pools and the
+shared tier. The pools are files under /dev/shm, mapped shared (`kvledger worker --pools-dir`,
+gpu.pools.DevicePools(directory=...)): the engine's forward passes write them and the wrong-KV
+check reads them in this process, the worker's copies land in the very same memory, and they
+outlive a worker as an engine's memory does. The tier is a file per key and rank (`--tier
+NAME=disk:DIR`), shared by every engine's worker of that rank. A worker kill is SIGKILL, at any
+moment: mid-copy, mid-report, between a commit and its acknowledgement; the process is started
+again at once and resumes from its state file (it re-sends a saved report, then subscribes after
+the acknowledged sequence). What a report committed reaches its engine from the log (this
+process tails it: a report is an append of its own, on its job's engine stream), so a kill
+between the commit and the answer loses nothing; each `reported` line a worker logs (its command
+id and where the report landed) is an acknowledgement checked against the log like the engines'.
+The scheduler still waits for a load to land, and checks its bytes, before it uses it.
 
 Faults (seeded: `--seed` fixes the workload and the fault plan; the interleaving of processes is
 not reproducible, the seed is printed with the results). The serve process is SIGKILLed at random
@@ -88,18 +88,22 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from coordinator.audit.verify_run import VerifyReport, verify_log  # noqa: E402
-from coordinator.client import Address, EngineClient, SidecarError, SidecarUnavailable, WorkerClient  # noqa: E402
-from coordinator.core.commands import AnyCommand, DeclareEngine, ReportRank  # noqa: E402
+from coordinator.client import Address, EngineClient, SidecarUnavailable  # noqa: E402
+from coordinator.core.commands import AnyCommand, DeclareEngine  # noqa: E402
 from coordinator.sidecar import protocol as p  # noqa: E402
 from coordinator.sidecar.admission import scoped  # noqa: E402
 from coordinator.simulator._requests import ENCODER_TOKENS, namespace, pools  # noqa: E402
 from coordinator.simulator._scheduler import WorkloadEngine  # noqa: E402
-from coordinator.simulator.harness import SimEngine, Simulation  # noqa: E402
+from coordinator.simulator.harness import (  # noqa: E402
+    CPU,  # noqa: E402
+    SimEngine,
+    Simulation,
+)
 from coordinator.simulator.workload import TIER_SLOTS, Workload  # noqa: E402
-from events import EngineReset, Event, EventCodec, NamespaceSpec, PoolSpec  # noqa: E402
-from events.log import AppendResult, EventLog, mask, open_log  # noqa: E402
+from events import EngineReset, Event, EventCodec, FencedRankDone, NamespaceSpec, PoolSpec, RankReported  # noqa: E402
+from events.log import AppendResult, EventLog, LogError, mask, open_log  # noqa: E402
 from events.log.reading import decode_step, stored_steps  # noqa: E402
-from gpu.worker import Worker  # noqa: E402
+from gpu.pools import DevicePools  # noqa: E402
 from ops.soak_checks import (  # noqa: E402
     EXPLAINED,
     Ack,
@@ -124,8 +128,9 @@ CLIENT_RETRY_FOR = 30.0
 """EngineClient's own retry window; past it the soak catches SidecarUnavailable and sends the
 same request (same command id) again, up to GIVE_UP."""
 GIVE_UP = 300.0
-WORKER_RETRY_FOR = 600.0
 JOB_TIMEOUT = 180.0
+REPORT_POLL = 0.02
+"""Seconds between looks at the log for the workers' reports (and at their output)."""
 """Seconds an engine waits for a job's reports before the run counts as stuck."""
 POSTGRESQL = ("postgresql://", "postgresql+asyncpg://")
 LOAD_TIMEOUT = 180.0
@@ -313,39 +318,16 @@ class SoakClient(EngineClient):
                 self.incarnation = event.incarnation
 
 
-class RecordingWorkerClient(WorkerClient):
-    """WorkerClient that hands each committed report to its engine and records the acknowledgement."""
-
-    def __init__(self, engine: SoakEngine, rank: int, book: Book) -> None:
-        super().__init__(engine.sim.address, engine.engine_id, rank, retry_for=WORKER_RETRY_FOR)
-        self.engine = engine
-        self.book = book
-
-    async def report(self, report: ReportRank, *, command_id: str | None = None) -> p.Committed:
-        command_id = command_id or uuid_utils.uuid7().hex
-        committed = await super().report(report, command_id=command_id)
-        self.book.acked(
-            Ack(
-                command_id=scoped(self.engine_id, "report", command_id),
-                kind="report",
-                engine_id=self.engine_id,
-                first_seq=committed.first_seq,
-                last_seq=committed.last_seq,
-                segment=self.book.segment,
-            ),
-            committed.duplicate,
-        )
-        self.engine.reported(report.job_id, report.rank, committed.events)
-        return committed
-
-
 class SoakEngine(SimEngine):
-    """A simulator engine whose workers run on their own (gpu.worker.Worker.run, killable)."""
+    """A simulator engine whose workers are `kvledger worker` processes (WorkerProcess) on its
+    device pools, mapped from files both sides see; it learns what their reports committed from
+    the log (ReportTail)."""
 
     def __init__(self, sim: SoakSimulation, declare: DeclareEngine) -> None:
         super().__init__(sim, declare)
         self.client = SoakClient(sim.address, declare, tiers=[sim.tier_spec], book=sim.book)
-        self.state_paths = [sim.directory / f"worker-{self.engine_id}-{rank}.json" for rank in range(self.world_size)]
+        for worker in self.workers:  # the pools the engine computes into and checks: the worker processes' own
+            worker.pools = DevicePools(declare.pools, CPU, directory=sim.pools_dir / self.engine_id / f"rank-{worker.rank}")
         self.reports: dict[int, dict[int, list[Event]]] = {}
         """Job -> rank -> what that rank's report committed."""
         self._reported = anyio.Event()
@@ -384,28 +366,129 @@ class SoakEngine(SimEngine):
         return committed
 
 
-class SoakSimulation(Simulation):
-    """The simulator's engines and workers on an external sidecar (the serve process)."""
+class WorkerProcess:
+    """One worker rank as `kvledger worker`, a process of its own: SIGKILLed at any moment and
+    started again, as a crashed worker would be, on its state file (it re-sends a saved report,
+    then resumes after the acknowledged decision), the engine's pools (files under /dev/shm,
+    which outlive it as the engine's memory does) and the shared tier (files per rank)."""
 
-    def __init__(self, directory: Path, address: Address, book: Book, world_size: int) -> None:
+    def __init__(self, sim: SoakSimulation, engine_id: str, rank: int) -> None:
+        self.engine_id, self.rank = engine_id, rank
+        self.output = sim.directory / f"worker-{engine_id}-{rank}.log"
+        self.args = [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "worker",
+            "--engine",
+            engine_id,
+            "--rank",
+            str(rank),
+            "--socket",
+            str(sim.address),
+            "--tier",
+            f"{sim.tier_spec.name}=disk:{sim.directory / 'tier'}",
+            "--fsync",
+            "never",
+            "--state-dir",
+            str(sim.directory),
+            "--pools-dir",
+            str(sim.pools_dir / engine_id / f"rank-{rank}"),
+        ]
+        self.env = {**os.environ, "KVLEDGER_LOG_LEVEL": "info"}
+        self.process: Process | None = None
+        self.starts = 0
+        self.read = 0
+        """How far its output has been read for `reported` lines."""
+        self.reports_since_start = 0
+        self.killing = False
+        """Set by the soak before it kills the process: that exit is no problem."""
+
+    async def start(self) -> None:
+        output: IO[bytes] = await anyio.to_thread.run_sync(lambda: open(self.output, "ab"))  # noqa: SIM115
+        try:
+            self.process = await anyio.open_process(
+                self.args, stdin=subprocess.DEVNULL, stdout=output, stderr=output, cwd=ROOT, env=self.env
+            )
+        finally:
+            output.close()
+        self.starts += 1
+        self.reports_since_start = 0
+
+    async def kill(self) -> None:
+        assert self.process is not None
+        self.process.kill()
+        await self.process.wait()
+
+    async def stop(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.kill()
+            with anyio.CancelScope(shield=True):
+                await self.process.wait()
+
+    def acks(self, book: Book) -> None:
+        """Read its new output: each `reported` line (a report the sidecar committed, where) is an
+        acknowledgement to check against the log. A line a kill cut short is skipped."""
+        try:
+            with open(self.output, "rb") as handle:
+                handle.seek(self.read)
+                data = handle.read()
+        except FileNotFoundError:  # not started yet
+            return
+        complete = data.rfind(b"\n") + 1
+        self.read += complete
+        for line in data[:complete].splitlines():
+            if b'"reported"' not in line:
+                continue
+            try:
+                said = msgspec.json.decode(line)
+            except msgspec.DecodeError:
+                continue
+            if said.get("event") != "reported" or "first_seq" not in said:
+                continue
+            self.reports_since_start += 1
+            book.acked(
+                Ack(
+                    command_id=scoped(self.engine_id, "report", said["command_id"]),
+                    kind="report",
+                    engine_id=self.engine_id,
+                    first_seq=said["first_seq"],
+                    last_seq=said["last_seq"],
+                    segment=book.segment,
+                ),
+                bool(said.get("duplicate")),
+            )
+
+
+class SoakSimulation(Simulation):
+    """The simulator's engines on an external sidecar (the serve process), their workers processes."""
+
+    def __init__(self, directory: Path, address: Address, book: Book, world_size: int, log_url: str) -> None:
         super().__init__(directory, frozenset(), world_size=world_size, tier_slots=TIER_SLOTS)
         self._socket_dir.cleanup()  # the harness's own socket directory: the serve process has one
         self.address = address
         self.book = book
+        self.log_url = log_url
         self.soak_engines: list[SoakEngine] = []
-        self.worker_scopes: dict[tuple[str, int], anyio.CancelScope] = {}
-        self.worker_started: dict[tuple[str, int], Worker] = {}
+        self.worker_processes: dict[tuple[str, int], WorkerProcess] = {}
+        self._pools = tempfile.TemporaryDirectory(prefix="kvl-soak-pools-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+        self.pools_dir = Path(self._pools.name)
+        """The engines' device pools, one file a pool and rank, in memory (tmpfs)."""
 
     async def __aenter__(self) -> SoakSimulation:
         self._tasks_cm = anyio.create_task_group()
         self._tasks = await self._tasks_cm.__aenter__()
+        self._tasks.start_soon(self._tail_reports)
         return self
 
     async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
         self._tasks.cancel_scope.cancel()
         await self._tasks_cm.__aexit__(None, None, None)
+        for worker in self.worker_processes.values():
+            await worker.stop()
         for engine in self.engines:
             await engine.client.aclose()
+        self._pools.cleanup()
 
     async def engine(
         self, engine_id: str, namespace: NamespaceSpec, pools: Sequence[PoolSpec], *, encoder_cache_tokens: int = 0
@@ -423,34 +506,73 @@ class SoakSimulation(Simulation):
         assert engine.client.welcome is not None
         self.tally.record(engine.client.welcome.events)
         for rank in range(declare.world_size):
-            self._tasks.start_soon(self._worker_life, engine, rank)
+            worker = WorkerProcess(self, engine_id, rank)
+            self.worker_processes[(engine_id, rank)] = worker
+            self._tasks.start_soon(self._worker_life, worker)
         self.engines.append(engine)
         self.soak_engines.append(engine)
         return engine
 
-    async def _worker_life(self, engine: SoakEngine, rank: int) -> None:
-        """One worker rank, started again from its state file after each kill."""
-        device_pools = engine.workers[rank].pools
+    async def _worker_life(self, worker: WorkerProcess) -> None:
+        """Keep the rank's process running: started again after each kill; an exit nobody asked
+        for is a problem (and it is started again too)."""
         while True:
-            worker = Worker(engine.engine_id, rank, device_pools, self.tiers[rank], engine.state_paths[rank])
-            engine.workers[rank] = worker
-            self.worker_started[(engine.engine_id, rank)] = worker
-            with anyio.CancelScope() as scope:
-                self.worker_scopes[(engine.engine_id, rank)] = scope
+            await worker.start()
+            assert worker.process is not None
+            code = await worker.process.wait()
+            if not worker.killing:
+                self.book.problems.append(f"worker {worker.engine_id}/{worker.rank} exited {code} (see {worker.output})")
+                await anyio.sleep(1.0)
+            worker.killing = False
+
+    async def _tail_reports(self) -> None:
+        """What each worker's report committed, read from the log (a report is an append of its
+        own: RankReported first), handed to its engine; and the workers' acknowledgements."""
+        engines = {engine.engine_id: engine for engine in self.soak_engines}
+        codec = EventCodec()
+        after = 0
+        event_log: EventLog | None = None
+        try:
+            while True:
+                await anyio.sleep(REPORT_POLL)
+                for worker in self.worker_processes.values():
+                    await anyio.to_thread.run_sync(worker.acks, self.book)
                 try:
-                    await worker.run(RecordingWorkerClient(engine, rank, self.book))
-                except (SidecarUnavailable, SidecarError) as error:
-                    self.book.problems.append(f"worker {engine.engine_id}/{rank} gave up: {error}")
-                    await anyio.sleep(1.0)
+                    if event_log is None:
+                        event_log = await open_log(self.log_url)
+                    head = await event_log.head()
+                    if head <= after:
+                        continue
+                    async for batch in stored_steps(event_log, after, head):
+                        for step in batch:
+                            events = decode_step(codec, step, after)
+                            after = step.last_seq
+                            first = events[0] if events else None
+                            if isinstance(first, RankReported | FencedRankDone):  # a report joins its job's engine stream
+                                engines.update({engine.engine_id: engine for engine in self.soak_engines})
+                                engine = engines.get(step.stream_id.removeprefix("engine/"))
+                                if engine is not None:
+                                    engine.reported(first.job_id, first.rank, events)
+                except (LogError, OSError) as error:  # the serve process is down or starting: read again later
+                    console.log(f"report tail: {type(error).__name__}: {error}")
+                    if event_log is not None:
+                        await event_log.close()
+                        event_log = None
+        finally:
+            if event_log is not None:
+                with anyio.CancelScope(shield=True):
+                    await event_log.close()
 
     async def kill_worker(self, engine_id: str, rank: int) -> None:
-        """Once this rank has executed something since it started, cancel it mid-whatever."""
+        """Once this rank has reported something since it started, SIGKILL its process."""
+        worker = self.worker_processes[(engine_id, rank)]
         with anyio.move_on_after(20):
-            while not self.worker_started[(engine_id, rank)].executed:
+            while not worker.reports_since_start:
                 await anyio.sleep(0.01)
-        self.worker_scopes[(engine_id, rank)].cancel()
+        worker.killing = True
+        await worker.kill()
         self.book.worker_kills += 1
-        console.log(f"worker {engine_id}/{rank} killed (its task cancelled, its memory dropped; restarting from its state file)")
+        console.log(f"worker {engine_id}/{rank} SIGKILLed (pid {worker.process.pid if worker.process else '-'}); restarting it")
 
 
 # --- the serve process --------------------------------------------------------------------------------
@@ -720,7 +842,7 @@ async def soak(options: SoakOptions) -> SoakReport:
     try:
         await serve.start()
         console.log(f"serve started (pid {serve.pid})")
-        async with SoakSimulation(directory, Address(socket_path=str(serve.socket)), book, options.world_size) as sim:
+        async with SoakSimulation(directory, Address(socket_path=str(serve.socket)), book, options.world_size, log_url) as sim:
             workload = Workload(sim, random.Random(rng.random()))
             ns = namespace(options.world_size)
             for index in range(options.engines):

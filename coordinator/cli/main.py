@@ -427,6 +427,12 @@ def worker(
         envvar="KVLEDGER_WORKER_STATE",
         help="Where the worker keeps its acknowledged sequence (default: the data directory).",
     ),
+    pools_dir: str | None = typer.Option(
+        None,
+        "--pools-dir",
+        help="Map the engine's KV pools from the files pool-ID.kv in this directory (host memory shared with the "
+        "engine process, e.g. under /dev/shm) instead of allocating pools of its own.",
+    ),
 ) -> None:
     """Run a worker rank: execute the committed decisions (stores, loads, state copies) for it."""
     from pathlib import Path
@@ -443,6 +449,10 @@ def worker(
     if fsync not in ("always", "never"):
         raise typer.BadParameter(f"{fsync!r} is not always or never", param_hint="--fsync")
     device = default_device()
+    if pools_dir:  # the engine's pools, mapped from files: host memory
+        import torch
+
+        device = torch.device("cpu")
     configured: dict[str, str] = {}
     for item in tier:
         name, sep, where = item.partition("=")
@@ -479,7 +489,7 @@ def worker(
         runner = Worker(
             engine,
             rank,
-            DevicePools(welcome.pools, device, welcome.kv_dtype or "uint8"),
+            DevicePools(welcome.pools, device, welcome.kv_dtype or "uint8", directory=Path(pools_dir) if pools_dir else None),
             tiers,
             state / f"worker-{engine}-{rank}.json",
         )

@@ -262,6 +262,24 @@ async def test_a_missing_or_wrong_sized_tier_file_is_a_failed_report_with_its_re
             assert tier.entry(store.items[1].source.pool_id, store.items[1].key) is not None  # the other is kept
 
 
+def test_pools_mapped_from_one_directory_are_one_memory_and_survive_their_mapper(tmp_path: Path) -> None:
+    """`kvledger worker --pools-dir`: an engine and its worker processes map the same pool files,
+    so a worker's copy lands in the engine's memory; a new mapping (a restarted worker) sees what
+    was written before. Only host memory can be mapped from files."""
+    specs = [b.attention_pool(num_blocks=4)]
+    engine = DevicePools(specs, CPU, "bfloat16", directory=tmp_path)
+    worker = DevicePools(specs, CPU, "uint8", directory=tmp_path)
+    ref = BlockRef(0, 2, 1)
+    worker.block(ref).copy_(torch.arange(worker.block(ref).numel(), dtype=torch.uint8))
+    assert torch.equal(engine.block(ref), worker.block(ref))
+    del worker
+    restarted = DevicePools(specs, CPU, "uint8", directory=tmp_path)
+    assert torch.equal(restarted.block(ref), engine.block(ref)) and int(restarted.block(ref).sum()) > 0
+    assert not bool(restarted.block(BlockRef(0, 1, 1)).any())  # created zero-filled
+    with pytest.raises(ValueError, match="host memory"):
+        DevicePools(specs, torch.device("meta"), directory=tmp_path)
+
+
 def test_decisions_naming_the_null_block_or_a_block_outside_the_pool_are_failed_reports(tmp_path: Path) -> None:
     specs = pools_spec()
     worker = Worker("pod-a", 0, DevicePools(specs, CPU), {b.TIER: HostTier(b.TIER, CPU)})

@@ -122,6 +122,30 @@ async def test_a_workers_welcome_never_shows_a_declaration_the_log_has_not_taken
         assert answer.incarnation == 0 and answer.pools == [], answer
 
 
+async def test_a_worker_started_before_its_sidecar_waits_for_it_and_gives_up_after_retry_for(
+    event_log: EventLog, tmp_path: Path
+) -> None:
+    """`kvledger worker` (and the soak's SIGKILLed workers) may start while the sidecar is not up
+    yet, or restarting: its Hello is tried again until the socket answers, within retry_for."""
+    sock = tmp_path / "s.sock"
+    with pytest.raises(OSError):
+        await WorkerClient(Address(socket_path=str(sock)), "pod-a", 0, retry_for=0.3).welcome()
+    welcomed: list[p.Welcome] = []
+
+    async def hello() -> None:
+        welcomed.append(await WorkerClient(Address(socket_path=str(sock)), "pod-a", 0, retry_for=20).welcome())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(hello)
+        await anyio.sleep(0.5)  # the worker is knocking on a socket nobody serves
+        assert not welcomed
+        async with sidecar_on(event_log, sock):
+            with anyio.fail_after(10):
+                while not welcomed:
+                    await anyio.sleep(0.02)
+    assert welcomed[0].incarnation == 0  # answered: its engine is not declared yet
+
+
 def test_a_full_subscription_buffer_cuts_off_with_the_sequence_to_resume_from() -> None:
     subscription = Subscription("pod-a", 0, from_seq=0, registered_at=0, capacity=3)
     decisions = [
