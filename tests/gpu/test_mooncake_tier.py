@@ -4,6 +4,8 @@ sidecar (the simulator's harness) where the engines' bytes are checked against r
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +14,28 @@ import pytest
 import torch
 
 from coordinator.audit.verify_run import VerifyReport, verify_log
+from coordinator.client import Address, EngineClient
+from coordinator.core.commands import AllocateBlocks, DeclareEngine, LoadRequest, MarkComputed, StartLoad, StartOwner, StartStore
 from coordinator.simulator.harness import CPU, TIER, SimEngine, Simulation, Tally
 from coordinator.simulator.report import ALL_SCENARIOS
 from coordinator.simulator.reported import MOONCAKE
 from coordinator.simulator.scenarios import Outcome, admit, attention, load_prefix, namespace, produce, prompt, run_scenario
-from events import BlockRef, EventCodec, LoadItem, LoadJobStarted, PrefixLookedUp, RankReported, StoreJobStarted
+from events import (
+    BlockRef,
+    BlocksAllocated,
+    Event,
+    EventCodec,
+    JobFailed,
+    JobSucceeded,
+    KeyQuarantined,
+    LoadItem,
+    LoadJobStarted,
+    OwnerStarted,
+    PrefixLookedUp,
+    RankReported,
+    StoreJobStarted,
+    TierSpec,
+)
 from events.log import open_log
 from events.log.reading import decode
 from gpu import mooncake
@@ -28,6 +47,7 @@ from gpu.worker import Worker
 from tests.conftest import KAFKA_FETCH_WAIT_MS
 from tests.kit.kafka import KafkaBroker
 from tests.kit.mooncake import MooncakeMaster
+from tests.kit.sidecar import ROOT, Engine, ServeProcess
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +236,119 @@ def test_two_sidecars_on_one_kafka_log_share_the_mooncake_tier_publications_leas
     assert tally_b.loads_checked == 2 and tally_b.wrong_reads == 0 and tally_a.wrong_reads == 0, (tally_a, tally_b)
     assert not tally_a.refusals and not tally_b.refusals, (tally_a.refusals, tally_b.refusals)
     print(f"fleet on one topic: head {head}, groups decided again after the other's append {moved}")
+
+
+@pytest.mark.timeout(240)
+def test_engines_on_two_serve_processes_of_one_kafka_topic_with_worker_processes_share_one_mooncake_store(
+    mooncake_master: MooncakeMaster, kafka_broker: KafkaBroker, tmp_path: Path
+) -> None:
+    """Issue 21, item 2, every part a process of its own: two `kvledger serve` processes on one
+    Kafka topic, a `kvledger worker` process for each engine (its Mooncake client, its engine's
+    pools mapped from files), one Mooncake master. pod-a's blocks, stored through the first
+    sidecar, are found by a lookup on the second (its follower folded them in) and loaded by
+    pod-b's worker into pod-b's blocks, byte for byte, verified against the published checksum;
+    the topic verifies clean."""
+    topic = f"kvl-fleet-proc-{tmp_path.name[-10:]}"
+    tier = f"{TIER}=mooncake:{mooncake_master.address},{mooncake_master.metadata_url}"
+    specs = [attention(num_blocks=8)]
+    servers: list[ServeProcess] = []
+    workers: list[subprocess.Popen[bytes]] = []
+    try:
+        for name in ("a", "b"):
+            (tmp_path / name).mkdir()
+            url = kafka_broker.url(topic, state=tmp_path / name / "state.sqlite", fetch_wait_ms=KAFKA_FETCH_WAIT_MS)
+            servers.append(ServeProcess(tmp_path / name, log=url))
+            servers[-1].start(timeout=60)
+
+        def declare(name: str) -> DeclareEngine:
+            return DeclareEngine(engine_id=f"pod-{name}", namespace=namespace(tp=1), pools=specs, world_size=1, tiers=[TIER])
+
+        async def scenario() -> tuple[list[bytes], torch.Tensor, torch.Tensor]:
+            tier_spec = TierSpec(name=TIER, num_slots=16, bytes_per_slot=1 << 20)
+            clients = [
+                EngineClient(Address(socket_path=str(server.socket)), declare(name), tiers=[tier_spec])
+                for server, name in zip(servers, "ab", strict=True)
+            ]
+            async with clients[0], clients[1]:
+                a, b_ = (Engine(client) for client in clients)
+                for server, name in zip(servers, "ab", strict=True):
+                    command = [sys.executable, "-m", "coordinator.cli", "worker", "--engine", f"pod-{name}", "--rank", "0"]
+                    command += ["--socket", str(server.socket), "--tier", tier, "--state-dir", str(tmp_path / name)]
+                    command += ["--pools-dir", str(tmp_path / name / "pools")]
+                    output = open(tmp_path / name / "worker.log", "wb")  # noqa: SIM115 - the child keeps it
+                    workers.append(subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=output))
+                    output.close()
+                memory = [DevicePools(specs, CPU, directory=tmp_path / name / "pools") for name in "ab"]
+                tokens = prompt(60, 2)
+                owner = next(
+                    e.owner_id
+                    for e in (await a.step([StartOwner(engine_id="pod-a", req_id="a-1")])).results[0]
+                    if isinstance(e, OwnerStarted)
+                )
+                allocated = await a.step([AllocateBlocks(engine_id="pod-a", owner_id=owner, pool_id=0, count=2)])
+                blocks = next(e.blocks for e in allocated.results[0] if isinstance(e, BlocksAllocated))
+                for index, ref in enumerate(blocks):  # pod-a's forward pass
+                    memory[0].block(ref).copy_(torch.full((memory[0].block(ref).numel(),), 17 + index, dtype=torch.uint8))
+                stored = await a.step(
+                    [
+                        MarkComputed(engine_id="pod-a", owner_id=owner, blocks=blocks, token_ids=tokens),
+                        StartStore(engine_id="pod-a", tier=TIER, blocks=blocks),
+                    ]
+                )
+                [decision] = stored.decisions
+                assert isinstance(decision.event, StoreJobStarted)
+                keys = [item.key for item in decision.event.items]
+                with anyio.fail_after(90):  # pod-a's worker stored and reported; the second sidecar folded it in
+                    while True:
+                        hit = await clients[1].lookup(TIER, tokens)
+                        assert isinstance(hit.answer, PrefixLookedUp)
+                        if hit.answer.boundary == len(tokens):
+                            break
+                        await anyio.sleep(0.1)
+                reader = next(
+                    e.owner_id
+                    for e in (await b_.step([StartOwner(engine_id="pod-b", req_id="b-1")])).results[0]
+                    if isinstance(e, OwnerStarted)
+                )
+                allocated = await b_.step([AllocateBlocks(engine_id="pod-b", owner_id=reader, pool_id=0, count=2)])
+                dests = next(e.blocks for e in allocated.results[0] if isinstance(e, BlocksAllocated))
+                await b_.step(
+                    [StartLoad(engine_id="pod-b", tier=TIER, items=[LoadRequest(k, d) for k, d in zip(keys, dests, strict=True)])]
+                )
+                expected = torch.stack([memory[0].block(ref).clone() for ref in blocks])
+                with anyio.fail_after(90):  # pod-b's worker loads from the store into pod-b's blocks
+                    while not torch.equal(torch.stack([memory[1].block(ref) for ref in dests]), expected):
+                        await anyio.sleep(0.1)
+                return keys, expected, torch.stack([memory[1].block(ref).clone() for ref in dests])
+
+        keys, expected, loaded = anyio.run(scenario)
+        assert torch.equal(loaded, expected) and int(expected[1, 0]) == 18
+
+        async def read_back() -> tuple[list[Event], VerifyReport]:
+            fleet = await open_log(kafka_broker.url(topic, state=tmp_path / "reader.sqlite", fetch_wait_ms=KAFKA_FETCH_WAIT_MS))
+            try:
+                with anyio.fail_after(60):
+                    while True:  # pod-b's report may still be on its way
+                        events = [decode(EventCodec(), stored) for stored in await fleet.read(0, 100_000)]
+                        loading = {e.job_id for e in events if isinstance(e, LoadJobStarted)}
+                        if [e for e in events if isinstance(e, JobSucceeded) and e.job_id in loading]:
+                            break
+                        await anyio.sleep(0.2)
+                return events, await verify_log(fleet)
+            finally:
+                await fleet.close()
+
+        events, verified = anyio.run(read_back)
+        assert verified.ok and not verified.violations, verified.violations
+        loads = [e for e in events if isinstance(e, LoadJobStarted)]
+        assert [item.key for item in loads[0].items] == keys and loads[0].engine_id == "pod-b"
+        assert not [e for e in events if isinstance(e, JobFailed | KeyQuarantined)]
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+        for server in servers:
+            server.kill()
 
 
 def test_an_object_the_store_lost_is_a_failed_load_naming_it_and_the_engine_recomputes(store: Any, tmp_path: Path) -> None:

@@ -135,7 +135,8 @@ class RawConnection:
 
 
 class ServeProcess:
-    def __init__(self, directory: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, directory: Path, *extra: str, env: dict[str, str] | None = None, log: str | None = None) -> None:
+        """`log`: the log's URL (default: log.sqlite in `directory`)."""
         self.directory = directory
         self.socket = directory / "kvledger.sock"
         self.log_path = directory / "log.sqlite"
@@ -148,7 +149,7 @@ class ServeProcess:
             "--socket",
             str(self.socket),
             "--log",
-            str(self.log_path),
+            log or str(self.log_path),
             "--http",
             "off",
             *extra,

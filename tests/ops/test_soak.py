@@ -96,6 +96,47 @@ def test_soak_with_two_serve_kills_and_a_worker_kill_passes_every_check(tmp_path
     assert "every check passed" in out.getvalue() and "FAIL" not in out.getvalue()
 
 
+@pytest.mark.timeout(180)
+def test_the_kafka_soak_rides_through_a_broker_outage_a_serve_kill_and_a_worker_kill(tmp_path: Path) -> None:
+    """--log kafka: the soak starts a Tansu broker and logs to a topic there. The broker stops
+    answering for a while (SIGSTOP: appends time out, the sidecar retries), the serve process
+    and a `kvledger worker` process are SIGKILLed; every check passes, the memory check allowing
+    the Kafka log's own in-memory copy of its events."""
+    from tests.conftest import REQUIRE_KAFKA
+    from tests.kit.kafka import BrokerUnavailable, broker_binary
+
+    try:
+        broker_binary()
+    except BrokerUnavailable as unavailable:
+        if REQUIRE_KAFKA:
+            pytest.fail(f"no Kafka broker for the soak: {unavailable}; KVLEDGER_REQUIRE_KAFKA=1 makes this a failure")
+        pytest.skip(f"no Kafka broker for the soak: {unavailable}")
+    options = soak.SoakOptions(
+        seconds=20,
+        engines=2,
+        seed=12,
+        log=soak.KAFKA,
+        directory=tmp_path / "run",
+        serve_kill_every=0,
+        worker_kill_every=0,
+        broker_pause_every=0,
+        forced_serve_kills=1,
+        forced_worker_kills=1,
+        forced_broker_pauses=1,
+        first_fault=2.0,
+        steps_between_kills=3,
+        warmup=3.0,
+        rss_every=0.25,
+    )
+    report = soak.run_soak(options)
+    out = io.StringIO()
+    soak.print_report(report, Console(file=out, width=200))
+    assert not [check for check in report.checks if not check.passed], out.getvalue()
+    assert report.log.startswith("kafka://") and "for the Kafka log's" in out.getvalue()
+    assert (report.serve_kills, report.worker_kills, report.broker_pauses) == (1, 1, 1), out.getvalue()
+    assert report.steps_after_restart > 0 and report.loads_checked > 0 and report.wrong_reads == 0
+
+
 # --- a retried step, regrouped per command ------------------------------------------------------------
 
 
