@@ -265,6 +265,8 @@ class RssSample(msgspec.Struct, frozen=True, array_like=True):
     since_start: float
     """Seconds since that start."""
     mb: float
+    events: int = 0
+    """The log's head when the sample was taken (what a log that keeps its events in memory holds)."""
 
 
 class Segment(msgspec.Struct, frozen=True, kw_only=True):
@@ -282,6 +284,8 @@ class Segment(msgspec.Struct, frozen=True, kw_only=True):
     growth_mb: float
     growth_pct: float
     flat: bool
+    allowed_mb: float = 0.0
+    """Growth allowed beyond the limit: bytes_per_event times the events appended over the window."""
 
 
 def rss_segments(
@@ -291,21 +295,25 @@ def rss_segments(
     limit_mb: float,
     limit_pct: float,
     min_samples: int = 8,
-    allowance_mb: float = 0.0,
+    bytes_per_event: float = 0.0,
 ) -> list[Segment]:
     """Per restart segment: growth after warm-up, start and end each a median of a quarter of the
     samples (one sample's allocator noise moves neither). Flat: growth within the larger limit,
-    plus `allowance_mb` (what the log itself keeps in memory by design: the Kafka log's events)."""
+    plus `bytes_per_event` for each event appended over the same window (what a log that keeps
+    its events in memory, the Kafka log, holds by design)."""
     segments = []
     for number in sorted({s.segment for s in samples}):
         mine = [s for s in samples if s.segment == number]
-        after = [s.mb for s in mine if s.since_start >= warmup]
+        window = [s for s in mine if s.since_start >= warmup]
+        after = [s.mb for s in window]
         judged = len(after) >= min_samples
         quarter = max(1, len(after) // 4)
         start = statistics.median(after[:quarter]) if after else 0.0
         end = statistics.median(after[-quarter:]) if after else 0.0
         growth = end - start
-        flat = not judged or growth <= max(limit_mb, start * limit_pct / 100) + allowance_mb
+        appended = (window[-1].events - window[0].events) if window else 0
+        allowed = bytes_per_event * appended / 1e6
+        flat = not judged or growth <= max(limit_mb, start * limit_pct / 100) + allowed
         segments.append(
             Segment(
                 segment=number,
@@ -318,6 +326,7 @@ def rss_segments(
                 growth_mb=round(growth, 1),
                 growth_pct=round(100 * growth / start, 1) if start else 0.0,
                 flat=flat,
+                allowed_mb=round(allowed, 1),
             )
         )
     return segments
@@ -333,9 +342,10 @@ def check_memory(segments: Sequence[Segment], *, warmup: float, limit_mb: float,
     if not judged:
         return Check(name, False, f"no segment ran long enough after warm-up to judge ({limit})")
     worst = max(judged, key=lambda s: s.growth_mb)
+    allowed = f" (allowed beyond the limit there: {worst.allowed_mb:.1f} MB)" if allowance else ""
     detail = (
         f"{len(judged)} of {len(segments)} segments judged; largest growth {worst.growth_mb:+.1f} MB "
-        f"({worst.growth_pct:+.1f}%) in segment {worst.segment}; {limit}"
+        f"({worst.growth_pct:+.1f}%) in segment {worst.segment}{allowed}; {limit}"
     )
     if grown:
         detail = f"segments {[s.segment for s in grown]} grew past the limit; " + detail

@@ -263,6 +263,13 @@ def test_engines_on_two_serve_processes_of_one_kafka_topic_with_worker_processes
         def declare(name: str) -> DeclareEngine:
             return DeclareEngine(engine_id=f"pod-{name}", namespace=namespace(tp=1), pools=specs, world_size=1, tiers=[TIER])
 
+        async def admitted(engine: Engine, engine_id: str) -> tuple[int, list[BlockRef]]:
+            """A request of `engine_id`, given two blocks: (its owner, the blocks)."""
+            started = await engine.step([StartOwner(engine_id=engine_id, req_id=f"{engine_id}-1")])
+            owner = next(e.owner_id for e in started.results[0] if isinstance(e, OwnerStarted))
+            allocated = await engine.step([AllocateBlocks(engine_id=engine_id, owner_id=owner, pool_id=0, count=2)])
+            return owner, next(e.blocks for e in allocated.results[0] if isinstance(e, BlocksAllocated))
+
         async def scenario() -> tuple[list[bytes], torch.Tensor, torch.Tensor]:
             tier_spec = TierSpec(name=TIER, num_slots=16, bytes_per_slot=1 << 20)
             clients = [
@@ -280,13 +287,7 @@ def test_engines_on_two_serve_processes_of_one_kafka_topic_with_worker_processes
                     output.close()
                 memory = [DevicePools(specs, CPU, directory=tmp_path / name / "pools") for name in "ab"]
                 tokens = prompt(60, 2)
-                owner = next(
-                    e.owner_id
-                    for e in (await a.step([StartOwner(engine_id="pod-a", req_id="a-1")])).results[0]
-                    if isinstance(e, OwnerStarted)
-                )
-                allocated = await a.step([AllocateBlocks(engine_id="pod-a", owner_id=owner, pool_id=0, count=2)])
-                blocks = next(e.blocks for e in allocated.results[0] if isinstance(e, BlocksAllocated))
+                owner, blocks = await admitted(a, "pod-a")
                 for index, ref in enumerate(blocks):  # pod-a's forward pass
                     memory[0].block(ref).copy_(torch.full((memory[0].block(ref).numel(),), 17 + index, dtype=torch.uint8))
                 stored = await a.step(
@@ -305,13 +306,7 @@ def test_engines_on_two_serve_processes_of_one_kafka_topic_with_worker_processes
                         if hit.answer.boundary == len(tokens):
                             break
                         await anyio.sleep(0.1)
-                reader = next(
-                    e.owner_id
-                    for e in (await b_.step([StartOwner(engine_id="pod-b", req_id="b-1")])).results[0]
-                    if isinstance(e, OwnerStarted)
-                )
-                allocated = await b_.step([AllocateBlocks(engine_id="pod-b", owner_id=reader, pool_id=0, count=2)])
-                dests = next(e.blocks for e in allocated.results[0] if isinstance(e, BlocksAllocated))
+                _, dests = await admitted(b_, "pod-b")
                 await b_.step(
                     [StartLoad(engine_id="pod-b", tier=TIER, items=[LoadRequest(k, d) for k, d in zip(keys, dests, strict=True)])]
                 )

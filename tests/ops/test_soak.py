@@ -254,6 +254,26 @@ def test_refusal_check_accepts_only_what_the_workload_or_a_fault_that_happened_e
     assert not unexplained.passed and "JobFailed:checksum_mismatch x1" in unexplained.detail
 
 
+def test_on_a_log_that_keeps_its_events_in_memory_growth_is_allowed_per_event_appended_and_no_more() -> None:
+    """The Kafka soak's memory check: growth up to bytes_per_event for each event appended over
+    the judged window passes; the same growth with fewer events appended, or more growth, fails."""
+    # 30 MB over the window while 100,000 events were appended: 300 B an event.
+    kafka = [RssSample(0, t / 2, 90.0 + t * 0.5, events=t * 1_700) for t in range(80)]
+    [allowed] = rss_segments(kafka, warmup=10.0, limit_mb=8.0, limit_pct=5.0, bytes_per_event=512)
+    [without] = rss_segments(kafka, warmup=10.0, limit_mb=8.0, limit_pct=5.0)
+    [too_few] = rss_segments(
+        [RssSample(0, s.since_start, s.mb, events=s.events // 10) for s in kafka],
+        warmup=10.0,
+        limit_mb=8.0,
+        limit_pct=5.0,
+        bytes_per_event=512,
+    )
+    assert allowed.judged and allowed.flat and allowed.allowed_mb > allowed.growth_mb > 8.0
+    assert not without.flat and not too_few.flat
+    check = check_memory([allowed], warmup=10.0, limit_mb=8.0, limit_pct=5.0, allowance="512 B an event")
+    assert check.passed and "allowed beyond the limit there" in check.detail
+
+
 def test_memory_check_judges_segments_after_warm_up_and_fails_growth() -> None:
     flat = [RssSample(0, t / 2, 90.0 + (t % 3) * 0.1) for t in range(60)]
     growing = [RssSample(1, t / 2, 90.0 + t * 0.5) for t in range(60)]
