@@ -229,14 +229,16 @@ class Simulation:
     async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         self._tasks.cancel_scope.cancel()
         await self._tasks_cm.__aexit__(None, None, None)
-        for engine in self.engines:
-            await engine.client.aclose()
-        await self._sidecar_cm.__aexit__(kind, error, tb)
-        assert self.log is not None
-        await self.log.close()
-        self._socket_dir.cleanup()
-        if self._own_dir is not None:
-            self._own_dir.cleanup()
+        try:
+            for engine in self.engines:
+                await engine.client.aclose()
+            await self._sidecar_cm.__aexit__(kind, error, tb)
+        finally:  # even when the sidecar's exit raised (a scenario failed): no log left open
+            assert self.log is not None
+            await self.log.close()
+            self._socket_dir.cleanup()
+            if self._own_dir is not None:
+                self._own_dir.cleanup()
 
     async def engine(
         self, engine_id: str, namespace: NamespaceSpec, pools: Sequence[PoolSpec], *, encoder_cache_tokens: int = 0

@@ -247,9 +247,11 @@ def test_engines_on_two_serve_processes_of_one_kafka_topic_with_worker_processes
     pools mapped from files), one Mooncake master. pod-a's blocks, stored through the first
     sidecar, are found by a lookup on the second (its follower folded them in) and loaded by
     pod-b's worker into pod-b's blocks, byte for byte, verified against the published checksum;
-    the topic verifies clean."""
+    the topic verifies clean. On a master of its own: the worker processes are killed at the end,
+    and a dead client's segment takes the master's later puts for ~10 s (-800)."""
     topic = f"kvl-fleet-proc-{tmp_path.name[-10:]}"
-    tier = f"{TIER}=mooncake:{mooncake_master.address},{mooncake_master.metadata_url}"
+    master = MooncakeMaster.start(tmp_path)  # the session's (mooncake_master) says whether there is a Mooncake
+    tier = f"{TIER}=mooncake:{master.address},{master.metadata_url}"
     specs = [attention(num_blocks=8)]
     servers: list[ServeProcess] = []
     workers: list[subprocess.Popen[bytes]] = []
@@ -344,6 +346,7 @@ def test_engines_on_two_serve_processes_of_one_kafka_topic_with_worker_processes
             worker.wait()
         for server in servers:
             server.kill()
+        master.stop()
 
 
 def test_an_object_the_store_lost_is_a_failed_load_naming_it_and_the_engine_recomputes(store: Any, tmp_path: Path) -> None:

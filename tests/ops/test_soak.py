@@ -132,7 +132,7 @@ def test_the_kafka_soak_rides_through_a_broker_outage_a_serve_kill_and_a_worker_
     out = io.StringIO()
     soak.print_report(report, Console(file=out, width=200))
     assert not [check for check in report.checks if not check.passed], out.getvalue()
-    assert report.log.startswith("kafka://") and "for the Kafka log's" in out.getvalue()
+    assert report.log.startswith("kafka://") and "each event the Kafka log appended" in out.getvalue()
     assert (report.serve_kills, report.worker_kills, report.broker_pauses) == (1, 1, 1), out.getvalue()
     assert report.steps_after_restart > 0 and report.loads_checked > 0 and report.wrong_reads == 0
 

