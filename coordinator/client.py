@@ -347,15 +347,16 @@ class WorkerClient:
 
     async def welcome(self) -> p.Welcome:
         """Hello as this worker; the Welcome names the engine's pools once it is declared. A
-        sidecar that cannot be reached (not started yet, or restarting) is waited for, up to
-        retry_for: a worker process started beside it need not be started after it."""
+        sidecar that cannot be reached (not started yet, or restarting: a refused or reset
+        connection) is waited for, up to retry_for: a worker process started beside it need not
+        be started after it."""
         deadline = anyio.current_time() + self.retry_for
         delay = 0.05
         while True:
             try:
                 channel = await self._open()
                 break
-            except OSError:
+            except _LOST:  # refused, or reset mid-Hello by a sidecar going down
                 if anyio.current_time() + delay > deadline:
                     raise
                 await anyio.sleep(delay)

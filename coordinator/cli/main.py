@@ -504,6 +504,9 @@ def worker(
     except (SidecarError, SidecarUnavailable, OSError, TierError, ImportError) as error:
         typer.echo(f"kvledger worker: {error}", err=True)
         raise typer.Exit(code=1) from None
+    except (anyio.BrokenResourceError, anyio.EndOfStream, anyio.ClosedResourceError) as error:
+        typer.echo(f"kvledger worker: the sidecar closed the connection ({type(error).__name__})", err=True)
+        raise typer.Exit(code=1) from None
 
 
 @app.command()
