@@ -285,13 +285,19 @@ class Sidecar:
             if not stat.S_ISSOCK(path.lstat().st_mode):
                 raise ConfigError(f"--socket {path} exists and is not a socket; refusing to replace it")
             path.unlink()
+        # Bound and listening under a name of its own, then renamed into place: the socket's path
+        # appears only once a client can connect (a client that waits for the file, as
+        # supervisors and tests do, was refused in the gap between bind and listen).
+        pending = path.with_name(f".{os.getpid()}.sock")  # no longer than most names: a socket path has a length limit
+        pending.unlink(missing_ok=True)
         previous = os.umask(0o177)  # the socket is created owner-only, never briefly open
         try:
-            unix = await unix_streams.create_unix_listener(path)
+            unix = await unix_streams.create_unix_listener(pending)
         finally:
             os.umask(previous)
         # Owner-only, unless other uids may connect: then the kernel's peer uid is the check (_handle).
-        os.chmod(path, 0o600 if self.socket_uids <= {os.geteuid()} else 0o666)
+        os.chmod(pending, 0o600 if self.socket_uids <= {os.geteuid()} else 0o666)
+        os.replace(pending, path)
         listeners.append(unix)
         if self.config.tcp is not None:
             host, port = self.config.tcp
