@@ -17,6 +17,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import anyio
 import asyncpg
@@ -88,14 +89,19 @@ def _drop_pg_database(name: str) -> None:
     anyio.run(drop)
 
 
+def unavailable(message: str, required: bool, variable: str) -> NoReturn:
+    """A real component a test needs is missing: skipped saying why, or, where CI requires it
+    (`variable`=1, set by .ci/run), a failure."""
+    if required:
+        pytest.fail(f"{message}; {variable}=1 makes this a failure")
+    pytest.skip(message)
+
+
 def require_postgres() -> None:
     problem = pg_problem()
     if problem is None:
         return
-    message = f"PostgreSQL at {PG_URL} is not reachable ({problem})"
-    if REQUIRE_PG:
-        pytest.fail(message + "; KVLEDGER_REQUIRE_POSTGRES=1 makes this a failure")
-    pytest.skip(message)
+    unavailable(f"PostgreSQL at {PG_URL} is not reachable ({problem})", REQUIRE_PG, "KVLEDGER_REQUIRE_POSTGRES")
 
 
 @pytest.fixture(scope="session")
@@ -103,11 +109,8 @@ def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Moonca
     """One real Mooncake Store master for the session (tests/kit/mooncake.py), stopped at its end."""
     try:
         master = MooncakeMaster.start(tmp_path_factory.mktemp("mooncake"))
-    except MooncakeUnavailable as unavailable:
-        message = f"no Mooncake Store for the tests: {unavailable}"
-        if REQUIRE_MOONCAKE:
-            pytest.fail(message + "; KVLEDGER_REQUIRE_MOONCAKE=1 makes this a failure")
-        pytest.skip(message)
+    except MooncakeUnavailable as missing:
+        unavailable(f"no Mooncake Store for the tests: {missing}", REQUIRE_MOONCAKE, "KVLEDGER_REQUIRE_MOONCAKE")
     try:
         yield master
     finally:
@@ -119,11 +122,8 @@ def kafka_broker() -> Iterator[KafkaBroker]:
     """One Tansu broker for the whole session, stopped at its end."""
     try:
         broker = KafkaBroker.start()
-    except BrokerUnavailable as unavailable:
-        message = f"no Kafka broker for the tests: {unavailable}"
-        if REQUIRE_KAFKA:
-            pytest.fail(message + "; KVLEDGER_REQUIRE_KAFKA=1 makes this a failure")
-        pytest.skip(message)
+    except BrokerUnavailable as missing:
+        unavailable(f"no Kafka broker for the tests: {missing}", REQUIRE_KAFKA, "KVLEDGER_REQUIRE_KAFKA")
     try:
         yield broker
     finally:

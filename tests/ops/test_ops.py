@@ -42,6 +42,7 @@ from prometheus_client import generate_latest
 from coordinator.audit.fleet_http import FleetHealth
 from coordinator.cli.main import app
 from events.log import open_log
+from tests.conftest import unavailable
 from tests.kit.sidecar import sidecar_on
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -370,10 +371,11 @@ def promtool() -> str:
     for candidate in candidates:
         if candidate is not None and os.access(candidate, os.X_OK):
             return str(candidate)
-    message = "promtool not found in .tools/prometheus or on PATH (install it: sh ops/tools/install-promtool.sh)"
-    if REQUIRE_PROMTOOL:
-        pytest.fail(message + "; KVLEDGER_REQUIRE_PROMTOOL=1 makes this a failure")
-    pytest.skip(message)
+    unavailable(
+        "promtool not found in .tools/prometheus or on PATH (install it: sh ops/tools/install-promtool.sh)",
+        REQUIRE_PROMTOOL,
+        "KVLEDGER_REQUIRE_PROMTOOL",
+    )
 
 
 def run_promtool(*args: str) -> subprocess.CompletedProcess[str]:

@@ -102,15 +102,13 @@ def test_the_kafka_soak_rides_through_a_broker_outage_a_serve_kill_and_a_worker_
     answering for a while (SIGSTOP: appends time out, the sidecar retries), the serve process
     and a `kvledger worker` process are SIGKILLed; every check passes, the memory check allowing
     the Kafka log's own in-memory copy of its events."""
-    from tests.conftest import REQUIRE_KAFKA
+    from tests.conftest import REQUIRE_KAFKA, unavailable
     from tests.kit.kafka import BrokerUnavailable, broker_binary
 
     try:
         broker_binary()
-    except BrokerUnavailable as unavailable:
-        if REQUIRE_KAFKA:
-            pytest.fail(f"no Kafka broker for the soak: {unavailable}; KVLEDGER_REQUIRE_KAFKA=1 makes this a failure")
-        pytest.skip(f"no Kafka broker for the soak: {unavailable}")
+    except BrokerUnavailable as missing:
+        unavailable(f"no Kafka broker for the soak: {missing}", REQUIRE_KAFKA, "KVLEDGER_REQUIRE_KAFKA")
     options = soak.SoakOptions(
         seconds=20,
         engines=2,

@@ -30,7 +30,7 @@ from coordinator.core.commands import StartOwner
 from events import EventCodec, OwnerStarted, StepBegan
 from events.log import open_log
 from events.log.kafka_target import parse_kafka_url
-from tests.conftest import REQUIRE_KAFKA
+from tests.conftest import REQUIRE_KAFKA, unavailable
 from tests.kit.kafka import BrokerUnavailable, KafkaBroker, free_port
 from tests.kit.sidecar import ROOT, TIER_SPEC, ServeProcess, declaration
 
@@ -45,10 +45,8 @@ def broker() -> Iterator[KafkaBroker]:
     """A broker of this test's own, which it may kill."""
     try:
         broker = KafkaBroker.start()
-    except BrokerUnavailable as unavailable:
-        if REQUIRE_KAFKA:
-            pytest.fail(f"no Kafka broker for the tests: {unavailable}; KVLEDGER_REQUIRE_KAFKA=1 makes this a failure")
-        pytest.skip(f"no Kafka broker for the tests: {unavailable}")
+    except BrokerUnavailable as missing:
+        unavailable(f"no Kafka broker for the tests: {missing}", REQUIRE_KAFKA, "KVLEDGER_REQUIRE_KAFKA")
     try:
         yield broker
     finally:
