@@ -170,8 +170,9 @@ class HeadMoved(LogError):
     head it was decided on (`expected_head`) and the log is past it. Nothing was appended; the
     appender reads what the other wrote and decides again (two sidecars on one log)."""
 
-    def __init__(self, expected: int, actual: int) -> None:
-        super().__init__(f"the log's head is at global sequence {actual}, the append was decided at {expected}")
+    def __init__(self, expected: int, actual: int, *, detail: str = "") -> None:
+        because = f": {detail}" if detail else ""
+        super().__init__(f"the log's head is at global sequence {actual}, the append was decided at {expected}{because}")
         self.expected, self.actual = expected, actual
 
 

@@ -13,13 +13,20 @@ Records (value: msgpack, array-like structs; Kafka headers `kvl-format` and `kvl
 * `append` (AppendRecord): one EventLog.append, whole: one StepPart per stream written, each
   with the writer's epoch on that stream, the version it expects, its command id, and the
   step's events encoded as the SQL log stores them (pack_step: a header naming each event, the
-  payloads concatenated). One record is one atomic append: accepted whole or not at all.
+  payloads concatenated). An append is atomic: accepted whole or not at all.
+* `appends` (format 2): several appends of one writer in one record, the ones it queued while
+  its previous record travelled. Each is judged alone, in order, as if it were a record of its
+  own at that offset; they share the record's offset, not its fate.
 
 Rules for an append record, part by part; a refused part refuses the whole record:
 
 0. (The whole record.) Its expected head, if it names one, must be the log's head: else HeadMoved
    (another writer's record came first; the writer reads it and decides again). A copy of an
    accepted record (rule 2) is refused by this rule too, which changes nothing: it was applied once.
+   A record that names the head also names the record its writer had in flight when it decided
+   (`follows`, appends are pipelined): that record must be the writer's last one that appended
+   something, else HeadMoved too. A head is a count: without this, a record decided on a refused
+   predecessor would pass rule 0 whenever another writer's record happened to add as many events.
 
 1. A part whose command id is already committed is answered by the original (duplicate).
 2. A part with the same stream, first version and event ids as an accepted step is a copy of it
@@ -30,8 +37,10 @@ Rules for an append record, part by part; a refused part refuses the whole recor
 5. Its event ids must be new to the log: else AppendRejected.
 Accepted parts take consecutive global sequences after the head, in part order.
 
-A record without `kvl-format` is not kvledger's and is skipped; a record in another format fails
-closed (SchemaMismatch): folding it differently from a newer reader would fork global sequences.
+A record without `kvl-format` is not kvledger's and is skipped; a record in a format this code does
+not read fails closed (SchemaMismatch): folding it differently from a newer reader would fork
+global sequences. Format 2 added `follows` to append records: a format-1 reader refuses them
+rather than ignore the field; format-1 records are read as ever (no `follows`).
 A kvledger record whose bytes do not decode is skipped by every reader alike.
 """
 
@@ -55,10 +64,13 @@ from events.log._contract import (
     WrongExpectedVersion,
 )
 
-FORMAT = b"1"
+FORMAT = b"2"
+"""What this code writes."""
+READABLE_FORMATS = (b"1", b"2")
 FORMAT_HEADER = "kvl-format"
 KIND_HEADER = "kvl-kind"
 APPEND = b"append"
+APPENDS = b"appends"
 CLAIM = b"claim"
 
 Headers = Sequence[tuple[str, bytes]]
@@ -89,6 +101,9 @@ class AppendRecord(msgspec.Struct, frozen=True, array_like=True):
     parts: list[StepPart]
     expected_head: int | None = None
     """The log's last global sequence the writer decided on (rule 0); absent: any."""
+    follows: str | None = None
+    """With expected_head: the append id of the writer's record still in flight when it decided
+    (rule 0), None when it had none."""
 
 
 class ClaimRecord(msgspec.Struct, frozen=True, array_like=True):
@@ -100,6 +115,7 @@ class ClaimRecord(msgspec.Struct, frozen=True, array_like=True):
 
 _encoder = msgspec.msgpack.Encoder()
 _append_decoder = msgspec.msgpack.Decoder(AppendRecord)
+_appends_decoder = msgspec.msgpack.Decoder(list[AppendRecord])
 _claim_decoder = msgspec.msgpack.Decoder(ClaimRecord)
 _entries_decoder = msgspec.msgpack.Decoder(list[StepEntry])
 
@@ -109,13 +125,31 @@ def encode_append(record: AppendRecord) -> tuple[bytes, list[tuple[str, bytes]]]
     return _encoder.encode(record), [(FORMAT_HEADER, FORMAT), (KIND_HEADER, APPEND)]
 
 
+def encode_appends(records: Sequence[AppendRecord]) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """(value, headers) of a record carrying several appends (format 2), each judged alone, in order."""
+    return _encoder.encode(records), [(FORMAT_HEADER, FORMAT), (KIND_HEADER, APPENDS)]
+
+
 def encode_claim(record: ClaimRecord) -> tuple[bytes, list[tuple[str, bytes]]]:
     return _encoder.encode(record), [(FORMAT_HEADER, FORMAT), (KIND_HEADER, CLAIM)]
 
 
+ReadAppend = tuple[AppendRecord, list[tuple[StepPart, list[str]]]]
+"""An append record as the fold reads it: each part with its events' ids, in order."""
+
 Verdict = list[AppendResult] | dict[str, int] | LogError
 """What the fold made of an awaited record: an append's results (one per part), the epochs a
 claim won (stream -> epoch), or the error that refused an append."""
+
+
+def first_repeated(ids: Sequence[str], known: set[str]) -> str:
+    """The first of `ids` that is in `known` or earlier in `ids` (there is one)."""
+    seen: set[str] = set()
+    for event_id in ids:
+        if event_id in known or event_id in seen:
+            return event_id
+        seen.add(event_id)
+    raise ValueError("no repeated event id")
 
 
 def _ids_digest(event_ids: Iterable[str]) -> bytes:
@@ -146,6 +180,8 @@ class KafkaFold:
         self.event_ids: set[str] = set()
         self._step_keys: dict[tuple[str, int], tuple[bytes, AppendResult]] = {}
         """(stream, first version) -> (digest of its event ids, its result): spots copies."""
+        self._last_appended: dict[str, str] = {}
+        """writer -> the append id of its last record that appended something (rule 0's follows)."""
         self.awaited: set[str] = set()
         """Ids of this process's records whose verdicts are wanted."""
         self.verdicts: dict[str, Verdict] = {}
@@ -154,9 +190,13 @@ class KafkaFold:
 
     # --- folding ---------------------------------------------------------------------------
 
-    def fold(self, offset: int, headers: Headers, value: bytes | None) -> str | None:
+    def fold(self, offset: int, headers: Headers, value: bytes | None, decoded: Sequence[ReadAppend] | None = None) -> str | None:
         """Fold the record at `offset` (at or after next_offset); returns why it was skipped,
-        if it was. Raises SchemaMismatch for a record in a format this code does not read."""
+        if it was. Raises SchemaMismatch for a record in a format this code does not read.
+
+        `decoded`: the appends of an `appends` record whose value the caller encoded itself from
+        exactly these (a writer folding its own record), each with its parts' event ids, so
+        they are not decoded back from the bytes."""
         if offset < self.next_offset:
             raise ValueError(f"offset {offset} folded twice (next is {self.next_offset})")
         self.next_offset = offset + 1
@@ -166,28 +206,37 @@ class KafkaFold:
         record_format, kind = named.get(FORMAT_HEADER), named.get(KIND_HEADER)
         if record_format is None:
             return "not a kvledger record (no kvl-format header)"
-        if record_format != FORMAT or kind not in (APPEND, CLAIM):
+        kinds = (APPEND, CLAIM, APPENDS) if record_format == FORMAT else (APPEND, CLAIM)
+        if record_format not in READABLE_FORMATS or kind not in kinds:
+            readable = ", ".join(repr(known) for known in READABLE_FORMATS)
             raise SchemaMismatch(
                 f"the record at offset {offset} is kvledger format {record_format!r}, kind {kind!r}; this kvledger "
-                f"reads format {FORMAT!r} (append, claim): upgrade it before reading this topic"
+                f"reads formats {readable} (append, appends, claim): upgrade it before reading this topic"
             )
+        if decoded is not None and kind == APPENDS:
+            for own, read in decoded:
+                self._settle(own.append_id, self._fold_append(own, read))
+            return None
         try:
             if kind == CLAIM:
                 claim = _claim_decoder.decode(value or b"")
                 self._settle(claim.claim_id, self._fold_claim(claim))
                 return None
-            record = _append_decoder.decode(value or b"")
-            parts = [(part, _entries_decoder.decode(part.header)) for part in record.parts]
+            records = _appends_decoder.decode(value or b"") if kind == APPENDS else [_append_decoder.decode(value or b"")]
+            appends = [(record, [(part, _entries_decoder.decode(part.header)) for part in record.parts]) for record in records]
         except msgspec.DecodeError as error:
-            return f"undecodable {kind.decode()} record: {error}"
-        garbled = next((p for p, entries in parts if sum(e.length for e in entries) != len(p.payload)), None)
-        if garbled is not None:
-            verdict: Verdict = AppendRejected(f"the record at offset {offset} is garbled: its header and payload disagree")
-            self._settle(record.append_id, verdict)
-            return f"stream {garbled.stream_id!r}: header and payload lengths disagree"
-        verdict = self._fold_append(record, parts)
-        self._settle(record.append_id, verdict)
-        return None
+            return f"undecodable {kind!r} record: {error}"
+        skipped = None
+        for record, parts in appends:
+            garbled = next((p for p, entries in parts if sum(e.length for e in entries) != len(p.payload)), None)
+            if garbled is not None:
+                rejected = AppendRejected(f"the record at offset {offset} is garbled: its header and payload disagree")
+                self._settle(record.append_id, rejected)
+                skipped = f"stream {garbled.stream_id!r}: header and payload lengths disagree"
+                continue
+            read = [(part, [entry.event_id for entry in entries]) for part, entries in parts]
+            self._settle(record.append_id, self._fold_append(record, read))
+        return skipped
 
     def _settle(self, record_id: str, verdict: Verdict) -> None:
         if record_id in self.awaited:  # the first copy's verdict stands
@@ -202,24 +251,30 @@ class KafkaFold:
                 won[stream] = epoch
         return won
 
-    def _fold_append(self, record: AppendRecord, parts: list[tuple[StepPart, list[StepEntry]]]) -> Verdict:
+    def _fold_append(self, record: AppendRecord, parts: Sequence[tuple[StepPart, list[str]]]) -> Verdict:
         head = self.head
-        if record.expected_head is not None and record.expected_head != head:
-            return HeadMoved(record.expected_head, head)
+        if record.expected_head is not None:
+            if record.expected_head != head:
+                return HeadMoved(record.expected_head, head)
+            if record.follows is not None and self._last_appended.get(record.writer) != record.follows:
+                return HeadMoved(
+                    record.expected_head,
+                    head,
+                    detail=f"the record it was decided after ({record.follows}) was not accepted",
+                )
         versions: dict[str, int] = {}
         commands: dict[str, AppendResult] = {}
         new_ids: set[str] = set()
         steps: list[StoredStep] = []
         keys: dict[tuple[str, int], tuple[bytes, AppendResult]] = {}
         results: list[AppendResult] = []
-        for part, entries in parts:
+        for part, ids in parts:
             stream, command_id = part.stream_id, part.command_id
             if command_id is not None:
                 done = commands[command_id] if command_id in commands else self.commands.get(command_id)
                 if done is not None:
                     results.append(done)
                     continue
-            ids = [entry.event_id for entry in entries]
             key = (stream, part.expected_version + 1)
             digest = _ids_digest(ids)
             if ids:
@@ -236,11 +291,10 @@ class KafkaFold:
             actual = versions.get(stream, self.versions.get(stream, 0))
             if part.expected_version != actual:
                 return WrongExpectedVersion(stream, part.expected_version, actual)
-            seen = set()
-            for event_id in ids:
-                if event_id in seen or event_id in new_ids or event_id in self.event_ids:
-                    return AppendRejected(f"event id {event_id!r} is already in the log (stream {stream!r})")
-                seen.add(event_id)
+            seen = set(ids)  # set operations, not a loop an event: this runs for every record read
+            if len(seen) != len(ids) or not seen.isdisjoint(new_ids) or not seen.isdisjoint(self.event_ids):
+                repeated = first_repeated(ids, new_ids | self.event_ids)
+                return AppendRejected(f"event id {repeated!r} is already in the log (stream {stream!r})")
             new_ids |= seen
             count = len(ids)
             first, last = (head + 1, head + count) if count else (0, 0)
@@ -271,6 +325,8 @@ class KafkaFold:
         self.commands.update(commands)
         self.event_ids |= new_ids
         self._step_keys.update(keys)
+        if steps:
+            self._last_appended[record.writer] = record.append_id
         return results
 
     # --- reading ---------------------------------------------------------------------------

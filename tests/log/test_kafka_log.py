@@ -35,6 +35,7 @@ from events.log import (
     AppendRejected,
     AppendResult,
     EventLog,
+    HeadMoved,
     KafkaEventLog,
     LogDiverged,
     LogError,
@@ -56,6 +57,7 @@ from events.log._kafka_fold import (
     KafkaFold,
     StepPart,
     encode_append,
+    encode_appends,
     encode_claim,
 )
 from events.log.kafka_target import parse_kafka_url
@@ -87,8 +89,10 @@ def part(stream: str, epoch: int, expected: int, ids: Sequence[str], command_id:
     return StepPart(stream, epoch, expected, command_id, 1, 1.5, schemas, header, payload)
 
 
-def append_record(writer: str, *parts: StepPart, append_id: str | None = None) -> Record:
-    return encode_append(AppendRecord(append_id or uuid.uuid4().hex, writer, list(parts)))
+def append_record(
+    writer: str, *parts: StepPart, append_id: str | None = None, expected_head: int | None = None, follows: str | None = None
+) -> Record:
+    return encode_append(AppendRecord(append_id or uuid.uuid4().hex, writer, list(parts), expected_head, follows))
 
 
 def claim_record(writer: str, **epochs: int) -> Record:
@@ -169,6 +173,59 @@ def test_a_copy_of_an_accepted_record_is_applied_once() -> None:
     assert fold.head == 2
 
 
+def test_a_pipelined_record_decided_after_a_refused_one_is_refused_even_where_the_head_matches() -> None:
+    """A writer with records in flight decides the next one on the log as it will be if they are
+    accepted. Its first is refused (another writer came first, with as many events); the second,
+    decided after it, then names the right head by chance: `follows` refuses it all the same."""
+    fold = KafkaFold()
+    records = [
+        claim_record("w", s=1, t=1),
+        claim_record("o", u=1),
+        append_record("o", part("u", 1, 0, ["x"])),  # lands between w's decision and its record
+        append_record("w", part("s", 1, 0, ["a"]), append_id="r1", expected_head=0),
+        append_record("w", part("t", 1, 0, ["b"]), append_id="r2", expected_head=1, follows="r1"),
+        append_record("w", part("t", 1, 0, ["c"]), append_id="r3", expected_head=1),  # decided again
+        append_record("w", part("t", 1, 1, ["d"]), append_id="r4", expected_head=2, follows="r3"),
+    ]
+    fold.awaited |= {"r1", "r2", "r3", "r4"}
+    for offset, (value, headers) in enumerate(records):
+        fold.fold(offset, headers, value)
+    first, second = fold.verdicts["r1"], fold.verdicts["r2"]
+    assert isinstance(first, HeadMoved) and (first.expected, first.actual) == (0, 1)
+    assert isinstance(second, HeadMoved) and "r1" in str(second) and (second.expected, second.actual) == (1, 1)
+    assert fold.verdicts["r4"] == [AppendResult(stream_id="t", first_seq=3, last_seq=3, stream_version=2)]
+    assert event_ids(fold) == ["x", "c", "d"] and fold.versions == {"u": 1, "t": 2}
+
+
+def test_appends_sharing_a_record_are_judged_one_by_one() -> None:
+    """Appends a writer queued while its previous record travelled go out in one record; each is
+    accepted or refused alone, in order, and takes its own verdict."""
+    fold = KafkaFold()
+    ok = AppendRecord("ok", "w", [part("s", 1, 0, ["a"])], 0)
+    stale = AppendRecord("stale", "w", [part("t", 1, 5, ["b"])], 1, "ok")  # t is at version 0
+    after = AppendRecord("after", "w", [part("s", 1, 1, ["c"])], 2, "stale")  # decided on the stale one
+    alone = AppendRecord("alone", "w", [part("s", 1, 1, ["d"])])  # names no head: its version decides
+    fold.awaited |= {"ok", "stale", "after", "alone"}
+    for offset, (value, headers) in enumerate([claim_record("w", s=1, t=1), encode_appends([ok, stale, after, alone])]):
+        assert fold.fold(offset, headers, value) is None
+    assert fold.verdicts["ok"] == [AppendResult(stream_id="s", first_seq=1, last_seq=1, stream_version=1)]
+    assert isinstance(fold.verdicts["stale"], WrongExpectedVersion)
+    assert isinstance(fold.verdicts["after"], HeadMoved)
+    assert fold.verdicts["alone"] == [AppendResult(stream_id="s", first_seq=2, last_seq=2, stream_version=2)]
+    assert event_ids(fold) == ["a", "d"] and fold.next_offset == 2
+    # A format-1 reader's kinds do not include it: a format-1 record of that kind is refused.
+    with pytest.raises(SchemaMismatch, match="offset 2"):
+        fold.fold(2, [(FORMAT_HEADER, b"1"), (KIND_HEADER, b"appends")], encode_appends([ok])[0])
+
+
+def test_format_1_records_are_still_read() -> None:
+    """Topics written before `follows` (format 1) fold as they always did."""
+    value, _ = append_record("w", part("s", 1, 0, ["a"]))
+    fold = fold_all([claim_record("w", s=1)])
+    assert fold.fold(1, [(FORMAT_HEADER, b"1"), (KIND_HEADER, b"append")], value) is None
+    assert event_ids(fold) == ["a"] and fold.head == 1
+
+
 def test_foreign_and_garbled_records_are_skipped_and_another_format_fails_closed() -> None:
     fold = fold_all([claim_record("w", s=1)])
     assert fold.fold(1, [], b"written by another tool") is not None
@@ -182,7 +239,7 @@ def test_foreign_and_garbled_records_are_skipped_and_another_format_fails_closed
     value, headers = append_record("w", good)
     assert fold.fold(4, headers, value) is None and fold.head == 1
     with pytest.raises(SchemaMismatch, match="offset 5"):
-        fold.fold(5, [(FORMAT_HEADER, b"2"), (KIND_HEADER, b"append")], b"")
+        fold.fold(5, [(FORMAT_HEADER, b"3"), (KIND_HEADER, b"append")], b"")
 
 
 def test_the_kafka_log_reads_and_writes_every_event_through_the_topic() -> None:
@@ -333,6 +390,57 @@ async def test_writers_take_turns_on_a_shared_stream_while_an_engines_stream_kee
         assert [e.event_id for e in await everything(kafka_log)] == ["a1", "t1", "b1", "t2", "t3", "t4", "a2", "t5"]
     finally:
         await second.close()
+
+
+async def test_appends_in_flight_travel_together_and_take_their_verdicts_in_order(
+    kafka_log: KafkaEventLog, kafka_url: str
+) -> None:
+    """Appends called while others are in flight are checked against the log as it will be and
+    queued behind them; those queued while a record travels go out together in the next. A retry
+    of a command still in flight is answered by it; an event id already in flight is refused; the
+    rest are unaffected."""
+    calls, per = 24, 3
+    results: dict[int, AppendResult] = {}
+    in_flight: list[int] = []
+    retried: list[tuple[int, AppendResult]] = []
+
+    async def one(i: int) -> None:
+        ids = [f"p{i}-{k}" for k in range(per)]
+        batch = AppendBatch(
+            stream_id="engine/a", expected_version=i * per, events=[pending(x) for x in ids], command_id=f"cmd-{i}"
+        )
+        [results[i]] = await kafka_log.append([batch], expected_head=i * per)
+
+    async def retry_and_clash() -> None:
+        with anyio.fail_after(10):  # without pipelining there is never more than one
+            while len(kafka_log._pending()) < 2:  # noqa: SLF001 - the writer's records in flight
+                await anyio.sleep(0)
+        in_flight.append(len(kafka_log._pending()))  # noqa: SLF001
+        flying = kafka_log._pending()[-1]  # noqa: SLF001
+        [command] = sorted(flying.commands)
+        with pytest.raises(AppendRejected, match="already in the log"):
+            await kafka_log.append([step("engine/b", 0, [flying.read[0][1][0]])])
+        again = AppendBatch(stream_id="engine/a", expected_version=0, events=[pending("never")], command_id=command)
+        [answer] = await kafka_log.append([again])
+        retried.append((int(command.removeprefix("cmd-")), answer))
+
+    async with anyio.create_task_group() as group:
+        for i in range(calls):
+            group.start_soon(one, i)
+        group.start_soon(retry_and_clash)
+    assert in_flight[0] >= 2, in_flight  # several records were in flight at once
+    assert [results[i].first_seq for i in range(calls)] == [i * per + 1 for i in range(calls)]
+    assert all(not result.duplicate for result in results.values())
+    assert kafka_log._fold.next_offset < calls + 1  # noqa: SLF001 - a claim, then fewer records than appends
+    [(call, answer)] = retried
+    assert answer.duplicate and (answer.first_seq, answer.last_seq) == (results[call].first_seq, results[call].last_seq)
+    reader = await open_log(kafka_url)
+    try:
+        expected = [f"p{i}-{k}" for i in range(calls) for k in range(per)]
+        assert [e.event_id for e in await everything(reader)] == expected
+        assert await reader.stream_versions() == {"engine/a": calls * per}
+    finally:
+        await reader.close()
 
 
 async def test_a_zombie_writers_late_record_is_dropped_by_every_reader(kafka_url: str) -> None:
