@@ -99,6 +99,7 @@ from events.log._contract import (
     pack_step,
 )
 from events.log._kafka_fold import (
+    ENGINE_STREAM_PREFIX,
     AppendRecord,
     ClaimRecord,
     KafkaFold,
@@ -114,9 +115,6 @@ from events.log.kafka_target import KafkaTarget, ensure_topic, one_line
 
 log = structlog.get_logger("kvledger.log")
 
-ENGINE_STREAM_PREFIX = "engine/"
-"""An engine's stream (coordinator.core.step.engine_stream) has one writer at a time: a second one
-fences the first. Every other stream is shared by the sidecars of a fleet (re-claimed, never fenced)."""
 TAIL_CHECK_S = 1.0
 """An idle tail asks for the topic's end this often, to notice a topic that went backwards."""
 FETCH_RECORDS = 256

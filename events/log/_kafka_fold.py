@@ -32,7 +32,10 @@ Rules for an append record, part by part; a refused part refuses the whole recor
 2. A part with the same stream, first version and event ids as an accepted step is a copy of it
    (a producer's retry, a re-sent record): answered by the original, applied once.
 3. The part's epoch and the record's writer must be the stream's current claim: else the writer
-   is fenced (a newer writer claimed the stream, or this one never did): WriterFenced.
+   is fenced (a newer writer claimed the stream, or this one never did): WriterFenced. Except
+   for a shared stream (any but an engine's, ENGINE_STREAM_PREFIX) in an append that names the
+   head: HeadMoved. Sidecars of a fleet take turns on those; the writer claims it again and
+   decides again, as when another writer's append came first.
 4. The part's expected version must be the stream's version: else WrongExpectedVersion.
 5. Its event ids must be new to the log: else AppendRejected.
 Accepted parts take consecutive global sequences after the head, in part order.
@@ -63,6 +66,10 @@ from events.log._contract import (
     WriterFenced,
     WrongExpectedVersion,
 )
+
+ENGINE_STREAM_PREFIX = "engine/"
+"""An engine's stream (coordinator.core.step.engine_stream) has one writer at a time: a second one
+fences the first. Every other stream is shared by the sidecars of a fleet (claimed in turn, rule 3)."""
 
 FORMAT = b"2"
 """What this code writes."""
@@ -284,6 +291,10 @@ class KafkaFold:
                     continue
             claim = self.epochs.get(stream, (0, ""))
             if (part.epoch, record.writer) != claim:
+                if record.expected_head is not None and not stream.startswith(ENGINE_STREAM_PREFIX):
+                    return HeadMoved(
+                        record.expected_head, head, detail=f"shared stream {stream!r} was claimed by writer {claim[1]} since"
+                    )
                 return WriterFenced(
                     f"stream {stream!r} is claimed at epoch {claim[0]} by writer {claim[1] or 'none'}; this append "
                     f"came from writer {record.writer} at epoch {part.epoch}: it is fenced and was dropped"

@@ -218,6 +218,28 @@ def test_appends_sharing_a_record_are_judged_one_by_one() -> None:
         fold.fold(2, [(FORMAT_HEADER, b"1"), (KIND_HEADER, b"appends")], encode_appends([ok])[0])
 
 
+def test_a_shared_stream_claimed_by_another_sidecar_since_is_decided_again_not_fenced() -> None:
+    """Two sidecars of a fleet take turns on a tier's stream. One's append lands after the
+    other claimed the stream: where it names the head, it is refused as HeadMoved (the writer
+    claims again and decides again); an engine's stream, or an append naming no head, is fenced."""
+    fold = KafkaFold()
+    records = [
+        claim_record("a", **{"tier/t": 1, "engine/a": 1}),
+        claim_record("b", **{"tier/t": 2, "engine/a": 2}),  # b takes the tier in turn, and pod-a over
+        append_record("a", part("tier/t", 1, 0, ["x"]), append_id="shared", expected_head=0),
+        append_record("a", part("tier/t", 1, 0, ["y"]), append_id="no-head"),
+        append_record("a", part("engine/a", 1, 0, ["z"]), append_id="engine", expected_head=0),
+    ]
+    fold.awaited |= {"shared", "no-head", "engine"}
+    for offset, (value, headers) in enumerate(records):
+        fold.fold(offset, headers, value)
+    shared = fold.verdicts["shared"]
+    assert isinstance(shared, HeadMoved) and "tier/t" in str(shared)
+    assert isinstance(fold.verdicts["no-head"], WriterFenced)
+    assert isinstance(fold.verdicts["engine"], WriterFenced)
+    assert fold.head == 0
+
+
 def test_format_1_records_are_still_read() -> None:
     """Topics written before `follows` (format 1) fold as they always did."""
     value, _ = append_record("w", part("s", 1, 0, ["a"]))
