@@ -193,6 +193,8 @@ class KafkaEventLog(SqlEventLog):
         self._outbox_ready = anyio.Event()
         self._sender: asyncio.Task[None] | None = None
         self._deliveries: set[asyncio.Task[None]] = set()
+        self._fetching = True
+        """False while fetching is paused (see _pause_fetching)."""
         self._records_sent = 0
         self._sending: dict[bytes, list[ReadAppend]] = {}
         """SENT_HEADER token -> the appends of this writer's record produced and not yet read back."""
@@ -468,6 +470,7 @@ class KafkaEventLog(SqlEventLog):
                 token = f"{self.writer_id}:{self._records_sent}".encode()
                 headers.append((SENT_HEADER, token))
                 self._sending[token] = [(flight.record, flight.read) for flight in flights]
+                self._pause_fetching()
                 try:
                     delivery = await self._producer.send(
                         self.target.topic, value, key=flights[0].record.parts[0].stream_id.encode(), partition=0, headers=headers
@@ -517,6 +520,8 @@ class KafkaEventLog(SqlEventLog):
             raise
         finally:
             self._sending.pop(token, None)
+            if not self._sending:
+                self._resume_fetching()  # nothing of its own in flight: follow the other writers again
         for flight in flights:
             flight.settle(self._verdict_at(flight.record.append_id, offset))
 
@@ -843,7 +848,26 @@ class KafkaEventLog(SqlEventLog):
         """Fold everything committed before this call."""
         await self._reach(await self._end(), "catching up with the topic")
 
+    def _pause_fetching(self) -> None:
+        """Stop fetching while this writer's records are in flight: it folds them from what it
+        sent as they are acknowledged, and the broker need not send each back (the fetches cost
+        the broker and this process about as much again as the produces)."""
+        if self._fetching:
+            self._fetching = False
+            self._consumer.pause(self._partition)
+
+    def _resume_fetching(self) -> None:
+        """Fetch again from the next offset to fold: another writer's records are wanted (an
+        acknowledged offset past the next one to fold, a read of the topic's end), or this
+        writer has nothing in flight."""
+        if not self._fetching:
+            self._fetching = True
+            self._consumer.seek(self._partition, self._fold.next_offset)
+            self._consumer.resume(self._partition)
+
     async def _reach(self, offset: int, doing: str) -> None:
+        if self._fold.next_offset < offset:
+            self._resume_fetching()
         try:
             with anyio.fail_after(self.target.call_timeout_s):
                 while self._fold.next_offset < offset:

@@ -465,6 +465,45 @@ async def test_appends_in_flight_travel_together_and_take_their_verdicts_in_orde
         await reader.close()
 
 
+async def test_two_writers_pipelining_at_once_each_read_the_others_records_between_their_own(
+    kafka_log: KafkaEventLog, kafka_url: str
+) -> None:
+    """A writer with records in flight folds them from what it sent, and fetches only when the
+    broker acknowledged one past what it folded (another writer's records came between): both
+    writers, and a fresh reader, end with the same log in the same order."""
+    second = await open_log(kafka_url)
+    assert isinstance(second, KafkaEventLog)
+    try:
+
+        async def pipeline(writer: KafkaEventLog, name: str) -> None:
+            async with anyio.create_task_group() as group:
+                for i in range(30):
+                    batch = AppendBatch(
+                        stream_id=f"engine/{name}",
+                        expected_version=i * 2,
+                        events=[pending(f"{name}{i}-0"), pending(f"{name}{i}-1")],
+                    )
+                    group.start_soon(writer.append, [batch])
+                    await anyio.sleep(0)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(pipeline, kafka_log, "a")
+            group.start_soon(pipeline, second, "b")
+        reader = await open_log(kafka_url)
+        try:
+            order = [e.event_id for e in await everything(reader)]
+            assert sorted(order) == sorted(f"{n}{i}-{k}" for n in "ab" for i in range(30) for k in range(2))
+            for view in (kafka_log, second):
+                assert [e.event_id for e in await everything(view)] == order
+                assert await view.stream_versions() == {"engine/a": 60, "engine/b": 60}
+            # Each stream's events in its own order, whatever the interleaving.
+            assert [x for x in order if x.startswith("a")] == [f"a{i}-{k}" for i in range(30) for k in range(2)]
+        finally:
+            await reader.close()
+    finally:
+        await second.close()
+
+
 async def test_a_zombie_writers_late_record_is_dropped_by_every_reader(kafka_url: str) -> None:
     """A record the old writer sent before it was fenced lands after the new writer's claim."""
     await produce(
