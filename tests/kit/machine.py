@@ -291,6 +291,7 @@ class MachineBase(RuleBasedStateMachine):
         if self.engine.clock >= decision.lease_expires_at:  # a lease is live while clock < expiry
             problems.add(Reason.LEASE_EXPIRED)
         mismatched = []
+        first_unverified: int | None = None
         for index, item in enumerate(decision.items):
             entry = before[(item.dest.pool_id, item.key)]
             if entry is None or (entry.tier_slot, entry.tier_generation) != (item.tier_slot, item.tier_generation):
@@ -300,19 +301,27 @@ class MachineBase(RuleBasedStateMachine):
             elif [rank_sums[index] for rank_sums in sums] != entry.checksums:
                 problems.add(Reason.CHECKSUM_MISMATCH)
                 mismatched.append((item.dest.pool_id, item.key))
+                first_unverified = index if first_unverified is None else first_unverified
         if not problems:
             assert isinstance(outcome, JobSucceeded), events
             for item in decision.items:  # every destination, duplicates included, holds its key
                 assert self.pool(item.dest.pool_id).keys[item.dest.block_id] == item.key, item
             return
         assert isinstance(outcome, JobFailed) and outcome.reason in problems, (problems, events)
+        kept = 0
         if outcome.reason == Reason.CHECKSUM_MISMATCH:
             tier = self.core.state.tiers[TIER]
             for pool_id, key in mismatched:
                 entry = tier.entry(pool_id, key)
                 assert entry is not None and entry.quarantined, (pool_id, key)  # I13
-        for item in decision.items:  # a failed load leaves nothing that reads as computed
-            assert self.pool(item.dest.pool_id).keys[item.dest.block_id] is None, item
+            # Issue 19: the items before the first one some rank did not verify read the published
+            # bytes on every rank and stay loaded (a duplicate of a key can verify where a later
+            # copy of it did not); nothing from there on reads as computed.
+            kept = first_unverified or 0
+            assert outcome.kept == kept, (outcome, first_unverified)
+        for index, item in enumerate(decision.items):
+            expected = item.key if index < kept else None
+            assert self.pool(item.dest.pool_id).keys[item.dest.block_id] == expected, (index, kept, item)
 
     def complete(self, data: st.DataObject, job_id: int, tamper: bool = False) -> None:
         job = self.jobs[job_id]
