@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from coordinator.core.commands import AnyCommand
 from coordinator.core.decider import decide
-from coordinator.core.projector import apply
+from coordinator.core.projector import project
 from coordinator.core.protections import Protection, switched_off
 from coordinator.core.state import State
 from coordinator.core.step import run_step
@@ -38,16 +38,14 @@ class CoordinatorCore:
                 events = decide(self.state, command)
         else:
             events = decide(self.state, command)
-        for event in events:
-            apply(self.state, event)
+        project(events, self.state)  # one fold loop for the command's events, not a call each
         if self._keep_events:
             self.events.extend(events)
         return events
 
     def record(self, events: Sequence[Event]) -> None:
         """Fold events decided elsewhere (records of reads answered outside a step: no state changes)."""
-        for event in events:
-            apply(self.state, event)
+        project(events, self.state)
         if self._keep_events:
             self.events.extend(events)
 

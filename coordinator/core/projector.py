@@ -13,6 +13,7 @@ from typing import Any
 from coordinator.core.state import (
     EngineState,
     FencedJob,
+    JobDecision,
     JobState,
     KeyEntry,
     ObservedEngine,
@@ -38,6 +39,7 @@ from events import (
     EngineObserved,
     EngineReset,
     Event,
+    ExternalItem,
     ExternalKeysLookedUp,
     ExternalLoadStarted,
     ExternalStoreStarted,
@@ -67,6 +69,7 @@ from events import (
     StateCopyPlanned,
     StepBegan,
     StepEnded,
+    StoreItem,
     StoreJobStarted,
     TierDeclared,
 )
@@ -109,17 +112,20 @@ def project(events: Iterable[Event], state: State | None = None) -> State:
     """Fold a sequence of events, from an empty state unless one is given."""
     state = State() if state is None else state
     folds = _FOLDS
-    count = 0
+    number = 0  # events folded: enumerate counts them, cheaper than a `+= 1` per event
     try:
-        for event in events:
-            folds[type(event)](state, event)
-            count += 1
+        for number, event in enumerate(events, 1):  # noqa: B007 (read in `finally`)
+            try:
+                folds[type(event)](state, event)
+            except BaseException:
+                number -= 1  # this one was not folded (a try costs nothing until it raises)
+                raise
     except KeyError:
         if type(event) not in folds:
             raise ProjectionError(f"no fold for event type {type(event).__name__}") from None
         raise
     finally:
-        state.last_event += count
+        state.last_event += number
     return state
 
 
@@ -255,19 +261,21 @@ def _blocks_allocated(state: State, event: BlocksAllocated) -> None:
     held = owner_blocks.get(pool_id)
     if held is None:
         held = owner_blocks[pool_id] = {}
-    from_free = 0
+    from_cached = 0  # counted in the rarer branch; most slots come from the free list
     for ref in event.blocks:
         block_id = ref.block_id
         if block_id in free:
             del free[block_id]
-            from_free += 1
         else:  # a cached-free slot: its old content key goes with it
             del cached[block_id]
+            from_cached += 1
         generations[block_id] = held[block_id] = ref.generation
         refs[block_id] = 1
         keys[block_id] = None
-    removed(pool, "free", from_free)
-    removed(pool, "cached", len(event.blocks) - from_free)
+    if from_cached != len(event.blocks):
+        removed(pool, "free", len(event.blocks) - from_cached)
+    if from_cached:
+        removed(pool, "cached", from_cached)
 
 
 def _blocks_reused(state: State, event: BlocksReused) -> None:
@@ -320,28 +328,43 @@ def _blocks_computed(state: State, event: BlocksComputed) -> None:
 def _store_job_started(state: State, event: StoreJobStarted) -> None:
     state.jobs[event.job_id] = JobState(decision=event)
     state.next_job_id = event.job_id + 1
-    pools = state.engines[event.engine_id].pools
-    tier = state.tiers[event.tier]
-    for item in event.items:
-        if event.pinned:
-            _pin(pools[item.source.pool_id], item.source.block_id)
-        del tier.free[item.tier_slot]
-        tier.generations[item.tier_slot] = item.tier_generation
-    removed(tier, "free", len(event.items))
+    items = event.items
+    if event.pinned:
+        pools = state.engines[event.engine_id].pools
+        for item in items:
+            source = item.source
+            _pin(pools[source.pool_id], source.block_id)
+    _reserve(state.tiers[event.tier], items)
+
+
+def _reserve(tier: TierState, items: list[StoreItem] | list[ExternalItem]) -> None:
+    """A store's tier slots leave the free list, at the generation the store writes."""
+    free, generations = tier.free, tier.generations
+    for item in items:
+        slot = item.tier_slot
+        del free[slot]
+        generations[slot] = item.tier_generation
+    if items:
+        removed(tier, "free", len(items))
 
 
 def _load_job_started(state: State, event: LoadJobStarted) -> None:
-    state.jobs[event.job_id] = JobState(decision=event)
-    state.next_job_id = event.job_id + 1
-    pools = state.engines[event.engine_id].pools
-    tier = state.tiers[event.tier]
-    for item in event.items:
-        if event.pinned:
-            _pin(pools[item.dest.pool_id], item.dest.block_id)
-        entry = tier.entries[item.dest.pool_id][item.key]
+    job_id = event.job_id
+    state.jobs[job_id] = JobState(decision=event)
+    state.next_job_id = job_id + 1
+    items = event.items
+    if event.pinned:
+        pools = state.engines[event.engine_id].pools
+        for item in items:
+            dest = item.dest
+            _pin(pools[dest.pool_id], dest.block_id)
+    entries, expires = state.tiers[event.tier].entries, event.lease_expires_at
+    for item in items:
+        entry = entries[item.dest.pool_id][item.key]
         if entry.leases is None:
-            entry.leases = {}
-        entry.leases[event.job_id] = event.lease_expires_at
+            entry.leases = {job_id: expires}
+        else:
+            entry.leases[job_id] = expires
 
 
 def _state_copy_planned(state: State, event: StateCopyPlanned) -> None:
@@ -359,92 +382,137 @@ def _external_store_started(state: State, event: ExternalStoreStarted) -> None:
     vLLM keeps them until the job completes)."""
     state.jobs[event.job_id] = JobState(decision=event)
     state.next_job_id = event.job_id + 1
-    tier = state.tiers[event.tier]
-    for item in event.items:
-        del tier.free[item.tier_slot]
-        tier.generations[item.tier_slot] = item.tier_generation
-    removed(tier, "free", len(event.items))
+    _reserve(state.tiers[event.tier], event.items)
 
 
 def _external_load_started(state: State, event: ExternalLoadStarted) -> None:
-    state.jobs[event.job_id] = JobState(decision=event)
-    state.next_job_id = event.job_id + 1
-    tier = state.tiers[event.tier]
+    job_id = event.job_id
+    state.jobs[job_id] = JobState(decision=event)
+    state.next_job_id = job_id + 1
+    entries, expires = state.tiers[event.tier].entries, event.lease_expires_at
     for item in event.items:
-        entry = tier.entries[item.pool_id][item.key]
+        entry = entries[item.pool_id][item.key]
         if entry.leases is None:
-            entry.leases = {}
-        entry.leases[event.job_id] = event.lease_expires_at  # I12
-
-
-def _end_external_job(state: State, decision: ExternalStoreStarted | ExternalLoadStarted, succeeded: bool) -> None:
-    """Release what an external job held: reserved tier slots not published, leases (I12)."""
-    tier = state.tiers[decision.tier]
-    if isinstance(decision, ExternalStoreStarted):
-        for item in decision.items:
-            published = tier.entry(item.pool_id, item.key)
-            if published is None or published.tier_slot != item.tier_slot:
-                tier.free[item.tier_slot] = None  # reserved but not published: give it back
-        return
-    for item in decision.items:
-        entry = tier.entry(item.pool_id, item.key)
-        if entry is not None and entry.leases:
-            entry.leases.pop(decision.job_id, None)
-            if not entry.leases:
-                entry.leases = None
-        if succeeded and item.tier_slot in tier.lru:  # touch: most recently used
-            tier.lru[item.tier_slot] = tier.lru.pop(item.tier_slot)
-            removed(tier, "lru")
+            entry.leases = {job_id: expires}  # I12
+        else:
+            entry.leases[job_id] = expires
 
 
 def _rank_reported(state: State, event: RankReported) -> None:
     state.jobs[event.job_id].reports[event.rank] = event
 
 
-def _end_job(state: State, job: JobState, succeeded: bool, kept: int = 0) -> None:
-    """Release what the job held: pins (I3), reserved tier slots, leases (I12). A load's
-    destinations count as computed when it succeeded, or up to `kept` when it failed from there."""
-    decision = job.decision
-    if isinstance(decision, ExternalStoreStarted | ExternalLoadStarted):
-        _end_external_job(state, decision, succeeded)
-        return
+# Ending a job: what it held goes (pins, I3; reserved tier slots; leases, I12). One function per
+# decision type, dispatched on the type as the folds are (no isinstance chain per job).
+
+
+def _end_store(state: State, decision: StoreJobStarted, succeeded: bool, kept: int) -> None:
+    """Unpin the sources; a reserved slot whose key was not published (by this job) is free again."""
+    tier = state.tiers[decision.tier]
+    entries, tier_free = tier.entries, tier.free
     engine = state.engines[decision.engine_id]
     pools = engine.pools
-    if isinstance(decision, StoreJobStarted):
-        entries = state.tiers[decision.tier].entries
-        tier_free = state.tiers[decision.tier].free
-        for item in decision.items:
-            source = item.source
-            if decision.pinned:
-                _unpin(engine, pools[source.pool_id], source.block_id)
-            published = entries.get(source.pool_id, {}).get(item.key)
-            if published is None or published.tier_slot != item.tier_slot:
-                tier_free[item.tier_slot] = None  # reserved but not published: give it back
-    elif isinstance(decision, LoadJobStarted):
-        tier = state.tiers[decision.tier]
-        for index, load_item in enumerate(decision.items):
-            dest = load_item.dest
-            entry = tier.entry(dest.pool_id, load_item.key)
-            if entry is not None and entry.leases:
-                entry.leases.pop(decision.job_id, None)
-                if not entry.leases:
-                    entry.leases = None
-            pool = pools[dest.pool_id]
-            if succeeded or index < kept:
-                pool.keys[dest.block_id] = load_item.key
-                if load_item.tier_slot in tier.lru:  # touch: most recently used
-                    tier.lru[load_item.tier_slot] = tier.lru.pop(load_item.tier_slot)
-                    removed(tier, "lru")
-            if decision.pinned:
-                _unpin(engine, pool, dest.block_id)
-    else:
-        pool = pools[decision.pool_id]
-        for ref in decision.blocks:
-            _unpin(engine, pool, ref.block_id)
+    pinned = decision.pinned
+    for item in decision.items:
+        source = item.source
+        if pinned:
+            _unpin(engine, pools[source.pool_id], source.block_id)
+        group = entries.get(source.pool_id)
+        published = None if group is None else group.get(item.key)
+        if published is None or published.tier_slot != item.tier_slot:
+            tier_free[item.tier_slot] = None  # reserved but not published: give it back
+
+
+def _end_load(state: State, decision: LoadJobStarted, succeeded: bool, kept: int) -> None:
+    """Drop the leases and unpin the destinations, which count as computed when the load
+    succeeded, or up to `kept` when it failed from there (and touch their keys in the LRU)."""
+    engine = state.engines[decision.engine_id]
+    pools = engine.pools
+    tier = state.tiers[decision.tier]
+    entries, lru = tier.entries, tier.lru
+    job_id, pinned = decision.job_id, decision.pinned
+    touched = 0
+    for index, item in enumerate(decision.items):
+        dest = item.dest
+        group = entries.get(dest.pool_id)
+        entry = None if group is None else group.get(item.key)
+        if entry is not None and entry.leases:
+            entry.leases.pop(job_id, None)
+            if not entry.leases:
+                entry.leases = None
+        pool = pools[dest.pool_id]
+        if succeeded or index < kept:
+            pool.keys[dest.block_id] = item.key
+            slot = item.tier_slot
+            if slot in lru:  # touch: most recently used
+                lru[slot] = lru.pop(slot)
+                touched += 1
+        if pinned:
+            _unpin(engine, pool, dest.block_id)
+    if touched:  # once, after the loop: a rebuild of `lru` must not happen under it
+        removed(tier, "lru", touched)
+
+
+def _end_copy(state: State, decision: StateCopyPlanned, succeeded: bool, kept: int) -> None:
+    engine = state.engines[decision.engine_id]
+    pool = engine.pools[decision.pool_id]
+    for ref in decision.blocks:
+        _unpin(engine, pool, ref.block_id)
+
+
+def _end_external_store(state: State, decision: ExternalStoreStarted, succeeded: bool, kept: int) -> None:
+    """Reserved tier slots whose key was not published (by this job) are free again."""
+    tier = state.tiers[decision.tier]
+    entries, tier_free = tier.entries, tier.free
+    for item in decision.items:
+        group = entries.get(item.pool_id)
+        published = None if group is None else group.get(item.key)
+        if published is None or published.tier_slot != item.tier_slot:
+            tier_free[item.tier_slot] = None  # reserved but not published: give it back
+
+
+def _end_external_load(state: State, decision: ExternalLoadStarted, succeeded: bool, kept: int) -> None:
+    """The leases go (I12); a load that succeeded touches its keys in the LRU."""
+    tier = state.tiers[decision.tier]
+    entries, lru = tier.entries, tier.lru
+    job_id = decision.job_id
+    touched = 0
+    for item in decision.items:
+        group = entries.get(item.pool_id)
+        entry = None if group is None else group.get(item.key)
+        if entry is not None and entry.leases:
+            entry.leases.pop(job_id, None)
+            if not entry.leases:
+                entry.leases = None
+        if succeeded:
+            slot = item.tier_slot
+            if slot in lru:  # touch: most recently used
+                lru[slot] = lru.pop(slot)
+                touched += 1
+    if touched:  # once, after the loop: a rebuild of `lru` must not happen under it
+        removed(tier, "lru", touched)
+
+
+_ENDS: dict[type[JobDecision], Callable[[State, Any, bool, int], None]] = {
+    StoreJobStarted: _end_store,
+    LoadJobStarted: _end_load,
+    StateCopyPlanned: _end_copy,
+    ExternalStoreStarted: _end_external_store,
+    ExternalLoadStarted: _end_external_load,
+}
+
+
+def _end_job(state: State, job: JobState, succeeded: bool, kept: int = 0) -> None:
+    """Release what the job held: pins (I3), reserved tier slots, leases (I12). A load's
+    destinations count as computed when it succeeded, or up to `kept` when it failed from there.
+    External jobs (an engine's own blocks) pin nothing and count nothing as computed."""
+    decision = job.decision
+    _ENDS[type(decision)](state, decision, succeeded, kept)
 
 
 def _job_succeeded(state: State, event: JobSucceeded) -> None:
-    _end_job(state, state.jobs.pop(event.job_id), succeeded=True)
+    decision = state.jobs.pop(event.job_id).decision
+    _ENDS[type(decision)](state, decision, True, 0)
 
 
 def _job_fenced(state: State, event: JobFenced) -> None:
@@ -474,23 +542,28 @@ def _job_failed(state: State, event: JobFailed) -> None:
 
 def _key_published(state: State, event: KeyPublished) -> None:
     tier = state.tiers[event.tier]
-    tier.entries.setdefault(event.pool_id, {})[event.key] = KeyEntry(
+    pool_id, key, slot = event.pool_id, event.key, event.tier_slot
+    group = tier.entries.get(pool_id)
+    if group is None:
+        group = tier.entries[pool_id] = {}
+    group[key] = KeyEntry(
         namespace_id=event.namespace_id,
-        tier_slot=event.tier_slot,
+        tier_slot=slot,
         tier_generation=event.tier_generation,
         packed_checksums=pack_checksums(event.checksums),
         size_bytes=event.size_bytes,
         source_job=event.source_job,
     )
-    tier.lru[event.tier_slot] = PublishedRef(event.pool_id, event.key)
+    tier.lru[slot] = PublishedRef(pool_id, key)
 
 
 def _key_evicted(state: State, event: KeyEvicted) -> None:
     tier = state.tiers[event.tier]
+    slot = event.tier_slot
     del tier.entries[event.pool_id][event.key]
-    del tier.lru[event.tier_slot]
+    del tier.lru[slot]
     removed(tier, "lru")
-    tier.free[event.tier_slot] = None
+    tier.free[slot] = None
     engine = state.engines.get(event.engine_id)
     if engine is not None:
         engine.pending_removed_keys.append((event.tier, event.pool_id, event.key))
