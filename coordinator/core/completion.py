@@ -14,10 +14,11 @@ Reached from ReportRank (coordinator/core/jobs.py). Pure.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from coordinator.core.protections import Protection, is_off
-from coordinator.core.state import KeyEntry, State, TierState
+from coordinator.core.state import KeyEntry, State, TierState, pack_checksums
 from events import (
     Event,
     ExternalItem,
@@ -45,11 +46,15 @@ Completed = Store | Load | StateCopyPlanned
 
 def pool_of(item: StoreItem | LoadItem | ExternalItem) -> int:
     """The pool (cache group) an item's key belongs to."""
-    if isinstance(item, StoreItem):
-        return item.source.pool_id
-    if isinstance(item, LoadItem):
-        return item.dest.pool_id
-    return item.pool_id
+    return _POOL_OF[type(item)](item)
+
+
+_POOL_OF: dict[type, Callable[[Any], int]] = {
+    StoreItem: lambda item: item.source.pool_id,
+    LoadItem: lambda item: item.dest.pool_id,
+    ExternalItem: lambda item: item.pool_id,
+}
+"""pool_of by the item's type: a dict lookup, not an isinstance chain (it runs once per item)."""
 
 
 def complete(state: State, decision: Completed, reports: dict[int, RankReported]) -> list[Event]:
@@ -83,21 +88,30 @@ def _publish(state: State, tier: TierState, decision: Store, per_rank: list[list
     engine = state.engines[decision.engine_id]
     events: list[Event] = []
     items: Sequence[StoreItem | ExternalItem] = decision.items
-    for index, item in enumerate(items):
-        pool_id = pool_of(item)
-        checksums = [sums[index] for sums in per_rank]
+    if not items:
+        return events
+    # Read once for the job, not per item: every item of a store has the same type.
+    item_pool = _POOL_OF[type(items[0])]
+    name, namespace, job_id, entries, pools = tier.spec.name, engine.namespace_id, decision.job_id, tier.entries, engine.pools
+    # Each item's checksums, one per rank: with one rank, one list each (a transpose otherwise).
+    by_item = (
+        [[checksum] for checksum in per_rank[0]] if len(per_rank) == 1 else [list(sums) for sums in zip(*per_rank, strict=True)]
+    )
+    for item, checksums in zip(items, by_item, strict=True):
+        pool_id = item_pool(item)
         published = KeyPublished(
-            tier=tier.spec.name,
-            namespace_id=engine.namespace_id,
+            tier=name,
+            namespace_id=namespace,
             pool_id=pool_id,
             key=item.key,
             tier_slot=item.tier_slot,
             tier_generation=item.tier_generation,
             checksums=checksums,
-            size_bytes=engine.pools[pool_id].spec.bytes_per_block,
-            source_job=decision.job_id,
+            size_bytes=pools[pool_id].spec.bytes_per_block,
+            source_job=job_id,
         )
-        existing = tier.entry(pool_id, item.key)
+        group = entries.get(pool_id)
+        existing = None if group is None else group.get(item.key)
         if existing is None or (existing.source_job == decision.job_id and not existing.checksums):
             # (The second case only with PUBLISH_WHEN_COMPLETE off: the store's own early entry.)
             events.append(published)
@@ -143,20 +157,39 @@ def _verify_load(state: State, tier: TierState, decision: Load, per_rank: list[l
     unverified = 0
     kept: int | None = None
     items: Sequence[LoadItem | ExternalItem] = decision.items
+    if not items:
+        return [JobSucceeded(job_id=job_id)]
+    item_pool = _POOL_OF[type(items[0])]  # every item of a load has the same type
+    entries = tier.entries
+    # What the ranks read of each item, packed as the published checksums are (KeyEntry.
+    # packed_checksums): one bytes comparison per item, no decoding of what was published.
+    reads: list[bytes] = []
+    if verify:
+        reads = (
+            [pack_checksums([checksum]) for checksum in per_rank[0]]
+            if len(per_rank) == 1
+            else [pack_checksums(list(sums)) for sums in zip(*per_rank, strict=True)]
+        )
     for index, item in enumerate(items):
-        entry = current_entry(tier, item)
+        group = entries.get(item_pool(item))  # current_entry, inlined
+        entry = None if group is None else group.get(item.key)
+        if entry is not None and (entry.tier_slot != item.tier_slot or entry.tier_generation != item.tier_generation):
+            entry = None
         if entry is None and not naive_leases:
             return [JobFailed(job_id=job_id, reason=Reason.KEY_EVICTED, detail=f"key {item.key.hex()} left the tier")]
         if entry is not None and entry.quarantined:
             return [JobFailed(job_id=job_id, reason=Reason.KEY_QUARANTINED, detail=f"key {item.key.hex()}")]
-        # A key that left the tier (only with leases off) is checked against what was published
-        # when the load was decided.
-        published = entry.checksums if entry is not None else item.checksums
-        if verify and published and [sums[index] for sums in per_rank] != published:
+        if not verify:
+            continue
+        if entry is not None:
+            differs = entry.packed_checksums != _NO_CHECKSUMS and reads[index] != entry.packed_checksums
+        else:  # a key that left the tier (only with leases off): against what was published when the load was decided
+            differs = bool(item.checksums) and [sums[index] for sums in per_rank] != item.checksums
+        if differs:
             unverified += 1
             kept = index if kept is None else kept
             if entry is not None:
-                quarantined[(pool_of(item), item.key)] = None
+                quarantined[(item_pool(item), item.key)] = None
     if not unverified:
         return [JobSucceeded(job_id=job_id)]
     return [
@@ -178,6 +211,10 @@ def _verify_load(state: State, tier: TierState, decision: Load, per_rank: list[l
             kept=kept or 0,
         ),
     ]
+
+
+_NO_CHECKSUMS = pack_checksums([])
+"""What a key published without checksums holds (PUBLISH_WHEN_COMPLETE off): nothing to verify."""
 
 
 def _lost(state: State, decision: LoadJobStarted, lost: list[int], reports: dict[int, RankReported]) -> list[Event]:

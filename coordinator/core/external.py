@@ -22,6 +22,7 @@ completed as kvledger's own are (coordinator/core/completion.py). Pure, like the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Container
 from typing import Any
 
@@ -32,7 +33,7 @@ from coordinator.core import checks as check
 from coordinator.core.checks import Refusal
 from coordinator.core.commands import Command, ExternalKey, LoadExternal, LookupExternal, StoreExternal
 from coordinator.core.keys import KEY_BYTES, KEY_SEED_DIGEST
-from coordinator.core.state import EngineState, KeyEntry, PoolState, State, TierState
+from coordinator.core.state import EngineState, PoolState, State, TierState
 from coordinator.core.tier_slots import reserve_tier_slots
 from events import (
     Event,
@@ -52,11 +53,20 @@ MAX_ENGINE_KEY_BYTES = 256
 _encoder = msgspec.msgpack.Encoder()
 
 
+RECENT_EXTERNAL_KEYS = 1 << 14
+"""How many engine keys `external_key` remembers the tier key of (about 4 MiB with vLLM's
+36-byte keys). One request's keys are hashed by its lookup, then again by its load and its store
+(the sidecar's LookupKeys, then the step): a blake3 hash costs ~0.5 us in Python, a hit ~0.08 us
+(ops/bench/trace.py spent a sixth of its time hashing the same keys again)."""
+
+
+@functools.lru_cache(maxsize=RECENT_EXTERNAL_KEYS)
 def external_key(namespace_id: bytes, pool_id: int, engine_key: bytes) -> bytes:
     """The tier key of an engine's own block key: blake3 keyed by the chain seed (coordinator.core.keys)
     over ("external", namespace_id, pool_id, engine_key), 16 bytes. The namespace roots it, as it
     roots every content key (I8): the same vLLM hash under another weights revision, tokenizer or
-    tenant is another key."""
+    tenant is another key. A pure function, so the recently asked are remembered (a bounded
+    cache: what it answers is exactly what the hash would)."""
     payload = _encoder.encode(("external", namespace_id, pool_id, engine_key))
     return blake3.blake3(payload, key=KEY_SEED_DIGEST).digest(KEY_BYTES)
 
@@ -64,6 +74,17 @@ def external_key(namespace_id: bytes, pool_id: int, engine_key: bytes) -> bytes:
 def _pools(eng: EngineState, keys: list[ExternalKey]) -> None:
     """Every key names a pool of the engine that the engine allocates itself (a reported pool)."""
     check.count(len(keys), check.MAX_ITEMS_PER_COMMAND, "number of keys")
+    # The common case checked in bulk: a command's keys name one or two pools, so each pool is
+    # checked once, not once per key. Anything wrong: the key-by-key loop below names the first
+    # bad key exactly as it always did.
+    pools = eng.pools
+    for pool_id in {ref.pool_id for ref in keys}:
+        named = pools.get(pool_id)
+        if named is None or named.spec.kind == "encoder" or named.spec.managed:
+            break
+    else:
+        if all(0 < len(ref.engine_key) <= MAX_ENGINE_KEY_BYTES for ref in keys):
+            return
     for index, ref in enumerate(keys):
         pool: PoolState = check.pool(eng, ref.pool_id)
         if pool.spec.kind == "encoder":
@@ -77,11 +98,6 @@ def _pools(eng: EngineState, keys: list[ExternalKey]) -> None:
             raise Refusal(
                 Reason.INVALID_ARGUMENT, f"key {index} is {len(ref.engine_key)} bytes; an engine key is 1..{MAX_ENGINE_KEY_BYTES}"
             )
-
-
-def _loadable(entry: KeyEntry | None, eng: EngineState) -> bool:
-    # I9: another namespace's key reads exactly like an absent one.
-    return entry is not None and not entry.quarantined and entry.namespace_id == eng.namespace_id
 
 
 # --- lookup ------------------------------------------------------------------------------------
@@ -101,9 +117,16 @@ def answer_lookup(state: State, command: LookupExternal, uncommitted: Container[
     tier = check.tier(state, eng, command.tier)
     _pools(eng, command.keys)
     loadable = []
-    for ref in command.keys:
-        key = external_key(eng.namespace_id, ref.pool_id, ref.engine_key)
-        loadable.append(key not in uncommitted and _loadable(tier.entry(ref.pool_id, key), eng))
+    namespace, entries = eng.namespace_id, tier.entries
+    for ref in command.keys:  # TierState.entry inlined: once per key of every lookup
+        pool_id = ref.pool_id
+        key = external_key(namespace, pool_id, ref.engine_key)
+        group = entries.get(pool_id)
+        entry = None if group is None else group.get(key)
+        # I9: another namespace's key reads exactly like an absent one.
+        loadable.append(
+            entry is not None and not entry.quarantined and entry.namespace_id == namespace and key not in uncommitted
+        )
     return ExternalKeysLookedUp(
         engine_id=eng.engine_id,
         tier=tier.spec.name,
@@ -135,10 +158,13 @@ def _store_external(state: State, command: StoreExternal) -> list[Event]:
     skipped: list[bytes] = []
     kept: set[tuple[int, bytes]] = set()
     seen: set[tuple[int, bytes]] = set()
+    namespace, entries = eng.namespace_id, tier.entries
     for ref in command.keys:
-        key = external_key(eng.namespace_id, ref.pool_id, ref.engine_key)
-        place = (ref.pool_id, key)
-        if place in seen or place in writing or tier.entry(ref.pool_id, key) is not None:
+        pool_id = ref.pool_id
+        key = external_key(namespace, pool_id, ref.engine_key)
+        place = (pool_id, key)
+        group = entries.get(pool_id)
+        if place in seen or place in writing or (group is not None and key in group):
             skipped.append(ref.engine_key)  # I10: there already, or on its way: an idempotent skip
             kept.add(place)
             continue
@@ -146,8 +172,9 @@ def _store_external(state: State, command: StoreExternal) -> list[Event]:
         to_store.append((ref, key))
     slots, evictions = reserve_tier_slots(tier, eng, len(to_store), kept)
     job_id = state.next_job_id
+    generations = tier.generations
     items = [
-        ExternalItem(ref.pool_id, ref.engine_key, key, slot, tier.generations[slot] + 1)
+        ExternalItem(ref.pool_id, ref.engine_key, key, slot, generations[slot] + 1)
         for (ref, key), slot in zip(to_store, slots, strict=True)
     ]
     events: list[Event] = [*evictions]
@@ -178,19 +205,19 @@ def _load_external(state: State, command: LoadExternal) -> list[Event]:
     if command.lease_seconds <= 0:
         raise Refusal(Reason.INVALID_ARGUMENT, "lease_seconds must be positive")
     items = []
+    namespace, entries = eng.namespace_id, tier.entries
     for ref in command.keys:
-        key = external_key(eng.namespace_id, ref.pool_id, ref.engine_key)
-        entry = tier.entry(ref.pool_id, key)
-        if entry is None or entry.namespace_id != eng.namespace_id:
+        key = external_key(namespace, ref.pool_id, ref.engine_key)
+        group = entries.get(ref.pool_id)
+        entry = None if group is None else group.get(key)
+        if entry is None or entry.namespace_id != namespace:
             raise Refusal(
                 Reason.KEY_NOT_PUBLISHED,
                 f"engine key {ref.engine_key.hex()} of group {ref.pool_id} is not published in tier {tier.spec.name!r}",
             )
         if entry.quarantined:
             raise Refusal(Reason.KEY_QUARANTINED, f"engine key {ref.engine_key.hex()} (tier key {key.hex()}) is quarantined")
-        items.append(
-            ExternalItem(ref.pool_id, ref.engine_key, key, entry.tier_slot, entry.tier_generation, list(entry.checksums))
-        )
+        items.append(ExternalItem(ref.pool_id, ref.engine_key, key, entry.tier_slot, entry.tier_generation, entry.checksums))
     return [
         ExternalLoadStarted(
             job_id=state.next_job_id,

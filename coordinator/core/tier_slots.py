@@ -20,21 +20,16 @@ def reserve_tier_slots(
     Leases off (seed 002's offload path): a key being loaded is evicted like any other."""
     slots = list(itertools.islice(tier.free, needed))
     evictions: list[KeyEvicted] = []
-    honour_leases = not is_off(Protection.LEASES)
     if len(slots) < needed:
+        honour_leases = not is_off(Protection.LEASES)
+        clock, entries, name, engine_id = eng.clock, tier.entries, tier.spec.name, eng.engine_id
         for slot, published in tier.lru.items():
-            entry = tier.entries[published.pool_id][published.key]
-            if (honour_leases and entry.leased_at(eng.clock)) or (published.pool_id, published.key) in keep:
+            pool_id, key = published.pool_id, published.key
+            leases = entries[pool_id][key].leases
+            # KeyEntry.leased_at inlined, asked only of a key some load leased (most have none)
+            if (leases and honour_leases and any(expiry > clock for expiry in leases.values())) or (pool_id, key) in keep:
                 continue
-            evictions.append(
-                KeyEvicted(
-                    tier=tier.spec.name,
-                    pool_id=published.pool_id,
-                    key=published.key,
-                    tier_slot=slot,
-                    engine_id=eng.engine_id,
-                )
-            )
+            evictions.append(KeyEvicted(tier=name, pool_id=pool_id, key=key, tier_slot=slot, engine_id=engine_id))
             slots.append(slot)
             if len(slots) == needed:
                 break
