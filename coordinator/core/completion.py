@@ -60,7 +60,7 @@ _POOL_OF: dict[type, Callable[[Any], int]] = {
 def complete(state: State, decision: Completed, reports: dict[int, RankReported]) -> list[Event]:
     """What every rank's report decides: the job succeeded (and what it published), or failed."""
     job_id = decision.job_id
-    failed = sorted(rank for rank, report in reports.items() if not report.ok)
+    failed = sorted([rank for rank, report in reports.items() if not report.ok])
     if failed and isinstance(decision, LoadJobStarted | ExternalLoadStarted):
         lost = sorted({index for report in reports.values() for index in report.lost})
         if lost and isinstance(decision, LoadJobStarted):
@@ -75,9 +75,11 @@ def complete(state: State, decision: Completed, reports: dict[int, RankReported]
     if isinstance(decision, StateCopyPlanned):
         return [JobSucceeded(job_id=job_id)]
     per_rank = [reports[rank].checksums for rank in range(decision.world_size)]
-    if any(len(sums) != len(decision.items) or not all(sums) for sums in per_rank):
-        # I5 / I11: every item needs a checksum from every rank, duplicates included.
-        return [JobFailed(job_id=job_id, reason=Reason.MISSING_CHECKSUM, detail="a rank left items unverified")]
+    items = len(decision.items)
+    for sums in per_rank:
+        if len(sums) != items or not all(sums):
+            # I5 / I11: every item needs a checksum from every rank, duplicates included.
+            return [JobFailed(job_id=job_id, reason=Reason.MISSING_CHECKSUM, detail="a rank left items unverified")]
     tier = state.tiers[decision.tier]
     if isinstance(decision, StoreJobStarted | ExternalStoreStarted):
         return [*_publish(state, tier, decision, per_rank), JobSucceeded(job_id=job_id)]

@@ -308,8 +308,10 @@ def _end_step(state: State, command: EndStep) -> list[Event]:
         else:
             freed_entries.append(entry_id)
     removed_keys = []
-    for tier_name, pool_id, key in eng.pending_removed_keys:
-        if state.tiers[tier_name].entry(pool_id, key) is not None:
+    tiers = state.tiers
+    for tier_name, pool_id, key in eng.pending_removed_keys:  # one per key evicted: TierState.entry inlined
+        group = tiers[tier_name].entries.get(pool_id)
+        if group is not None and key in group:
             drop("key_removed", f"key {key.hex()} in tier {tier_name!r}")
         else:
             removed_keys.append(key)

@@ -558,15 +558,15 @@ def _key_published(state: State, event: KeyPublished) -> None:
 
 
 def _key_evicted(state: State, event: KeyEvicted) -> None:
-    tier = state.tiers[event.tier]
-    slot = event.tier_slot
-    del tier.entries[event.pool_id][event.key]
+    name, pool_id, key, slot = event.tier, event.pool_id, event.key, event.tier_slot
+    tier = state.tiers[name]
+    del tier.entries[pool_id][key]
     del tier.lru[slot]
     removed(tier, "lru")
     tier.free[slot] = None
     engine = state.engines.get(event.engine_id)
     if engine is not None:
-        engine.pending_removed_keys.append((event.tier, event.pool_id, event.key))
+        engine.pending_removed_keys.append((name, pool_id, key))
 
 
 def _key_quarantined(state: State, event: KeyQuarantined) -> None:

@@ -43,10 +43,12 @@ def stepping(execute: Callable[[AnyCommand], list[Event]], engine_id: str, step:
 def run_step(
     execute: Callable[[AnyCommand], list[Event]], engine_id: str, step: int, clock: float, commands: Sequence[AnyCommand]
 ) -> StepEvents:
-    """One scheduler iteration of `engine_id`, each command decided (and folded) by `execute`."""
-    with stepping(execute, engine_id, step, clock) as events:
-        events.results.extend(execute(command) for command in commands)
-    return events
+    """One scheduler iteration of `engine_id`, each command decided (and folded) by `execute`.
+    `stepping` written out: no generator context manager around every step (a command that
+    raises ends no step, as there)."""
+    began = execute(BeginStep(engine_id=engine_id, step=step, clock=clock))
+    results = [execute(command) for command in commands]
+    return StepEvents(began, results, execute(EndStep(engine_id=engine_id)))
 
 
 def engine_stream(engine_id: str) -> str:
