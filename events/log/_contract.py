@@ -61,15 +61,19 @@ _header_decoder = msgspec.msgpack.Decoder(list[StepEntry])
 
 def schemas_of(events: Sequence[PendingEvent]) -> str:
     """The step's distinct "type@schema_version" values, sorted and comma-joined."""
-    return ",".join(sorted({f"{e.event_type}@{e.schema_version}" for e in events}))
+    # The distinct pairs first, formatted once each: a step of 256 events holds a dozen kinds.
+    kinds = {(e.event_type, e.schema_version) for e in events}
+    return ",".join(sorted([f"{event_type}@{version}" for event_type, version in kinds]))
 
 
 def pack_step(events: Sequence[PendingEvent]) -> tuple[str, bytes, bytes]:
     """(schemas, header, payload) of one step's row: payloads are kept byte for byte."""
+    # Tuples encode as the same msgpack arrays as StepEntry (array_like), without building a
+    # Struct per event: a quarter of pack_step's time (ops/bench/peer_eventsourcing.py, profiled).
     header = _header_encoder.encode(
-        [StepEntry(e.event_id, e.event_type, e.schema_version, len(e.payload), e.step, e.recorded_at) for e in events]
+        [(e.event_id, e.event_type, e.schema_version, len(e.payload), e.step, e.recorded_at) for e in events]
     )
-    return schemas_of(events), header, b"".join(e.payload for e in events)
+    return schemas_of(events), header, b"".join([e.payload for e in events])
 
 
 class StoredStep(msgspec.Struct, frozen=True, gc=False):
