@@ -195,6 +195,8 @@ class KafkaEventLog(SqlEventLog):
         self._deliveries: set[asyncio.Task[None]] = set()
         self._fetching = True
         """False while fetching is paused (see _pause_fetching)."""
+        self._reaching = 0
+        """Calls waiting for the fold to reach an offset (_reach): fetching is not paused meanwhile."""
         self._records_sent = 0
         self._sending: dict[bytes, list[ReadAppend]] = {}
         """SENT_HEADER token -> the appends of this writer's record produced and not yet read back."""
@@ -852,7 +854,7 @@ class KafkaEventLog(SqlEventLog):
         """Stop fetching while this writer's records are in flight: it folds them from what it
         sent as they are acknowledged, and the broker need not send each back (the fetches cost
         the broker and this process about as much again as the produces)."""
-        if self._fetching:
+        if self._fetching and not self._reaching:
             self._fetching = False
             self._consumer.pause(self._partition)
 
@@ -868,6 +870,7 @@ class KafkaEventLog(SqlEventLog):
     async def _reach(self, offset: int, doing: str) -> None:
         if self._fold.next_offset < offset:
             self._resume_fetching()
+        self._reaching += 1  # fetching is not paused while anything waits here (_pause_fetching)
         try:
             with anyio.fail_after(self.target.call_timeout_s):
                 while self._fold.next_offset < offset:
@@ -877,6 +880,8 @@ class KafkaEventLog(SqlEventLog):
             raise LogUnavailable(
                 f"log {self.url}: no records from the broker for {self.target.call_timeout_s:.0f} s while {doing}"
             ) from None
+        finally:
+            self._reaching -= 1
         self._check()
 
     # --- the state store -------------------------------------------------------------------------
