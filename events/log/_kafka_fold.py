@@ -18,15 +18,16 @@ Records (value: msgpack, array-like structs; Kafka headers `kvl-format` and `kvl
   its previous record travelled. Each is judged alone, in order, as if it were a record of its
   own at that offset; they share the record's offset, not its fate.
 
-Rules for an append record, part by part; a refused part refuses the whole record:
+Rules for an append, part by part; a refused part refuses the whole append (the other appends
+of an `appends` record are judged on their own):
 
-0. (The whole record.) Its expected head, if it names one, must be the log's head: else HeadMoved
+0. (The whole append.) Its expected head, if it names one, must be the log's head: else HeadMoved
    (another writer's record came first; the writer reads it and decides again). A copy of an
    accepted record (rule 2) is refused by this rule too, which changes nothing: it was applied once.
-   A record that names the head also names the record its writer had in flight when it decided
-   (`follows`, appends are pipelined): that record must be the writer's last one that appended
-   something, else HeadMoved too. A head is a count: without this, a record decided on a refused
-   predecessor would pass rule 0 whenever another writer's record happened to add as many events.
+   An append that names the head also names the append its writer had in flight when it decided
+   (`follows`, appends are pipelined): that one must be the writer's last append that appended
+   something, else HeadMoved too. A head is a count: without this, an append decided on a refused
+   predecessor would pass rule 0 whenever another writer's append happened to add as many events.
 
 1. A part whose command id is already committed is answered by the original (duplicate).
 2. A part with the same stream, first version and event ids as an accepted step is a copy of it
