@@ -240,6 +240,22 @@ def test_a_shared_stream_claimed_by_another_sidecar_since_is_decided_again_not_f
     assert fold.head == 0
 
 
+def test_a_garbled_append_in_an_appends_record_is_refused_alone() -> None:
+    """Bad bytes from a broken writer: one append whose header and payload disagree is refused
+    (AppendRejected) and skipped; the appends beside it in the record are judged on their own."""
+    good = part("s", 1, 0, ["a"])
+    short = StepPart(good.stream_id, good.epoch, good.expected_version, None, 1, 1.5, good.schemas, good.header, b"")
+    fold = KafkaFold()
+    fold.awaited |= {"garbled", "fine"}
+    claim, claim_headers = claim_record("w", s=1)
+    fold.fold(0, claim_headers, claim)
+    value, headers = encode_appends([AppendRecord("garbled", "w", [short]), AppendRecord("fine", "w", [good])])
+    assert "disagree" in (fold.fold(1, headers, value) or "")
+    assert isinstance(fold.verdicts["garbled"], AppendRejected)
+    assert fold.verdicts["fine"] == [AppendResult(stream_id="s", first_seq=1, last_seq=1, stream_version=1)]
+    assert event_ids(fold) == ["a"]
+
+
 def test_format_1_records_are_still_read() -> None:
     """Topics written before `follows` (format 1) fold as they always did."""
     value, _ = append_record("w", part("s", 1, 0, ["a"]))
