@@ -16,36 +16,45 @@ Execution:
   src/dst lengths, one pool id, no two destinations of one batch overlapping), so a bad plan
   raises CopyError and leaves the pool untouched.
 * Batches run in order. Each batch is one gather and then one scatter: the byte ranges of
-  all its sources and destinations are expanded into flat index tensors with one
-  repeat_interleave + arange (no per-byte Python loop), every source is gathered into fresh
-  buffers (`index_select` returns a copy), and only then are the buffers scattered to the
-  destinations (`index_copy_`).
+  all its sources and destinations are expanded into index arrays (no per-byte Python loop),
+  every source is gathered into a fresh buffer, and only then is the buffer scattered to the
+  destinations.
 * Gather-then-scatter is memmove-safe: nothing is written until every source byte of the batch
   has been read, so an op whose own src and dst overlap inside one block (a shift; CopyOp.ordered)
   gets memmove semantics, and the batch as a whole has parallel-assignment semantics even if
   its copies were not independent. The order between batches is what the planner relies on
   (a batch may read what an earlier batch wrote, e.g. scratch).
+* A batch that is *disjoint* (no op reads a byte that any op of the batch writes: what the
+  planner makes of moves without a dependency) has nothing to protect, so on the CPU it is
+  copied a cache-sized chunk at a time (_CHUNK_BYTES): each chunk's staged rows are still in
+  cache when they are written out. Validation tells the two kinds apart; a hand-made plan with a
+  chain inside one batch still gets the whole gather first.
 * Indices address rows, not necessarily bytes: an op's row size ("unit") is the gcd of
   bytes_per_block and its offsets and length, so whole-block moves take one index per block
   and a one-byte shift one per byte; rows are read as int64/int32/int16 when the unit and the
   pool's alignment allow. Ops of one batch with different units form up to _MAX_GROUPS groups
-  (usually one), each gathered with its own index_select; all groups are gathered before any
-  is scattered, so the batch is still read whole before it is written. That is the same copy,
-  with fewer and wider indices, and a few odd shifts do not shrink every index of the batch.
+  (usually one), each gathered on its own; all groups are gathered before any is scattered, so
+  the batch is still read whole before it is written. That is the same copy, with fewer and
+  wider indices, and a few odd shifts do not shrink every index of the batch.
 
-Indices are built on the host (the plan is host data); only per-op starts and counts go to
-the pool's device, where they are expanded. On CUDA this module picks no stream: everything is enqueued on the caller's current
-stream (the worker runs these on its transfer stream) and nothing here synchronises beyond the
-host-to-device copy of the index metadata.
+The plan's metadata is read once into numpy arrays on the host (the plan is host data), and
+validated there, vectorised. On the CPU the copies themselves are numpy fancy indexing on a view
+of the pool's memory: one memcpy a row, where torch's CPU index_select/index_copy_ go element by
+element and ran 3-9x slower (ops/bench/copies.py). On CUDA they are torch index_select and
+index_copy_, and only per-op starts and counts go to the device, where they are expanded; this
+module picks no stream: everything is enqueued on the caller's current stream (the worker runs
+these on its transfer stream) and nothing here synchronises beyond the host-to-device copy of the
+index metadata.
 """
 
 from __future__ import annotations
 
-import array
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 from typing import cast
 
+import numpy as np
 import torch
 
 from coordinator.core.copy_plan import PlannedMove, overlapping_destinations, plan_copies
@@ -70,31 +79,43 @@ class CopyError(ValueError):
 
 
 class _Batch:
-    """One batch's host-side metadata as int64 CPU tensors (one entry an op), in a unified
+    """One batch's host-side metadata as int64 numpy arrays (one entry an op), in a unified
     address space: pool bytes are [0, num_blocks * bytes_per_block), scratch byte k is
-    `pool_bytes + k`. The scratch masks are None when the batch does not touch scratch."""
+    `pool_bytes + k`. The scratch masks are None when the batch does not touch scratch.
+    `disjoint`: no op reads a byte that any op of the batch writes (its own destination
+    included), so the ops may run one after another, in any order, with no staging copy."""
 
-    __slots__ = ("src", "dst", "length", "src_scratch", "dst_scratch")
+    __slots__ = ("src", "dst", "length", "src_scratch", "dst_scratch", "disjoint")
 
     def __init__(
         self,
-        src: torch.Tensor,
-        dst: torch.Tensor,
-        length: torch.Tensor,
-        src_scratch: torch.Tensor | None,
-        dst_scratch: torch.Tensor | None,
+        src: np.ndarray,
+        dst: np.ndarray,
+        length: np.ndarray,
+        src_scratch: np.ndarray | None,
+        dst_scratch: np.ndarray | None,
+        disjoint: bool,
     ) -> None:
         self.src = src
         self.dst = dst
         self.length = length
         self.src_scratch = src_scratch
         self.dst_scratch = dst_scratch
+        self.disjoint = disjoint
 
 
-def _ints(values: list[int]) -> torch.Tensor:
-    """A Python int list as an int64 CPU tensor (through array: several times faster than
-    torch.tensor on a list). OverflowError for a value outside int64."""
-    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+_SRC = operator.attrgetter("src")
+_DST = operator.attrgetter("dst")
+_BLOCK = operator.attrgetter("block")
+_OFFSET = operator.attrgetter("offset")
+_LENGTH = operator.attrgetter("length")
+_BLOCK_ID = operator.attrgetter("block_id")
+_POOL_ID = operator.attrgetter("pool_id")
+
+
+def _ints(values: Iterable[int], count: int) -> np.ndarray:
+    """Python ints as an int64 array. OverflowError for a value outside int64."""
+    return np.fromiter(values, dtype=np.int64, count=count)
 
 
 def _check_pool(pool: torch.Tensor) -> None:
@@ -166,35 +187,37 @@ def _extract(
     pool_ids: set[int],
     check_overlap: bool = True,
 ) -> _Batch:
-    """Check one batch and turn it into unified byte addresses. A few list comprehensions
-    read the ops' fields; every check after that is vectorised over the batch. The per-op walk
-    (_first_problem) only runs to name the culprit once a check failed."""
+    """Check one batch and turn it into unified byte addresses. The ops' fields are read
+    once (attrgetters mapped over the regions, straight into numpy); every check after that is
+    vectorised over the batch. The per-op walk (_first_problem) only runs to name the culprit
+    once a check failed."""
     n = len(batch)
-    regions = [op.src for op in batch] + [op.dst for op in batch]
-    refs = [r.block for r in regions]
+    regions = list(map(_SRC, batch))
+    regions += map(_DST, batch)
+    refs = list(map(_BLOCK, regions))
+    has_scratch = None in refs
     try:
-        offsets = _ints([r.offset for r in regions])
-        lengths = _ints([r.length for r in regions])
-        if None in refs:
-            scratch: torch.Tensor | None = torch.tensor([b is None for b in refs], dtype=torch.bool)
-            ids = _ints([-1 if b is None else b.block_id for b in refs])
+        offsets = _ints(map(_OFFSET, regions), 2 * n)
+        lengths = _ints(map(_LENGTH, regions), 2 * n)
+        if has_scratch:
+            scratch: np.ndarray | None = np.fromiter((b is None for b in refs), dtype=bool, count=2 * n)
+            ids = _ints((-1 if b is None else b.block_id for b in refs), 2 * n)
         else:
             scratch = None
-            ids = _ints([b.block_id for b in cast(list[BlockRef], refs)])
+            ids = _ints(map(_BLOCK_ID, refs), 2 * n)
     except OverflowError:
         raise _first_problem(batch_index, batch, num_blocks, bytes_per_block, scratch_bytes) from None
     if scratch is None:
-        limit: torch.Tensor | int = bytes_per_block
+        limit: np.ndarray | int = bytes_per_block
         in_range = (ids > 0) & (ids < num_blocks)
     else:
-        limit = torch.where(scratch, scratch_bytes, bytes_per_block)
+        limit = np.where(scratch, scratch_bytes, bytes_per_block)
         in_range = scratch | ((ids > 0) & (ids < num_blocks))
     # offsets and lengths are each checked against the limit first, so their sum cannot wrap.
     bad = ~in_range | (lengths <= 0) | (offsets < 0) | (offsets > limit) | (lengths > limit)
-    bad |= offsets + lengths > limit
-    if bool(bad.any()) or not torch.equal(lengths[:n], lengths[n:]):
+    if bad.any() or (offsets + lengths > limit).any() or not np.array_equal(lengths[:n], lengths[n:]):
         raise _first_problem(batch_index, batch, num_blocks, bytes_per_block, scratch_bytes)
-    pool_ids.update({b.pool_id for b in refs if b is not None})
+    pool_ids.update(map(_POOL_ID, (b for b in refs if b is not None) if has_scratch else refs))
     if len(pool_ids) > 1:
         raise CopyError(
             "mixed_pools",
@@ -203,28 +226,31 @@ def _extract(
         )
     address = ids * bytes_per_block + offsets
     if scratch is not None:
-        address = torch.where(scratch, num_blocks * bytes_per_block + offsets, address)
+        address = np.where(scratch, num_blocks * bytes_per_block + offsets, address)
+    src, dst, length = address[:n], address[n:], lengths[:n]
+    if not check_overlap:
+        return _Batch(src, dst, length, None if scratch is None else scratch[:n], None if scratch is None else scratch[n:], False)
     # Destinations of one batch must not overlap: the scatter would race.
-    if check_overlap and n > 1:
-        starts, order = torch.sort(address[n:])
-        stops = starts + lengths[n:][order]
-        clash = torch.nonzero(starts[1:] < stops[:-1])
-        if clash.numel():
-            k = int(clash[0, 0])
-            a, b = sorted((int(order[k]), int(order[k + 1])))
-            raise CopyError(
-                "overlapping_destinations",
-                f"batch {batch_index} ops {a} ({_describe(batch[a])}) and {b} ({_describe(batch[b])}) write the same bytes",
-                batch=batch_index,
-                op=b,
-            )
-    return _Batch(
-        address[:n],
-        address[n:],
-        lengths[:n],
-        None if scratch is None else scratch[:n],
-        None if scratch is None else scratch[n:],
-    )
+    order = np.argsort(dst, kind="stable")
+    starts = dst[order]
+    stops = starts + length[order]
+    clash = np.flatnonzero(starts[1:] < stops[:-1])
+    if clash.size:
+        k = int(clash[0])
+        a, b = sorted((int(order[k]), int(order[k + 1])))
+        raise CopyError(
+            "overlapping_destinations",
+            f"batch {batch_index} ops {a} ({_describe(batch[a])}) and {b} ({_describe(batch[b])}) write the same bytes",
+            batch=batch_index,
+            op=b,
+        )
+    # Does any source touch any destination? The destinations are disjoint and sorted, so a
+    # source can only meet the last one starting at or before it or the first one after it.
+    after = np.searchsorted(starts, src, side="right")
+    hits_before = (after > 0) & (stops[np.maximum(after - 1, 0)] > src)
+    hits_after = (after < n) & (starts[np.minimum(after, n - 1)] < src + length)
+    disjoint = not (hits_before | hits_after).any()
+    return _Batch(src, dst, length, None if scratch is None else scratch[:n], None if scratch is None else scratch[n:], disjoint)
 
 
 def _validate(
@@ -267,69 +293,113 @@ def _width(unit: int, flat: torch.Tensor) -> tuple[int, torch.dtype]:
     return 1, torch.uint8
 
 
-def _rows(flat: torch.Tensor, unit: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """`flat` (uint8) as rows of `unit` bytes, each row `unit // width` elements of `dtype`."""
-    usable = flat[: flat.numel() // unit * unit]
-    if width > 1:
-        usable = usable.view(dtype)
-    return usable.view(-1, unit // width)
+_Array = np.ndarray | torch.Tensor
+"""Row indices or gathered rows: a numpy array on the CPU, a torch tensor on other devices."""
 
 
-def _expand(starts: torch.Tensor, counts: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """[starts[0], .., starts[0] + counts[0] - 1, starts[1], ..] on `device`: the row indices
-    of a set of ranges, from per-range CPU tensors, with one repeat_interleave and one arange
-    (or a broadcast add when every range has the same length)."""
+class _Rows:
+    """A buffer (pool or scratch, uint8) seen as rows of `unit` bytes, each row `unit // width`
+    elements, with the two operations a batch needs. On the CPU the rows are a numpy view of the
+    tensor's memory and indices are numpy arrays: numpy's fancy indexing copies a row with one
+    memcpy, where torch's CPU index_select/index_copy_ go element by element (3-9x slower on
+    16 KiB rows, ops/bench/copies.py). On other devices they are torch index_select/index_copy_
+    with indices on the device."""
+
+    __slots__ = ("tensor", "host")
+
+    def __init__(self, flat: torch.Tensor, unit: int, width: int, dtype: torch.dtype) -> None:
+        usable = flat[: flat.numel() // unit * unit]
+        if width > 1:
+            usable = usable.view(dtype)
+        self.tensor = usable.view(-1, unit // width)
+        self.host = self.tensor.numpy() if flat.device.type == "cpu" else None
+
+    def index(self, starts: np.ndarray, counts: np.ndarray) -> _Array:
+        """The row indices [starts[0], .., starts[0] + counts[0] - 1, starts[1], ..] of a set of
+        ranges, from per-range host arrays: built on the host for the CPU; otherwise only the
+        per-range starts and counts go to the device, where they are expanded."""
+        if self.host is not None:
+            return _expand_host(starts, counts)
+        return _expand_device(starts, counts, self.tensor.device)
+
+    def select(self, index: _Array) -> _Array:
+        """The rows at `index`, as a new buffer (a copy: read before anything is written)."""
+        if self.host is not None:
+            return cast(np.ndarray, self.host[index])
+        return self.tensor.index_select(0, cast(torch.Tensor, index))
+
+    def put(self, index: _Array, values: _Array) -> None:
+        """rows[index] = values (the indices are distinct: destinations never overlap)."""
+        if self.host is not None:
+            self.host[index] = values
+        else:
+            self.tensor.index_copy_(0, cast(torch.Tensor, index), cast(torch.Tensor, values))
+
+
+def _expand_host(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     first = int(counts[0])
-    if starts.numel() == 1:
-        return torch.arange(int(starts[0]), int(starts[0]) + first, device=device)
-    if bool((counts == first).all()):
-        base = starts.to(device)
-        return base if first == 1 else (base[:, None] + torch.arange(first, device=device)).reshape(-1)
+    if starts.size == 1:
+        return np.arange(int(starts[0]), int(starts[0]) + first)
+    if (counts == first).all():
+        return starts if first == 1 else (starts[:, None] + np.arange(first)).reshape(-1)
     # Per range: its start minus the position where its rows begin in the output; + arange.
     total = int(counts.sum())
-    shift = starts - (torch.cumsum(counts, 0) - counts)
-    repeated = torch.repeat_interleave(shift.to(device), counts.to(device), output_size=total)
+    shift = starts - (np.cumsum(counts) - counts)
+    return np.repeat(shift, counts) + np.arange(total)
+
+
+def _expand_device(starts: np.ndarray, counts: np.ndarray, device: torch.device) -> torch.Tensor:
+    first = int(counts[0])
+    if starts.size == 1:
+        return torch.arange(int(starts[0]), int(starts[0]) + first, device=device)
+    base = torch.from_numpy(np.ascontiguousarray(starts)).to(device)
+    if (counts == first).all():
+        return base if first == 1 else (base[:, None] + torch.arange(first, device=device)).reshape(-1)
+    total = int(counts.sum())
+    shift = torch.from_numpy(starts - (np.cumsum(counts) - counts)).to(device)
+    repeated = torch.repeat_interleave(shift, torch.from_numpy(np.ascontiguousarray(counts)).to(device), output_size=total)
     return repeated + torch.arange(total, device=device)
 
 
-def _groups(batch: _Batch, bytes_per_block: int) -> list[tuple[int, torch.Tensor | None]]:
+def _groups(batch: _Batch, bytes_per_block: int) -> list[tuple[int, np.ndarray | None]]:
     """The batch's ops by index unit: (row bytes, op indices, None for all). An op's unit is
     the gcd of bytes_per_block, its addresses and its length (a scratch address is pool_bytes
     + offset and bytes_per_block divides pool_bytes, so that is its offset's gcd too). Usually
     one group; a few odd shifts get their own small group instead of shrinking every index of
     the batch. At most _MAX_GROUPS: beyond that the groups moving the fewest bytes share a unit."""
-    n = batch.length.numel()
-    units = torch.gcd(torch.gcd(torch.gcd(batch.src, batch.dst), batch.length), torch.tensor(bytes_per_block))
+    n = batch.length.size
+    units = np.gcd(np.gcd(np.gcd(batch.src, batch.dst), batch.length), bytes_per_block)
     low, high = int(units.min()), int(units.max())
     if low == high or int(batch.length.sum()) // low <= 4 * n:
         return [(low, None)]  # one unit, or a few rows an op at the smallest: one group
-    values, inverse = torch.unique(units, return_inverse=True)
-    moved = torch.zeros(values.numel(), dtype=torch.int64).index_add_(0, inverse, batch.length)
-    ranked = torch.argsort(moved, descending=True, stable=True).tolist()
+    values, inverse = np.unique(units, return_inverse=True)
+    moved = np.zeros(values.size, dtype=np.int64)
+    np.add.at(moved, inverse, batch.length)
+    ranked = np.argsort(-moved, kind="stable").tolist()
     kept, rest = ranked[: _MAX_GROUPS - 1], ranked[_MAX_GROUPS - 1 :]
     if len(rest) == 1:
         kept, rest = ranked, []
-    groups: list[tuple[int, torch.Tensor | None]] = [(int(values[g]), torch.nonzero(inverse == g).flatten()) for g in kept]
+    groups: list[tuple[int, np.ndarray | None]] = [(int(values[g]), np.flatnonzero(inverse == g)) for g in kept]
     if rest:
         unit = math.gcd(*(int(values[g]) for g in rest))
-        groups.append((unit, torch.nonzero(torch.isin(inverse, torch.tensor(rest))).flatten()))
+        groups.append((unit, np.flatnonzero(np.isin(inverse, rest))))
     return groups
 
 
 class _Gathered:
-    """One group's sources, read: `values` holds the rows of ops `order` (op indices, CPU),
-    in that order, `counts` rows each."""
+    """One group's sources, read: `values` holds the rows of ops `order` (op indices), in that
+    order, `counts` rows each, read from `pool_rows` and `scratch_rows`."""
 
     __slots__ = ("unit", "pool_rows", "scratch_rows", "order", "counts", "values")
 
     def __init__(
         self,
         unit: int,
-        pool_rows: torch.Tensor,
-        scratch_rows: torch.Tensor | None,
-        order: torch.Tensor,
-        counts: torch.Tensor,
-        values: torch.Tensor,
+        pool_rows: _Rows,
+        scratch_rows: _Rows | None,
+        order: np.ndarray,
+        counts: np.ndarray,
+        values: _Array,
     ) -> None:
         self.unit = unit
         self.pool_rows = pool_rows
@@ -338,44 +408,48 @@ class _Gathered:
         self.counts = counts
         self.values = values
 
-    def rows(self, scratch: bool) -> torch.Tensor:
+    def rows(self, scratch: bool) -> _Rows:
         rows = self.scratch_rows if scratch else self.pool_rows
         assert rows is not None  # validated: a scratch region implies scratch_bytes > 0
         return rows
 
 
-def _gather(
-    flat: torch.Tensor, scratch: torch.Tensor | None, batch: _Batch, unit: int, members: torch.Tensor | None
-) -> _Gathered:
-    """Read the sources of ops `members` (None: all) at row size `unit`: one index_select per
-    buffer (pool sources first, then scratch ones). index_select returns a copy."""
+def _concat(parts: list[_Array]) -> _Array:
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(cast(list[np.ndarray], parts))
+    return torch.cat(cast(list[torch.Tensor], parts))
+
+
+def _gather(flat: torch.Tensor, scratch: torch.Tensor | None, batch: _Batch, unit: int, members: np.ndarray | None) -> _Gathered:
+    """Read the sources of ops `members` (None: all) at row size `unit`: one select per
+    buffer (pool sources first, then scratch ones), each a copy."""
     pool_bytes = flat.numel()
     # Pool and scratch rows share one element type: a group may move bytes between them.
     width, dtype = _width(unit, flat)
-    pool_rows = _rows(flat, unit, width, dtype)
-    scratch_rows = None if scratch is None else _rows(scratch, unit, width, dtype)
+    pool_rows = _Rows(flat, unit, width, dtype)
+    scratch_rows = None if scratch is None else _Rows(scratch, unit, width, dtype)
     if members is None:
-        members = torch.arange(batch.length.numel())
-    parts: list[torch.Tensor] = []
-    orders: list[torch.Tensor] = []
+        members = np.arange(batch.length.size)
+    parts: list[_Array] = []
+    orders: list[np.ndarray] = []
     kinds = (False,) if batch.src_scratch is None else (False, True)
     for kind in kinds:
         chosen = members if batch.src_scratch is None else members[batch.src_scratch[members] == kind]
-        if not chosen.numel():
+        if not chosen.size:
             continue
         rows = scratch_rows if kind else pool_rows
         assert rows is not None
         starts = (batch.src[chosen] - (pool_bytes if kind else 0)) // unit
-        parts.append(rows.index_select(0, _expand(starts, batch.length[chosen] // unit, flat.device)))
+        parts.append(rows.select(rows.index(starts, batch.length[chosen] // unit)))
         orders.append(chosen)
-    order = orders[0] if len(orders) == 1 else torch.cat(orders)
-    values = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return _Gathered(unit, pool_rows, scratch_rows, order, batch.length[order] // unit, values)
+    order = orders[0] if len(orders) == 1 else np.concatenate(orders)
+    return _Gathered(unit, pool_rows, scratch_rows, order, batch.length[order] // unit, _concat(parts))
 
 
-def _scatter(flat: torch.Tensor, batch: _Batch, gathered: _Gathered) -> None:
-    """Write one group's gathered rows to its destinations: one index_copy_ per buffer."""
-    pool_bytes = flat.numel()
+def _scatter(batch: _Batch, gathered: _Gathered, pool_bytes: int) -> None:
+    """Write one group's gathered rows to its destinations: one put per buffer."""
     unit, order, counts = gathered.unit, gathered.order, gathered.counts
     kinds = (False,) if batch.dst_scratch is None else (False, True)
     for kind in kinds:
@@ -383,34 +457,56 @@ def _scatter(flat: torch.Tensor, batch: _Batch, gathered: _Gathered) -> None:
             chosen = None
             ops = order
         else:
-            chosen = torch.nonzero(batch.dst_scratch[order] == kind).flatten()  # positions in order
-            if not chosen.numel():
+            chosen = np.flatnonzero(batch.dst_scratch[order] == kind)  # positions in order
+            if not chosen.size:
                 continue
             ops = order[chosen]
+        rows = gathered.rows(kind)
         starts = (batch.dst[ops] - (pool_bytes if kind else 0)) // unit
         part_counts = counts if chosen is None else counts[chosen]
-        index = _expand(starts, part_counts, flat.device)
         values = gathered.values
-        if chosen is not None and chosen.numel() != order.numel():
-            where = torch.cumsum(counts, 0) - counts  # each op's first row in values
-            values = values.index_select(0, _expand(where[chosen], part_counts, flat.device))
-        gathered.rows(kind).index_copy_(0, index, values)
+        if chosen is not None and chosen.size != order.size:
+            where = np.cumsum(counts) - counts  # each op's first row in values
+            values = _take_rows(values, where[chosen], part_counts)
+        rows.put(rows.index(starts, part_counts), values)
+
+
+def _take_rows(values: _Array, starts: np.ndarray, counts: np.ndarray) -> _Array:
+    """The rows [starts[k], starts[k] + counts[k]) of gathered `values`, in order."""
+    if isinstance(values, np.ndarray):
+        return cast(np.ndarray, values[_expand_host(starts, counts)])
+    return values.index_select(0, _expand_device(starts, counts, values.device))
+
+
+_CHUNK_BYTES = 1 << 20
+"""A disjoint batch on the CPU is copied this many bytes at a time (rows of whole ops): each
+chunk's staging copy is still in cache when it is written out, so the batch costs about one
+pass over its bytes rather than two (ops/bench/copies.py: 1-2 MiB was best)."""
 
 
 def _run_batch(flat: torch.Tensor, scratch: torch.Tensor | None, batch: _Batch, bytes_per_block: int) -> None:
-    """Gather every source of the batch, then scatter: nothing is written before all is read."""
+    """Gather every source of the batch, then scatter: nothing is written before all is read.
+    A disjoint batch (no op reads what any op writes) needs no such care: on the CPU it is
+    copied a cache-sized chunk at a time."""
     groups = _groups(batch, bytes_per_block)
-    if len(groups) == 1 and batch.src_scratch is None:
-        # The common case, pool to pool at one unit: one index_select, one index_copy_.
+    if len(groups) == 1 and batch.src_scratch is None and batch.dst_scratch is None:
+        # The common case, pool to pool at one unit.
         unit = groups[0][0]
-        rows = _rows(flat, unit, *_width(unit, flat))
+        rows = _Rows(flat, unit, *_width(unit, flat))
         counts = batch.length // unit
-        values = rows.index_select(0, _expand(batch.src // unit, counts, flat.device))
-        rows.index_copy_(0, _expand(batch.dst // unit, counts, flat.device), values)
+        src = rows.index(batch.src // unit, counts)
+        dst = rows.index(batch.dst // unit, counts)
+        step = max(1, _CHUNK_BYTES // unit)
+        if rows.host is not None and batch.disjoint and len(src) > step:
+            host = rows.host
+            for at in range(0, len(src), step):
+                host[dst[at : at + step]] = host[src[at : at + step]]
+            return
+        rows.put(dst, rows.select(src))
         return
     gathered = [_gather(flat, scratch, batch, unit, members) for unit, members in groups]
     for group in gathered:
-        _scatter(flat, batch, group)
+        _scatter(batch, group, flat.numel())
 
 
 def execute_plan(

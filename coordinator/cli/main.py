@@ -196,7 +196,7 @@ def db_status(log_url: str | None = LOG_OPTION) -> None:
 
 
 def quiet_torch() -> None:
-    """torch warns once at import when numpy is absent; kvledger does not use numpy."""
+    """torch warns once at import when numpy is absent (kvledger itself installs it)."""
     import warnings
 
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)

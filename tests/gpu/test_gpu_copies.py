@@ -7,6 +7,7 @@ routine.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from coordinator.core.copy_plan import PlannedMove, overlapping_destinations, plan_copies
 from events import BlockRef, CopyOp, Region
+from gpu import copies
 from gpu.copies import CopyError, apply_moves, execute_plan, validate_plan
 
 NUM_BLOCKS = 6
@@ -268,6 +270,62 @@ def test_a_batch_is_itself_a_parallel_assignment() -> None:
     expected[2, 0:8] = original[1, 0:8]
     expected[3, 0:8] = original[2, 0:8]
     assert torch.equal(pool, expected)
+
+
+def test_a_batch_larger_than_a_chunk_with_a_chain_inside_is_still_a_parallel_assignment() -> None:
+    """A hand-made batch copying each block to the next, over more rows than one CPU chunk
+    (gpu.copies._CHUNK_BYTES): a chunk must not read what an earlier chunk wrote, so this batch
+    must be gathered whole before it is written."""
+    block = 2048
+    count = 3 * (copies._CHUNK_BYTES // block)
+    pool = _pool(num_blocks=count + 2, block=block, seed=5)
+    original = pool.clone()
+    batch = [CopyOp(Region(_ref(i), 0, block), Region(_ref(i + 1), 0, block), False) for i in range(1, count + 1)]
+    execute_plan(pool, [batch], 0)
+    expected = original.clone()
+    expected[2 : count + 2] = original[1 : count + 1]
+    assert torch.equal(pool, expected)
+
+
+def test_a_disjoint_batch_larger_than_a_chunk_equals_parallel_assignment() -> None:
+    """Disjoint moves (shuffled whole blocks, then half blocks) over several CPU chunks."""
+    block = 1024
+    count = 3 * (copies._CHUNK_BYTES // block) + 7
+    rng = random.Random(11)
+    targets = list(range(count + 1, 2 * count + 1))
+    rng.shuffle(targets)
+    for length in (block, block // 2):
+        pool = _pool(num_blocks=2 * count + 1, block=block, seed=length)
+        original = pool.clone()
+        moves = [
+            _move(src, rng.choice((0, block - length)), dst, rng.choice((0, block - length)), length)
+            for src, dst in zip(range(1, count + 1), targets, strict=True)
+        ]
+        batches, scratch = _apply(moves, pool)
+        assert (batches, scratch) == (1, 0)
+        assert torch.equal(pool, _expected(original, moves))
+
+
+@pytest.mark.parametrize(
+    ("second_src", "disjoint"),
+    [
+        (Region(_ref(2), 8, 8), True),  # reads right after what the first op writes
+        (Region(_ref(2), 0, 8), True),  # reads right before it
+        (Region(_ref(2), 9, 8), False),  # one byte of it
+        (Region(_ref(2), 23, 8), False),  # the last byte of it
+        (Region(_ref(1), 0, 8), False),  # what the second op itself writes
+    ],
+)
+def test_a_batch_is_disjoint_only_when_no_op_reads_what_any_op_writes(second_src: Region, disjoint: bool) -> None:
+    """The check that lets a batch be copied chunk by chunk (a wrong True would copy bytes
+    already overwritten): destinations block 2 [16, 24) and block 1 [0, 8)."""
+    pool = _pool()
+    batch = [
+        CopyOp(Region(_ref(3), 0, 8), Region(_ref(2), 16, 8), False),
+        CopyOp(second_src, Region(_ref(1), 0, 8), second_src.block == _ref(1)),
+    ]
+    (checked,) = copies._validate(pool, [batch], 0)
+    assert checked.disjoint is disjoint
 
 
 # --- bad plans change nothing ------------------------------------------------------------------
