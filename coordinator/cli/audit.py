@@ -516,7 +516,7 @@ def replay_command(
         if out is not None:
             with _naming(out):
                 out.write_bytes(msgspec.json.encode(state) if out.suffix == ".json" else encode_state(state))
-        tiers = {name: sum(len(keys) for keys in tier.entries.values()) for name, tier in state.tiers.items()}
+        tiers = {name: sum(len(keys) for keys in tier.published.values()) for name, tier in state.tiers.items()}
         return {
             "global_seq": last,
             "head": head,

@@ -94,14 +94,14 @@ def _publish(state: State, tier: TierState, decision: Store, per_rank: list[list
         return events
     # Read once for the job, not per item: every item of a store has the same type.
     item_pool = _POOL_OF[type(items[0])]
-    name, namespace, job_id, entries, pools = tier.spec.name, engine.namespace_id, decision.job_id, tier.entries, engine.pools
+    name, namespace, job_id, published, pools = tier.spec.name, engine.namespace_id, decision.job_id, tier.published, engine.pools
     # Each item's checksums, one per rank: with one rank, one list each (a transpose otherwise).
     by_item = (
         [[checksum] for checksum in per_rank[0]] if len(per_rank) == 1 else [list(sums) for sums in zip(*per_rank, strict=True)]
     )
     for item, checksums in zip(items, by_item, strict=True):
         pool_id = item_pool(item)
-        published = KeyPublished(
+        publication = KeyPublished(
             tier=name,
             namespace_id=namespace,
             pool_id=pool_id,
@@ -112,18 +112,19 @@ def _publish(state: State, tier: TierState, decision: Store, per_rank: list[list
             size_bytes=pools[pool_id].spec.bytes_per_block,
             source_job=job_id,
         )
-        group = entries.get(pool_id)
-        existing = None if group is None else group.get(item.key)
+        group = published.get(pool_id)
+        slot = None if group is None else group.get(item.key)
+        existing = None if slot is None else tier.entry_at(slot)  # a re-store: rare
         if existing is None or (existing.source_job == decision.job_id and not existing.checksums):
             # (The second case only with PUBLISH_WHEN_COMPLETE off: the store's own early entry.)
-            events.append(published)
+            events.append(publication)
         elif existing.checksums != checksums and is_off(Protection.IDEMPOTENT_STORE):
             # The naive store of seed 002: the last writer wins.
             events += [
                 KeyEvicted(
                     tier=tier.spec.name, pool_id=pool_id, key=item.key, tier_slot=existing.tier_slot, engine_id=decision.engine_id
                 ),
-                published,
+                publication,
             ]
         elif existing.checksums != checksums and not existing.quarantined:
             # I10: the same key with other bytes. Someone stored the wrong KV; trust neither.
@@ -155,15 +156,15 @@ def _verify_load(state: State, tier: TierState, decision: Load, per_rank: list[l
             )
         ]
     verify = not is_off(Protection.CHECKSUMS)  # off: MOONCAKE_STORE_CHECKSUM unset (seed 002)
-    quarantined: dict[tuple[int, bytes], None] = {}
+    to_quarantine: dict[tuple[int, bytes], None] = {}
     unverified = 0
     kept: int | None = None
     items: Sequence[LoadItem | ExternalItem] = decision.items
     if not items:
         return [JobSucceeded(job_id=job_id)]
     item_pool = _POOL_OF[type(items[0])]  # every item of a load has the same type
-    entries = tier.entries
-    # What the ranks read of each item, packed as the published checksums are (KeyEntry.
+    published, generations, quarantined, packed = tier.published, tier.generations, tier.quarantined, tier.packed_checksums
+    # What the ranks read of each item, packed as the published checksums are (TierState.
     # packed_checksums): one bytes comparison per item, no decoding of what was published.
     reads: list[bytes] = []
     if verify:
@@ -173,25 +174,25 @@ def _verify_load(state: State, tier: TierState, decision: Load, per_rank: list[l
             else [pack_checksums(list(sums)) for sums in zip(*per_rank, strict=True)]
         )
     for index, item in enumerate(items):
-        group = entries.get(item_pool(item))  # current_entry, inlined
-        entry = None if group is None else group.get(item.key)
-        if entry is not None and (entry.tier_slot != item.tier_slot or entry.tier_generation != item.tier_generation):
-            entry = None
-        if entry is None and not naive_leases:
+        group = published.get(item_pool(item))  # current_entry, inlined: the key's slot, if it is the one loaded
+        slot = None if group is None else group.get(item.key)
+        if slot is not None and (slot != item.tier_slot or generations[slot] != item.tier_generation):
+            slot = None
+        if slot is None and not naive_leases:
             return [JobFailed(job_id=job_id, reason=Reason.KEY_EVICTED, detail=f"key {item.key.hex()} left the tier")]
-        if entry is not None and entry.quarantined:
+        if slot is not None and slot in quarantined:
             return [JobFailed(job_id=job_id, reason=Reason.KEY_QUARANTINED, detail=f"key {item.key.hex()}")]
         if not verify:
             continue
-        if entry is not None:
-            differs = entry.packed_checksums != _NO_CHECKSUMS and reads[index] != entry.packed_checksums
+        if slot is not None:
+            differs = packed[slot] != _NO_CHECKSUMS and reads[index] != packed[slot]
         else:  # a key that left the tier (only with leases off): against what was published when the load was decided
             differs = bool(item.checksums) and [sums[index] for sums in per_rank] != item.checksums
         if differs:
             unverified += 1
             kept = index if kept is None else kept
-            if entry is not None:
-                quarantined[(item_pool(item), item.key)] = None
+            if slot is not None:
+                to_quarantine[(item_pool(item), item.key)] = None
     if not unverified:
         return [JobSucceeded(job_id=job_id)]
     return [
@@ -204,7 +205,7 @@ def _verify_load(state: State, tier: TierState, decision: Load, per_rank: list[l
                 job_id=job_id,
                 detail="loaded bytes differ from the published checksum",
             )
-            for pool_id, key in quarantined
+            for pool_id, key in to_quarantine
         ),
         JobFailed(
             job_id=job_id,
@@ -306,7 +307,7 @@ def _load_mismatches(state: State, decision: Load, reports: dict[int, RankReport
                 detail="a worker read other bytes than the published checksum",
             )
             for pool_id, key in keys
-            if not tier.entries[pool_id][key].quarantined
+            if tier.published[pool_id][key] not in tier.quarantined
         ),
         JobFailed(
             job_id=decision.job_id,

@@ -309,8 +309,8 @@ def _end_step(state: State, command: EndStep) -> list[Event]:
             freed_entries.append(entry_id)
     removed_keys = []
     tiers = state.tiers
-    for tier_name, pool_id, key in eng.pending_removed_keys:  # one per key evicted: TierState.entry inlined
-        group = tiers[tier_name].entries.get(pool_id)
+    for tier_name, pool_id, key in eng.pending_removed_keys:  # one per key evicted: TierState.slot_of inlined
+        group = tiers[tier_name].published.get(pool_id)
         if group is not None and key in group:
             drop("key_removed", f"key {key.hex()} in tier {tier_name!r}")
         else:

@@ -33,7 +33,7 @@ from coordinator.core import checks as check
 from coordinator.core.checks import Refusal
 from coordinator.core.commands import Command, ExternalKey, LoadExternal, LookupExternal, StoreExternal
 from coordinator.core.keys import KEY_BYTES, KEY_SEED_DIGEST
-from coordinator.core.state import EngineState, PoolState, State, TierState
+from coordinator.core.state import EngineState, PoolState, State, TierState, unpack_checksums
 from coordinator.core.tier_slots import reserve_tier_slots
 from events import (
     Event,
@@ -122,15 +122,15 @@ def answer_lookup(state: State, command: LookupExternal, uncommitted: Container[
     tier = check.tier(state, eng, command.tier)
     _pools(eng, command.keys)
     loadable = []
-    namespace, entries = eng.namespace_id, tier.entries
-    for ref in command.keys:  # TierState.entry inlined: once per key of every lookup
+    namespace, published, quarantined, namespace_ids = eng.namespace_id, tier.published, tier.quarantined, tier.namespace_ids
+    for ref in command.keys:  # TierState.slot_of inlined: once per key of every lookup
         pool_id = ref.pool_id
         key = external_key(namespace, pool_id, ref.engine_key)
-        group = entries.get(pool_id)
-        entry = None if group is None else group.get(key)
+        group = published.get(pool_id)
+        slot = None if group is None else group.get(key)
         # I9: another namespace's key reads exactly like an absent one.
         loadable.append(
-            entry is not None and not entry.quarantined and entry.namespace_id == namespace and key not in uncommitted
+            slot is not None and slot not in quarantined and namespace_ids[slot] == namespace and key not in uncommitted
         )
     return ExternalKeysLookedUp(
         engine_id=eng.engine_id,
@@ -163,12 +163,12 @@ def _store_external(state: State, command: StoreExternal) -> list[Event]:
     skipped: list[bytes] = []
     kept: set[tuple[int, bytes]] = set()
     seen: set[tuple[int, bytes]] = set()
-    namespace, entries = eng.namespace_id, tier.entries
+    namespace, published = eng.namespace_id, tier.published
     for ref in command.keys:
         pool_id = ref.pool_id
         key = external_key(namespace, pool_id, ref.engine_key)
         place = (pool_id, key)
-        group = entries.get(pool_id)
+        group = published.get(pool_id)
         if place in seen or place in writing or (group is not None and key in group):
             skipped.append(ref.engine_key)  # I10: there already, or on its way: an idempotent skip
             kept.add(place)
@@ -210,19 +210,19 @@ def _load_external(state: State, command: LoadExternal) -> list[Event]:
     if command.lease_seconds <= 0:
         raise Refusal(Reason.INVALID_ARGUMENT, "lease_seconds must be positive")
     items = []
-    namespace, entries = eng.namespace_id, tier.entries
+    namespace = eng.namespace_id
     for ref in command.keys:
         key = external_key(namespace, ref.pool_id, ref.engine_key)
-        group = entries.get(ref.pool_id)
-        entry = None if group is None else group.get(key)
-        if entry is None or entry.namespace_id != namespace:
+        slot = tier.slot_of(ref.pool_id, key)
+        if slot is None or tier.namespace_ids[slot] != namespace:
             raise Refusal(
                 Reason.KEY_NOT_PUBLISHED,
                 f"engine key {ref.engine_key.hex()} of group {ref.pool_id} is not published in tier {tier.spec.name!r}",
             )
-        if entry.quarantined:
+        if slot in tier.quarantined:
             raise Refusal(Reason.KEY_QUARANTINED, f"engine key {ref.engine_key.hex()} (tier key {key.hex()}) is quarantined")
-        items.append(ExternalItem(ref.pool_id, ref.engine_key, key, entry.tier_slot, entry.tier_generation, entry.checksums))
+        checksums = unpack_checksums(tier.packed_checksums[slot])
+        items.append(ExternalItem(ref.pool_id, ref.engine_key, key, slot, tier.generations[slot], checksums))
     return [
         ExternalLoadStarted(
             job_id=state.next_job_id,

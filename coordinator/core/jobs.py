@@ -15,7 +15,7 @@ from coordinator.core.completion import complete
 from coordinator.core.copy_plan import PlannedMove, overlapping_destinations, plan_copies
 from coordinator.core.keys import chain_keys, iter_chain_keys, reuse_unit
 from coordinator.core.protections import Protection, is_off
-from coordinator.core.state import EngineState, PoolState, SlotStatus, State
+from coordinator.core.state import EngineState, PoolState, SlotStatus, State, unpack_checksums
 from coordinator.core.tier_slots import reserve_tier_slots
 from events import (
     NULL_BLOCK_ID,
@@ -114,10 +114,12 @@ def prefix_hit(
         else None
     )
 
+    published, quarantined, namespace_ids = tier.published, tier.quarantined, tier.namespace_ids
+
     def loadable(pool: PoolState, key: bytes) -> bool:
         """A key this engine may load (I9: this namespace), committed (not in `uncommitted`)."""
-        entry = tier.entries.get(pool.spec.pool_id, {}).get(key)
-        return entry is not None and not entry.quarantined and entry.namespace_id == eng.namespace_id and key not in uncommitted
+        slot = published.get(pool.spec.pool_id, {}).get(key)
+        return slot is not None and slot not in quarantined and namespace_ids[slot] == eng.namespace_id and key not in uncommitted
 
     def keys_of(pool: PoolState, blocks: int | None = None) -> Iterator[bytes]:
         size = pool.spec.block_size
@@ -204,7 +206,7 @@ def _start_store(state: State, command: StartStore) -> list[Event]:
         if key is None or not held:
             # I17: content that is still being computed or loaded is not stored.
             raise Refusal(Reason.NOT_COMPUTED, f"block {ref.pool_id}/{ref.block_id} is not computed and held")
-        if (ref.pool_id, key) in seen or tier.entry(ref.pool_id, key) is not None:
+        if (ref.pool_id, key) in seen or tier.slot_of(ref.pool_id, key) is not None:
             skipped.append(key)  # I10: already there (or twice in this job): an idempotent skip
             kept.add((ref.pool_id, key))
             continue
@@ -271,16 +273,16 @@ def _start_load(state: State, command: StartLoad) -> list[Event]:
             raise Refusal(Reason.ALREADY_COMPUTED, f"destination {ref.pool_id}/{ref.block_id} is already computed")
         if pool.pins[ref.block_id]:
             raise Refusal(Reason.SLOT_PINNED, f"destination {ref.pool_id}/{ref.block_id} is written by another job")
-        entry = tier.entry(ref.pool_id, request.key)
-        if entry is None or entry.namespace_id != eng.namespace_id:
+        slot = tier.slot_of(ref.pool_id, request.key)
+        if slot is None or tier.namespace_ids[slot] != eng.namespace_id:
             # I9: another namespace's key reads exactly like an absent one.
             raise Refusal(
                 Reason.KEY_NOT_PUBLISHED,
                 f"key {request.key.hex()} of group {ref.pool_id} is not published in tier {tier.spec.name!r}",
             )
-        if entry.quarantined:
+        if slot in tier.quarantined:
             raise Refusal(Reason.KEY_QUARANTINED, f"key {request.key.hex()} is quarantined")
-        items.append(LoadItem(request.key, entry.tier_slot, entry.tier_generation, ref, list(entry.checksums)))
+        items.append(LoadItem(request.key, slot, tier.generations[slot], ref, unpack_checksums(tier.packed_checksums[slot])))
     return [
         LoadJobStarted(
             job_id=state.next_job_id,

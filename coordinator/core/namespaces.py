@@ -126,11 +126,11 @@ def _published(state: State, namespace: bytes) -> list[tuple[str, int, bytes, Ke
     """Every key `namespace` has in any tier: (tier, pool_id, key, entry), in a fixed order
     (tiers, groups and keys as the state holds them: the same log, the same events, I18)."""
     return [
-        (name, pool_id, key, entry)
+        (name, pool_id, key, tier.entry_at(slot))
         for name, tier in state.tiers.items()
-        for pool_id, group in tier.entries.items()
-        for key, entry in group.items()
-        if entry.namespace_id == namespace
+        for pool_id, group in tier.published.items()
+        for key, slot in group.items()
+        if tier.namespace_ids[slot] == namespace
     ]
 
 

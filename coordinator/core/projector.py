@@ -15,11 +15,9 @@ from coordinator.core.state import (
     FencedJob,
     JobDecision,
     JobState,
-    KeyEntry,
     ObservedEngine,
     OwnerState,
     PoolState,
-    PublishedRef,
     State,
     TierState,
     observed_place,
@@ -358,13 +356,15 @@ def _load_job_started(state: State, event: LoadJobStarted) -> None:
         for item in items:
             dest = item.dest
             _pin(pools[dest.pool_id], dest.block_id)
-    entries, expires = state.tiers[event.tier].entries, event.lease_expires_at
-    for item in items:
-        entry = entries[item.dest.pool_id][item.key]
-        if entry.leases is None:
-            entry.leases = {job_id: expires}
+    tier, expires = state.tiers[event.tier], event.lease_expires_at
+    published, leases = tier.published, tier.leases
+    for item in items:  # I12: each key read is leased, on the slot it is published in (the item's tier_slot)
+        slot = published[item.dest.pool_id][item.key]
+        held = leases.get(slot)
+        if held is None:
+            leases[slot] = {job_id: expires}
         else:
-            entry.leases[job_id] = expires
+            held[job_id] = expires
 
 
 def _state_copy_planned(state: State, event: StateCopyPlanned) -> None:
@@ -389,13 +389,15 @@ def _external_load_started(state: State, event: ExternalLoadStarted) -> None:
     job_id = event.job_id
     state.jobs[job_id] = JobState(decision=event)
     state.next_job_id = job_id + 1
-    entries, expires = state.tiers[event.tier].entries, event.lease_expires_at
-    for item in event.items:
-        entry = entries[item.pool_id][item.key]
-        if entry.leases is None:
-            entry.leases = {job_id: expires}  # I12
+    tier, expires = state.tiers[event.tier], event.lease_expires_at
+    published, leases = tier.published, tier.leases
+    for item in event.items:  # I12: each key read is leased, on the slot it is published in (the item's tier_slot)
+        slot = published[item.pool_id][item.key]
+        held = leases.get(slot)
+        if held is None:
+            leases[slot] = {job_id: expires}
         else:
-            entry.leases[job_id] = expires
+            held[job_id] = expires
 
 
 def _rank_reported(state: State, event: RankReported) -> None:
@@ -409,7 +411,7 @@ def _rank_reported(state: State, event: RankReported) -> None:
 def _end_store(state: State, decision: StoreJobStarted, succeeded: bool, kept: int) -> None:
     """Unpin the sources; a reserved slot whose key was not published (by this job) is free again."""
     tier = state.tiers[decision.tier]
-    entries, tier_free = tier.entries, tier.free
+    published, tier_free = tier.published, tier.free
     engine = state.engines[decision.engine_id]
     pools = engine.pools
     pinned = decision.pinned
@@ -417,10 +419,10 @@ def _end_store(state: State, decision: StoreJobStarted, succeeded: bool, kept: i
         source = item.source
         if pinned:
             _unpin(engine, pools[source.pool_id], source.block_id)
-        group = entries.get(source.pool_id)
-        published = None if group is None else group.get(item.key)
-        if published is None or published.tier_slot != item.tier_slot:
-            tier_free[item.tier_slot] = None  # reserved but not published: give it back
+        group = published.get(source.pool_id)
+        slot = item.tier_slot
+        if group is None or group.get(item.key) != slot:
+            tier_free[slot] = None  # reserved but not published: give it back
 
 
 def _end_load(state: State, decision: LoadJobStarted, succeeded: bool, kept: int) -> None:
@@ -429,21 +431,17 @@ def _end_load(state: State, decision: LoadJobStarted, succeeded: bool, kept: int
     engine = state.engines[decision.engine_id]
     pools = engine.pools
     tier = state.tiers[decision.tier]
-    entries, lru = tier.entries, tier.lru
+    lru, leased = tier.lru, tier.leases
     job_id, pinned = decision.job_id, decision.pinned
     touched = 0
     for index, item in enumerate(decision.items):
-        dest = item.dest
-        group = entries.get(dest.pool_id)
-        entry = None if group is None else group.get(item.key)
-        if entry is not None and entry.leases:
-            entry.leases.pop(job_id, None)
-            if not entry.leases:
-                entry.leases = None
+        dest, slot = item.dest, item.tier_slot
+        held = leased.get(slot) if leased else None  # the load leased the slot it read (_load_job_started)
+        if held is not None and held.pop(job_id, None) is not None and not held:
+            del leased[slot]
         pool = pools[dest.pool_id]
         if succeeded or index < kept:
             pool.keys[dest.block_id] = item.key
-            slot = item.tier_slot
             if slot in lru:  # touch: most recently used
                 lru[slot] = lru.pop(slot)
                 touched += 1
@@ -463,32 +461,28 @@ def _end_copy(state: State, decision: StateCopyPlanned, succeeded: bool, kept: i
 def _end_external_store(state: State, decision: ExternalStoreStarted, succeeded: bool, kept: int) -> None:
     """Reserved tier slots whose key was not published (by this job) are free again."""
     tier = state.tiers[decision.tier]
-    entries, tier_free = tier.entries, tier.free
+    published, tier_free = tier.published, tier.free
     for item in decision.items:
-        group = entries.get(item.pool_id)
-        published = None if group is None else group.get(item.key)
-        if published is None or published.tier_slot != item.tier_slot:
-            tier_free[item.tier_slot] = None  # reserved but not published: give it back
+        group = published.get(item.pool_id)
+        slot = item.tier_slot
+        if group is None or group.get(item.key) != slot:
+            tier_free[slot] = None  # reserved but not published: give it back
 
 
 def _end_external_load(state: State, decision: ExternalLoadStarted, succeeded: bool, kept: int) -> None:
     """The leases go (I12); a load that succeeded touches its keys in the LRU."""
     tier = state.tiers[decision.tier]
-    entries, lru = tier.entries, tier.lru
+    lru, leased = tier.lru, tier.leases
     job_id = decision.job_id
     touched = 0
     for item in decision.items:
-        group = entries.get(item.pool_id)
-        entry = None if group is None else group.get(item.key)
-        if entry is not None and entry.leases:
-            entry.leases.pop(job_id, None)
-            if not entry.leases:
-                entry.leases = None
-        if succeeded:
-            slot = item.tier_slot
-            if slot in lru:  # touch: most recently used
-                lru[slot] = lru.pop(slot)
-                touched += 1
+        slot = item.tier_slot
+        held = leased.get(slot) if leased else None  # the load leased the slot it read (_external_load_started)
+        if held is not None and held.pop(job_id, None) is not None and not held:
+            del leased[slot]
+        if succeeded and slot in lru:  # touch: most recently used
+            lru[slot] = lru.pop(slot)
+            touched += 1
     if touched:  # once, after the loop: a rebuild of `lru` must not happen under it
         removed(tier, "lru", touched)
 
@@ -541,28 +535,43 @@ def _job_failed(state: State, event: JobFailed) -> None:
 
 
 def _key_published(state: State, event: KeyPublished) -> None:
+    """The key's slot row is written whole (a re-publication, possible with PUBLISH_WHEN_COMPLETE
+    off, starts with no lease and no quarantine) and the slot becomes the most recently used."""
     tier = state.tiers[event.tier]
     pool_id, key, slot = event.pool_id, event.key, event.tier_slot
-    group = tier.entries.get(pool_id)
+    group = tier.published.get(pool_id)
     if group is None:
-        group = tier.entries[pool_id] = {}
-    group[key] = KeyEntry(
-        namespace_id=event.namespace_id,
-        tier_slot=slot,
-        tier_generation=event.tier_generation,
-        packed_checksums=pack_checksums(event.checksums),
-        size_bytes=event.size_bytes,
-        source_job=event.source_job,
-    )
-    tier.lru[slot] = PublishedRef(pool_id, key)
+        group = tier.published[pool_id] = {}
+    group[key] = slot
+    tier.keys[slot] = key
+    tier.namespace_ids[slot] = event.namespace_id
+    tier.packed_checksums[slot] = pack_checksums(event.checksums)
+    tier.sizes[slot] = event.size_bytes
+    tier.source_jobs[slot] = event.source_job
+    if tier.quarantined:
+        tier.quarantined.pop(slot, None)
+    if tier.leases:
+        tier.leases.pop(slot, None)
+    tier.lru[slot] = pool_id
 
 
 def _key_evicted(state: State, event: KeyEvicted) -> None:
+    """The key leaves the tier; its slot's row is cleared (I18: a free slot holds nothing) and
+    the slot is free again."""
     name, pool_id, key, slot = event.tier, event.pool_id, event.key, event.tier_slot
     tier = state.tiers[name]
-    del tier.entries[pool_id][key]
+    del tier.published[pool_id][key]
     del tier.lru[slot]
     removed(tier, "lru")
+    tier.keys[slot] = None
+    tier.namespace_ids[slot] = b""
+    tier.packed_checksums[slot] = b""
+    tier.sizes[slot] = 0
+    tier.source_jobs[slot] = 0
+    if tier.quarantined:
+        tier.quarantined.pop(slot, None)
+    if tier.leases:
+        tier.leases.pop(slot, None)
     tier.free[slot] = None
     engine = state.engines.get(event.engine_id)
     if engine is not None:
@@ -570,7 +579,8 @@ def _key_evicted(state: State, event: KeyEvicted) -> None:
 
 
 def _key_quarantined(state: State, event: KeyQuarantined) -> None:
-    state.tiers[event.tier].entries[event.pool_id][event.key].quarantined = True
+    tier = state.tiers[event.tier]
+    tier.quarantined[tier.published[event.pool_id][event.key]] = None
 
 
 # --- encoder cache -------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ only (insertion-ordered), never sets, so the same events always give the same by
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import blake3
@@ -122,25 +122,31 @@ _checksums_decoder = msgspec.msgpack.Decoder(list[bytes])
 
 
 pack_checksums: Callable[[list[bytes]], bytes] = _checksums_encoder.encode
-"""A key's per-rank checksums as one object (KeyEntry.packed_checksums). The encoder's own
+"""A key's per-rank checksums as one object (TierState.packed_checksums). The encoder's own
 method, with no function around it: the projector packs one per published key."""
 
 
+def unpack_checksums(packed: bytes) -> list[bytes]:
+    """One checksum per rank (a new list each time), from `pack_checksums`."""
+    return _checksums_decoder.decode(packed)
+
+
 class KeyEntry(msgspec.Struct, kw_only=True, gc=False):
-    """A published key in a tier."""
+    """A published key, as read from its tier's columns (TierState.entry): a copy, never stored,
+    so changing it changes nothing. The hot paths (the projector, lookups, job completion) read
+    the columns themselves and make none."""
 
     namespace_id: bytes
     tier_slot: int
     tier_generation: int
     packed_checksums: bytes
     """The checksums, one per rank, as reported by the store job that published it, packed in one
-    msgpack array: one bytes object per key rather than a list and one object per rank (~110 B
-    less per key; ops/bench/memory.py). Read them as `checksums`."""
+    msgpack array. Read them as `checksums`."""
     size_bytes: int
     source_job: int
     quarantined: bool = False
     leases: dict[int, float] | None = None
-    """load job_id -> lease expiry (engine clock seconds)."""
+    """load job_id -> lease expiry (engine clock seconds); None when no load holds one."""
 
     @property
     def checksums(self) -> list[bytes]:
@@ -151,35 +157,110 @@ class KeyEntry(msgspec.Struct, kw_only=True, gc=False):
         return bool(self.leases) and any(expiry > now for expiry in self.leases.values())  # type: ignore[union-attr]
 
 
-class PublishedRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    pool_id: int
-    key: bytes
-
-
 class TierState(msgspec.Struct, kw_only=True, dict=True):
-    """A tier's slots (always managed by kvledger) and the keys published in it."""
+    """A tier's slots (always managed by kvledger) and the keys published in them, stored as
+    PoolState stores a pool's slots: parallel lists indexed by tier slot (the columns), made
+    when the tier is declared, plus a dict from each published key to its slot.
+
+    A published key is one entry in `published`, one in `lru` and its slot's row in the columns:
+    no object of its own but its key and packed checksums (issue 22: a KeyEntry and a PublishedRef
+    per key made it 301 B, this layout 189 B, ops/bench/memory.py at 200,000 keys; the columns cost
+    40 B a slot more when the tier is declared). A slot holding no published key has its row
+    cleared (None, b"", 0), so equal tiers encode to equal bytes (I18). A published key's
+    generation is its slot's (`generations`): a store reserves the slot at the generation it
+    publishes at, and the slot stays reserved while the key is published (verify flags a
+    publication at another, I1). Leases and quarantines are rare: dicts of the slots that have
+    one, not columns. `entry` reads a key back as a KeyEntry."""
 
     spec: TierSpec
     generations: list[int]
     free: dict[int, None]
-    lru: dict[int, PublishedRef]
-    """Published slots, least recently used first: eviction takes the first unleased one."""
-    entries: dict[int, dict[bytes, KeyEntry]]
-    """pool_id (cache group) -> key -> entry."""
+    """Free slots in allocation order (an insertion-ordered set)."""
+    lru: dict[int, int]
+    """Published slot -> the pool_id (cache group) of its key, least recently used first: eviction
+    takes the first unleased one."""
+    published: dict[int, dict[bytes, int]]
+    """pool_id (cache group) -> key -> the slot it is published in."""
+    keys: list[bytes | None]
+    """Column: the key published in the slot."""
+    namespace_ids: list[bytes]
+    """Column: that key's namespace (I9)."""
+    packed_checksums: list[bytes]
+    """Column: that key's checksums, one per rank, packed (`pack_checksums`)."""
+    sizes: list[int]
+    """Column: that key's size in bytes."""
+    source_jobs: list[int]
+    """Column: the store job that published it."""
+    quarantined: dict[int, None]
+    """Slots whose key is quarantined (I10, I13), in the order they were."""
+    leases: dict[int, dict[int, float]]
+    """Slot -> load job_id -> lease expiry (engine clock seconds), for the slots a load leases (I12)."""
 
     @classmethod
     def new(cls, spec: TierSpec) -> TierState:
+        n = spec.num_slots
         return cls(
             spec=spec,
-            generations=[0] * spec.num_slots,
-            free=dict.fromkeys(range(spec.num_slots)),
+            generations=[0] * n,
+            free=dict.fromkeys(range(n)),
             lru={},
-            entries={},
+            published={},
+            keys=[None] * n,
+            namespace_ids=[b""] * n,
+            packed_checksums=[b""] * n,
+            sizes=[0] * n,
+            source_jobs=[0] * n,
+            quarantined={},
+            leases={},
         )
 
-    def entry(self, pool_id: int, key: bytes) -> KeyEntry | None:
-        group = self.entries.get(pool_id)
+    @classmethod
+    def declared(cls, spec: TierSpec) -> TierState:
+        """A tier as the decider reads it before its declaration is folded: its spec, no slots."""
+        return cls(
+            spec=spec,
+            generations=[],
+            free={},
+            lru={},
+            published={},
+            keys=[],
+            namespace_ids=[],
+            packed_checksums=[],
+            sizes=[],
+            source_jobs=[],
+            quarantined={},
+            leases={},
+        )
+
+    def slot_of(self, pool_id: int, key: bytes) -> int | None:
+        """The slot `key` of `pool_id` is published in, or None."""
+        group = self.published.get(pool_id)
         return None if group is None else group.get(key)
+
+    def entry(self, pool_id: int, key: bytes) -> KeyEntry | None:
+        """A published key read back from the columns (a copy), or None."""
+        slot = self.slot_of(pool_id, key)
+        return None if slot is None else self.entry_at(slot)
+
+    def entries(self) -> Iterator[tuple[int, bytes, KeyEntry]]:
+        """Every published key, (pool_id, key, entry), group by group in the order published (copies)."""
+        for pool_id, group in self.published.items():
+            for key, slot in group.items():
+                yield pool_id, key, self.entry_at(slot)
+
+    def entry_at(self, slot: int) -> KeyEntry:
+        """The key published in `slot` (which must hold one), read back from the columns (a copy)."""
+        leases = self.leases.get(slot)
+        return KeyEntry(
+            namespace_id=self.namespace_ids[slot],
+            tier_slot=slot,
+            tier_generation=self.generations[slot],
+            packed_checksums=self.packed_checksums[slot],
+            size_bytes=self.sizes[slot],
+            source_job=self.source_jobs[slot],
+            quarantined=slot in self.quarantined,
+            leases=None if leases is None else dict(leases),
+        )
 
 
 JobDecision = StoreJobStarted | LoadJobStarted | StateCopyPlanned | ExternalStoreStarted | ExternalLoadStarted
@@ -248,19 +329,23 @@ class State(msgspec.Struct, kw_only=True):
     """How many events have been folded in."""
 
 
-SNAPSHOT_SCHEMA_VERSION = 5
-"""v5 folds a new incarnation's declaration as starting its steps and clock afresh (issue 17): a v4
-snapshot's engines could hold the old incarnation's step, so recovery replays the log instead. v4 packs a key's checksums in one bytes object (KeyEntry.packed_checksums): a v3 snapshot does
-not decode, and recovery replays the log instead. v3 added `State.observed`. A v2 snapshot still decodes (the field has a default) but its bytes,
-and so its digest, lack the field: recovery ignores it and replays the log, and verify does not
-compare it with a replay (a snapshot is a cache, always rebuildable)."""
+SNAPSHOT_SCHEMA_VERSION = 6
+"""Snapshots of another version are not decoded: recovery replays the log instead (a snapshot is a
+cache, always rebuildable), and verify does not compare them with a replay.
+
+v6 stores a tier's published keys in columns (TierState: per-slot lists, a key -> slot dict, the
+LRU as a dict of slots; issue 22), where v5 held a KeyEntry per key and a PublishedRef per LRU
+place. v5 folds a new incarnation's declaration as starting its steps and clock afresh (issue 17):
+a v4 snapshot's engines could hold the old incarnation's step. v4 packs a key's checksums in one
+bytes object. v3 added `State.observed` (a v2 snapshot still decodes, the field has a default, but
+its bytes, and so its digest, lack the field)."""
 _snapshot_encoder = msgspec.msgpack.Encoder()
 _snapshot_decoder = msgspec.msgpack.Decoder(State)
 
 
 def removed(holder: PoolState | TierState, name: str, count: int = 1) -> None:
     """Note that `count` items left the insertion-ordered set `holder.<name>` (a dict used as
-    one: free, cached, lru); rebuild it once its holes cost more than a copy.
+    one: free, cached, lru, whose values are its slots' pool ids); rebuild it once its holes cost more than a copy.
 
     CPython leaves a hole in a dict's entry table for each deleted key and only compacts when
     the table grows. These sets lose keys at the front (the oldest slot is taken first), and

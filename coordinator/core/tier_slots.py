@@ -22,10 +22,12 @@ def reserve_tier_slots(
     evictions: list[KeyEvicted] = []
     if len(slots) < needed:
         honour_leases = not is_off(Protection.LEASES)
-        clock, entries, name, engine_id = eng.clock, tier.entries, tier.spec.name, eng.engine_id
-        for slot, published in tier.lru.items():
-            pool_id, key = published.pool_id, published.key
-            leases = entries[pool_id][key].leases
+        clock, name, engine_id = eng.clock, tier.spec.name, eng.engine_id
+        keys, leased = tier.keys, tier.leases
+        for slot, pool_id in tier.lru.items():
+            key = keys[slot]
+            assert key is not None  # a slot in the LRU holds a published key
+            leases = leased.get(slot) if leased else None
             # KeyEntry.leased_at inlined, asked only of a key some load leased (most have none)
             if (leases and honour_leases and any(expiry > clock for expiry in leases.values())) or (pool_id, key) in keep:
                 continue

@@ -267,7 +267,7 @@ def refused_declaration(state: State, declarations: Sequence[AnyCommand]) -> Any
             return command
         if isinstance(command, DeclareTier) and command.spec.name not in tiers:
             # What the decider reads of a tier to come is its spec: its slots are not made.
-            tiers[command.spec.name] = TierState(spec=command.spec, generations=[], free={}, lru={}, entries={})
+            tiers[command.spec.name] = TierState.declared(command.spec)
     return None
 
 

@@ -220,7 +220,7 @@ class _StateCollector(Collector):
             draining.add_metric([label], drained.get(label, 0))
         keys = GaugeMetricFamily("kvledger_published_keys", "Loadable keys, by tier.", labels=["tier"])
         for name, tier in state.tiers.items():
-            keys.add_metric([name], sum(len(group) for group in tier.entries.values()))
+            keys.add_metric([name], sum(len(group) for group in tier.published.values()))
         jobs = GaugeMetricFamily("kvledger_jobs_in_flight", "Jobs waiting for rank reports.")
         jobs.add_metric([], len(state.jobs))
         yield from (pins, draining, keys, jobs, self._oldest_pin(state))

@@ -10,7 +10,8 @@ projector, events not kept), exactly as a sidecar folds them:
    a generation, a ref and its content key).
 2. keys: a tier of `--keys` slots; requests compute blocks and store them, every rank reports its
    checksum (`--world-size` ranks, 16-byte xxh3-128 checksums as the workers send), and each key
-   is published: a KeyEntry, its checksums, the tier's LRU entry and slot generation.
+   is published: its place in the tier's key -> slot dict and LRU, its packed checksums, and its
+   slot's row in the tier's columns (coordinator/core/state.py, TierState).
 
 Bytes are what tracemalloc sees allocated by the Python heap between the two points (the state
 only: the decider's events are dropped as they are folded), divided by the count. Targets
@@ -184,7 +185,7 @@ def measure_keys(keys: int, world_size: int) -> None:
     after = heap()
     tracemalloc.stop()
     tier = core.state.tiers[TIER]
-    published = sum(len(group) for group in tier.entries.values())
+    published = sum(len(group) for group in tier.published.values())
     assert published == keys, f"{published} keys published of {keys}"
     per_key = (after - before) / keys
     out(

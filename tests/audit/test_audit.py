@@ -133,7 +133,7 @@ async def test_key_provenance_matches_the_tier_and_the_store_job(golden: Path, t
         audit = Audit(event_log)
         state = await state_at(event_log, await event_log.head())
         tier = next(iter(state.tiers.values()))
-        entries = [(key, entry) for keys in tier.entries.values() for key, entry in keys.items()]
+        entries = [(key, entry) for _, key, entry in tier.entries()]
         assert entries
         for key, entry in random.Random(5).sample(entries, min(10, len(entries))):
             answer = await audit.key(key.hex())

@@ -175,7 +175,7 @@ async def test_namespaces_count_a_key_live_in_another_tier_after_an_eviction_fro
             for tier in tiers:  # r2 fills host: r1's keys leave host, and stay in disk
                 await k.store("e", tier, blocks)
             await k.step("e", [FinishOwner(engine_id="e", owner_id=owner)])
-        entries = [(name, key) for name, tier in k.ledger.state.tiers.items() for keys in tier.entries.values() for key in keys]
+        entries = [(name, key) for name, tier in k.ledger.state.tiers.items() for keys in tier.published.values() for key in keys]
         await sync_index(k.log)
         [space] = await Audit(k.log).namespaces(now=k.clock.now)
         assert space.keys == len(entries) == 4 and space.bytes == 4 * b.attention_pool().bytes_per_block

@@ -164,7 +164,7 @@ async def tell(broker: KafkaBroker, directory: Path) -> Story:
     loaded = published[:2]
 
     async def engine_b(ledger: Ledger) -> None:
-        assert all(key in ledger.state.tiers[b.TIER].entries[0] for key in loaded)  # A's publications, seen by B
+        assert all(key in ledger.state.tiers[b.TIER].published[0] for key in loaded)  # A's publications, seen by B
         await declare(ledger, ENGINE_B, tier=False)
         await load(ledger, ENGINE_B, loaded)
 

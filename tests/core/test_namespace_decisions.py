@@ -370,9 +370,8 @@ async def _state_keys(path: Path) -> dict[bytes, list[bytes]]:
     try:
         ledger = await Ledger.open(event_log)
         found: dict[bytes, list[bytes]] = {}
-        for group in ledger.state.tiers[b.TIER].entries.values():
-            for key, entry in group.items():
-                found.setdefault(entry.namespace_id, []).append(key)
+        for _, key, entry in ledger.state.tiers[b.TIER].entries():
+            found.setdefault(entry.namespace_id, []).append(key)
         return found
     finally:
         await event_log.close()

@@ -89,21 +89,20 @@ class Invariants(MachineBase):
     @invariant()
     def published_keys_come_from_successful_stores(self) -> None:
         """I5, I2: a key is loadable only after every rank stored it with a checksum."""
-        for pool_id, group in self.core.state.tiers[TIER].entries.items():
-            for key, entry in group.items():
-                assert entry.source_job in self.succeeded_stores, (
-                    f"key {key.hex()} of pool {pool_id} was published by job {entry.source_job}, "
-                    "which did not succeed on every rank (I5)"
-                )
-                job = self.jobs[entry.source_job]
-                assert isinstance(job.decision, StoreJobStarted)
-                [(index, item)] = [
-                    (i, item) for i, item in enumerate(job.decision.items) if item.key == key and item.source.pool_id == pool_id
-                ]
-                assert item.source.block_id != 0, f"key {key.hex()} was stored from the null block (I2)"
-                assert (entry.tier_slot, entry.tier_generation) == (item.tier_slot, item.tier_generation)
-                assert len(entry.checksums) == WORLD_SIZE
-                assert entry.checksums == [job.reports[r].checksums[index] for r in range(WORLD_SIZE)]
+        for pool_id, key, entry in self.core.state.tiers[TIER].entries():
+            assert entry.source_job in self.succeeded_stores, (
+                f"key {key.hex()} of pool {pool_id} was published by job {entry.source_job}, "
+                "which did not succeed on every rank (I5)"
+            )
+            job = self.jobs[entry.source_job]
+            assert isinstance(job.decision, StoreJobStarted)
+            [(index, item)] = [
+                (i, item) for i, item in enumerate(job.decision.items) if item.key == key and item.source.pool_id == pool_id
+            ]
+            assert item.source.block_id != 0, f"key {key.hex()} was stored from the null block (I2)"
+            assert (entry.tier_slot, entry.tier_generation) == (item.tier_slot, item.tier_generation)
+            assert len(entry.checksums) == WORLD_SIZE
+            assert entry.checksums == [job.reports[r].checksums[index] for r in range(WORLD_SIZE)]
 
     @invariant()
     def published_events_carry_one_checksum_per_rank(self) -> None:

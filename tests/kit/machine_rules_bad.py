@@ -83,7 +83,9 @@ class BadCommandRules(MachineBase):
         tier = self.core.state.tiers[TIER]
         # Blocks held but not computed: allocated, being loaded (I17) or written by a copy.
         uncomputed = [pool.ref(b) for b in range(1, pool.spec.num_blocks) if pool.refs[b] > 0 and pool.keys[b] is None]
-        foreign = [key for key, entry in tier.entries.get(pool_id, {}).items() if entry.namespace_id != self.engine.namespace_id]
+        foreign = [
+            key for group, key, entry in tier.entries() if group == pool_id and entry.namespace_id != self.engine.namespace_id
+        ]
         loadable_into = [ref for ref in uncomputed if pool.pins[ref.block_id] == 0]
         if (
             (kind == "rank_out_of_range" and not self.open_job_ids())

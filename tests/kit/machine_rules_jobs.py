@@ -70,9 +70,7 @@ class JobRules(MachineBase):
             return
         chosen = data.draw(st.lists(st.sampled_from(candidates), min_size=1, max_size=3, unique=True))
         tier = self.core.state.tiers[TIER]
-        leased = [
-            (ref.pool_id, ref.key) for ref in tier.lru.values() if tier.entries[ref.pool_id][ref.key].leased_at(self.engine.clock)
-        ]
+        leased = [(pool_id, key) for pool_id, key, entry in tier.entries() if entry.leased_at(self.engine.clock)]
         events = self.execute(StartStore(engine_id=ENGINE, tier=TIER, blocks=chosen))
         if isinstance(events[0], Refused):
             self.rejected(events, Reason.TIER_FULL)
@@ -90,10 +88,10 @@ class JobRules(MachineBase):
         self.ensure_step()
         tier = self.core.state.tiers[TIER]
         ns = self.engine.namespace_id
-        keys = {
-            pool_id: [key for key, entry in group.items() if not entry.quarantined and entry.namespace_id == ns]
-            for pool_id, group in tier.entries.items()
-        }
+        keys: dict[int, list[bytes]] = {pool_id: [] for pool_id in tier.published}
+        for pool_id, key, entry in tier.entries():
+            if not entry.quarantined and entry.namespace_id == ns:
+                keys[pool_id].append(key)
         dests = {
             pool_id: [
                 pool.ref(block_id)
