@@ -283,6 +283,19 @@ class JobChecks(Checks):
         else:
             self._published_by(event, job, at)
         tier = self.state.tiers.get(event.tier)
+        if tier is not None and not 0 <= event.tier_slot < tier.spec.num_slots:
+            self._flag(
+                "I1", at, f"key {event.key.hex()} published into tier slot {event.tier_slot}, which the tier does not have"
+            )
+            return True  # the slot's row is not there to write
+        if tier is not None and event.tier_generation != tier.generations[event.tier_slot]:
+            # The state keeps one generation a slot: a key published at another is read back at the slot's.
+            self._flag(
+                "I1",
+                at,
+                f"key {event.key.hex()} published into tier slot {event.tier_slot} at generation {event.tier_generation}; "
+                f"the slot is at {tier.generations[event.tier_slot]}",
+            )
         existing = tier.entry(event.pool_id, event.key) if tier is not None else None
         if existing is not None and existing.checksums != event.checksums and not existing.quarantined:
             self._flag(

@@ -264,6 +264,23 @@ def test_I1_a_reuse_naming_a_stale_generation_is_flagged() -> None:
     assert found(replaced(events, at, stale)) == [("I1", at)]
 
 
+def test_I1_a_key_published_at_another_generation_than_its_slots_or_outside_the_tier_is_flagged() -> None:
+    """The state keeps one generation a tier slot (TierState.generations): a publication names the
+    one its store reserved the slot at, and a slot the tier has."""
+    core = new_core()
+    begin(core)
+    publish(core, TOKENS[:4])
+    events = core.events
+    at = seq_of(events, KeyPublished)
+    assert found(events) == []
+    other_generation = msgspec.structs.replace(events[at - 1], tier_generation=7)
+    assert found(replaced(events, at, other_generation)) == [("I1", at)]
+    outside = msgspec.structs.replace(events[at - 1], tier_slot=10_000)
+    assert [v for v in found(replaced(events, at, outside)) if v[1] == at] == [("I5", at), ("I1", at)]
+    negative = msgspec.structs.replace(events[at - 1], tier_slot=-1)  # never a row counted from the end
+    assert ("I1", at) in found(replaced(events, at, negative))
+
+
 def test_I2_a_null_state_computed_stored_and_published_is_flagged_at_each_event() -> None:
     for protection_on in (True, False):
         core = core_with(*off_unless(protection_on, Protection.NULL_STATES), pools=[state_pool(pool_id=0)])
