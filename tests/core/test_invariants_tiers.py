@@ -11,11 +11,22 @@ import subprocess
 import sys
 from typing import TypeVar
 
+import msgspec
+
 from coordinator.core import CoordinatorCore
-from coordinator.core.commands import DeclareEngine, LoadRequest, LookupPrefix, ReportRank, StartLoad, StartStore
+from coordinator.core.commands import (
+    DeclareEngine,
+    LoadRequest,
+    LookupPrefix,
+    ReleaseNamespace,
+    ReportRank,
+    ResetCache,
+    StartLoad,
+    StartStore,
+)
 from coordinator.core.keys import chain_keys, content_key, namespace_id
 from coordinator.core.protections import Protection
-from coordinator.core.state import SlotStatus
+from coordinator.core.state import SlotStatus, TierState
 from events import (
     BlockRef,
     Event,
@@ -50,6 +61,7 @@ from tests.kit.builders import (
     replay_matches,
     report_all,
     start_store,
+    state_bytes,
     state_pool,
 )
 
@@ -620,3 +632,50 @@ def test_I13_off_a_load_reporting_other_checksums_than_published_succeeds() -> N
     events = report_all(core, job.job_id, [b"corrupted"])
     assert isinstance(events[-1], JobSucceeded) and not of_type(events, KeyQuarantined)
     assert replay_matches(core)
+
+
+# --- I18 the tier's columns ------------------------------------------------------------------------
+
+
+def test_I18_an_evicted_key_leaves_nothing_in_its_slot() -> None:
+    """A tier keeps its published keys in per-slot columns (TierState): an eviction clears the
+    slot's row, so two tiers that published different keys into the same slot and evicted them
+    (a leased one quarantined first) hold equal state and encode to equal bytes."""
+
+    def published_then_evicted(tokens: list[int], leased: bool) -> TierState:
+        core = new_core(tier_slots=1)
+        begin(core)
+        [key] = publish(core, tokens)
+        if leased:  # the reset quarantines the key a load holds; the load's end lets it be evicted
+            job = load(core, [(key, allocate(core, owner(core, "reader"), 1)[0])])
+            ok(core.execute(ResetCache(engine_id=ENGINE, drop_tier_keys=True)))
+            begin(core, clock=1.0)
+            report_all(core, job.job_id, [key])
+            assert core.state.tiers[TIER].entry(0, key).quarantined  # type: ignore[union-attr]
+            core.execute(ReleaseNamespace(namespace=core.state.engines[ENGINE].namespace_id.hex(), reason="gone"))
+        else:
+            ok(core.execute(ResetCache(engine_id=ENGINE, drop_tier_keys=True)))
+        assert of_type(core.events, KeyEvicted) and replay_matches(core)
+        tier = core.state.tiers[TIER]
+        assert tier.entry(0, key) is None and tier.keys == [None] and tier.free == {0: None}
+        return tier
+
+    plain = published_then_evicted(TOKENS[:4], leased=False)
+    assert msgspec.msgpack.encode(plain) == msgspec.msgpack.encode(published_then_evicted(TOKENS[4:8], leased=False))
+    after_quarantine = published_then_evicted(TOKENS[8:12], leased=True)
+    assert not after_quarantine.quarantined and not after_quarantine.leases
+    assert msgspec.msgpack.encode(after_quarantine) == msgspec.msgpack.encode(plain)
+
+
+def test_an_entry_is_a_copy_of_the_columns() -> None:
+    """TierState.entry reads a key back: changing what it returns changes no state."""
+    core = new_core()
+    begin(core)
+    [key] = publish(core, TOKENS[:4])
+    load(core, [(key, allocate(core, owner(core, "reader"), 1)[0])])
+    before = state_bytes(core)
+    entry = core.state.tiers[TIER].entry(0, key)
+    assert entry is not None and entry.leases and not entry.quarantined
+    entry.leases.clear()
+    entry.quarantined = True
+    assert state_bytes(core) == before and core.state.tiers[TIER].entry(0, key).leases  # type: ignore[union-attr]
