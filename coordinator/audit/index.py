@@ -1,11 +1,32 @@
 """The audit index projection: committed events -> insert-only rows for forensics. Pure.
 
-Every row names the global sequence of the event it came from, so "what held this slot at
+Every row names the global sequences of the events it came from, so "what held this slot at
 sequence N" is a range scan over an index ("the last allocation of the slot at or before N"),
-never a replay. Rows are only ever inserted: a lifetime's end is a row of its own (`freed`,
+never a replay. Rows are only ever inserted: a lifetime's end is an entry of its own (`freed`,
 `finished`, `evicted`), which is what makes indexing resumable from a checkpoint and its writes
 cheap. The tables are declared in events/log/schema.py (kvl_audit_*); coordinator/audit/store.py
-writes these rows and answers the queries.
+writes these rows and coordinator/audit/queries.py answers from them.
+
+Most events become one row each (a job's report, a publication, a refusal). The events that name
+many slots or keys at once (allocations, frees, computed blocks, stores, loads) are *packed*: building
+the index is bound by row inserts, and a row per touched slot made about four rows per event
+(ops/bench/audit.py). Their entries are grouped per *batch*, what one `sync_index` transaction
+writes:
+
+- kvl_audit_slots: one row per slot per batch (and per window of 2**16 sequences), the slot's
+  touches (`SlotTouch`) in log order;
+- kvl_audit_owner_blocks: one row per owner per batch, the slots it was allocated or reused
+  (`OwnerBlock`);
+- kvl_audit_key_sources: one row per content key per batch, the blocks its content came from:
+  where it was computed, and what each store read it from (`KeySource`).
+
+A packed column is one flat msgpack array: the entries' fields one after another, in the order
+their type names (a touch is 6 values, an owner's block 5, a key's source 11). Flat rather than an
+array per entry: the build makes no object per entry, and half of its time was making and freeing
+them. Where the batches fall decides which row holds an entry, never what the entries say: a
+query reads entries (`unpack_*`), and rows only to find them. The rows of one slot (owner, key)
+never overlap in sequences, so "the row with the last allocation at or before N" is the last row
+whose first allocation is at or before N.
 
 The only memory the projection keeps is each engine's namespace (from its declarations), so that
 computed, stored and loaded keys carry their namespace; `Indexer(namespaces=...)` restores it
@@ -14,11 +35,14 @@ from the index when indexing resumes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import msgspec
 
 from events import (
+    BlockRef,
     BlocksAllocated,
     BlocksComputed,
     BlocksReleased,
@@ -55,15 +79,56 @@ from events import (
     StoreJobStarted,
 )
 
+SLOT_WINDOW_BITS = 16
+"""A slot row's touches lie in one window of 2**16 sequences (`seq >> SLOT_WINDOW_BITS`), so
+the rows holding the touches of a range of sequences start at or after the window of its start
+(coordinator/audit/timeline.py reads a pool's range that way)."""
+
+# Packed entries, their fields in the order a packed column holds them.
+SlotTouch = tuple[int, str, int, int | None, int | None, bytes | None]
+"""seq, kind, generation, owner_id, job_id, key: one event's touch of one slot. Kinds: allocated,
+reused (a ref taken), released (a ref dropped), computed (with its key), stored_from and
+loaded_into (with the job and the key), copied (with the job), freed."""
+OwnerBlock = tuple[int, str, int, int, int]
+"""seq, kind (allocated or reused), pool, block, generation"""
+
+
+class KeySource(NamedTuple):
+    """Where a content key came from: the block it was `computed` in, or the one a job `stored`
+    it from (for an engine that owns its blocks, vLLM's offloading, no block: `detail` names the
+    engine's key)."""
+
+    seq: int
+    kind: str
+    engine: str
+    tier: str
+    """The store's tier ("" for computed)."""
+    pool: int
+    namespace_id: bytes | None
+    """The engine's namespace then."""
+    job_id: int | None
+    block: int | None
+    generation: int | None
+    tier_slot: int | None
+    detail: str
+
+
 # Row tuples, in the column order of their tables (events/log/schema.py).
-SlotRow = tuple[str, int, int, int, int, str, int | None, int | None, bytes | None]
-"""engine, pool, block, generation, seq, kind, owner_id, job_id, key"""
+SlotRow = tuple[str, int, int, int, int, int | None, int, bytes]
+"""engine, pool, block, first_seq, last_seq, first_allocated (the sequence of its first
+`allocated` touch, None without one), allocations (how many), packed touches"""
+OwnerBlocksRow = tuple[str, int, int, bytes]
+"""engine, owner_id, first_seq, packed OwnerBlock entries"""
+KeySourcesRow = tuple[bytes, int, int, int, bytes]
+"""key, first_seq, computed and stored (how many of each), packed KeySource entries"""
 OwnerRow = tuple[str, int, str, int, str, str]
 """engine, owner_id, req_id, seq, kind, detail"""
 JobRow = tuple[int, str, int, str, int | None, str]
 """job_id, engine, seq, kind, rank, detail"""
 KeyRow = tuple[bytes, int, str, str, str, int, bytes | None, int | None, int | None, int | None, int | None, int | None, str, str]
-"""key, seq, kind, engine, tier, pool, namespace_id, job_id, block, generation, tier_slot, size_bytes, checksums, detail"""
+"""key, seq, kind, engine, tier, pool, namespace_id, job_id, block, generation, tier_slot, size_bytes, checksums, detail
+(kinds published, loaded, evicted, quarantined: where it was computed and stored from is in
+kvl_audit_key_sources)"""
 RefusalRow = tuple[int, str, str, str, str, str]
 """seq, engine, kind, subject, reason, detail"""
 EngineRow = tuple[str, int, bytes | None, int, str, str]
@@ -80,9 +145,64 @@ ObservedRow = tuple[bytes, int, str, str, int, str, int, int | None, int]
 """hash (empty for cleared), seq, kind (stored, removed, cleared), engine, incarnation, medium, group
 (-1 for cleared), dp_rank, source_seq"""
 
+_pack = msgspec.msgpack.Encoder().encode
+_unpack = msgspec.msgpack.Decoder(list[Any]).decode
+TOUCH_FIELDS = 6
+OWNER_BLOCK_FIELDS = 5
+KEY_SOURCE_FIELDS = len(KeySource._fields)
+
+
+def _split(packed: bytes, width: int) -> Iterator[tuple[Any, ...]]:
+    """A packed column's entries: its values `width` at a time (a short last entry is an error)."""
+    values = iter(_unpack(packed))
+    return zip(*[values] * width, strict=True)
+
+
+def unpack_touches(packed: bytes) -> list[SlotTouch]:
+    """A kvl_audit_slots row's touches, in log order."""
+    return list(_split(packed, TOUCH_FIELDS))
+
+
+def unpack_owner_blocks(packed: bytes) -> list[OwnerBlock]:
+    """A kvl_audit_owner_blocks row's entries, in log order."""
+    return list(_split(packed, OWNER_BLOCK_FIELDS))
+
+
+def unpack_key_sources(packed: bytes) -> list[KeySource]:
+    """A kvl_audit_key_sources row's entries, in log order."""
+    return [KeySource._make(values) for values in _split(packed, KEY_SOURCE_FIELDS)]
+
+
+PACKED = {"slots": 3, "owner_blocks": 2, "key_sources": 1}
+"""The packed tables (names without `kvl_audit_`), and how many leading columns name the row's
+slot, owner or key."""
+
+
+def entries(table: str, row: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """What one row of `table` (its name without `kvl_audit_`) says, one tuple per entry, whatever
+    batch packed it: a packed row's entries each after the columns naming its slot, owner or key;
+    any other row as it is. The same log indexed in other batches has the same entries."""
+    subject = PACKED.get(table)
+    if subject is None:
+        return [tuple(row)]
+    width = {"slots": TOUCH_FIELDS, "owner_blocks": OWNER_BLOCK_FIELDS, "key_sources": KEY_SOURCE_FIELDS}[table]
+    return [(*row[:subject], *entry) for entry in _split(bytes(row[-1]), width)]
+
+
+def _flat_lists() -> defaultdict[Any, list[Any]]:
+    return defaultdict(list)
+
 
 class AuditRows(msgspec.Struct, kw_only=True):
-    slots: list[SlotRow] = msgspec.field(default_factory=list)
+    """One batch of the index: its rows, and the entries it packs per slot, owner and key (each
+    a flat list of their fields, as packed)."""
+
+    touches: defaultdict[tuple[str, int, int, int], list[Any]] = msgspec.field(default_factory=_flat_lists)
+    """(engine, pool, block, window) -> the slot's touches in the batch, in log order."""
+    owner_blocks: defaultdict[tuple[str, int], list[Any]] = msgspec.field(default_factory=_flat_lists)
+    """(engine, owner_id) -> the slots it was allocated or reused in the batch."""
+    key_sources: defaultdict[bytes, list[Any]] = msgspec.field(default_factory=_flat_lists)
+    """key -> where it was computed and stored from in the batch."""
     owners: list[OwnerRow] = msgspec.field(default_factory=list)
     jobs: list[JobRow] = msgspec.field(default_factory=list)
     keys: list[KeyRow] = msgspec.field(default_factory=list)
@@ -93,8 +213,36 @@ class AuditRows(msgspec.Struct, kw_only=True):
     decisions: list[DecisionRow] = msgspec.field(default_factory=list)
     observed: list[ObservedRow] = msgspec.field(default_factory=list)
 
-    def count(self) -> int:
-        return sum(len(rows) for rows in msgspec.structs.astuple(self))
+    def tables(self) -> dict[str, list[tuple[Any, ...]]]:
+        """Each table's rows (by its name without `kvl_audit_`), the packed tables' packed."""
+        slots: list[SlotRow] = []
+        for (engine, pool, block, _), touches in self.touches.items():
+            seqs = touches[::TOUCH_FIELDS]
+            allocated = [seq for seq, kind in zip(seqs, touches[1::TOUCH_FIELDS], strict=True) if kind == "allocated"]
+            first_allocated = allocated[0] if allocated else None
+            slots.append((engine, pool, block, seqs[0], seqs[-1], first_allocated, len(allocated), _pack(touches)))
+        owner_blocks: list[OwnerBlocksRow] = [
+            (engine, owner, blocks[0], _pack(blocks)) for (engine, owner), blocks in self.owner_blocks.items()
+        ]
+        key_sources: list[KeySourcesRow] = []
+        for key, sources in self.key_sources.items():
+            computed = sources[1::KEY_SOURCE_FIELDS].count("computed")
+            stored = len(sources) // KEY_SOURCE_FIELDS - computed
+            key_sources.append((key, sources[0], computed, stored, _pack(sources)))
+        return {
+            "slots": slots,
+            "owner_blocks": owner_blocks,
+            "key_sources": key_sources,
+            "owners": self.owners,
+            "jobs": self.jobs,
+            "keys": self.keys,
+            "refusals": self.refusals,
+            "engines": self.engines,
+            "namespaces": self.namespaces,
+            "steps": self.steps,
+            "decisions": self.decisions,
+            "observed": self.observed,
+        }
 
 
 def engine_of_stream(stream_id: str) -> str:
@@ -132,270 +280,400 @@ class Indexer:
         for offset, event in enumerate(events):
             self.event(rows, event, first_seq + offset, engine)
 
-    def event(self, rows: AuditRows, event: Event, seq: int, engine: str) -> None:  # noqa: C901 - one case per event type
-        """Add the rows of one event at global sequence `seq`, from `engine`'s stream."""
-        match event:
-            case BlocksAllocated(owner_id=owner, blocks=blocks):
-                rows.slots += [(engine, b.pool_id, b.block_id, b.generation, seq, "allocated", owner, None, None) for b in blocks]
-            case BlocksReused(owner_id=owner, blocks=blocks):
-                rows.slots += [(engine, b.pool_id, b.block_id, b.generation, seq, "reused", owner, None, None) for b in blocks]
-            case BlocksReleased(owner_id=owner, blocks=blocks):
-                rows.slots += [(engine, b.pool_id, b.block_id, b.generation, seq, "released", owner, None, None) for b in blocks]
-            case StepEnded(freed_blocks=freed):
-                rows.slots += [(engine, b.pool_id, b.block_id, b.generation, seq, "freed", None, None, None) for b in freed]
-            case BlocksComputed(blocks=computed):
-                namespace = self.namespaces.get(engine)
-                for c in computed:
-                    b = c.block
-                    rows.slots.append((engine, b.pool_id, b.block_id, b.generation, seq, "computed", None, None, c.key))
-                    rows.keys.append(
-                        (
-                            c.key,
-                            seq,
-                            "computed",
-                            engine,
-                            "",
-                            b.pool_id,
-                            namespace,
-                            None,
-                            b.block_id,
-                            b.generation,
-                            None,
-                            None,
-                            "",
-                            "",
-                        )
-                    )
-            case StoreJobStarted(job_id=job, tier=tier, items=items, already_published=skipped, pinned=pinned):
-                namespace = self.namespaces.get(engine)
-                rows.jobs.append(
-                    (
-                        job,
-                        engine,
-                        seq,
-                        "store",
-                        None,
-                        f"tier {tier}: {len(items)} keys, {len(skipped)} already published{'' if pinned else ', NOT pinned'}",
-                    )
+    def event(self, rows: AuditRows, event: Event, seq: int, engine: str) -> None:
+        """Add the rows of one event at global sequence `seq`, from `engine`'s stream. Steps
+        began, lookups, encoder entries and tiers: nothing a forensic query asks for."""
+        handler = _HANDLERS.get(type(event))
+        if handler is not None:
+            handler(self, rows, event, seq, engine)
+
+    def _blocks_allocated(self, rows: AuditRows, event: BlocksAllocated, seq: int, engine: str) -> None:
+        owner, blocks = event.owner_id, event.blocks
+        self._held(rows, engine, seq, "allocated", owner, blocks)
+
+    def _blocks_reused(self, rows: AuditRows, event: BlocksReused, seq: int, engine: str) -> None:
+        owner, blocks = event.owner_id, event.blocks
+        self._held(rows, engine, seq, "reused", owner, blocks)
+
+    def _blocks_released(self, rows: AuditRows, event: BlocksReleased, seq: int, engine: str) -> None:
+        owner, blocks = event.owner_id, event.blocks
+        touches, window = rows.touches, seq >> SLOT_WINDOW_BITS
+        for b in blocks:
+            touches[(engine, b.pool_id, b.block_id, window)].extend((seq, "released", b.generation, owner, None, None))
+
+    def _step_ended(self, rows: AuditRows, event: StepEnded, seq: int, engine: str) -> None:
+        freed = event.freed_blocks
+        touches, window = rows.touches, seq >> SLOT_WINDOW_BITS
+        for b in freed:
+            touches[(engine, b.pool_id, b.block_id, window)].extend((seq, "freed", b.generation, None, None, None))
+
+    def _blocks_computed(self, rows: AuditRows, event: BlocksComputed, seq: int, engine: str) -> None:
+        computed = event.blocks
+        namespace = self.namespaces.get(engine)
+        touches, window, sources = rows.touches, seq >> SLOT_WINDOW_BITS, rows.key_sources
+        for c in computed:
+            b, key = c.block, c.key
+            touches[(engine, b.pool_id, b.block_id, window)].extend((seq, "computed", b.generation, None, None, key))
+            sources[key].extend((seq, "computed", engine, "", b.pool_id, namespace, None, b.block_id, b.generation, None, ""))
+
+    def _store_job_started(self, rows: AuditRows, event: StoreJobStarted, seq: int, engine: str) -> None:
+        job = event.job_id
+        tier = event.tier
+        items = event.items
+        skipped = event.already_published
+        pinned = event.pinned
+        namespace = self.namespaces.get(engine)
+        rows.jobs.append(
+            (
+                job,
+                engine,
+                seq,
+                "store",
+                None,
+                f"tier {tier}: {len(items)} keys, {len(skipped)} already published{'' if pinned else ', NOT pinned'}",
+            )
+        )
+        touches, window, sources = rows.touches, seq >> SLOT_WINDOW_BITS, rows.key_sources
+        for item in items:
+            s = item.source
+            touches[(engine, s.pool_id, s.block_id, window)].extend((seq, "stored_from", s.generation, None, job, item.key))
+            sources[item.key].extend(
+                (seq, "stored", engine, tier, s.pool_id, namespace, job, s.block_id, s.generation, item.tier_slot, "")
+            )
+
+    def _load_job_started(self, rows: AuditRows, event: LoadJobStarted, seq: int, engine: str) -> None:
+        job = event.job_id
+        tier = event.tier
+        items = event.items
+        expiry = event.lease_expires_at
+        namespace = self.namespaces.get(engine)
+        rows.jobs.append((job, engine, seq, "load", None, f"tier {tier}: {len(items)} items, lease to t={expiry:g}"))
+        touches, window = rows.touches, seq >> SLOT_WINDOW_BITS
+        for load in items:
+            d = load.dest
+            touches[(engine, d.pool_id, d.block_id, window)].extend((seq, "loaded_into", d.generation, None, job, load.key))
+            rows.keys.append(
+                (
+                    load.key,
+                    seq,
+                    "loaded",
+                    engine,
+                    tier,
+                    d.pool_id,
+                    namespace,
+                    job,
+                    d.block_id,
+                    d.generation,
+                    load.tier_slot,
+                    None,
+                    checksums_text(load.checksums),
+                    "",
                 )
-                for item in items:
-                    s = item.source
-                    rows.slots.append((engine, s.pool_id, s.block_id, s.generation, seq, "stored_from", None, job, item.key))
-                    rows.keys.append(
-                        (
-                            item.key,
-                            seq,
-                            "stored",
-                            engine,
-                            tier,
-                            s.pool_id,
-                            namespace,
-                            job,
-                            s.block_id,
-                            s.generation,
-                            item.tier_slot,
-                            None,
-                            "",
-                            "",
-                        )
-                    )
-            case LoadJobStarted(job_id=job, tier=tier, items=items, lease_expires_at=expiry):
-                namespace = self.namespaces.get(engine)
-                rows.jobs.append((job, engine, seq, "load", None, f"tier {tier}: {len(items)} items, lease to t={expiry:g}"))
-                for load in items:
-                    d = load.dest
-                    rows.slots.append((engine, d.pool_id, d.block_id, d.generation, seq, "loaded_into", None, job, load.key))
-                    rows.keys.append(
-                        (
-                            load.key,
-                            seq,
-                            "loaded",
-                            engine,
-                            tier,
-                            d.pool_id,
-                            namespace,
-                            job,
-                            d.block_id,
-                            d.generation,
-                            load.tier_slot,
-                            None,
-                            checksums_text(load.checksums),
-                            "",
-                        )
-                    )
-            case ExternalStoreStarted(job_id=job, tier=tier, items=ext_items, already_published=skipped):
-                # An engine that owns its device blocks (vLLM's offloading): no slot of kvledger's.
-                namespace = self.namespaces.get(engine)
-                rows.jobs.append(
-                    (
-                        job,
-                        engine,
-                        seq,
-                        "store",
-                        None,
-                        f"tier {tier}: {len(ext_items)} external keys, {len(skipped)} already published",
-                    )
+            )
+
+    def _external_store_started(self, rows: AuditRows, event: ExternalStoreStarted, seq: int, engine: str) -> None:
+        job = event.job_id
+        tier = event.tier
+        ext_items = event.items
+        skipped = event.already_published
+        namespace = self.namespaces.get(engine)
+        rows.jobs.append(
+            (
+                job,
+                engine,
+                seq,
+                "store",
+                None,
+                f"tier {tier}: {len(ext_items)} external keys, {len(skipped)} already published",
+            )
+        )
+        for ext in ext_items:
+            rows.key_sources[ext.key].extend(
+                (
+                    seq,
+                    "stored",
+                    engine,
+                    tier,
+                    ext.pool_id,
+                    namespace,
+                    job,
+                    None,
+                    None,
+                    ext.tier_slot,
+                    f"engine key {ext.engine_key.hex()}",
                 )
-                for ext in ext_items:
-                    rows.keys.append(
-                        (
-                            ext.key,
-                            seq,
-                            "stored",
-                            engine,
-                            tier,
-                            ext.pool_id,
-                            namespace,
-                            job,
-                            None,
-                            None,
-                            ext.tier_slot,
-                            None,
-                            "",
-                            f"engine key {ext.engine_key.hex()}",
-                        )
-                    )
-            case ExternalLoadStarted(job_id=job, tier=tier, items=ext_items, lease_expires_at=expiry):
-                namespace = self.namespaces.get(engine)
-                rows.jobs.append(
-                    (job, engine, seq, "load", None, f"tier {tier}: {len(ext_items)} external keys, lease to t={expiry:g}")
+            )
+
+    def _external_load_started(self, rows: AuditRows, event: ExternalLoadStarted, seq: int, engine: str) -> None:
+        job = event.job_id
+        tier = event.tier
+        ext_items = event.items
+        expiry = event.lease_expires_at
+        namespace = self.namespaces.get(engine)
+        rows.jobs.append((job, engine, seq, "load", None, f"tier {tier}: {len(ext_items)} external keys, lease to t={expiry:g}"))
+        for ext in ext_items:
+            rows.keys.append(
+                (
+                    ext.key,
+                    seq,
+                    "loaded",
+                    engine,
+                    tier,
+                    ext.pool_id,
+                    namespace,
+                    job,
+                    None,
+                    None,
+                    ext.tier_slot,
+                    None,
+                    checksums_text(ext.checksums),
+                    f"engine key {ext.engine_key.hex()}",
                 )
-                for ext in ext_items:
-                    rows.keys.append(
-                        (
-                            ext.key,
-                            seq,
-                            "loaded",
-                            engine,
-                            tier,
-                            ext.pool_id,
-                            namespace,
-                            job,
-                            None,
-                            None,
-                            ext.tier_slot,
-                            None,
-                            checksums_text(ext.checksums),
-                            f"engine key {ext.engine_key.hex()}",
-                        )
-                    )
-            case StateCopyPlanned(job_id=job, pool_id=pool, blocks=blocks, batches=batches):
-                rows.jobs.append(
-                    (job, engine, seq, "copy", None, f"pool {pool}: {sum(map(len, batches))} moves in {len(batches)} batches")
-                )
-                rows.slots += [(engine, b.pool_id, b.block_id, b.generation, seq, "copied", None, job, None) for b in blocks]
-            case RankReported(job_id=job, rank=rank, ok=ok, error=error):
-                rows.jobs.append((job, engine, seq, "reported", rank, "ok" if ok else f"failed: {error}"))
-            case JobSucceeded(job_id=job):
-                rows.jobs.append((job, engine, seq, "succeeded", None, ""))
-            case JobFailed(job_id=job, reason=reason, detail=detail):
-                rows.jobs.append((job, engine, seq, "failed", None, f"{reason}: {detail}"))
-                rows.refusals.append((seq, engine, "job_failed", f"job {job}", str(reason), detail))
-            case JobFenced(job_id=job, pending=pending):
-                rows.jobs.append((job, engine, seq, "fenced", None, f"ranks pending: {pending}" if pending else ""))
-            case FencedRankReleased(rank=rank, job_ids=released, reason=reason):
-                rows.jobs += [
-                    (job, engine, seq, "released", rank, f"the rank's worker is gone (an operator): {reason}") for job in released
-                ]
-            case FencedRankDone(job_id=job, rank=rank):
-                rows.jobs.append((job, engine, seq, "fenced_rank_done", rank, "late report dropped"))
-            case KeyPublished(
-                tier=tier,
-                namespace_id=namespace,
-                pool_id=pool,
-                key=key,
-                tier_slot=slot,
-                checksums=checksums,
-                size_bytes=size,
-                source_job=job,
-            ):
-                rows.keys.append(
-                    (
-                        key,
-                        seq,
-                        "published",
-                        engine,
-                        tier,
-                        pool,
-                        namespace,
-                        job,
-                        None,
-                        None,
-                        slot,
-                        size,
-                        checksums_text(checksums),
-                        "",
-                    )
-                )
-            case KeyEvicted(tier=tier, pool_id=pool, key=key, tier_slot=slot, engine_id=by):
-                rows.keys.append((key, seq, "evicted", by, tier, pool, None, None, None, None, slot, None, "", ""))
-            case KeyQuarantined(tier=tier, pool_id=pool, key=key, reason=reason, job_id=job, detail=detail):
-                rows.keys.append(
-                    (key, seq, "quarantined", engine, tier, pool, None, job, None, None, None, None, "", f"{reason}: {detail}")
-                )
-                rows.refusals.append((seq, engine, "quarantined", f"key {key.hex()}", str(reason), detail))
-            case Refused(engine_id=by, command=command, reason=reason, detail=detail):
-                rows.refusals.append((seq, by or engine, "refused", command, str(reason), detail))
-            case NoticeDropped(engine_id=by, notice=notice, reason=reason, detail=detail):
-                rows.refusals.append((seq, by or engine, "dropped", notice, str(reason), detail))
-            case OwnerStarted(engine_id=by, owner_id=owner, req_id=req_id, resumed=resumed):
-                rows.owners.append((by, owner, req_id, seq, "started", "resumed" if resumed else ""))
-            case OwnerFinished(engine_id=by, owner_id=owner, reason=reason):
-                rows.owners.append((by, owner, "", seq, "finished", reason))
-            case EngineDeclared(engine_id=by, incarnation=incarnation, namespace_id=namespace, takeover=takeover):
-                self.namespaces[by] = namespace
-                rows.engines.append((by, incarnation, namespace, seq, "declared", "takeover" if takeover else ""))
-            case EngineReset(engine_id=by, incarnation=incarnation, reason=reason):
-                rows.engines.append((by, incarnation, self.namespaces.get(by), seq, "reset", reason))
-            case NamespaceRegistered(namespace_id=namespace, spec=spec):
-                rows.namespaces.append((namespace, spec.tenant, spec.model_id, msgspec.json.encode(spec).decode(), seq))
-            case NamespaceDecided(
-                from_namespace=source,
-                to_namespace=target,
-                outcome=outcome,
-                rationale=rationale,
-                evidence=evidence,
-                affected_keys=affected,
-            ):
-                rows.decisions.append((seq, outcome, source, target, affected, evidence, rationale))
-            case NamespaceReleased(namespace_id=namespace, rationale=rationale, evicted_keys=evicted):
-                rows.decisions.append((seq, "released", namespace, None, evicted, "", rationale))
-            case ObservedBlocksStored(
-                engine_id=by,
-                incarnation=incarnation,
-                medium=medium,
-                group=group,
-                dp_rank=rank,
-                source_seq=source,
-                block_hashes=hashes,
-            ):
-                rows.observed += [(h, seq, "stored", by, incarnation, medium, group, rank, source) for h in dict.fromkeys(hashes)]
-            case ObservedBlocksRemoved(
-                engine_id=by,
-                incarnation=incarnation,
-                medium=medium,
-                group=group,
-                dp_rank=rank,
-                source_seq=source,
-                block_hashes=hashes,
-            ):
-                rows.observed += [
-                    (h, seq, "removed", by, incarnation, medium, group, rank, source) for h in dict.fromkeys(hashes)
-                ]
-            case ObservedCacheCleared(engine_id=by, incarnation=incarnation, medium=medium, dp_rank=rank, source_seq=source):
-                rows.observed.append((b"", seq, "cleared", by, incarnation, medium, -1, rank, source))
-            case EngineObserved(engine_id=by, incarnation=incarnation, namespace_id=namespace, source=source, reason=reason):
-                rows.engines.append((by, incarnation, namespace, seq, "observed", f"{reason} ({source})" if source else reason))
-            case ObservedEventsMissed(engine_id=by, incarnation=incarnation, first_seq=first, last_seq=last, reason=reason):
-                rows.engines.append(
-                    (
-                        by,
-                        incarnation,
-                        None,
-                        seq,
-                        "events_missed",
-                        f"engine batches {first}..{last}" + (f": {reason}" if reason else ""),
-                    )
-                )
-            case _:
-                pass  # steps began, lookups, encoder entries, tiers: nothing a forensic query asks for
+            )
+
+    def _state_copy_planned(self, rows: AuditRows, event: StateCopyPlanned, seq: int, engine: str) -> None:
+        job = event.job_id
+        pool = event.pool_id
+        blocks = event.blocks
+        batches = event.batches
+        rows.jobs.append(
+            (job, engine, seq, "copy", None, f"pool {pool}: {sum(map(len, batches))} moves in {len(batches)} batches")
+        )
+        touches, window = rows.touches, seq >> SLOT_WINDOW_BITS
+        for b in blocks:
+            touches[(engine, b.pool_id, b.block_id, window)].extend((seq, "copied", b.generation, None, job, None))
+
+    def _rank_reported(self, rows: AuditRows, event: RankReported, seq: int, engine: str) -> None:
+        job = event.job_id
+        rank = event.rank
+        ok = event.ok
+        error = event.error
+        rows.jobs.append((job, engine, seq, "reported", rank, "ok" if ok else f"failed: {error}"))
+
+    def _job_succeeded(self, rows: AuditRows, event: JobSucceeded, seq: int, engine: str) -> None:
+        job = event.job_id
+        rows.jobs.append((job, engine, seq, "succeeded", None, ""))
+
+    def _job_failed(self, rows: AuditRows, event: JobFailed, seq: int, engine: str) -> None:
+        job, reason, detail = event.job_id, event.reason, event.detail
+        rows.jobs.append((job, engine, seq, "failed", None, f"{reason}: {detail}"))
+        rows.refusals.append((seq, engine, "job_failed", f"job {job}", str(reason), detail))
+
+    def _job_fenced(self, rows: AuditRows, event: JobFenced, seq: int, engine: str) -> None:
+        job, pending = event.job_id, event.pending
+        rows.jobs.append((job, engine, seq, "fenced", None, f"ranks pending: {pending}" if pending else ""))
+
+    def _fenced_rank_released(self, rows: AuditRows, event: FencedRankReleased, seq: int, engine: str) -> None:
+        rank, released, reason = event.rank, event.job_ids, event.reason
+        rows.jobs += [
+            (job, engine, seq, "released", rank, f"the rank's worker is gone (an operator): {reason}") for job in released
+        ]
+
+    def _fenced_rank_done(self, rows: AuditRows, event: FencedRankDone, seq: int, engine: str) -> None:
+        job, rank = event.job_id, event.rank
+        rows.jobs.append((job, engine, seq, "fenced_rank_done", rank, "late report dropped"))
+
+    def _key_published(self, rows: AuditRows, event: KeyPublished, seq: int, engine: str) -> None:
+        tier = event.tier
+        namespace = event.namespace_id
+        pool = event.pool_id
+        key = event.key
+        slot = event.tier_slot
+        checksums = event.checksums
+        size = event.size_bytes
+        job = event.source_job
+        rows.keys.append(
+            (
+                key,
+                seq,
+                "published",
+                engine,
+                tier,
+                pool,
+                namespace,
+                job,
+                None,
+                None,
+                slot,
+                size,
+                checksums_text(checksums),
+                "",
+            )
+        )
+
+    def _key_evicted(self, rows: AuditRows, event: KeyEvicted, seq: int, engine: str) -> None:
+        tier = event.tier
+        pool = event.pool_id
+        key = event.key
+        slot = event.tier_slot
+        by = event.engine_id
+        rows.keys.append((key, seq, "evicted", by, tier, pool, None, None, None, None, slot, None, "", ""))
+
+    def _key_quarantined(self, rows: AuditRows, event: KeyQuarantined, seq: int, engine: str) -> None:
+        tier = event.tier
+        pool = event.pool_id
+        key = event.key
+        reason = event.reason
+        job = event.job_id
+        detail = event.detail
+        rows.keys.append(
+            (key, seq, "quarantined", engine, tier, pool, None, job, None, None, None, None, "", f"{reason}: {detail}")
+        )
+        rows.refusals.append((seq, engine, "quarantined", f"key {key.hex()}", str(reason), detail))
+
+    def _refused(self, rows: AuditRows, event: Refused, seq: int, engine: str) -> None:
+        by = event.engine_id
+        command = event.command
+        reason = event.reason
+        detail = event.detail
+        rows.refusals.append((seq, by or engine, "refused", command, str(reason), detail))
+
+    def _notice_dropped(self, rows: AuditRows, event: NoticeDropped, seq: int, engine: str) -> None:
+        by = event.engine_id
+        notice = event.notice
+        reason = event.reason
+        detail = event.detail
+        rows.refusals.append((seq, by or engine, "dropped", notice, str(reason), detail))
+
+    def _owner_started(self, rows: AuditRows, event: OwnerStarted, seq: int, engine: str) -> None:
+        by = event.engine_id
+        owner = event.owner_id
+        req_id = event.req_id
+        resumed = event.resumed
+        rows.owners.append((by, owner, req_id, seq, "started", "resumed" if resumed else ""))
+
+    def _owner_finished(self, rows: AuditRows, event: OwnerFinished, seq: int, engine: str) -> None:
+        by, owner, reason = event.engine_id, event.owner_id, event.reason
+        rows.owners.append((by, owner, "", seq, "finished", reason))
+
+    def _engine_declared(self, rows: AuditRows, event: EngineDeclared, seq: int, engine: str) -> None:
+        by = event.engine_id
+        incarnation = event.incarnation
+        namespace = event.namespace_id
+        takeover = event.takeover
+        self.namespaces[by] = namespace
+        rows.engines.append((by, incarnation, namespace, seq, "declared", "takeover" if takeover else ""))
+
+    def _engine_reset(self, rows: AuditRows, event: EngineReset, seq: int, engine: str) -> None:
+        by, incarnation, reason = event.engine_id, event.incarnation, event.reason
+        rows.engines.append((by, incarnation, self.namespaces.get(by), seq, "reset", reason))
+
+    def _namespace_registered(self, rows: AuditRows, event: NamespaceRegistered, seq: int, engine: str) -> None:
+        namespace, spec = event.namespace_id, event.spec
+        rows.namespaces.append((namespace, spec.tenant, spec.model_id, msgspec.json.encode(spec).decode(), seq))
+
+    def _namespace_decided(self, rows: AuditRows, event: NamespaceDecided, seq: int, engine: str) -> None:
+        source = event.from_namespace
+        target = event.to_namespace
+        outcome = event.outcome
+        rationale = event.rationale
+        evidence = event.evidence
+        affected = event.affected_keys
+        rows.decisions.append((seq, outcome, source, target, affected, evidence, rationale))
+
+    def _namespace_released(self, rows: AuditRows, event: NamespaceReleased, seq: int, engine: str) -> None:
+        namespace, rationale, evicted = event.namespace_id, event.rationale, event.evicted_keys
+        rows.decisions.append((seq, "released", namespace, None, evicted, "", rationale))
+
+    def _observed_blocks_stored(self, rows: AuditRows, event: ObservedBlocksStored, seq: int, engine: str) -> None:
+        by = event.engine_id
+        incarnation = event.incarnation
+        medium = event.medium
+        group = event.group
+        rank = event.dp_rank
+        source = event.source_seq
+        hashes = event.block_hashes
+        rows.observed += [(h, seq, "stored", by, incarnation, medium, group, rank, source) for h in dict.fromkeys(hashes)]
+
+    def _observed_blocks_removed(self, rows: AuditRows, event: ObservedBlocksRemoved, seq: int, engine: str) -> None:
+        by = event.engine_id
+        incarnation = event.incarnation
+        medium = event.medium
+        group = event.group
+        rank = event.dp_rank
+        source = event.source_seq
+        hashes = event.block_hashes
+        rows.observed += [(h, seq, "removed", by, incarnation, medium, group, rank, source) for h in dict.fromkeys(hashes)]
+
+    def _observed_cache_cleared(self, rows: AuditRows, event: ObservedCacheCleared, seq: int, engine: str) -> None:
+        by = event.engine_id
+        incarnation = event.incarnation
+        medium = event.medium
+        rank = event.dp_rank
+        source = event.source_seq
+        rows.observed.append((b"", seq, "cleared", by, incarnation, medium, -1, rank, source))
+
+    def _engine_observed(self, rows: AuditRows, event: EngineObserved, seq: int, engine: str) -> None:
+        by = event.engine_id
+        incarnation = event.incarnation
+        namespace = event.namespace_id
+        source = event.source
+        reason = event.reason
+        rows.engines.append((by, incarnation, namespace, seq, "observed", f"{reason} ({source})" if source else reason))
+
+    def _observed_events_missed(self, rows: AuditRows, event: ObservedEventsMissed, seq: int, engine: str) -> None:
+        by = event.engine_id
+        incarnation = event.incarnation
+        first = event.first_seq
+        last = event.last_seq
+        reason = event.reason
+        rows.engines.append(
+            (
+                by,
+                incarnation,
+                None,
+                seq,
+                "events_missed",
+                f"engine batches {first}..{last}" + (f": {reason}" if reason else ""),
+            )
+        )
+
+    @staticmethod
+    def _held(rows: AuditRows, engine: str, seq: int, kind: str, owner: int, blocks: Sequence[BlockRef]) -> None:
+        """An owner took `blocks` (allocated or reused): a touch of each slot, and the owner's entries."""
+        touches, window = rows.touches, seq >> SLOT_WINDOW_BITS
+        for b in blocks:
+            touches[(engine, b.pool_id, b.block_id, window)].extend((seq, kind, b.generation, owner, None, None))
+        if blocks:
+            entries = rows.owner_blocks[(engine, owner)]
+            for b in blocks:
+                entries.extend((seq, kind, b.pool_id, b.block_id, b.generation))
+
+
+_HANDLERS: dict[type[Event], Callable[[Indexer, AuditRows, Any, int, str], None]] = {
+    BlocksAllocated: Indexer._blocks_allocated,
+    BlocksReused: Indexer._blocks_reused,
+    BlocksReleased: Indexer._blocks_released,
+    StepEnded: Indexer._step_ended,
+    BlocksComputed: Indexer._blocks_computed,
+    StoreJobStarted: Indexer._store_job_started,
+    LoadJobStarted: Indexer._load_job_started,
+    ExternalStoreStarted: Indexer._external_store_started,
+    ExternalLoadStarted: Indexer._external_load_started,
+    StateCopyPlanned: Indexer._state_copy_planned,
+    RankReported: Indexer._rank_reported,
+    JobSucceeded: Indexer._job_succeeded,
+    JobFailed: Indexer._job_failed,
+    JobFenced: Indexer._job_fenced,
+    FencedRankReleased: Indexer._fenced_rank_released,
+    FencedRankDone: Indexer._fenced_rank_done,
+    KeyPublished: Indexer._key_published,
+    KeyEvicted: Indexer._key_evicted,
+    KeyQuarantined: Indexer._key_quarantined,
+    Refused: Indexer._refused,
+    NoticeDropped: Indexer._notice_dropped,
+    OwnerStarted: Indexer._owner_started,
+    OwnerFinished: Indexer._owner_finished,
+    EngineDeclared: Indexer._engine_declared,
+    EngineReset: Indexer._engine_reset,
+    NamespaceRegistered: Indexer._namespace_registered,
+    NamespaceDecided: Indexer._namespace_decided,
+    NamespaceReleased: Indexer._namespace_released,
+    ObservedBlocksStored: Indexer._observed_blocks_stored,
+    ObservedBlocksRemoved: Indexer._observed_blocks_removed,
+    ObservedCacheCleared: Indexer._observed_cache_cleared,
+    EngineObserved: Indexer._engine_observed,
+    ObservedEventsMissed: Indexer._observed_events_missed,
+}
+"""The rows of each event type (a dict, not a match statement over every type: the build is bound
+by the fold, ops/bench/audit.py)."""

@@ -18,6 +18,7 @@ import anyio
 import msgspec
 import sqlalchemy as sa
 
+from coordinator.audit import _packed as packed
 from coordinator.audit.answers import (
     AuditError,
     BlockAnswer,
@@ -221,13 +222,9 @@ class Audit:
         return await self._read(lambda conn: self._block(conn, engine, pool, block, at_seq))
 
     def _block(self, conn: sa.Connection, engine: str, pool: int, block: int, at_seq: int) -> BlockAnswer:
-        s = t.audit_slots.c
         declarations = self._declarations(conn)
-        slot = (s.engine == engine, s.pool == pool, s.block == block)
-        allocation = conn.execute(
-            sa.select(s.generation, s.seq).where(*slot, s.seq <= at_seq, s.kind == "allocated").order_by(s.seq.desc()).limit(1)
-        ).first()
-        tenant = self._tenant_at(declarations, engine, at_seq if allocation is None else int(allocation.seq))
+        allocation = packed.last_allocation(conn, engine, pool, block, at_seq)
+        tenant = self._tenant_at(declarations, engine, at_seq if allocation is None else allocation.seq)
         self._check(tenant, f"engine {engine!r} then")
         point = self._point(conn, engine, at_seq)
         if allocation is None:
@@ -243,20 +240,16 @@ class Audit:
                 jobs=[],
                 events=[],
             )
-        generation = int(allocation.generation)
-        # A generation's rows lie between its allocation and the next one (a slot is freed before
-        # it is allocated again): one range of the (engine, pool, block, seq) index.
-        following = conn.execute(
-            sa.select(s.seq).where(*slot, s.seq > allocation.seq, s.kind == "allocated").order_by(s.seq).limit(1)
-        ).scalar()
-        span = s.seq >= allocation.seq if following is None else s.seq.between(allocation.seq, following - 1)
-        rows = conn.execute(
-            sa.select(s.seq, s.kind, s.owner_id, s.job_id, s.key).where(*slot, span, s.generation == generation).order_by(s.seq)
-        ).all()
-        events = [SlotEvent(r.seq, r.kind, r.owner_id, r.job_id, None if r.key is None else bytes(r.key).hex()) for r in rows]
-        life = self._lifetimes(
-            conn, engine, [(generation, e.seq, e.kind, e.owner_id) for e in events], None if following is None else int(following)
-        )[0]
+        generation = allocation.generation
+        # A generation's touches lie between its allocation and the next one (a slot is freed
+        # before it is allocated again).
+        following = packed.next_allocation(conn, engine, pool, block, allocation)
+        events = [
+            SlotEvent(seq, kind, owner_id, job_id, None if key is None else key.hex())
+            for seq, kind, touched, owner_id, job_id, key in packed.touches_from(conn, engine, pool, block, allocation, following)
+            if touched == generation
+        ]
+        life = self._lifetimes(conn, engine, [(generation, e.seq, e.kind, e.owner_id) for e in events], following)[0]
         # Then: the last change of hands at or before the point. A slot freed with its content kept
         # can be taken again (a reuse) without a new allocation: it is held again, by the reuser.
         changes = [e for e in events if e.kind in _HOLDS and e.seq <= at_seq]
@@ -282,29 +275,15 @@ class Audit:
         return await self._read(lambda conn: self._history(conn, engine, pool, block))
 
     def _history(self, conn: sa.Connection, engine: str, pool: int, block: int) -> HistoryAnswer:
-        s = t.audit_slots.c
-        slot = (s.engine == engine, s.pool == pool, s.block == block)
-        newest = [
-            int(seq)
-            for seq in conn.execute(
-                sa.select(s.seq).where(*slot, s.kind == "allocated").order_by(s.seq.desc()).limit(LIST_LIMIT)
-            ).scalars()
-        ][::-1]
-        total = (
-            len(newest)
-            if len(newest) < LIST_LIMIT
-            else int(conn.execute(sa.select(sa.func.count()).where(*slot, s.kind == "allocated")).scalar() or 0)
-        )
+        newest = packed.newest_allocations(conn, engine, pool, block, LIST_LIMIT)
+        total = len(newest) if len(newest) < LIST_LIMIT else packed.allocation_count(conn, engine, pool, block)
         rows = (
             []
             if not newest
             else [
-                tuple(r)
-                for r in conn.execute(
-                    sa.select(s.generation, s.seq, s.kind, s.owner_id)
-                    .where(*slot, s.seq >= newest[0], s.kind.in_(_HOLDS))
-                    .order_by(s.seq)
-                )
+                (generation, seq, kind, owner_id)
+                for seq, kind, generation, owner_id, _, _ in packed.touches_from(conn, engine, pool, block, newest[0])
+                if kind in _HOLDS
             ]
         )
         declarations = self._declarations(conn)
@@ -403,7 +382,7 @@ class Audit:
     ) -> dict[tuple[str, int], OwnerLife]:
         """Each owner's lifetime (and with `blocks`, every allocation and reuse it made), in one
         query per table per engine."""
-        o, s = t.audit_owners.c, t.audit_slots.c
+        o = t.audit_owners.c
         by_engine: dict[str, list[int]] = {}
         for engine, owner_id in wanted:
             by_engine.setdefault(engine, []).append(owner_id)
@@ -418,15 +397,10 @@ class Audit:
                 rows.setdefault(row.owner_id, []).append(row)
             held: dict[int, list[str]] = {}
             if blocks:
-                query = (
-                    sa.select(s.owner_id, s.pool, s.block, s.generation, s.kind, s.seq)
-                    .where(s.engine == engine, s.owner_id.in_(ids), s.kind.in_(("allocated", "reused")))
-                    .order_by(s.seq)
-                )
-                for owner_id, pool, block, generation, kind, seq in conn.execute(
-                    query
-                ):  # thousands of rows: unpacked, not by attribute
-                    held.setdefault(owner_id, []).append(f"{pool}/{block}@g{generation} ({kind} at seq {seq})")
+                for owner_id, entries in packed.owner_blocks(conn, engine, ids).items():
+                    held[owner_id] = [
+                        f"{pool}/{block}@g{generation} ({kind} at seq {seq})" for seq, kind, pool, block, generation in entries
+                    ]
             for owner_id, found in rows.items():
                 started = next((r for r in found if r.kind == "started"), None)
                 if started is None:
@@ -482,6 +456,7 @@ class Audit:
             str(kind): int(count)
             for kind, count in conn.execute(sa.select(k.kind, sa.func.count()).where(k.key == key).group_by(k.kind))
         }
+        counts = dict(sorted({**counts, **packed.source_counts(conn, key)}.items()))
         if not counts:
             raise NotFound(f"key {key_hex} is not in the log")
 
@@ -492,10 +467,11 @@ class Audit:
                 ).all()
             )[::-1]
 
+        computed = packed.newest_sources(conn, key, "computed", LIST_LIMIT) if "computed" in counts else []
         published, loads = newest("published"), newest("loaded")
-        rows = [*newest("computed"), *published, *newest("evicted"), *newest("quarantined")]
-        sources = {r.job_id for r in published if r.job_id is not None}
-        rows += conn.execute(sa.select(t.audit_keys).where(k.key == key, k.kind == "stored", k.job_id.in_(sources))).all()
+        rows = [*computed, *published, *newest("evicted"), *newest("quarantined")]
+        stored = packed.stores_by(conn, key, {r.job_id for r in published if r.job_id is not None})
+        rows += stored
         namespace = next((bytes(r.namespace_id) for r in [*rows, *loads] if r.namespace_id is not None), b"")
         spec = conn.execute(sa.select(n.tenant, n.model_id).where(n.namespace_id == namespace)).first()
         tenant, model = (spec.tenant, spec.model_id) if spec is not None else ("", "")
@@ -507,13 +483,13 @@ class Audit:
             sa.select(j.job_id, j.seq, j.kind, j.rank, j.detail).where(j.job_id.in_(job_ids)).order_by(j.seq)
         ):
             outcomes.setdefault(row.job_id, []).append(row)
-        stored_from = {r.job_id: _where(r) for r in rows if r.kind == "stored"}
+        stored_from = {r.job_id: _where(r) for r in stored}
         return KeyAnswer(
             key=key_hex,
             namespace_id=namespace.hex(),
             tenant=tenant,
             model_id=model,
-            computed=[f"{r.engine} {r.pool}/{r.block}@g{r.generation} at seq {r.seq}" for r in rows if r.kind == "computed"],
+            computed=[f"{r.engine} {r.pool}/{r.block}@g{r.generation} at seq {r.seq}" for r in computed],
             publications=[
                 Publication(
                     r.seq,

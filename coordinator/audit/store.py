@@ -2,7 +2,7 @@
 them into rows (coordinator/audit/index.py) and insert them with the new checkpoint in one
 transaction, so the index is exactly once whatever stops it.
 
-The index lives in the log's own database (tables kvl_audit_*, migrations 0003 and 0004). Building it never
+The index lives in the log's own database (tables kvl_audit_*, migrations 0003, 0004 and 0007). Building it never
 touches the log's rows: a copied log file can be indexed and audited offline.
 """
 
@@ -14,7 +14,6 @@ from typing import Any
 import msgspec
 import sqlalchemy as sa
 import structlog
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coordinator.audit.index import AuditRows, Indexer, engine_of_stream
 from events import EventCodec, EventDecodeError
@@ -29,6 +28,8 @@ AUDIT_LOCK_KEY = 0x6B766C6175646974  # "kvlaudit": one indexer at a time on Post
 
 _TABLES: dict[str, sa.Table] = {
     "slots": t.audit_slots,
+    "owner_blocks": t.audit_owner_blocks,
+    "key_sources": t.audit_key_sources,
     "owners": t.audit_owners,
     "jobs": t.audit_jobs,
     "keys": t.audit_keys,
@@ -70,14 +71,15 @@ async def sync_index(
     rows_total = 0
     while after < head:
         indexer = Indexer(await _namespaces(event_log))
-        rows = AuditRows()
-        last = after
-        async for steps in stored_steps(event_log, after, min(head, after + batch)):
-            for step in steps:
-                _index_step(indexer, codec, rows, step, last)
-                last = step.last_seq
-        if last == after:
+        steps = [step async for found in stored_steps(event_log, after, min(head, after + batch)) for step in found]
+        if not steps:
             break
+        last = after
+        rows = AuditRows()
+        for step in steps:
+            _index_step(indexer, codec, rows, step, last)
+            last = step.last_seq
+        tables = rows.tables()
         async with event_log.projection_transaction(CHECKPOINT) as tx:
             if event_log.dialect == "postgresql":
                 await tx.connection.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": AUDIT_LOCK_KEY})
@@ -87,9 +89,9 @@ async def sync_index(
             if current != after:  # another indexer got there first: start again from where it is
                 after = int(current)
                 continue
-            await _insert(tx.connection, rows, event_log.dialect)
+            await tx.connection.run_sync(_insert, tables)
             await tx.advance(last)
-        rows_total += rows.count()
+        rows_total += sum(map(len, tables.values()))
         after = last
         if on_progress is not None:
             on_progress(IndexProgress(after, head, rows_total))
@@ -130,15 +132,9 @@ def _index_step(indexer: Indexer, codec: EventCodec, rows: AuditRows, step: Stor
             log.warning("audit_event_skipped", global_seq=stored.global_seq, event_type=stored.event_type, error=str(error))
 
 
-async def _insert(conn: AsyncConnection, rows: AuditRows, dialect: str) -> None:
-    await conn.run_sync(_insert_sync, rows)
-
-
-def _insert_sync(conn: sa.Connection, rows: AuditRows) -> None:
-    """Plain tuples through the driver's executemany: one call per table, no per-row dicts
-    (the index holds several rows per event; ops/bench/audit.py)."""
-    for name in _TABLES:
-        found: list[tuple[Any, ...]] = getattr(rows, name)
+def _insert(conn: sa.Connection, tables: dict[str, list[tuple[Any, ...]]]) -> None:
+    """Plain tuples through the driver's executemany: one call per table, no per-row dicts."""
+    for name, found in tables.items():
         if found:
             conn.exec_driver_sql(_insert_sql(name, conn.dialect.paramstyle), found)
 

@@ -24,6 +24,7 @@ import msgspec
 import sqlalchemy as sa
 import structlog
 
+from coordinator.audit import _packed as packed
 from coordinator.audit.answers import AuditError, NotFound
 from coordinator.audit.queries import Audit, job_touch
 from events.log import SqlEventLog
@@ -426,8 +427,8 @@ async def read_rows(
 ) -> IndexRows:
     """The index's rows for one pool of one engine over steps first_step..last_step.
 
-    Cost: the range's rows through the slot index, plus one scan of the pool's allocations before
-    the range (which generation each slot held when it began)."""
+    Cost: the range's rows through the slot index, plus one scan of the pool's rows with
+    allocations before the range (which generation each slot held when it began)."""
     audit = Audit(event_log)
     engine = await audit.engine(engine)
     s, st, j, r, o = (t.audit_slots.c, t.audit_steps.c, t.audit_jobs.c, t.audit_refusals.c, t.audit_owners.c)
@@ -468,31 +469,13 @@ async def read_rows(
         ).scalar()
         first_seq, last_seq = steps[0].first_seq, (int(following) - 1 if following is not None else max(head, steps[-1].last_seq))
 
-        of_pool = sa.and_(s.engine == engine, s.pool == pool)
-        columns = (s.block, s.generation, s.seq, s.kind, s.owner_id, s.job_id)
-        slot_rows = [
-            _slot_row(x) for x in await conn.execute(sa.select(*columns).where(of_pool, s.seq >= first_seq, s.seq <= last_seq))
+        # Every touch in the range, and the touches before it of the generation each slot held
+        # when it began (from its last allocation before the range).
+        touches = await conn.run_sync(lambda sync: packed.pool_touches(sync, engine, pool, first_seq, last_seq))
+        touches += await conn.run_sync(lambda sync: packed.held_before(sync, engine, pool, first_seq))
+        slot_rows: list[PoolSlotRow] = [
+            (block, generation, seq, kind, owner_id, job_id) for block, (seq, kind, generation, owner_id, job_id, _) in touches
         ]
-        # The generation each slot held when the range began: its last allocation before it.
-        before = [
-            (int(b), int(q))
-            for b, q in await conn.execute(
-                sa.select(s.block, sa.func.max(s.seq)).where(of_pool, s.kind == "allocated", s.seq < first_seq).group_by(s.block)
-            )
-        ]
-        for chunk in _chunks(before, 400):
-            alive = [
-                (int(b), int(g))
-                for b, g in await conn.execute(
-                    sa.select(s.block, s.generation).where(of_pool, s.kind == "allocated", sa.tuple_(s.block, s.seq).in_(chunk))
-                )
-            ]
-            slot_rows += [
-                _slot_row(x)
-                for x in await conn.execute(
-                    sa.select(*columns).where(of_pool, s.seq < first_seq, sa.tuple_(s.block, s.generation).in_(alive))
-                )
-            ]
         resets = [
             int(x)
             for x in (
@@ -538,17 +521,6 @@ async def read_rows(
         req_ids=req_ids,
         jobs=jobs,
         refusals=refusals,
-    )
-
-
-def _slot_row(row: Any) -> PoolSlotRow:
-    return (
-        int(row.block),
-        int(row.generation),
-        int(row.seq),
-        str(row.kind),
-        None if row.owner_id is None else int(row.owner_id),
-        None if row.job_id is None else int(row.job_id),
     )
 
 

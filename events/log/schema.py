@@ -90,20 +90,54 @@ sa.Index("ix_kvl_snapshots_global_seq", snapshots.c.global_seq)
 audit_slots = sa.Table(
     "kvl_audit_slots",
     metadata,
-    # What happened to one generation of one slot: allocated, reused (a ref taken), released (a
-    # ref dropped), computed, stored_from, loaded_into, copied, freed.
+    # What happened to one slot's generations in one batch of the index (one `sync_index`
+    # transaction) and one window of 2**16 sequences: its touches (allocated, reused (a ref taken),
+    # released (a ref dropped), computed, stored_from, loaded_into, copied, freed) packed in log
+    # order, as coordinator/audit/index.py describes (SlotTouch). A row per touch made the index
+    # about four rows per event and its build insert-bound (issue 22; migration 0007).
     sa.Column("engine", sa.Text, nullable=False),
     sa.Column("pool", sa.Integer, nullable=False),
     sa.Column("block", sa.Integer, nullable=False),
-    sa.Column("generation", sa.Integer, nullable=False),
-    sa.Column("seq", sa.BigInteger, nullable=False),
-    sa.Column("kind", sa.String(24), nullable=False),
-    sa.Column("owner_id", sa.BigInteger, nullable=True),
-    sa.Column("job_id", sa.BigInteger, nullable=True),
-    sa.Column("key", sa.LargeBinary, nullable=True),
+    sa.Column("first_seq", sa.BigInteger, nullable=False),
+    sa.Column("last_seq", sa.BigInteger, nullable=False),
+    # The sequence of the row's first `allocated` touch (NULL: none) and how many it holds: the
+    # last allocation at or before N is in the last row whose first allocation is.
+    sa.Column("first_allocated", sa.BigInteger, nullable=True),
+    sa.Column("allocations", sa.Integer, nullable=False),
+    sa.Column("packed", sa.LargeBinary, nullable=False),
 )
-sa.Index("ix_kvl_audit_slots_seq", audit_slots.c.engine, audit_slots.c.pool, audit_slots.c.block, audit_slots.c.seq)
-sa.Index("ix_kvl_audit_slots_owner", audit_slots.c.engine, audit_slots.c.owner_id, audit_slots.c.kind)
+sa.Index("ix_kvl_audit_slots_block", audit_slots.c.engine, audit_slots.c.pool, audit_slots.c.block, audit_slots.c.first_seq)
+# A pool's touches over a range of sequences (`kvledger audit timeline`): a row's touches lie in one
+# window, so the rows start at or after the window of the range's start.
+sa.Index("ix_kvl_audit_slots_pool", audit_slots.c.engine, audit_slots.c.pool, audit_slots.c.first_seq)
+
+audit_owner_blocks = sa.Table(
+    "kvl_audit_owner_blocks",
+    metadata,
+    # The slots one owner was allocated or reused in one batch of the index, packed in log order
+    # (OwnerBlock: seq, kind, pool, block, generation). Migration 0007.
+    sa.Column("engine", sa.Text, nullable=False),
+    sa.Column("owner_id", sa.BigInteger, nullable=False),
+    sa.Column("first_seq", sa.BigInteger, nullable=False),
+    sa.Column("packed", sa.LargeBinary, nullable=False),
+)
+sa.Index(
+    "ix_kvl_audit_owner_blocks_owner", audit_owner_blocks.c.engine, audit_owner_blocks.c.owner_id, audit_owner_blocks.c.first_seq
+)
+
+audit_key_sources = sa.Table(
+    "kvl_audit_key_sources",
+    metadata,
+    # Where one content key came from in one batch of the index: the blocks it was computed in
+    # and those each store read it from, packed in log order (KeySource in
+    # coordinator/audit/index.py); `computed` and `stored` count them. Migration 0007.
+    sa.Column("key", sa.LargeBinary, nullable=False),
+    sa.Column("first_seq", sa.BigInteger, nullable=False),
+    sa.Column("computed", sa.Integer, nullable=False),
+    sa.Column("stored", sa.Integer, nullable=False),
+    sa.Column("packed", sa.LargeBinary, nullable=False),
+)
+sa.Index("ix_kvl_audit_key_sources_key", audit_key_sources.c.key, audit_key_sources.c.first_seq)
 
 audit_owners = sa.Table(
     "kvl_audit_owners",
@@ -136,8 +170,9 @@ sa.Index("ix_kvl_audit_jobs_job", audit_jobs.c.job_id, audit_jobs.c.seq)
 audit_keys = sa.Table(
     "kvl_audit_keys",
     metadata,
-    # A content key's provenance: computed (in a slot), stored (from a slot, by a job), published
-    # (with each rank's checksum), loaded (by a job into a slot), evicted, quarantined.
+    # A content key's life in tiers: published (with each rank's checksum), loaded (by a job into
+    # a slot), evicted, quarantined. Where it was computed and stored from is in
+    # kvl_audit_key_sources (up to migration 0007, rows of kinds computed and stored here).
     sa.Column("key", sa.LargeBinary, nullable=False),
     sa.Column("seq", sa.BigInteger, nullable=False),
     sa.Column("kind", sa.String(24), nullable=False),

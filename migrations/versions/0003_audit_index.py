@@ -9,6 +9,7 @@ Create Date: 2026-11-29
 
 from __future__ import annotations
 
+import sqlalchemy as sa
 from alembic import op
 
 from events.log import schema as t
@@ -18,8 +19,26 @@ down_revision = "0002"
 branch_labels = None
 depends_on = None
 
+# kvl_audit_slots as this revision created it (a row per touch), frozen here when 0007 packed it.
+_metadata = sa.MetaData()
+_slots = sa.Table(
+    "kvl_audit_slots",
+    _metadata,
+    sa.Column("engine", sa.Text, nullable=False),
+    sa.Column("pool", sa.Integer, nullable=False),
+    sa.Column("block", sa.Integer, nullable=False),
+    sa.Column("generation", sa.Integer, nullable=False),
+    sa.Column("seq", sa.BigInteger, nullable=False),
+    sa.Column("kind", sa.String(24), nullable=False),
+    sa.Column("owner_id", sa.BigInteger, nullable=True),
+    sa.Column("job_id", sa.BigInteger, nullable=True),
+    sa.Column("key", sa.LargeBinary, nullable=True),
+)
+sa.Index("ix_kvl_audit_slots_seq", _slots.c.engine, _slots.c.pool, _slots.c.block, _slots.c.seq)
+sa.Index("ix_kvl_audit_slots_owner", _slots.c.engine, _slots.c.owner_id, _slots.c.kind)
+
 _TABLES = (
-    t.audit_slots,
+    _slots,
     t.audit_owners,
     t.audit_jobs,
     t.audit_keys,

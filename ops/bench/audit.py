@@ -40,8 +40,10 @@ from coordinator.audit.queries import Audit  # noqa: E402
 from coordinator.audit.store import IndexProgress, sync_index  # noqa: E402
 from events import EventCodec, StepBegan  # noqa: E402
 from events.log import AppendBatch, PendingEvent, SqlEventLog, open_log  # noqa: E402
+from events.log.schema import metadata  # noqa: E402
 
 TARGET_MS = 50.0
+AUDIT_TABLES = sorted(name for name in metadata.tables if name.startswith("kvl_audit_"))
 CHUNK = 200_000
 
 
@@ -119,8 +121,8 @@ async def run(args: argparse.Namespace) -> None:
             return
         if not args.reuse_index:
             async with event_log.engine.begin() as conn:  # index from scratch
-                for table in ("slots", "owners", "jobs", "keys", "refusals", "engines", "namespaces", "decisions", "steps"):
-                    await conn.execute(sa.text(f"DELETE FROM kvl_audit_{table}"))
+                for table in AUDIT_TABLES:
+                    await conn.execute(sa.text(f"DELETE FROM {table}"))
                 await conn.execute(sa.text("DELETE FROM kvl_checkpoints WHERE name = 'audit'"))
         rows = 0
         with progress() as bar:

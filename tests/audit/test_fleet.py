@@ -32,6 +32,7 @@ from typer.testing import CliRunner
 import tests.kit.builders as b
 from coordinator.audit.api import Grant, Tokens, audit_app
 from coordinator.audit.fleet import fleet_url, run_fleet
+from coordinator.audit.index import entries
 from coordinator.audit.store import indexed_seq, sync_index
 from coordinator.cli.main import app
 from coordinator.core.commands import (
@@ -218,12 +219,14 @@ def with_state(topic_url: str, db: str) -> str:
 
 
 async def index_rows(event_log: SqlEventLog) -> dict[str, list[tuple[object, ...]]]:
-    """Every audit table's rows, sorted (the index's content, whatever order it was written in)."""
+    """Every audit table's entries, sorted (the index's content, whatever order and batches it
+    was written in: a packed row's entries one by one)."""
     rows = {}
     async with event_log.engine.connect() as conn:
         for table in AUDIT_TABLES:
             found = (await conn.execute(sa.text(f"SELECT * FROM {table}"))).all()
-            rows[table] = sorted((tuple(row) for row in found), key=repr)
+            name = table.removeprefix("kvl_audit_")
+            rows[table] = sorted((entry for row in found for entry in entries(name, row)), key=repr)
     return rows
 
 
