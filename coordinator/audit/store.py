@@ -8,6 +8,7 @@ touches the log's rows: a copied log file can be indexed and audited offline.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,7 @@ import msgspec
 import sqlalchemy as sa
 import structlog
 
-from coordinator.audit.index import AuditRows, Indexer, engine_of_stream
+from coordinator.audit.index import SLOT_WINDOW_BITS, AuditRows, Indexer, engine_of_stream
 from events import EventCodec, EventDecodeError
 from events.log import SqlEventLog, StoredStep
 from events.log import schema as t
@@ -24,6 +25,11 @@ from events.log.reading import decode, stored_steps
 log = structlog.get_logger("kvledger.audit")
 
 CHECKPOINT = "audit"
+BATCH = 1 << SLOT_WINDOW_BITS
+"""Events per transaction by default: one window of slot rows. The slots, owners and keys a batch
+touches get one row each however often it touches them (coordinator/audit/index.py), so larger
+batches write fewer rows; and a batch never crosses a window's end (but for the rest of the step
+holding it), so a slot's touches in a window are one row when the index is built in one go."""
 AUDIT_LOCK_KEY = 0x6B766C6175646974  # "kvlaudit": one indexer at a time on PostgreSQL
 
 _TABLES: dict[str, sa.Table] = {
@@ -58,7 +64,7 @@ async def sync_index(
     event_log: SqlEventLog,
     *,
     until_seq: int | None = None,
-    batch: int = 10_000,
+    batch: int = BATCH,
     on_progress: Callable[[IndexProgress], None] | None = None,
     codec: EventCodec | None = None,
 ) -> int:
@@ -71,15 +77,13 @@ async def sync_index(
     rows_total = 0
     while after < head:
         indexer = Indexer(await _namespaces(event_log))
-        steps = [step async for found in stored_steps(event_log, after, min(head, after + batch)) for step in found]
+        window_end = (((after + 1) >> SLOT_WINDOW_BITS) + 1 << SLOT_WINDOW_BITS) - 1
+        until = min(head, after + batch, window_end)
+        steps = [step async for found in stored_steps(event_log, after, until) for step in found]
         if not steps:
             break
-        last = after
-        rows = AuditRows()
-        for step in steps:
-            _index_step(indexer, codec, rows, step, last)
-            last = step.last_seq
-        tables = rows.tables()
+        last = steps[-1].last_seq
+        tables = _fold(indexer, codec, steps, after)
         async with event_log.projection_transaction(CHECKPOINT) as tx:
             if event_log.dialect == "postgresql":
                 await tx.connection.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": AUDIT_LOCK_KEY})
@@ -97,6 +101,26 @@ async def sync_index(
             on_progress(IndexProgress(after, head, rows_total))
     log.debug("audit_index_synced", indexed_seq=after, rows=rows_total)
     return after
+
+
+def _fold(indexer: Indexer, codec: EventCodec, steps: list[StoredStep], after: int) -> dict[str, list[tuple[Any, ...]]]:
+    """The rows of one batch: each table's, packed (AuditRows.tables).
+
+    The cyclic garbage collector is paused meanwhile, as in coordinator.ledger.recovery.replay:
+    the fold makes no cycles, and its collections rescanned the batch's growing rows (decoding
+    took 4x longer with it on; ops/bench/audit.py). Nothing awaits in here, so no other task runs
+    without it."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        rows = AuditRows()
+        for step in steps:
+            _index_step(indexer, codec, rows, step, after)
+            after = step.last_seq
+        return rows.tables()
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _index_step(indexer: Indexer, codec: EventCodec, rows: AuditRows, step: StoredStep, after: int) -> None:
