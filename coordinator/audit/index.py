@@ -84,13 +84,19 @@ SLOT_WINDOW_BITS = 16
 the rows holding the touches of a range of sequences start at or after the window of its start
 (coordinator/audit/timeline.py reads a pool's range that way)."""
 
-# Packed entries, their fields in the order a packed column holds them.
+# Packed entries, their fields in the order a packed column holds them; a kind is packed as its
+# index in SLOT_KINDS or KEY_SOURCE_KINDS (a byte, not its name: the slot rows are most of the
+# index's bytes) and unpacked as its name.
 SlotTouch = tuple[int, str, int, int | None, int | None, bytes | None]
 """seq, kind, generation, owner_id, job_id, key: one event's touch of one slot. Kinds: allocated,
-reused (a ref taken), released (a ref dropped), computed (with its key), stored_from and
-loaded_into (with the job and the key), copied (with the job), freed."""
+reused (a ref taken), released (a ref dropped), freed, computed (with its key), stored_from and
+loaded_into (with the job and the key), copied (with the job)."""
+SLOT_KINDS = ("allocated", "reused", "released", "freed", "computed", "stored_from", "loaded_into", "copied")
+ALLOCATED, REUSED, RELEASED, FREED, COMPUTED, STORED_FROM, LOADED_INTO, COPIED = range(len(SLOT_KINDS))
 OwnerBlock = tuple[int, str, int, int, int]
 """seq, kind (allocated or reused), pool, block, generation"""
+KEY_SOURCE_KINDS = ("computed", "stored")
+SOURCE_COMPUTED, SOURCE_STORED = range(len(KEY_SOURCE_KINDS))
 
 
 class KeySource(NamedTuple):
@@ -160,17 +166,23 @@ def _split(packed: bytes, width: int) -> Iterator[tuple[Any, ...]]:
 
 def unpack_touches(packed: bytes) -> list[SlotTouch]:
     """A kvl_audit_slots row's touches, in log order."""
-    return list(_split(packed, TOUCH_FIELDS))
+    return [
+        (seq, SLOT_KINDS[kind], generation, owner_id, job_id, key)
+        for seq, kind, generation, owner_id, job_id, key in _split(packed, TOUCH_FIELDS)
+    ]
 
 
 def unpack_owner_blocks(packed: bytes) -> list[OwnerBlock]:
     """A kvl_audit_owner_blocks row's entries, in log order."""
-    return list(_split(packed, OWNER_BLOCK_FIELDS))
+    return [
+        (seq, SLOT_KINDS[kind], pool, block, generation)
+        for seq, kind, pool, block, generation in _split(packed, OWNER_BLOCK_FIELDS)
+    ]
 
 
 def unpack_key_sources(packed: bytes) -> list[KeySource]:
     """A kvl_audit_key_sources row's entries, in log order."""
-    return [KeySource._make(values) for values in _split(packed, KEY_SOURCE_FIELDS)]
+    return [KeySource(seq, KEY_SOURCE_KINDS[kind], *rest) for seq, kind, *rest in _split(packed, KEY_SOURCE_FIELDS)]
 
 
 PACKED = {"slots": 3, "owner_blocks": 2, "key_sources": 1}
@@ -185,8 +197,15 @@ def entries(table: str, row: Sequence[Any]) -> list[tuple[Any, ...]]:
     subject = PACKED.get(table)
     if subject is None:
         return [tuple(row)]
-    width = {"slots": TOUCH_FIELDS, "owner_blocks": OWNER_BLOCK_FIELDS, "key_sources": KEY_SOURCE_FIELDS}[table]
-    return [(*row[:subject], *entry) for entry in _split(bytes(row[-1]), width)]
+    packed = bytes(row[-1])
+    unpacked: list[tuple[Any, ...]] = (
+        list(unpack_touches(packed))
+        if table == "slots"
+        else list(unpack_owner_blocks(packed))
+        if table == "owner_blocks"
+        else list(unpack_key_sources(packed))
+    )
+    return [(*row[:subject], *entry) for entry in unpacked]
 
 
 def _flat_lists() -> defaultdict[Any, list[Any]]:
@@ -218,7 +237,7 @@ class AuditRows(msgspec.Struct, kw_only=True):
         slots: list[SlotRow] = []
         for (engine, pool, block, _), touches in self.touches.items():
             seqs = touches[::TOUCH_FIELDS]
-            allocated = [seq for seq, kind in zip(seqs, touches[1::TOUCH_FIELDS], strict=True) if kind == "allocated"]
+            allocated = [seq for seq, kind in zip(seqs, touches[1::TOUCH_FIELDS], strict=True) if kind == ALLOCATED]
             first_allocated = allocated[0] if allocated else None
             slots.append((engine, pool, block, seqs[0], seqs[-1], first_allocated, len(allocated), _pack(touches)))
         owner_blocks: list[OwnerBlocksRow] = [
@@ -226,7 +245,7 @@ class AuditRows(msgspec.Struct, kw_only=True):
         ]
         key_sources: list[KeySourcesRow] = []
         for key, sources in self.key_sources.items():
-            computed = sources[1::KEY_SOURCE_FIELDS].count("computed")
+            computed = sources[1::KEY_SOURCE_FIELDS].count(SOURCE_COMPUTED)
             stored = len(sources) // KEY_SOURCE_FIELDS - computed
             key_sources.append((key, sources[0], computed, stored, _pack(sources)))
         return {
@@ -289,23 +308,23 @@ class Indexer:
 
     def _blocks_allocated(self, rows: AuditRows, event: BlocksAllocated, seq: int, engine: str) -> None:
         owner, blocks = event.owner_id, event.blocks
-        self._held(rows, engine, seq, "allocated", owner, blocks)
+        self._held(rows, engine, seq, ALLOCATED, owner, blocks)
 
     def _blocks_reused(self, rows: AuditRows, event: BlocksReused, seq: int, engine: str) -> None:
         owner, blocks = event.owner_id, event.blocks
-        self._held(rows, engine, seq, "reused", owner, blocks)
+        self._held(rows, engine, seq, REUSED, owner, blocks)
 
     def _blocks_released(self, rows: AuditRows, event: BlocksReleased, seq: int, engine: str) -> None:
         owner, blocks = event.owner_id, event.blocks
         touches, window = rows.touches, seq >> SLOT_WINDOW_BITS
         for b in blocks:
-            touches[(engine, b.pool_id, b.block_id, window)].extend((seq, "released", b.generation, owner, None, None))
+            touches[(engine, b.pool_id, b.block_id, window)].extend((seq, RELEASED, b.generation, owner, None, None))
 
     def _step_ended(self, rows: AuditRows, event: StepEnded, seq: int, engine: str) -> None:
         freed = event.freed_blocks
         touches, window = rows.touches, seq >> SLOT_WINDOW_BITS
         for b in freed:
-            touches[(engine, b.pool_id, b.block_id, window)].extend((seq, "freed", b.generation, None, None, None))
+            touches[(engine, b.pool_id, b.block_id, window)].extend((seq, FREED, b.generation, None, None, None))
 
     def _blocks_computed(self, rows: AuditRows, event: BlocksComputed, seq: int, engine: str) -> None:
         computed = event.blocks
@@ -313,8 +332,10 @@ class Indexer:
         touches, window, sources = rows.touches, seq >> SLOT_WINDOW_BITS, rows.key_sources
         for c in computed:
             b, key = c.block, c.key
-            touches[(engine, b.pool_id, b.block_id, window)].extend((seq, "computed", b.generation, None, None, key))
-            sources[key].extend((seq, "computed", engine, "", b.pool_id, namespace, None, b.block_id, b.generation, None, ""))
+            touches[(engine, b.pool_id, b.block_id, window)].extend((seq, COMPUTED, b.generation, None, None, key))
+            sources[key].extend(
+                (seq, SOURCE_COMPUTED, engine, "", b.pool_id, namespace, None, b.block_id, b.generation, None, "")
+            )
 
     def _store_job_started(self, rows: AuditRows, event: StoreJobStarted, seq: int, engine: str) -> None:
         job = event.job_id
@@ -336,9 +357,9 @@ class Indexer:
         touches, window, sources = rows.touches, seq >> SLOT_WINDOW_BITS, rows.key_sources
         for item in items:
             s = item.source
-            touches[(engine, s.pool_id, s.block_id, window)].extend((seq, "stored_from", s.generation, None, job, item.key))
+            touches[(engine, s.pool_id, s.block_id, window)].extend((seq, STORED_FROM, s.generation, None, job, item.key))
             sources[item.key].extend(
-                (seq, "stored", engine, tier, s.pool_id, namespace, job, s.block_id, s.generation, item.tier_slot, "")
+                (seq, SOURCE_STORED, engine, tier, s.pool_id, namespace, job, s.block_id, s.generation, item.tier_slot, "")
             )
 
     def _load_job_started(self, rows: AuditRows, event: LoadJobStarted, seq: int, engine: str) -> None:
@@ -351,7 +372,7 @@ class Indexer:
         touches, window = rows.touches, seq >> SLOT_WINDOW_BITS
         for load in items:
             d = load.dest
-            touches[(engine, d.pool_id, d.block_id, window)].extend((seq, "loaded_into", d.generation, None, job, load.key))
+            touches[(engine, d.pool_id, d.block_id, window)].extend((seq, LOADED_INTO, d.generation, None, job, load.key))
             rows.keys.append(
                 (
                     load.key,
@@ -391,7 +412,7 @@ class Indexer:
             rows.key_sources[ext.key].extend(
                 (
                     seq,
-                    "stored",
+                    SOURCE_STORED,
                     engine,
                     tier,
                     ext.pool_id,
@@ -441,7 +462,7 @@ class Indexer:
         )
         touches, window = rows.touches, seq >> SLOT_WINDOW_BITS
         for b in blocks:
-            touches[(engine, b.pool_id, b.block_id, window)].extend((seq, "copied", b.generation, None, job, None))
+            touches[(engine, b.pool_id, b.block_id, window)].extend((seq, COPIED, b.generation, None, job, None))
 
     def _rank_reported(self, rows: AuditRows, event: RankReported, seq: int, engine: str) -> None:
         job = event.job_id
@@ -629,7 +650,7 @@ class Indexer:
         )
 
     @staticmethod
-    def _held(rows: AuditRows, engine: str, seq: int, kind: str, owner: int, blocks: Sequence[BlockRef]) -> None:
+    def _held(rows: AuditRows, engine: str, seq: int, kind: int, owner: int, blocks: Sequence[BlockRef]) -> None:
         """An owner took `blocks` (allocated or reused): a touch of each slot, and the owner's entries."""
         touches, window = rows.touches, seq >> SLOT_WINDOW_BITS
         for b in blocks:
