@@ -1,5 +1,5 @@
-"""Reading the packed rows of the audit index: a slot's touches, an owner's blocks, where a key was
-computed and stored from (coordinator/audit/index.py describes the rows and their entries). The queries
+"""Reading the packed rows of the audit index: a slot's touches, an owner's blocks, a key's blocks
+(coordinator/audit/index.py describes the rows and their entries). The queries
 (queries.py, timeline.py) ask for entries; these functions find the rows that hold them.
 
 A slot's rows never overlap in sequences and are ordered by `first_seq`, so the touches of a
@@ -15,11 +15,12 @@ import msgspec
 import sqlalchemy as sa
 
 from coordinator.audit.index import (
+    KEY_BLOCK_KINDS,
     SLOT_WINDOW_BITS,
-    KeySource,
+    KeyBlock,
     OwnerBlock,
     SlotTouch,
-    unpack_key_sources,
+    unpack_key_blocks,
     unpack_owner_blocks,
     unpack_touches,
 )
@@ -124,39 +125,55 @@ def owner_blocks(conn: sa.Connection, engine: str, owner_ids: list[int]) -> dict
     return found
 
 
-def source_counts(conn: sa.Connection, key: bytes) -> dict[str, int]:
-    """How many times `key` was computed and stored (the kinds it has)."""
-    c = t.audit_key_sources.c
-    computed, stored = conn.execute(sa.select(sa.func.sum(c.computed), sa.func.sum(c.stored)).where(c.key == key)).one()
-    return {kind: int(count) for kind, count in (("computed", computed), ("stored", stored)) if count}
+def key_block_counts(conn: sa.Connection, key: bytes) -> dict[str, int]:
+    """How many times `key` was computed, stored and loaded (the kinds it has)."""
+    c = t.audit_key_blocks.c
+    sums = conn.execute(
+        sa.select(sa.func.sum(c.computed), sa.func.sum(c.stored), sa.func.sum(c.loaded)).where(c.key == key)
+    ).one()
+    return {kind: int(count) for kind, count in zip(KEY_BLOCK_KINDS, sums, strict=True) if count}
 
 
-def newest_sources(conn: sa.Connection, key: bytes, kind: str, limit: int) -> list[KeySource]:
-    """Where `key` was computed (kind computed) or stored from (stored), the newest `limit`
-    times, oldest first."""
-    c = t.audit_key_sources.c
-    count = c.computed if kind == "computed" else c.stored
-    found: list[KeySource] = []
-    for packed in conn.execute(
-        sa.select(c.packed).where(c.key == key, count > 0).order_by(c.first_seq.desc()).limit(limit)
-    ).scalars():
-        found += reversed([source for source in unpack_key_sources(packed) if source.kind == kind])
+def newest_key_blocks(conn: sa.Connection, key: bytes, kind: str, limit: int) -> list[KeyBlock]:
+    """The newest `limit` entries of one kind (computed, stored or loaded) of `key`, oldest first."""
+    c = t.audit_key_blocks.c
+    count = {"computed": c.computed, "stored": c.stored, "loaded": c.loaded}[kind]
+    found: list[KeyBlock] = []
+    for packed, namespace in conn.execute(
+        sa.select(c.packed, c.namespace_id).where(c.key == key, count > 0).order_by(c.first_seq.desc()).limit(limit)
+    ):
+        found += reversed([entry for entry in unpack_key_blocks(packed, _bytes(namespace)) if entry.kind == kind])
         if len(found) >= limit:
             break
     return found[:limit][::-1]
 
 
-def stores_by(conn: sa.Connection, key: bytes, job_ids: set[int]) -> list[KeySource]:
+def stores_by(conn: sa.Connection, key: bytes, job_ids: set[int]) -> list[KeyBlock]:
     """The stores of `key` by these jobs, in log order."""
-    c = t.audit_key_sources.c
+    c = t.audit_key_blocks.c
     if not job_ids:
         return []
     return [
-        source
-        for packed in conn.execute(sa.select(c.packed).where(c.key == key, c.stored > 0).order_by(c.first_seq)).scalars()
-        for source in unpack_key_sources(packed)
-        if source.kind == "stored" and source.job_id in job_ids
+        entry
+        for packed, namespace in conn.execute(
+            sa.select(c.packed, c.namespace_id).where(c.key == key, c.stored > 0).order_by(c.first_seq)
+        )
+        for entry in unpack_key_blocks(packed, _bytes(namespace))
+        if entry.kind == "stored" and entry.job_id in job_ids
     ]
+
+
+def last_load(conn: sa.Connection, namespace: bytes) -> int | None:
+    """The sequence of the last load of a key of `namespace` (ix_kvl_audit_key_blocks_loaded)."""
+    c = t.audit_key_blocks.c
+    found = conn.execute(
+        sa.select(sa.func.max(c.last_loaded)).where(c.namespace_id == namespace, c.last_loaded.is_not(None))
+    ).scalar()
+    return None if found is None else int(found)
+
+
+def _bytes(value: bytes | memoryview | None) -> bytes | None:
+    return None if value is None else bytes(value)
 
 
 # --- a pool over a range (kvledger audit timeline) ---------------------------------------------

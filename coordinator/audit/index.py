@@ -7,21 +7,22 @@ never a replay. Rows are only ever inserted: a lifetime's end is an entry of its
 cheap. The tables are declared in events/log/schema.py (kvl_audit_*); coordinator/audit/store.py
 writes these rows and coordinator/audit/queries.py answers from them.
 
-Most events become one row each (a job's report, a publication, a refusal). The events that name
-many slots or keys at once (allocations, frees, computed blocks, stores, loads) are *packed*: building
-the index is bound by row inserts, and a row per touched slot made about four rows per event
-(ops/bench/audit.py). Their entries are grouped per *batch*, what one `sync_index` transaction
-writes:
+Most events become one row each (a job's report, a publication, an eviction, a refusal). The
+events that name many slots or keys at once (allocations, frees, computed blocks, stores, loads)
+are *packed*: building the index is bound by row inserts, and a row per touched slot made about
+four rows per event (ops/bench/audit.py). Their entries are grouped per *batch*, what one
+`sync_index` transaction writes:
 
 - kvl_audit_slots: one row per slot per batch (and per window of 2**16 sequences), the slot's
   touches (`SlotTouch`) in log order;
 - kvl_audit_owner_blocks: one row per owner per batch, the slots it was allocated or reused
   (`OwnerBlock`);
-- kvl_audit_key_sources: one row per content key per batch, the blocks its content came from:
-  where it was computed, and what each store read it from (`KeySource`).
+- kvl_audit_key_blocks: one row per content key (and namespace) per batch, the device blocks of
+  the key: where it was computed, which block each store read it from and each load wrote it
+  into (`KeyBlock`).
 
 A packed column is one flat msgpack array: the entries' fields one after another, in the order
-their type names (a touch is 6 values, an owner's block 5, a key's source 11). Flat rather than an
+their type names (a touch is 6 values, an owner's block 5, a key's block 11). Flat rather than an
 array per entry: the build makes no object per entry, and half of its time was making and freeing
 them. Where the batches fall decides which row holds an entry, never what the entries say: a
 query reads entries (`unpack_*`), and rows only to find them. The rows of one slot (owner, key)
@@ -85,7 +86,7 @@ the rows holding the touches of a range of sequences start at or after the windo
 (coordinator/audit/timeline.py reads a pool's range that way)."""
 
 # Packed entries, their fields in the order a packed column holds them; a kind is packed as its
-# index in SLOT_KINDS or KEY_SOURCE_KINDS (a byte, not its name: the slot rows are most of the
+# index in SLOT_KINDS or KEY_BLOCK_KINDS (a byte, not its name: the slot rows are most of the
 # index's bytes) and unpacked as its name.
 SlotTouch = tuple[int, str, int, int | None, int | None, bytes | None]
 """seq, kind, generation, owner_id, job_id, key: one event's touch of one slot. Kinds: allocated,
@@ -95,28 +96,31 @@ SLOT_KINDS = ("allocated", "reused", "released", "freed", "computed", "stored_fr
 ALLOCATED, REUSED, RELEASED, FREED, COMPUTED, STORED_FROM, LOADED_INTO, COPIED = range(len(SLOT_KINDS))
 OwnerBlock = tuple[int, str, int, int, int]
 """seq, kind (allocated or reused), pool, block, generation"""
-KEY_SOURCE_KINDS = ("computed", "stored")
-SOURCE_COMPUTED, SOURCE_STORED = range(len(KEY_SOURCE_KINDS))
+KEY_BLOCK_KINDS = ("computed", "stored", "loaded")
+KEY_COMPUTED, KEY_STORED, KEY_LOADED = range(len(KEY_BLOCK_KINDS))
 
 
-class KeySource(NamedTuple):
-    """Where a content key came from: the block it was `computed` in, or the one a job `stored`
-    it from (for an engine that owns its blocks, vLLM's offloading, no block: `detail` names the
-    engine's key)."""
+class KeyBlock(NamedTuple):
+    """A device block of a content key: the one it was `computed` in, the one a job `stored` it
+    from, or the one a job `loaded` it into. For an engine that owns its blocks (vLLM's
+    offloading) there is no block: `detail` names the engine's own key. Packed without
+    `namespace_id`, which its row holds."""
 
     seq: int
     kind: str
     engine: str
     tier: str
-    """The store's tier ("" for computed)."""
+    """The job's tier ("" for computed)."""
     pool: int
-    namespace_id: bytes | None
-    """The engine's namespace then."""
     job_id: int | None
     block: int | None
     generation: int | None
     tier_slot: int | None
+    checksums: str
+    """A load's published checksum of each rank, comma-separated ("" otherwise)."""
     detail: str
+    namespace_id: bytes | None
+    """The engine's namespace then."""
 
 
 # Row tuples, in the column order of their tables (events/log/schema.py).
@@ -125,16 +129,17 @@ SlotRow = tuple[str, int, int, int, int, int | None, int, bytes]
 `allocated` touch, None without one), allocations (how many), packed touches"""
 OwnerBlocksRow = tuple[str, int, int, bytes]
 """engine, owner_id, first_seq, packed OwnerBlock entries"""
-KeySourcesRow = tuple[bytes, int, int, int, bytes]
-"""key, first_seq, computed and stored (how many of each), packed KeySource entries"""
+KeyBlocksRow = tuple[bytes, bytes | None, int, int, int, int, int | None, bytes]
+"""key, namespace_id, first_seq, computed, stored and loaded (how many of each), last_loaded (the
+sequence of its last load, None without one), packed KeyBlock entries"""
 OwnerRow = tuple[str, int, str, int, str, str]
 """engine, owner_id, req_id, seq, kind, detail"""
 JobRow = tuple[int, str, int, str, int | None, str]
 """job_id, engine, seq, kind, rank, detail"""
 KeyRow = tuple[bytes, int, str, str, str, int, bytes | None, int | None, int | None, int | None, int | None, int | None, str, str]
 """key, seq, kind, engine, tier, pool, namespace_id, job_id, block, generation, tier_slot, size_bytes, checksums, detail
-(kinds published, loaded, evicted, quarantined: where it was computed and stored from is in
-kvl_audit_key_sources)"""
+(kinds published, evicted and quarantined, one event each: computed, stored and loaded are in
+kvl_audit_key_blocks)"""
 RefusalRow = tuple[int, str, str, str, str, str]
 """seq, engine, kind, subject, reason, detail"""
 EngineRow = tuple[str, int, bytes | None, int, str, str]
@@ -155,7 +160,7 @@ _pack = msgspec.msgpack.Encoder().encode
 _unpack = msgspec.msgpack.Decoder(list[Any]).decode
 TOUCH_FIELDS = 6
 OWNER_BLOCK_FIELDS = 5
-KEY_SOURCE_FIELDS = len(KeySource._fields)
+KEY_BLOCK_FIELDS = len(KeyBlock._fields) - 1  # its row holds the namespace
 
 
 def _split(packed: bytes, width: int) -> Iterator[tuple[Any, ...]]:
@@ -180,12 +185,14 @@ def unpack_owner_blocks(packed: bytes) -> list[OwnerBlock]:
     ]
 
 
-def unpack_key_sources(packed: bytes) -> list[KeySource]:
-    """A kvl_audit_key_sources row's entries, in log order."""
-    return [KeySource(seq, KEY_SOURCE_KINDS[kind], *rest) for seq, kind, *rest in _split(packed, KEY_SOURCE_FIELDS)]
+def unpack_key_blocks(packed: bytes, namespace_id: bytes | None) -> list[KeyBlock]:
+    """A kvl_audit_key_blocks row's entries, in log order, with the row's namespace."""
+    return [
+        KeyBlock._make((seq, KEY_BLOCK_KINDS[kind], *rest, namespace_id)) for seq, kind, *rest in _split(packed, KEY_BLOCK_FIELDS)
+    ]
 
 
-PACKED = {"slots": 3, "owner_blocks": 2, "key_sources": 1}
+PACKED = {"slots": 3, "owner_blocks": 2, "key_blocks": 1}
 """The packed tables (names without `kvl_audit_`), and how many leading columns name the row's
 slot, owner or key."""
 
@@ -203,7 +210,7 @@ def entries(table: str, row: Sequence[Any]) -> list[tuple[Any, ...]]:
         if table == "slots"
         else list(unpack_owner_blocks(packed))
         if table == "owner_blocks"
-        else list(unpack_key_sources(packed))
+        else list(unpack_key_blocks(packed, None if row[1] is None else bytes(row[1])))
     )
     return [(*row[:subject], *entry) for entry in unpacked]
 
@@ -220,8 +227,8 @@ class AuditRows(msgspec.Struct, kw_only=True):
     """(engine, pool, block, window) -> the slot's touches in the batch, in log order."""
     owner_blocks: defaultdict[tuple[str, int], list[Any]] = msgspec.field(default_factory=_flat_lists)
     """(engine, owner_id) -> the slots it was allocated or reused in the batch."""
-    key_sources: defaultdict[bytes, list[Any]] = msgspec.field(default_factory=_flat_lists)
-    """key -> where it was computed and stored from in the batch."""
+    key_blocks: defaultdict[tuple[bytes, bytes | None], list[Any]] = msgspec.field(default_factory=_flat_lists)
+    """(key, namespace_id) -> where it was computed, stored from and loaded into in the batch."""
     owners: list[OwnerRow] = msgspec.field(default_factory=list)
     jobs: list[JobRow] = msgspec.field(default_factory=list)
     keys: list[KeyRow] = msgspec.field(default_factory=list)
@@ -243,15 +250,16 @@ class AuditRows(msgspec.Struct, kw_only=True):
         owner_blocks: list[OwnerBlocksRow] = [
             (engine, owner, blocks[0], _pack(blocks)) for (engine, owner), blocks in self.owner_blocks.items()
         ]
-        key_sources: list[KeySourcesRow] = []
-        for key, sources in self.key_sources.items():
-            computed = sources[1::KEY_SOURCE_FIELDS].count(SOURCE_COMPUTED)
-            stored = len(sources) // KEY_SOURCE_FIELDS - computed
-            key_sources.append((key, sources[0], computed, stored, _pack(sources)))
+        key_blocks: list[KeyBlocksRow] = []
+        for (key, namespace), blocks in self.key_blocks.items():
+            kinds = blocks[1::KEY_BLOCK_FIELDS]
+            loaded = [seq for seq, kind in zip(blocks[::KEY_BLOCK_FIELDS], kinds, strict=True) if kind == KEY_LOADED]
+            counts = (kinds.count(KEY_COMPUTED), kinds.count(KEY_STORED), len(loaded))
+            key_blocks.append((key, namespace, blocks[0], *counts, loaded[-1] if loaded else None, _pack(blocks)))
         return {
             "slots": slots,
             "owner_blocks": owner_blocks,
-            "key_sources": key_sources,
+            "key_blocks": key_blocks,
             "owners": self.owners,
             "jobs": self.jobs,
             "keys": self.keys,
@@ -329,12 +337,12 @@ class Indexer:
     def _blocks_computed(self, rows: AuditRows, event: BlocksComputed, seq: int, engine: str) -> None:
         computed = event.blocks
         namespace = self.namespaces.get(engine)
-        touches, window, sources = rows.touches, seq >> SLOT_WINDOW_BITS, rows.key_sources
+        touches, window, key_blocks = rows.touches, seq >> SLOT_WINDOW_BITS, rows.key_blocks
         for c in computed:
             b, key = c.block, c.key
             touches[(engine, b.pool_id, b.block_id, window)].extend((seq, COMPUTED, b.generation, None, None, key))
-            sources[key].extend(
-                (seq, SOURCE_COMPUTED, engine, "", b.pool_id, namespace, None, b.block_id, b.generation, None, "")
+            key_blocks[(key, namespace)].extend(
+                (seq, KEY_COMPUTED, engine, "", b.pool_id, None, b.block_id, b.generation, None, "", "")
             )
 
     def _store_job_started(self, rows: AuditRows, event: StoreJobStarted, seq: int, engine: str) -> None:
@@ -354,12 +362,12 @@ class Indexer:
                 f"tier {tier}: {len(items)} keys, {len(skipped)} already published{'' if pinned else ', NOT pinned'}",
             )
         )
-        touches, window, sources = rows.touches, seq >> SLOT_WINDOW_BITS, rows.key_sources
+        touches, window, key_blocks = rows.touches, seq >> SLOT_WINDOW_BITS, rows.key_blocks
         for item in items:
             s = item.source
             touches[(engine, s.pool_id, s.block_id, window)].extend((seq, STORED_FROM, s.generation, None, job, item.key))
-            sources[item.key].extend(
-                (seq, SOURCE_STORED, engine, tier, s.pool_id, namespace, job, s.block_id, s.generation, item.tier_slot, "")
+            key_blocks[(item.key, namespace)].extend(
+                (seq, KEY_STORED, engine, tier, s.pool_id, job, s.block_id, s.generation, item.tier_slot, "", "")
             )
 
     def _load_job_started(self, rows: AuditRows, event: LoadJobStarted, seq: int, engine: str) -> None:
@@ -369,24 +377,21 @@ class Indexer:
         expiry = event.lease_expires_at
         namespace = self.namespaces.get(engine)
         rows.jobs.append((job, engine, seq, "load", None, f"tier {tier}: {len(items)} items, lease to t={expiry:g}"))
-        touches, window = rows.touches, seq >> SLOT_WINDOW_BITS
+        touches, window, key_blocks = rows.touches, seq >> SLOT_WINDOW_BITS, rows.key_blocks
         for load in items:
             d = load.dest
             touches[(engine, d.pool_id, d.block_id, window)].extend((seq, LOADED_INTO, d.generation, None, job, load.key))
-            rows.keys.append(
+            key_blocks[(load.key, namespace)].extend(
                 (
-                    load.key,
                     seq,
-                    "loaded",
+                    KEY_LOADED,
                     engine,
                     tier,
                     d.pool_id,
-                    namespace,
                     job,
                     d.block_id,
                     d.generation,
                     load.tier_slot,
-                    None,
                     checksums_text(load.checksums),
                     "",
                 )
@@ -409,18 +414,18 @@ class Indexer:
             )
         )
         for ext in ext_items:
-            rows.key_sources[ext.key].extend(
+            rows.key_blocks[(ext.key, namespace)].extend(
                 (
                     seq,
-                    SOURCE_STORED,
+                    KEY_STORED,
                     engine,
                     tier,
                     ext.pool_id,
-                    namespace,
                     job,
                     None,
                     None,
                     ext.tier_slot,
+                    "",
                     f"engine key {ext.engine_key.hex()}",
                 )
             )
@@ -433,20 +438,17 @@ class Indexer:
         namespace = self.namespaces.get(engine)
         rows.jobs.append((job, engine, seq, "load", None, f"tier {tier}: {len(ext_items)} external keys, lease to t={expiry:g}"))
         for ext in ext_items:
-            rows.keys.append(
+            rows.key_blocks[(ext.key, namespace)].extend(
                 (
-                    ext.key,
                     seq,
-                    "loaded",
+                    KEY_LOADED,
                     engine,
                     tier,
                     ext.pool_id,
-                    namespace,
                     job,
                     None,
                     None,
                     ext.tier_slot,
-                    None,
                     checksums_text(ext.checksums),
                     f"engine key {ext.engine_key.hex()}",
                 )

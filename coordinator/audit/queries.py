@@ -41,6 +41,7 @@ from coordinator.audit.answers import (
     RequestAnswer,
     SlotEvent,
 )
+from coordinator.audit.index import KeyBlock
 from coordinator.audit.store import indexed_seq
 from events.log import SqlEventLog
 from events.log import schema as t
@@ -456,7 +457,7 @@ class Audit:
             str(kind): int(count)
             for kind, count in conn.execute(sa.select(k.kind, sa.func.count()).where(k.key == key).group_by(k.kind))
         }
-        counts = dict(sorted({**counts, **packed.source_counts(conn, key)}.items()))
+        counts = dict(sorted({**counts, **packed.key_block_counts(conn, key)}.items()))
         if not counts:
             raise NotFound(f"key {key_hex} is not in the log")
 
@@ -467,8 +468,9 @@ class Audit:
                 ).all()
             )[::-1]
 
-        computed = packed.newest_sources(conn, key, "computed", LIST_LIMIT) if "computed" in counts else []
-        published, loads = newest("published"), newest("loaded")
+        computed = packed.newest_key_blocks(conn, key, "computed", LIST_LIMIT) if "computed" in counts else []
+        loads = packed.newest_key_blocks(conn, key, "loaded", LIST_LIMIT) if "loaded" in counts else []
+        published = newest("published")
         rows = [*computed, *published, *newest("evicted"), *newest("quarantined")]
         stored = packed.stores_by(conn, key, {r.job_id for r in published if r.job_id is not None})
         rows += stored
@@ -484,6 +486,17 @@ class Audit:
         ):
             outcomes.setdefault(row.job_id, []).append(row)
         stored_from = {r.job_id: _where(r) for r in stored}
+
+        def load(r: KeyBlock) -> KeyLoad:
+            assert r.job_id is not None  # every load is a job's
+            return KeyLoad(
+                r.seq,
+                r.engine,
+                r.job_id,
+                _where(r, engine=False),
+                job_touch(r.job_id, outcomes.get(r.job_id, []), r.seq, r.seq).outcome,
+            )
+
         return KeyAnswer(
             key=key_hex,
             namespace_id=namespace.hex(),
@@ -502,16 +515,7 @@ class Audit:
                 )
                 for r in published
             ],
-            loads=[
-                KeyLoad(
-                    r.seq,
-                    r.engine,
-                    r.job_id,
-                    _where(r, engine=False),
-                    job_touch(r.job_id, outcomes.get(r.job_id, []), r.seq, r.seq).outcome,
-                )
-                for r in loads
-            ],
+            loads=[load(r) for r in loads],
             evictions=[r.seq for r in rows if r.kind == "evicted"],
             quarantines=[f"seq {r.seq}: {r.detail}" for r in rows if r.kind == "quarantined"],
             counts=counts,
@@ -659,7 +663,9 @@ class Audit:
         entries = []
         for space in (conn.execute(query)).all():
             live = (conn.execute(_LIVE_KEYS, {"namespace": space.namespace_id})).first()
-            first, last = (conn.execute(_USE, {"namespace": space.namespace_id})).first() or (None, None)
+            first, published_last = (conn.execute(_PUBLISHED, {"namespace": space.namespace_id})).first() or (None, None)
+            used = [seq for seq in (published_last, packed.last_load(conn, bytes(space.namespace_id))) if seq is not None]
+            last = max(used) if used else None  # a publication or a load
             first_at = None if first is None else self._time_of(conn, int(first))
             last_at = None if last is None else self._time_of(conn, int(last))
             entries.append(
@@ -743,10 +749,7 @@ _LIVE_KEYS = sa.text(
     " WHERE NOT EXISTS (SELECT 1 FROM kvl_audit_keys AS e WHERE e.key = p.key AND e.kind IN ('evicted', 'quarantined')"
     " AND e.tier = p.tier AND e.pool = p.pool AND e.seq > p.seq)"
 )
-_USE = sa.text(
-    "SELECT min(CASE WHEN kind = 'published' THEN seq END), max(seq) FROM kvl_audit_keys"
-    " WHERE namespace_id = :namespace AND kind IN ('published', 'loaded')"
-)
+_PUBLISHED = sa.text("SELECT min(seq), max(seq) FROM kvl_audit_keys WHERE namespace_id = :namespace AND kind = 'published'")
 
 
 def _residencies(timeline: Sequence[ObservedEvent]) -> list[ObservedResidency]:

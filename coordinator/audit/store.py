@@ -35,7 +35,7 @@ AUDIT_LOCK_KEY = 0x6B766C6175646974  # "kvlaudit": one indexer at a time on Post
 _TABLES: dict[str, sa.Table] = {
     "slots": t.audit_slots,
     "owner_blocks": t.audit_owner_blocks,
-    "key_sources": t.audit_key_sources,
+    "key_blocks": t.audit_key_blocks,
     "owners": t.audit_owners,
     "jobs": t.audit_jobs,
     "keys": t.audit_keys,

@@ -125,19 +125,30 @@ sa.Index(
     "ix_kvl_audit_owner_blocks_owner", audit_owner_blocks.c.engine, audit_owner_blocks.c.owner_id, audit_owner_blocks.c.first_seq
 )
 
-audit_key_sources = sa.Table(
-    "kvl_audit_key_sources",
+audit_key_blocks = sa.Table(
+    "kvl_audit_key_blocks",
     metadata,
-    # Where one content key came from in one batch of the index: the blocks it was computed in
-    # and those each store read it from, packed in log order (KeySource in
-    # coordinator/audit/index.py); `computed` and `stored` count them. Migration 0007.
+    # The device blocks of one content key under one namespace in one batch of the index: where
+    # it was computed, which block each store read it from and each load wrote it into, packed
+    # in log order (KeyBlock in coordinator/audit/index.py). Migration 0007.
     sa.Column("key", sa.LargeBinary, nullable=False),
+    sa.Column("namespace_id", sa.LargeBinary, nullable=True),
     sa.Column("first_seq", sa.BigInteger, nullable=False),
     sa.Column("computed", sa.Integer, nullable=False),
     sa.Column("stored", sa.Integer, nullable=False),
+    sa.Column("loaded", sa.Integer, nullable=False),
+    sa.Column("last_loaded", sa.BigInteger, nullable=True),
     sa.Column("packed", sa.LargeBinary, nullable=False),
 )
-sa.Index("ix_kvl_audit_key_sources_key", audit_key_sources.c.key, audit_key_sources.c.first_seq)
+sa.Index("ix_kvl_audit_key_blocks_key", audit_key_blocks.c.key, audit_key_blocks.c.first_seq)
+# A namespace's last load (`kvledger namespace list`'s last use), among the rows with loads only.
+sa.Index(
+    "ix_kvl_audit_key_blocks_loaded",
+    audit_key_blocks.c.namespace_id,
+    audit_key_blocks.c.last_loaded,
+    sqlite_where=audit_key_blocks.c.last_loaded.is_not(None),
+    postgresql_where=audit_key_blocks.c.last_loaded.is_not(None),
+)
 
 audit_owners = sa.Table(
     "kvl_audit_owners",
@@ -170,9 +181,9 @@ sa.Index("ix_kvl_audit_jobs_job", audit_jobs.c.job_id, audit_jobs.c.seq)
 audit_keys = sa.Table(
     "kvl_audit_keys",
     metadata,
-    # A content key's life in tiers: published (with each rank's checksum), loaded (by a job into
-    # a slot), evicted, quarantined. Where it was computed and stored from is in
-    # kvl_audit_key_sources (up to migration 0007, rows of kinds computed and stored here).
+    # A content key's life in tiers, one event each: published (with each rank's checksum),
+    # evicted, quarantined. Where it was computed, stored from and loaded into is in
+    # kvl_audit_key_blocks (up to migration 0007, rows of kinds computed, stored and loaded here).
     sa.Column("key", sa.LargeBinary, nullable=False),
     sa.Column("seq", sa.BigInteger, nullable=False),
     sa.Column("kind", sa.String(24), nullable=False),

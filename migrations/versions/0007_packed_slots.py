@@ -1,8 +1,9 @@
 """The audit index packs what events name many of (issue 22): kvl_audit_slots holds one row per
 slot per batch of the index with its touches packed, instead of one row per touch; the new
-kvl_audit_owner_blocks holds the slots each owner took, and kvl_audit_key_sources where each
-content key was computed and stored from (before, rows of kinds `computed` and `stored` in
-kvl_audit_keys). coordinator/audit/index.py describes the packed entries. Building the index made about four rows per event and was bound by
+kvl_audit_owner_blocks holds the slots each owner took, and kvl_audit_key_blocks where each
+content key was computed, stored from and loaded into (before, rows of kinds `computed`, `stored`
+and `loaded` in kvl_audit_keys, which keeps its rows of one event each). coordinator/audit/index.py
+describes the packed entries. Building the index made about four rows per event and was bound by
 their inserts (ops/bench/audit.py).
 
 The index is a cache of the log: the upgrade empties it and its checkpoint, and the next catch-up
@@ -50,16 +51,26 @@ _owner_blocks = sa.Table(
     sa.Column("packed", sa.LargeBinary, nullable=False),
 )
 sa.Index("ix_kvl_audit_owner_blocks_owner", _owner_blocks.c.engine, _owner_blocks.c.owner_id, _owner_blocks.c.first_seq)
-_key_sources = sa.Table(
-    "kvl_audit_key_sources",
+_key_blocks = sa.Table(
+    "kvl_audit_key_blocks",
     _metadata,
     sa.Column("key", sa.LargeBinary, nullable=False),
+    sa.Column("namespace_id", sa.LargeBinary, nullable=True),
     sa.Column("first_seq", sa.BigInteger, nullable=False),
     sa.Column("computed", sa.Integer, nullable=False),
     sa.Column("stored", sa.Integer, nullable=False),
+    sa.Column("loaded", sa.Integer, nullable=False),
+    sa.Column("last_loaded", sa.BigInteger, nullable=True),
     sa.Column("packed", sa.LargeBinary, nullable=False),
 )
-sa.Index("ix_kvl_audit_key_sources_key", _key_sources.c.key, _key_sources.c.first_seq)
+sa.Index("ix_kvl_audit_key_blocks_key", _key_blocks.c.key, _key_blocks.c.first_seq)
+sa.Index(
+    "ix_kvl_audit_key_blocks_loaded",
+    _key_blocks.c.namespace_id,
+    _key_blocks.c.last_loaded,
+    sqlite_where=_key_blocks.c.last_loaded.is_not(None),
+    postgresql_where=_key_blocks.c.last_loaded.is_not(None),
+)
 
 # kvl_audit_slots as revision 0003 created it: a row per touch.
 _metadata_0003 = sa.MetaData()
@@ -102,14 +113,14 @@ def _empty_the_index() -> None:
 def upgrade() -> None:
     bind = op.get_bind()
     _slots_0003.drop(bind)
-    for table in (_slots, _owner_blocks, _key_sources):
+    for table in (_slots, _owner_blocks, _key_blocks):
         table.create(bind)
     _empty_the_index()
 
 
 def downgrade() -> None:
     bind = op.get_bind()
-    for table in (_key_sources, _owner_blocks, _slots):
+    for table in (_key_blocks, _owner_blocks, _slots):
         table.drop(bind)
     _slots_0003.create(bind)
     _empty_the_index()

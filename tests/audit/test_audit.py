@@ -23,9 +23,9 @@ from coordinator.cli.main import app
 from coordinator.core.state import State, state_digest
 from coordinator.ledger.recovery import replay
 from coordinator.simulator.report import mixed_workload
-from events import EventCodec, OwnerStarted
+from events import EngineDeclared, EventCodec, ExternalLoadStarted, KeyPublished, LoadJobStarted, OwnerStarted
 from events.log import SqlEventLog, open_log
-from events.log.reading import decode
+from events.log.reading import decode, decode_step, stored_steps
 
 pytestmark = pytest.mark.anyio
 
@@ -149,6 +149,36 @@ async def test_key_provenance_matches_the_tier_and_the_store_job(golden: Path, t
         await event_log.close()
 
 
+async def test_namespace_inventory_dates_are_the_first_publication_and_the_last_use(golden: Path, tmp_path: Path) -> None:
+    """A namespace's last use is its last publication or load (a load is its engine's namespace's)."""
+    event_log = await open_log(str(copy_of(golden, tmp_path)))
+    try:
+        await sync_index(event_log)
+        codec = EventCodec()
+        declared: dict[str, bytes] = {}
+        published: dict[bytes, list[float]] = {}
+        loaded: dict[bytes, list[float]] = {}
+        async for steps in stored_steps(event_log):
+            for step in steps:
+                for event in decode_step(codec, step):
+                    if isinstance(event, EngineDeclared):
+                        declared[event.engine_id] = event.namespace_id
+                    elif isinstance(event, KeyPublished):
+                        published.setdefault(event.namespace_id, []).append(step.recorded_at)
+                    elif isinstance(event, (LoadJobStarted, ExternalLoadStarted)):
+                        loaded.setdefault(declared[event.engine_id], []).append(step.recorded_at)
+        assert published and loaded
+        inventory = await Audit(event_log).namespaces(now=0.0)
+        assert {bytes.fromhex(entry.namespace_id) for entry in inventory} >= set(published)
+        for entry in inventory:
+            namespace = bytes.fromhex(entry.namespace_id)
+            uses = published.get(namespace, []) + loaded.get(namespace, [])
+            assert entry.first_published_at == (min(published[namespace]) if namespace in published else None)
+            assert entry.last_used_at == (max(uses) if uses else None)
+    finally:
+        await event_log.close()
+
+
 async def test_request_lists_every_owner_lifetime_of_a_req_id(golden: Path, tmp_path: Path) -> None:
     event_log = await open_log(str(copy_of(golden, tmp_path)))
     try:
@@ -202,7 +232,7 @@ async def test_indexing_is_exactly_once_in_pieces_and_concurrently(golden: Path,
         async with log.engine.connect() as conn:
             return {
                 name: sum(len(entries(name, row)) for row in await conn.execute(sa.text(f"SELECT * FROM kvl_audit_{name}")))
-                for name in ("slots", "owner_blocks", "key_sources", "owners", "jobs", "keys", "refusals", "engines", "steps")
+                for name in ("slots", "owner_blocks", "key_blocks", "owners", "jobs", "keys", "refusals", "engines", "steps")
             }
 
     (tmp_path / "a").mkdir()
@@ -359,9 +389,7 @@ async def test_long_lists_are_capped_newest_first_with_their_totals(
         async with event_log.engine.connect() as conn:
             hot = (
                 await conn.execute(
-                    sa.text(
-                        "SELECT key, count(*) AS n FROM kvl_audit_keys WHERE kind = 'loaded' GROUP BY key ORDER BY n DESC LIMIT 1"
-                    )
+                    sa.text("SELECT key, sum(loaded) AS n FROM kvl_audit_key_blocks GROUP BY key ORDER BY n DESC LIMIT 1")
                 )
             ).first()
         assert hot is not None and hot.n >= 3
