@@ -149,18 +149,21 @@ def newest_key_blocks(conn: sa.Connection, key: bytes, kind: str, limit: int) ->
 
 
 def stores_by(conn: sa.Connection, key: bytes, job_ids: set[int]) -> list[KeyBlock]:
-    """The stores of `key` by these jobs, in log order."""
+    """The stores of `key` by these jobs, in log order. Read from the newest row back, until every
+    job is found: a hot key is stored again and again, and its publications' jobs are the newest
+    (a job's entries are in one row: one event's)."""
     c = t.audit_key_blocks.c
-    if not job_ids:
-        return []
-    return [
-        entry
-        for packed, namespace in conn.execute(
-            sa.select(c.packed, c.namespace_id).where(c.key == key, c.stored > 0).order_by(c.first_seq)
-        )
-        for entry in unpack_key_blocks(packed, _bytes(namespace))
-        if entry.kind == "stored" and entry.job_id in job_ids
-    ]
+    wanted = set(job_ids)
+    found: list[KeyBlock] = []
+    for packed, namespace in conn.execute(
+        sa.select(c.packed, c.namespace_id).where(c.key == key, c.stored > 0).order_by(c.first_seq.desc())
+    ):
+        if not wanted:
+            break
+        stores = [e for e in unpack_key_blocks(packed, _bytes(namespace)) if e.kind == "stored" and e.job_id in wanted]
+        found += reversed(stores)
+        wanted -= {e.job_id for e in stores}
+    return found[::-1]
 
 
 def last_load(conn: sa.Connection, namespace: bytes) -> int | None:
