@@ -7,7 +7,7 @@ BrokerUnavailable saying why, and the tests that need it are skipped with that r
 with KVLEDGER_REQUIRE_KAFKA=1).
 
 Tansu keeps data in memory only and refuses idempotent producers and transactions; the Kafka log
-needs neither (events/log/_kafka.py).
+needs neither (events/log/_kafka_writer.py).
 """
 
 from __future__ import annotations

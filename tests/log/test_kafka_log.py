@@ -451,10 +451,10 @@ async def test_appends_in_flight_travel_together_and_take_their_verdicts_in_orde
 
     async def retry_and_clash() -> None:
         with anyio.fail_after(10):  # without pipelining there is never more than one
-            while len(kafka_log._pending()) < 2:  # noqa: SLF001 - the writer's records in flight
+            while len(kafka_log._kafka_writer._pending()) < 2:  # noqa: SLF001 - the writer's records in flight
                 await anyio.sleep(0)
-        in_flight.append(len(kafka_log._pending()))  # noqa: SLF001
-        flying = kafka_log._pending()[-1]  # noqa: SLF001
+        in_flight.append(len(kafka_log._kafka_writer._pending()))  # noqa: SLF001
+        flying = kafka_log._kafka_writer._pending()[-1]  # noqa: SLF001
         [command] = sorted(flying.commands)
         with pytest.raises(AppendRejected, match="already in the log"):
             await kafka_log.append([step("engine/b", 0, [flying.read[0][1][0]])])
