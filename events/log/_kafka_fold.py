@@ -110,8 +110,8 @@ class AppendRecord(msgspec.Struct, frozen=True, array_like=True):
     expected_head: int | None = None
     """The log's last global sequence the writer decided on (rule 0); absent: any."""
     follows: str | None = None
-    """With expected_head: the append id of the writer's record still in flight when it decided
-    (rule 0), None when it had none."""
+    """With expected_head: the append id of the writer's last append still in flight when it
+    decided that appends an event (rule 0), None when it had none."""
 
 
 class ClaimRecord(msgspec.Struct, frozen=True, array_like=True):

@@ -282,7 +282,12 @@ class KafkaWriter:
                 results[index] = AppendResult(stream_id=stream, first_seq=0, last_seq=0, stream_version=actual)
         if not sent:
             return results, sent, first_of, None
-        follows = pending[-1].record.append_id if pending and expected_head is not None else None
+        # The append this one follows (rule 0): the last in flight that appends an event. The
+        # fold keeps only those as a writer's last append; one of command ids alone changes no
+        # state, so what was decided after it holds whatever becomes of it.
+        follows = None
+        if expected_head is not None:
+            follows = next((flight.record.append_id for flight in reversed(pending) if flight.events), None)
         parts = [self._part(batch) for _, batch in sent]
         record = AppendRecord(uuid.uuid4().hex, self.writer_id, parts, expected_head, follows)
         read = [(part, [event.event_id for event in batch.events]) for part, (_, batch) in zip(parts, sent, strict=True)]
