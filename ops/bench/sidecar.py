@@ -1,6 +1,7 @@
-"""Benchmark: the sidecar's step latency and sustained event rate, over its Unix socket, on SQLite.
+"""Benchmark: the sidecar's step latency and sustained event rate, over its Unix socket, on SQLite or Kafka.
 
     .venv/bin/python ops/bench/sidecar.py [--engines 4] [--steps 400] [--commands 256] [--warmup 20] [--seed 7]
+        [--log sqlite|kafka]
 
 Starts a real `kvledger serve` subprocess (`--socket DIR/kvledger.sock --log DIR/log.sqlite
 --http off`, KVLEDGER_DATA_DIR=DIR) in a temporary directory and waits until the socket exists
@@ -53,6 +54,13 @@ not timed; packing each step's row is inside append, as in the sidecar). Prints 
 N events/s`, its latency per append, `sidecar/log ratio target >= 0.5: met|MISSED` and, as the
 last line, `sidecar/log ratio X` (the sidecar's timed events/s over the log-only events/s; 1.0
 would be a sidecar that costs nothing over its log).
+
+--log kafka: the same, on the Kafka log. This script starts a Tansu broker (tests/kit/kafka.py,
+memory storage, on a free loopback port; skipped, saying why, where it cannot run) and the sidecar
+logs to a topic of its own there (`--log kafka://.../TOPIC?state=DIR/state.sqlite`, the URL's
+defaults otherwise). The log-only ceiling reads the sidecar's topic back (with a state store of
+its own) and appends the same events to a fresh topic on the same broker, one append at a time
+as above. The broker shares the machine with the engines and the sidecar.
 """
 
 from __future__ import annotations
@@ -102,6 +110,7 @@ from events import (  # noqa: E402
 )
 from events.log import AppendBatch, EventLog, PendingEvent, StoredStep, open_log  # noqa: E402
 from tests.kit import builders as b  # noqa: E402
+from tests.kit.kafka import BrokerUnavailable, KafkaBroker  # noqa: E402
 
 P50_TARGET_MS = 1.0
 P99_TARGET_MS = 5.0
@@ -411,6 +420,31 @@ def report(args: argparse.Namespace, totals: Totals, loads: list[EngineLoad]) ->
     return rate
 
 
+@dataclass
+class Logs:
+    """Where the sidecar logs, and where the log-only ceiling reads it back and appends it again."""
+
+    sidecar: str
+    reader: str
+    """The sidecar's log, read back once it has stopped."""
+    fresh: str
+    """An empty log of the same backend for the log-only ceiling."""
+
+    @classmethod
+    def sqlite(cls, directory: Path) -> Logs:
+        path = str(directory / "log.sqlite")
+        return cls(path, path, str(directory / "log-only.sqlite"))
+
+    @classmethod
+    def kafka(cls, directory: Path, broker: KafkaBroker) -> Logs:
+        topic = f"kvl-bench-{uuid_utils.uuid7().hex[-12:]}"
+        return cls(
+            broker.url(topic, state=directory / "state.sqlite"),
+            broker.url(topic, state=directory / "reader-state.sqlite"),
+            broker.url(state=directory / "log-only-state.sqlite"),
+        )
+
+
 async def run(
     args: argparse.Namespace, directory: Path, server: subprocess.Popen[bytes], socket_path: str
 ) -> tuple[Totals, list[EngineLoad], float]:
@@ -423,8 +457,11 @@ async def run(
         f"log head sequence {head:,}; events counted in the Welcome and StepResult replies {totals.all_events:,}: "
         f"{'equal' if head == totals.all_events else 'DIFFERENT'}"
     )
-    sizes = [(directory / name).stat().st_size if (directory / name).exists() else 0 for name in ("log.sqlite", "log.sqlite-wal")]
-    out(f"sqlite files before shutdown: main {sizes[0] / 2**20:,.1f} MiB, WAL {sizes[1] / 2**20:,.1f} MiB")
+    if args.log == "sqlite":
+        sizes = [
+            (directory / name).stat().st_size if (directory / name).exists() else 0 for name in ("log.sqlite", "log.sqlite-wal")
+        ]
+        out(f"sqlite files before shutdown: main {sizes[0] / 2**20:,.1f} MiB, WAL {sizes[1] / 2**20:,.1f} MiB")
     return totals, loads, rate
 
 
@@ -473,18 +510,16 @@ def appends_of(rows: list[StoredStep], command_ids: dict[int, str]) -> list[list
     return appends
 
 
-async def log_only(
-    args: argparse.Namespace, directory: Path, totals: Totals, loads: list[EngineLoad], sidecar_rate: float
-) -> float:
-    """Append the sidecar's committed events again to a fresh SQLite log, the timed phase's timed;
-    prints the figures and returns the ratio of the sidecar's events/s to the log's."""
+async def log_only(args: argparse.Namespace, logs: Logs, totals: Totals, loads: list[EngineLoad], sidecar_rate: float) -> float:
+    """Append the sidecar's committed events again to a fresh log of its backend, the timed
+    phase's timed; prints the figures and returns the ratio of the sidecar's events/s to the log's."""
     # Every step's command id as the sidecar logged it; the timed phase's are the boundary.
     logged = {
         scoped(load.engine_id, "step", command_id): step > args.warmup
         for load in loads
         for step, command_id in load.command_ids.items()
     }
-    source = await open_log(str(directory / "log.sqlite"))
+    source = await open_log(logs.reader)
     try:
         rows = await read_back(source)
         found = await source.find_commands(list(logged))
@@ -510,7 +545,7 @@ async def log_only(
         f"{'equal' if events == totals.timed_events else 'DIFFERENT'})"
     )
 
-    target = await open_log(str(directory / "log-only.sqlite"))
+    target = await open_log(logs.fresh)
     latencies: list[float] = []
     try:
         for batches in warm:
@@ -541,7 +576,7 @@ async def log_only(
     out(
         f"log-only append {rate:,.0f} events/s ({events:,} events of the timed phase in {elapsed:.2f} s; "
         f"{steps:,} steps in {len(hot):,} appends, {steps / len(hot):.2f} steps/append as the sidecar's group commit "
-        f"grouped them; the {len(rows) - steps:,} rows before (warmup, declarations) appended first, not timed; fresh SQLite log, EventLog.append)"
+        f"grouped them; the {len(rows) - steps:,} rows before (warmup, declarations) appended first, not timed; fresh {args.log} log, EventLog.append)"
     )
     out(
         f"log-only append latency per append: p50 {percentile(latencies, 0.50) * 1e3:.2f} ms, "
@@ -573,6 +608,7 @@ def main() -> int:
     parser.add_argument("--commands", type=int, default=256, help="commands per step (default 256)")
     parser.add_argument("--warmup", type=int, default=20, help="steps per engine before timing (default 20)")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--log", choices=("sqlite", "kafka"), default="sqlite", help="the sidecar's log backend (default sqlite)")
     args = parser.parse_args()
     if args.engines < 1 or args.steps < 1 or args.commands < 1 or args.warmup < 0:
         parser.error("--engines, --steps and --commands must be positive, --warmup not negative")
@@ -581,13 +617,30 @@ def main() -> int:
 
     kvledger = Path(sys.executable).parent / "kvledger"
     out(f"host at start: {load()}")
+    broker: KafkaBroker | None = None
+    if args.log == "kafka":
+        try:
+            broker = KafkaBroker.start()
+        except BrokerUnavailable as problem:
+            out(f"kafka: skipped, no Tansu broker ({problem})")
+            return 0
+        out(f"kafka: Tansu broker at {broker.bootstrap} (memory storage), started by this script")
+    try:
+        return bench_on(args, kvledger, broker)
+    finally:
+        if broker is not None:
+            broker.stop()
+
+
+def bench_on(args: argparse.Namespace, kvledger: Path, broker: KafkaBroker | None) -> int:
     status = 0
     with tempfile.TemporaryDirectory(prefix="kvl-sidecar-bench-") as name:
         directory = Path(name)
+        logs = Logs.sqlite(directory) if broker is None else Logs.kafka(directory, broker)
         socket_path = str(directory / "kvledger.sock")
         output = directory / "serve.log"
         env = {**os.environ, "KVLEDGER_DATA_DIR": str(directory)}
-        command = [str(kvledger), "serve", "--socket", socket_path, "--log", str(directory / "log.sqlite"), "--http", "off"]
+        command = [str(kvledger), "serve", "--socket", socket_path, "--log", logs.sidecar, "--http", "off"]
         with output.open("wb") as sink:
             server = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT)
         try:
@@ -612,7 +665,7 @@ def main() -> int:
                 server.kill()
                 server.wait()
         # The sidecar has stopped: the log alone, on the same events (what it committed).
-        ratio = anyio.run(log_only, args, directory, totals, loads, rate)
+        ratio = anyio.run(log_only, args, logs, totals, loads, rate)
     out(f"host at end: {load()}")
     out(f"sidecar/log ratio {ratio:.2f}")
     return status
