@@ -481,38 +481,6 @@ async def test_appends_in_flight_travel_together_and_take_their_verdicts_in_orde
         await reader.close()
 
 
-async def test_an_append_decided_after_one_in_flight_that_appends_no_event_is_accepted_with_it(
-    kafka_log: KafkaEventLog, kafka_url: str
-) -> None:
-    """An append that names the head, queued behind one of this writer's in flight that carries
-    only a command id (no event): the fold keeps, as the writer's last append (rule 0's
-    `follows`), only one that appended something, so the second names the one before (here
-    none) and both are accepted. Naming the empty one, the second was refused (HeadMoved) though
-    nothing before it was."""
-    await kafka_log.append([step("engine/a", 0, ["a1", "a2"])], expected_head=0)  # the stream is claimed
-    outcomes: dict[str, list[AppendResult] | Exception] = {}
-
-    async def append(name: str, batch: AppendBatch) -> None:
-        try:
-            outcomes[name] = await kafka_log.append([batch], expected_head=2)
-        except HeadMoved as error:
-            outcomes[name] = error
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(append, "empty", step("engine/a", 2, [], command_id="cmd-no-event"))
-        group.start_soon(append, "after", step("engine/a", 2, ["b1"], command_id="cmd-b"))
-    assert not isinstance(outcomes["empty"], Exception), outcomes
-    assert not isinstance(outcomes["after"], Exception), outcomes
-    [after] = outcomes["after"]
-    assert (after.first_seq, after.last_seq, after.stream_version) == (3, 3, 3)
-    reader = await open_log(kafka_url)
-    try:
-        assert [e.event_id for e in await everything(reader)] == ["a1", "a2", "b1"]
-        assert set(await reader.find_commands(["cmd-no-event", "cmd-b"])) == {"cmd-no-event", "cmd-b"}
-    finally:
-        await reader.close()
-
-
 async def test_two_writers_pipelining_at_once_each_read_the_others_records_between_their_own(
     kafka_log: KafkaEventLog, kafka_url: str
 ) -> None:
@@ -831,5 +799,37 @@ async def test_a_hole_in_a_fetch_is_fetched_again_and_one_that_never_fills_fails
         else:
             assert await reader.head() == 3 and skipped == fills_after
             assert [e.event_id for e in await everything(reader)] == [e.event_id for e in await everything(kafka_log)]
+    finally:
+        await reader.close()
+
+
+async def test_an_append_decided_after_one_in_flight_that_appends_no_event_is_accepted_with_it(
+    kafka_log: KafkaEventLog, kafka_url: str
+) -> None:
+    """An append that names the head, queued behind one of this writer's in flight that carries
+    only a command id (no event): the fold keeps, as the writer's last append (rule 0's
+    `follows`), only one that appended something, so the second names the one before (here
+    none) and both are accepted. Naming the empty one, the second was refused (HeadMoved) though
+    nothing before it was."""
+    await kafka_log.append([step("engine/a", 0, ["a1", "a2"])], expected_head=0)  # the stream is claimed
+    outcomes: dict[str, list[AppendResult] | Exception] = {}
+
+    async def append(name: str, batch: AppendBatch) -> None:
+        try:
+            outcomes[name] = await kafka_log.append([batch], expected_head=2)
+        except HeadMoved as error:
+            outcomes[name] = error
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(append, "empty", step("engine/a", 2, [], command_id="cmd-no-event"))
+        group.start_soon(append, "after", step("engine/a", 2, ["b1"], command_id="cmd-b"))
+    assert not isinstance(outcomes["empty"], Exception), outcomes
+    assert not isinstance(outcomes["after"], Exception), outcomes
+    [after] = outcomes["after"]
+    assert (after.first_seq, after.last_seq, after.stream_version) == (3, 3, 3)
+    reader = await open_log(kafka_url)
+    try:
+        assert [e.event_id for e in await everything(reader)] == ["a1", "a2", "b1"]
+        assert set(await reader.find_commands(["cmd-no-event", "cmd-b"])) == {"cmd-no-event", "cmd-b"}
     finally:
         await reader.close()
