@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from events.log._contract import (
     AppendBatch,
+    AppendInFlight,
     AppendRejected,
     AppendResult,
     EventLog,
@@ -13,6 +14,7 @@ from events.log._contract import (
     LogUnavailable,
     NotALog,
     PendingEvent,
+    PipelinedLog,
     ProjectionTransaction,
     SchemaMismatch,
     Snapshot,
@@ -28,6 +30,7 @@ from events.log._urls import data_dir, is_kafka, mask, normalize
 
 __all__ = [
     "AppendBatch",
+    "AppendInFlight",
     "AppendRejected",
     "AppendResult",
     "EventLog",
@@ -36,6 +39,7 @@ __all__ = [
     "LogError",
     "LogUnavailable",
     "PendingEvent",
+    "PipelinedLog",
     "ProjectionTransaction",
     "NotALog",
     "SchemaMismatch",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
@@ -262,3 +262,28 @@ class EventLog(Protocol):
     async def snapshots(self, limit: int = 5) -> list[Snapshot]: ...
 
     async def close(self) -> None: ...
+
+
+class AppendInFlight(Protocol):
+    """An append a PipelinedLog checked and queued: its results once the log judged it."""
+
+    async def results(self) -> list[AppendResult]:
+        """What `append` would return; raises what `append` would raise."""
+        ...
+
+
+@runtime_checkable
+class PipelinedLog(Protocol):
+    """A log that takes several appends of one writer in flight (the Kafka log).
+
+    `queue_append` checks an append against the log plus this writer's appends still in flight
+    and queues it behind them, in call order, without waiting for their round trips; the log
+    judges them in that order. One that names the head (`expected_head`, counting the events of
+    the appends in flight before it) is refused if an append in flight before it that appends
+    an event is refused (rule 0's `follows` on Kafka): nothing decided on a refused append is
+    ever taken. `append` is `queue_append` and then its `results`."""
+
+    async def queue_append(self, batches: Sequence[AppendBatch], *, expected_head: int | None = None) -> AppendInFlight:
+        """Check and queue the append; returns once it is queued (raises what `append` raises
+        for an append refused at its check, and then nothing is queued)."""
+        ...

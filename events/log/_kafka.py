@@ -73,7 +73,7 @@ from events.log._contract import (
     StoredStep,
 )
 from events.log._kafka_fold import KafkaFold
-from events.log._kafka_writer import KafkaWriter
+from events.log._kafka_writer import KafkaWriter, QueuedAppend
 from events.log._sql import SqlEventLog, SqlProjectionTransaction, events_of
 from events.log.kafka_target import KafkaTarget, ensure_topic, one_line
 
@@ -200,6 +200,11 @@ class KafkaEventLog(SqlEventLog):
         """Append every batch atomically; raises WrongExpectedVersion, HeadMoved, WriterFenced or
         AppendRejected and appends nothing. Appends are pipelined: see KafkaWriter.append."""
         return await self._kafka_writer.append(batches, expected_head=expected_head)
+
+    async def queue_append(self, batches: Sequence[AppendBatch], *, expected_head: int | None = None) -> QueuedAppend:
+        """PipelinedLog: check the append and queue it behind this writer's appends in flight;
+        its results (or the fold's refusal) come from the returned handle's `results`."""
+        return await self._kafka_writer.queue(batches, expected_head=expected_head)
 
     # --- reading ---------------------------------------------------------------------------
 

@@ -17,16 +17,18 @@ offset N, the writer folds up to N and reports what the fold made of it (its ver
 
 Pipelining. Appends do not wait for each other's round trip. An append is checked against the
 fold plus this writer's appends still in flight (`_InFlight`: the log as it will be if they are
-accepted) and queued (`_outbox`); one sender task (`_send_forever`) produces the queue, and every
-append queued while the previous record travelled goes out together in the next record (kind
-`appends`, up to MAX_RECORD_BYTES). A delivery task per record (`_delivered`) waits for its
-acknowledgement, has the follower fold up to it (`Follower.read_back`: from the bytes sent, when
-nothing before it is missing) and hands each of its appends its verdict. The fold judges each
-append alone, in offset order, so an append decided on one that is then refused is refused too:
-by its expected version, or, when it names the head, by rule 0's `follows`. A retry of a command
-id still in flight waits for its verdict and is answered by it. Claims are not pipelined: a
-claim waits until every append in flight has its verdict. While its records are in flight the
-writer has the follower pause fetching (it folds them from what it sent), and resume once none is.
+accepted) and queued (`_outbox`); `queue` returns then, so a caller may keep several in flight.
+One sender task (`_send_forever`) produces the queue, and every append queued while the previous
+record travelled goes out together in the next record (kind `appends`, up to MAX_RECORD_BYTES).
+A delivery task per record
+(`_delivered`) waits for its acknowledgement, has the follower fold up to it
+(`Follower.read_back`: from the bytes sent, when nothing before it is missing) and hands each of
+its appends its verdict. The fold judges each append alone, in offset order, so an append decided
+on one that is then refused is refused too: by its expected version, or, when it names the head,
+by rule 0's `follows`. A retry of a command id still in flight waits for its verdict and is
+answered by it. Claims are not pipelined: a claim waits until every append in flight has its
+verdict. While its records are in flight the writer has the follower pause fetching (it folds
+them from what it sent), and resume once none is.
 
 No idempotent producer, no transactions (the test broker, Tansu, rejects InitProducerId, and the
 design does not need them): the producer runs with acks="all" and enable_idempotence=False. A
@@ -146,6 +148,45 @@ class _InFlight:
             self.done.set()
 
 
+class QueuedAppend:
+    """An append checked and queued (KafkaWriter.queue): its results once the fold judged it."""
+
+    __slots__ = ("_writer", "_batches", "_results", "_sent", "_first_of", "_flight")
+
+    def __init__(
+        self,
+        writer: KafkaWriter,
+        batches: Sequence[AppendBatch],
+        results: list[AppendResult | None],
+        sent: list[tuple[int, AppendBatch]],
+        first_of: dict[str, int],
+        flight: _InFlight | None,
+    ) -> None:
+        self._writer = writer
+        self._batches = batches
+        self._results = results
+        """What was known at the check (a command id committed before), None for the rest."""
+        self._sent = sent
+        self._first_of = first_of
+        self._flight = flight
+        """The append in flight (None: nothing to send, every result known at the check)."""
+
+    async def results(self) -> list[AppendResult]:
+        """One result per batch, as `append` returns them; raises the fold's verdict if it refused."""
+        results = self._results
+        if self._flight is not None:
+            appended = await self._writer._verdict_of(self._flight)  # noqa: SLF001 - the writer's own handle
+            for (index, _), result in zip(self._sent, appended, strict=True):
+                results[index] = result
+        for index, batch in enumerate(self._batches):
+            if results[index] is None:
+                assert batch.command_id is not None
+                first = results[self._first_of[batch.command_id]]
+                assert first is not None
+                results[index] = msgspec.structs.replace(first, duplicate=True)
+        return [result for result in results if result is not None]
+
+
 class KafkaWriter:
     """The writer of one KafkaEventLog: its claims, its appends in flight and their record sender."""
 
@@ -197,25 +238,20 @@ class KafkaWriter:
         record travels go out together in the next record (one round trip for all), each still
         judged alone by the fold, in order: one decided on an append that was then refused is
         refused too, with its own error (rule 0's `follows`, or its expected version)."""
+        return await (await self.queue(batches, expected_head=expected_head)).results()
+
+    async def queue(self, batches: Sequence[AppendBatch], *, expected_head: int | None = None) -> QueuedAppend:
+        """The first half of `append`: check the batches and queue their append behind this
+        writer's appends in flight, in call order (KafkaEventLog.queue_append). Raises what
+        `append` raises for an append refused at its check."""
         while True:
             async with self._appending:
                 self._follower.check()
                 waiting = self._command_in_flight(batches)
                 if waiting is None:
                     results, sent, first_of, flight = await self._enqueue(batches, expected_head)
-                    break
+                    return QueuedAppend(self, batches, results, sent, first_of, flight)
             await waiting.wait()  # a retry of a command still in flight: answered once it is judged
-        if flight is not None:
-            appended = await self._verdict_of(flight)
-            for (index, _), result in zip(sent, appended, strict=True):
-                results[index] = result
-        for index, batch in enumerate(batches):
-            if results[index] is None:
-                assert batch.command_id is not None
-                first = results[first_of[batch.command_id]]
-                assert first is not None
-                results[index] = msgspec.structs.replace(first, duplicate=True)
-        return [result for result in results if result is not None]
 
     def _command_in_flight(self, batches: Sequence[AppendBatch]) -> anyio.Event | None:
         """The in-flight append carrying one of these command ids, to wait for, if any."""

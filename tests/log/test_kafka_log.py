@@ -40,6 +40,7 @@ from events.log import (
     LogDiverged,
     LogError,
     PendingEvent,
+    PipelinedLog,
     SchemaMismatch,
     SqlEventLog,
     StoredEvent,
@@ -831,5 +832,28 @@ async def test_an_append_decided_after_one_in_flight_that_appends_no_event_is_ac
     try:
         assert [e.event_id for e in await everything(reader)] == ["a1", "a2", "b1"]
         assert set(await reader.find_commands(["cmd-no-event", "cmd-b"])) == {"cmd-no-event", "cmd-b"}
+    finally:
+        await reader.close()
+
+
+async def test_queue_append_queues_in_call_order_and_each_append_takes_its_own_verdict(
+    kafka_log: KafkaEventLog, kafka_url: str
+) -> None:
+    """PipelinedLog: queue_append returns once the append is checked and queued, before its
+    round trip; the next, queued behind it and naming the head after it, goes behind it in the
+    topic. A refused one (its expected version is wrong, seen only against the first in flight)
+    is refused at once, and queues nothing; the others take their own verdicts."""
+    assert isinstance(kafka_log, PipelinedLog)
+    await kafka_log.append([step("engine/a", 0, ["a0"])], expected_head=0)  # the stream is claimed
+    first = await kafka_log.queue_append([step("engine/a", 1, ["a1", "a2"])], expected_head=1)
+    with pytest.raises(WrongExpectedVersion):  # it expects the version before the first in flight
+        await kafka_log.queue_append([step("engine/a", 1, ["x1"])], expected_head=3)
+    second = await kafka_log.queue_append([step("engine/a", 3, ["a3"])], expected_head=3)
+    [later] = await second.results()
+    [earlier] = await first.results()
+    assert (earlier.first_seq, earlier.last_seq, later.first_seq, later.stream_version) == (2, 3, 4, 4)
+    reader = await open_log(kafka_url)
+    try:
+        assert [e.event_id for e in await everything(reader)] == ["a0", "a1", "a2", "a3"]
     finally:
         await reader.close()
