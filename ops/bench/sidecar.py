@@ -1,7 +1,7 @@
 """Benchmark: the sidecar's step latency and sustained event rate, over its Unix socket, on SQLite or Kafka.
 
     .venv/bin/python ops/bench/sidecar.py [--engines 4] [--steps 400] [--commands 256] [--warmup 20] [--seed 7]
-        [--log sqlite|kafka]
+        [--log sqlite|kafka] [--appends-in-flight N] [--broker-rtt-ms MS]
 
 Starts a real `kvledger serve` subprocess (`--socket DIR/kvledger.sock --log DIR/log.sqlite
 --http off`, KVLEDGER_DATA_DIR=DIR) in a temporary directory and waits until the socket exists
@@ -60,7 +60,10 @@ memory storage, on a free loopback port; skipped, saying why, where it cannot ru
 logs to a topic of its own there (`--log kafka://.../TOPIC?state=DIR/state.sqlite`, the URL's
 defaults otherwise). The log-only ceiling reads the sidecar's topic back (with a state store of
 its own) and appends the same events to a fresh topic on the same broker, one append at a time
-as above. The broker shares the machine with the engines and the sidecar.
+as above. The broker shares the machine with the engines and the sidecar, and answers in a
+fraction of a millisecond; --broker-rtt-ms MS puts tests/kit/tcp_proxy.py in front of it
+(the broker advertises the proxy, so every client connection, the log-only ceiling's too, goes
+through it) to add MS to each round trip, as a broker across a network does.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ import gc
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -110,7 +114,7 @@ from events import (  # noqa: E402
 )
 from events.log import AppendBatch, EventLog, PendingEvent, StoredStep, open_log  # noqa: E402
 from tests.kit import builders as b  # noqa: E402
-from tests.kit.kafka import BrokerUnavailable, KafkaBroker  # noqa: E402
+from tests.kit.kafka import BrokerUnavailable, KafkaBroker, free_port  # noqa: E402
 
 P50_TARGET_MS = 1.0
 P99_TARGET_MS = 5.0
@@ -609,6 +613,18 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=20, help="steps per engine before timing (default 20)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--log", choices=("sqlite", "kafka"), default="sqlite", help="the sidecar's log backend (default sqlite)")
+    parser.add_argument(
+        "--appends-in-flight",
+        type=int,
+        default=None,
+        help="passed to kvledger serve (groups whose appends travel at once on Kafka); default: serve's own",
+    )
+    parser.add_argument(
+        "--broker-rtt-ms",
+        type=float,
+        default=0.0,
+        help="--log kafka: milliseconds added to every round trip to the broker (tests/kit/tcp_proxy.py); default 0",
+    )
     args = parser.parse_args()
     if args.engines < 1 or args.steps < 1 or args.commands < 1 or args.warmup < 0:
         parser.error("--engines, --steps and --commands must be positive, --warmup not negative")
@@ -618,18 +634,42 @@ def main() -> int:
     kvledger = Path(sys.executable).parent / "kvledger"
     out(f"host at start: {load()}")
     broker: KafkaBroker | None = None
+    proxy: subprocess.Popen[bytes] | None = None
     if args.log == "kafka":
+        proxy_port = free_port() if args.broker_rtt_ms > 0 else None
         try:
-            broker = KafkaBroker.start()
+            broker = KafkaBroker.start(advertised_port=proxy_port)
         except BrokerUnavailable as problem:
             out(f"kafka: skipped, no Tansu broker ({problem})")
             return 0
-        out(f"kafka: Tansu broker at {broker.bootstrap} (memory storage), started by this script")
+        out(f"kafka: Tansu broker on 127.0.0.1:{broker.port} (memory storage), started by this script")
+        if proxy_port is not None:
+            proxy = subprocess.Popen(
+                [sys.executable, "-m", "tests.kit.tcp_proxy", str(proxy_port), str(broker.port), str(args.broker_rtt_ms / 2)],
+                cwd=ROOT,
+            )
+            wait_listening(proxy_port)
+            out(f"kafka: clients reach it through a proxy at {broker.bootstrap} adding {args.broker_rtt_ms:g} ms a round trip")
     try:
         return bench_on(args, kvledger, broker)
     finally:
+        if proxy is not None:
+            proxy.kill()
+            proxy.wait()
         if broker is not None:
             broker.stop()
+
+
+def wait_listening(port: int) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def bench_on(args: argparse.Namespace, kvledger: Path, broker: KafkaBroker | None) -> int:
@@ -641,6 +681,8 @@ def bench_on(args: argparse.Namespace, kvledger: Path, broker: KafkaBroker | Non
         output = directory / "serve.log"
         env = {**os.environ, "KVLEDGER_DATA_DIR": str(directory)}
         command = [str(kvledger), "serve", "--socket", socket_path, "--log", logs.sidecar, "--http", "off"]
+        if args.appends_in_flight is not None:
+            command += ["--appends-in-flight", str(args.appends_in_flight)]
         with output.open("wb") as sink:
             server = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT)
         try:

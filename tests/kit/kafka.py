@@ -56,15 +56,19 @@ def _answers(port: int) -> bool:
 
 
 class KafkaBroker:
-    """One Tansu broker process on 127.0.0.1:port."""
+    """One Tansu broker process on 127.0.0.1:port.
 
-    def __init__(self, binary: str, port: int, output: Path) -> None:
+    `advertised_port`: the port clients are told to connect to, when it is not `port` (a proxy in
+    front of the broker: tests/kit/tcp_proxy.py); clients then bootstrap there too."""
+
+    def __init__(self, binary: str, port: int, output: Path, advertised_port: int | None = None) -> None:
         self.binary, self.port, self.output = binary, port, output
+        self.advertised_port = advertised_port
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"127.0.0.1:{self.advertised_port or self.port}"
 
     def url(self, topic: str | None = None, **query: object) -> str:
         """A kafka:// URL of a fresh topic (or `topic`) on this broker, with `query` parameters."""
@@ -73,12 +77,12 @@ class KafkaBroker:
         return f"kafka://{self.bootstrap}/{topic}?{params}"
 
     @classmethod
-    def start(cls, attempts: int = 3) -> KafkaBroker:
+    def start(cls, attempts: int = 3, advertised_port: int | None = None) -> KafkaBroker:
         binary = broker_binary()
         problem = ""
         for _ in range(attempts):  # another process may take the free port before the broker binds it
             output = Path(tempfile.mkdtemp(prefix="kvl-tansu-")) / "broker.log"
-            broker = cls(binary, free_port(), output)
+            broker = cls(binary, free_port(), output, advertised_port)
             try:
                 broker._run()
                 return broker
@@ -88,7 +92,7 @@ class KafkaBroker:
         raise BrokerUnavailable(problem)
 
     def _run(self) -> None:
-        listener = f"tcp://{self.bootstrap}"
+        listener, advertised = f"tcp://127.0.0.1:{self.port}", f"tcp://{self.bootstrap}"
         with self.output.open("wb") as sink:
             try:
                 self.process = subprocess.Popen(
@@ -98,7 +102,7 @@ class KafkaBroker:
                         "--listener-url",
                         listener,
                         "--advertised-listener-url",
-                        listener,
+                        advertised,
                         "--storage-engine",
                         "memory://tansu/",
                     ],
