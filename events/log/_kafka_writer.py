@@ -18,9 +18,9 @@ offset N, the writer folds up to N and reports what the fold made of it (its ver
 Pipelining. Appends do not wait for each other's round trip. An append is checked against the
 fold plus this writer's appends still in flight (`_InFlight`: the log as it will be if they are
 accepted) and queued (`_outbox`); `queue` returns then, so a caller may keep several in flight.
-One sender task (`_send_forever`) produces the queue, and every append queued while the previous
-record travelled goes out together in the next record (kind `appends`, up to MAX_RECORD_BYTES).
-A delivery task per record
+One sender task (`_send_forever`) produces the queue one record at a time: every append queued
+while the previous record travelled goes out together in the next (kind `appends`, up to
+MAX_RECORD_BYTES), produced once the previous one is acknowledged. A delivery task per record
 (`_delivered`) waits for its acknowledgement, has the follower fold up to it
 (`Follower.read_back`: from the bytes sent, when nothing before it is missing) and hands each of
 its appends its verdict. The fold judges each append alone, in offset order, so an append decided
@@ -392,14 +392,22 @@ class KafkaWriter:
 
     async def _send_forever(self) -> None:
         """The sender: takes the queued appends (as many as fit MAX_RECORD_BYTES, at least one)
-        and produces them as one record. The producer holds one record while another travels
-        (one request at a time to a broker, in order); while it is full this task waits, and the
-        appends queued meanwhile go out together next."""
+        and produces them as one record, once the record before it was acknowledged: the
+        appends queued while it travelled go out together next.
+
+        The producer sends one request at a time to a broker, in order (aiokafka mutes a
+        partition while a batch of it travels), and takes a record while another travels: a
+        record produced at once waits in it, holding only the appends queued so far, and the
+        next appends wait behind it for a round trip more."""
+        travelling: asyncio.Future[Any] | None = None
         try:
             while True:
                 while not self._outbox:
                     await self._outbox_ready.wait()
                     self._outbox_ready = anyio.Event()
+                if travelling is not None and not travelling.done():
+                    await asyncio.wait([travelling])  # its outcome is _delivered's to take
+                    continue  # more may have been queued meanwhile, and the log may have failed
                 failure = self._follower.failed()
                 if failure is not None:
                     self._settle_failed(self._take(len(self._outbox)), failure)
@@ -427,6 +435,7 @@ class KafkaWriter:
                     self._sending.pop(token, None)
                     self._settle_failed(flights, LogUnavailable(f"log {self._url} is closed"))
                     raise
+                travelling = delivery
                 task = asyncio.create_task(self._delivered(flights, value, headers, delivery, token))
                 self._deliveries.add(task)
                 task.add_done_callback(self._deliveries.discard)
