@@ -246,6 +246,13 @@ def serve(
         help="Seconds between looks for what other sidecars on the same log appended (their publications "
         "become lookups' answers here); 0: never.",
     ),
+    appends_in_flight: int = typer.Option(
+        4,
+        "--appends-in-flight",
+        envvar="KVLEDGER_APPENDS_IN_FLIGHT",
+        min=1,
+        help="Groups of steps whose appends may travel at once on a Kafka log (a SQL log takes one at a time).",
+    ),
     snapshot_every: int = typer.Option(
         1000,
         "--snapshot-every",
@@ -354,6 +361,7 @@ def serve(
         subscriber_buffer=subscriber_buffer,
         snapshot_every=snapshot_every,
         follow_seconds=follow,
+        appends_in_flight=appends_in_flight,
         allow_remote=allow_remote,
         audit_tokens=audit_tokens,
         metrics_token=metrics_token,

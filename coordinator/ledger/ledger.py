@@ -12,6 +12,13 @@ group commit). A group decided on top of one whose append then fails is *superse
 rebuild drops both, and `append_decided` refuses the second (`Superseded`) so that it is
 decided again. Nothing of a group is shown before its append returned: readers either wait for
 the groups in flight (`committed`) or read around what they touched (`uncommitted_keys`).
+
+On a log that takes several appends in flight (events.log.PipelinedLog: Kafka), a group's
+append may be handed to the log while the ones before it are still travelling (`append_decided`
+with `queued`): each names the head it was decided on, counting the groups in flight before it,
+so the log refuses it if one of those is refused. The rebuild after a failed append then waits
+until every append handed to the log has its verdict: one accepted is committed (and answered),
+one refused because a group before it was is superseded, as above.
 """
 
 from __future__ import annotations
@@ -44,7 +51,9 @@ from events.log import (
     LogError,
     LogUnavailable,
     PendingEvent,
+    PipelinedLog,
     Snapshot,
+    WrongExpectedVersion,
     is_outage,
 )
 from events.log.reading import decode
@@ -135,7 +144,7 @@ class Superseded(Exception):
 class DecidedGroup:
     """A group decided and folded in memory, not yet appended (`Ledger.decide_group`)."""
 
-    __slots__ = ("transactions", "batches", "decided", "first_of", "done", "epoch", "keys", "engines")
+    __slots__ = ("transactions", "batches", "decided", "first_of", "done", "epoch", "keys", "engines", "head", "events", "sent")
 
     def __init__(
         self,
@@ -145,6 +154,7 @@ class DecidedGroup:
         first_of: dict[str, int],
         done: dict[str, AppendResult],
         epoch: int,
+        head: int,
     ) -> None:
         self.transactions = transactions
         self.batches = batches
@@ -156,6 +166,17 @@ class DecidedGroup:
         self.keys, self.engines = read_effects(e for _, _, events, _ in decided for e in events)
         """What a read must not see of it before it is appended: the tier keys whose entries it
         changed, the engines it declared or reset."""
+        self.head = head
+        """The log's last global sequence it was decided on: the committed one plus the events of
+        the groups decided before it and not yet appended (its append's expected head)."""
+        self.events = sum(len(batch.events) for batch in batches)
+        self.sent = False
+        """Handed to the log: its append is under way, and only the log's verdict ends it."""
+
+    @property
+    def last_seq(self) -> int:
+        """The last global sequence of its events once appended (its head when it has none)."""
+        return self.head + self.events
 
 
 class Ledger:
@@ -171,6 +192,9 @@ class Ledger:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.log = event_log
+        self.pipelines = isinstance(event_log, PipelinedLog)
+        """Whether its log takes several appends in flight (PipelinedLog): `append_decided` may
+        then hand a group to the log before the ones before it returned."""
         self.codec = codec
         self.protections_off = protections_off
         """Empty except in the simulator's fault scenarios (coordinator.core.protections)."""
@@ -336,17 +360,30 @@ class Ledger:
                         await self._settle()
                         await self._rebuild("decide_failed")
                     raise
-                group = DecidedGroup(transactions, batches, decided, first_of, done, epoch)
+                head = self.last_seq + sum(pending.events for pending in self._pending)
+                group = DecidedGroup(transactions, batches, decided, first_of, done, epoch, head)
                 if batches:
                     self._pending.append(group)
                     self._settled = anyio.Event()
                 return group
 
-    async def append_decided(self, group: DecidedGroup, *, save_snapshot: bool = True) -> list[StepCommit | Commit]:
+    async def append_decided(
+        self, group: DecidedGroup, *, save_snapshot: bool = True, queued: anyio.Event | None = None
+    ) -> list[StepCommit | Commit]:
         """Append a decided group and return its results. Raises Superseded (nothing appended)
-        when a group before it failed; on its own failure the state is rebuilt from the log."""
-        with _outages_retried(self.log.url):
-            results, snapshot = await self._append(group)
+        when a group before it failed; on its own failure the state is rebuilt from the log.
+
+        `queued`: on a log that pipelines, set once the append is queued in the log (or failed
+        before): the caller may then hand the log the next group's, which goes behind it. The
+        caller appends groups in the order they were decided. Without it, or on another log,
+        it is set when the append returned."""
+        pipelined = queued if self.pipelines else None
+        try:
+            with _outages_retried(self.log.url):
+                results, snapshot = await self._append(group, pipelined)
+        finally:
+            if queued is not None:
+                queued.set()
         await self._snapshot_due(snapshot, save_snapshot)
         return results
 
@@ -402,7 +439,9 @@ class Ledger:
                     ) from error
                 raise
 
-    async def _append(self, group: DecidedGroup) -> tuple[list[StepCommit | Commit], Snapshot | None]:
+    async def _append(
+        self, group: DecidedGroup, queued: anyio.Event | None = None
+    ) -> tuple[list[StepCommit | Commit], Snapshot | None]:
         if group.epoch != self._epoch:
             # Decided on top of a group whose append failed: the rebuild dropped its folds.
             self._landed(group)
@@ -410,16 +449,29 @@ class Ledger:
         results: dict[int, StepCommit | Commit] = {}
         if group.batches:
             try:
-                # Decided on the log up to last_seq: appended only if no other writer (another
+                # Decided on the log up to its head: appended only if no other writer (another
                 # sidecar on the same log) appended since, else it is decided again (HeadMoved).
-                appended = await self.log.append(group.batches, expected_head=self.last_seq)
+                group.sent = True
+                if queued is not None:
+                    assert isinstance(self.log, PipelinedLog)
+                    appending = await self.log.queue_append(group.batches, expected_head=group.head)
+                    queued.set()  # the next group's append may go behind it
+                    appended = await appending.results()
+                else:
+                    appended = await self.log.append(group.batches, expected_head=group.head)
             except BaseException as error:
                 # The state ran ahead of a log that did not take the group (and of whatever was
                 # decided on top of it): rebuild it from the log, with what other writers appended.
+                # A group whose epoch ended while it travelled was decided on one whose append
+                # failed: refused for that (the head it names, a version it expects), it is
+                # superseded and decided again, as if it had never been handed to the log.
+                doomed = group.epoch != self._epoch
                 self._fail_epoch()
                 self._landed(group)
                 with anyio.CancelScope(shield=True):
                     await self._rebuild_after("head_moved" if isinstance(error, HeadMoved) else "append_failed")
+                if doomed and isinstance(error, HeadMoved | WrongExpectedVersion):
+                    raise Superseded(f"decided on top of a group whose append failed; decide it again ({error})") from error
                 raise
             self._landed(group)
             if any(r.duplicate for r in appended):
@@ -431,7 +483,8 @@ class Ledger:
                     "the rest were committed: retry each with its command id to get its result"
                 )
             for (index, stream, events, detail), result in zip(group.decided, appended, strict=True):
-                self._versions[stream] = result.stream_version
+                # Appends in flight together may return out of order: a stream's version only grows.
+                self._versions[stream] = max(self._versions.get(stream, 0), result.stream_version)
                 self.last_seq = max(self.last_seq, result.last_seq)
                 commit = Commit(events=events, stream_id=stream, first_seq=result.first_seq, last_seq=result.last_seq)
                 results[index] = commit if detail is None else msgspec.structs.replace(detail, commit=commit)
@@ -462,15 +515,18 @@ class Ledger:
         return [results[index] for index in range(len(group.transactions))], snapshot
 
     def _fail_epoch(self) -> None:
-        """What is in memory is no longer the log's: every group decided so far is superseded
-        (none of them is being appended: a group's append begins once the ones before it landed)."""
+        """What is in memory is no longer the log's: every group decided so far is superseded.
+        Those already handed to the log stay pending until their verdicts (on a log that
+        pipelines, several may be travelling): a rebuild waits for them (`_settle`), so that
+        what the log took of them is in it."""
         self.stale = True
         self._epoch += 1
         for group in self._pending:
             self._unsure_keys |= group.keys
             self._unsure_engines |= group.engines
-        self._pending.clear()
-        self._settled.set()
+        self._pending = [group for group in self._pending if group.sent]
+        if not self._pending:
+            self._settled.set()
 
     async def _rebuild_after(self, reason: str) -> None:
         async with self._lock:

@@ -8,6 +8,16 @@ new group. So the log is busy while the core decides, yet nothing reaches an eng
 before its group is durable. If an append fails, its waiters get the error, the ledger rebuilds
 from the log, and the group decided on top of it is superseded and decided again.
 
+On a log that takes several appends in flight (Kafka: `Ledger.pipelines`), up to
+`appends_in_flight` groups travel at once: a group is decided and handed to the log as soon as
+its transactions are taken, behind the groups still travelling (the log keeps them in that order
+and refuses one decided on a refused one), and the next waits only until it is queued there.
+Groups are still answered one after the other in the order they were decided, each once its own
+append returned: a group whose append fails fails its waiters; the groups behind it that the log
+refused for it are superseded and decided again, in their order, before anything taken later; one
+the log took all the same is committed and answered. On SQLite an append is one synchronous
+transaction, and one group travels at a time.
+
 There is no timer for transactions: under light load a group is one transaction and waits for
 nothing; under load the groups grow by themselves. A waiter that goes away does not cancel its
 commit, so a client that reconnects and retries its command id gets the committed result.
@@ -66,6 +76,8 @@ MAX_RECORDS = 100_000
 MAX_RECORD_KEYS = 1_000_000
 """Keys those records may name in all (a lookup names up to 65,536): about 50 MB at most."""
 MAX_RECORDS_PER_GROUP = 8_192
+APPENDS_IN_FLIGHT = 4
+"""Groups whose appends may travel at once on a log that pipelines (ServeConfig.appends_in_flight)."""
 RECORD_RETRY_MAX = 2.0
 """The longest wait before records alone are tried again on a log that refused them."""
 
@@ -95,12 +107,14 @@ class _Waiter:
 class _InFlight:
     """A decided group and its append, running in a task of its own."""
 
-    __slots__ = ("waiters", "records", "decided", "landed", "results", "error", "started")
+    __slots__ = ("waiters", "records", "decided", "queued", "landed", "results", "error", "started")
 
     def __init__(self, waiters: list[_Waiter], records: list[tuple[str, Event]], decided: DecidedGroup, started: float) -> None:
         self.waiters = waiters
         self.records = records
         self.decided = decided
+        self.queued = anyio.Event()
+        """Its append is queued in the log (or ended): the next group's may go behind it."""
         self.landed = anyio.Event()
         self.results: list[StepCommit | Commit] | None = None
         self.error: BaseException | None = None
@@ -108,11 +122,26 @@ class _InFlight:
 
 
 class Committer:
-    def __init__(self, ledger: Ledger, hub: DecisionHub, metrics: SidecarMetrics, max_group: int = MAX_GROUP) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        hub: DecisionHub,
+        metrics: SidecarMetrics,
+        max_group: int = MAX_GROUP,
+        appends_in_flight: int = APPENDS_IN_FLIGHT,
+    ) -> None:
         self.ledger = ledger
         self.hub = hub
         self.metrics = metrics
         self.max_group = max_group
+        self.appends_in_flight = max(1, appends_in_flight) if ledger.pipelines else 1
+        """Groups whose appends travel at once: 1 on a log that does not pipeline (SQL)."""
+        self._flights: deque[_InFlight] = deque()
+        """The groups decided and handed to their append tasks, not yet answered, oldest first."""
+        self._back_in_line = 0
+        """Waiters put back at the head of the queue since the last take: the next go behind them."""
+        self._records_back = 0
+        """Records put back at the head of theirs since the last take (likewise)."""
         self._queue: deque[_Waiter] = deque()
         self._records: deque[tuple[str, Event]] = deque()
         self._wake = anyio.Event()
@@ -184,8 +213,15 @@ class Committer:
                 finally:
                     saving.cancel_scope.cancel()  # a snapshot is a cache: the ledger writes one at close
         finally:
-            # Cancelled at a drain timeout, or failed: whoever is still queued gets an answer.
+            # Cancelled at a drain timeout, or failed: whoever is still queued or in flight gets an answer.
             self._closing = True
+            while self._flights:
+                for waiter in self._flights.popleft().waiters:
+                    if waiter.result is None and waiter.error is None:
+                        waiter.error = ShuttingDown(
+                            "the sidecar stopped before this commit finished; retry it with its command id"
+                        )
+                    waiter.done.set()
             while self._queue:
                 waiter = self._queue.popleft()
                 waiter.error = ShuttingDown("the sidecar stopped before this commit; retry it with its command id")
@@ -205,30 +241,40 @@ class Committer:
             freeze_long_lived()
 
     async def _run(self) -> None:
-        previous: _InFlight | None = None
+        flights = self._flights
         async with anyio.create_task_group() as appends:
             while True:
-                if previous is not None and previous.landed.is_set():
-                    await self._finish(previous)
-                    previous = None
-                waiters = self._take(previous)
+                # Answered in the order they were decided. Once a group went back in line (its
+                # append was superseded or moved), every group behind it is answered (or put back
+                # behind it) before anything is taken again: they keep their order.
+                while flights and (flights[0].landed.is_set() or self._putting_back):
+                    await self._finish(flights.popleft())
+                waiters = self._take(flights)
                 records = self._take_records(bool(waiters) or self._closing or self._records_due)
                 if not waiters and not records:
-                    if previous is None and self._closing and not self._queue and not self._records:
+                    if not flights and self._closing and not self._queue and not self._records:
                         return
-                    await self._wait()  # for a transaction, a record's delay, or the append in flight
+                    await self._wait()  # for a transaction, a record's delay, or an append in flight
                     continue
                 decided = await self._decide(waiters, records)
-                if previous is not None:
-                    await self._finish(previous)  # its waiters are answered before the next append begins
-                    previous = None
+                while len(flights) >= self.appends_in_flight:
+                    await self._finish(flights.popleft())  # its waiters are answered before the next append begins
                 if decided is not None:
-                    previous = decided
+                    flights.append(decided)
                     appends.start_soon(self._append, decided)
+                    if self.appends_in_flight > 1:
+                        await decided.queued.wait()  # the next group's append goes behind this one's
 
-    def _take(self, previous: _InFlight | None) -> list[_Waiter]:
+    @property
+    def _putting_back(self) -> bool:
+        """Something of a group in flight went back in line since the last take, and more than
+        one group travels at once: the groups behind it are answered first (with one, none is)."""
+        return self.appends_in_flight > 1 and bool(self._back_in_line or self._records_back)
+
+    def _take(self, flights: Sequence[_InFlight]) -> list[_Waiter]:
         """The next group (`take_fairly`), taken out of the queue."""
-        busy = {w.tx.command_id for w in previous.waiters} if previous is not None else set()
+        self._back_in_line = self._records_back = 0
+        busy = {w.tx.command_id for flight in flights for w in flight.waiters}
         group = take_fairly(list(self._queue), busy, self.max_group)
         if group:
             chosen = {id(waiter) for waiter in group}
@@ -245,17 +291,32 @@ class Committer:
         self._records_offered += count
         return records
 
-    def _put_back(self, records: list[tuple[str, Event]]) -> None:
+    def _put_back(self, records: list[tuple[str, Event]], *, in_flight: bool = True) -> None:
         """Records of a group the log did not take: first in line again (within MAX_RECORDS),
-        unless the sidecar is stopping (then they are counted lost: the log is not coming back)."""
+        unless the sidecar is stopping (then they are counted lost: the log is not coming back).
+        Oldest first: a group in flight's go behind those of the groups before it put back since
+        the last take, and in front of the group being decided's (`in_flight=False`), younger."""
         self._records_offered -= len(records)
         if self._closing:
             self._lost(len(records), "the sidecar stopped while the log refused them")
             self._count_pending()
             return
+        back = min(self._records_back, len(self._records))
+        self._records.rotate(-back)
         self._records.extendleft(reversed(records))
+        self._records.rotate(back)
+        if in_flight:
+            self._records_back = back + len(records)
         self._record_keys += sum(_keys_of(event) for _, event in records)
         self._bound_records()
+
+    def _in_line_again(self, waiters: list[_Waiter]) -> None:
+        """Waiters of a group to decide again: first in line, behind those of groups before it
+        put back since the last take (several groups may travel at once)."""
+        self._queue.rotate(-self._back_in_line)
+        self._queue.extendleft(reversed(waiters))
+        self._queue.rotate(self._back_in_line)
+        self._back_in_line += len(waiters)
 
     def _bound_records(self) -> None:
         over = 0
@@ -332,7 +393,7 @@ class Committer:
         except BaseException as error:
             # The log failed before anything was decided (a command id lookup, a rebuild): the
             # group gets the error; its records wait for the log.
-            self._put_back(records)
+            self._put_back(records, in_flight=False)
             self._failed(error, len(waiters))
             for waiter in waiters:
                 waiter.error = error
@@ -343,13 +404,15 @@ class Committer:
         return _InFlight(waiters, records, decided, started)
 
     async def _append(self, flight: _InFlight) -> None:
+        queued = flight.queued if self.appends_in_flight > 1 else None
         try:
-            flight.results = await self.ledger.append_decided(flight.decided, save_snapshot=False)
+            flight.results = await self.ledger.append_decided(flight.decided, save_snapshot=False, queued=queued)
         except BaseException as error:
             flight.error = error
             if not isinstance(error, Exception):
                 raise
         finally:
+            flight.queued.set()
             flight.landed.set()
             self._wake.set()
 
@@ -361,7 +424,7 @@ class Committer:
             if isinstance(flight.error, Superseded) or self._moved(flight):
                 # Decided on top of a group whose append failed, or on a log another writer (a
                 # sidecar on the same log) appended to since: decided again, first in line.
-                self._queue.extendleft(reversed(flight.waiters))
+                self._in_line_again(flight.waiters)
                 self._put_back(flight.records)
                 return
             if flight.error is not None:
@@ -420,8 +483,11 @@ class Committer:
             if not commit.duplicate:
                 published.append((commit.events, commit.first_seq))
                 self.metrics.committed(commit.events)
-        await self.hub.publish_from_log(min(c[1] for c in published) - 1 if published else self.ledger.last_seq)
-        self.hub.publish(published, self.ledger.last_seq)
+        # Up to this group's own last sequence: groups behind it may have landed already, and
+        # are published when they are answered, in order.
+        last = flight.decided.last_seq
+        await self.hub.publish_from_log(min(c[1] for c in published) - 1 if published else last)
+        self.hub.publish(published, last)
         if flight.waiters:
             self.metrics.group_size.observe(len(flight.waiters))
         log.debug(

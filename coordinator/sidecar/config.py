@@ -15,6 +15,7 @@ from coordinator.http_serving import is_loopback
 from coordinator.ledger.ledger import Ledger, SubmitAll
 from coordinator.sidecar import admission
 from coordinator.sidecar import protocol as p
+from coordinator.sidecar.committer import APPENDS_IN_FLIGHT
 from coordinator.sidecar.credentials import Credentials, load_credentials
 from coordinator.sidecar.hub import DEFAULT_BUFFER
 from coordinator.tokens import TokenFileError
@@ -57,6 +58,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     """How often the sidecar folds what other writers (sidecars on the same log: the fleet case)
     appended into its state, so its lookups see their publications; 0: never (its own appends
     are safe either way: a group decided before another writer's append is decided again)."""
+    appends_in_flight: int = APPENDS_IN_FLIGHT
+    """Groups whose appends may travel at once on a log that takes several in flight (Kafka); a
+    SQL log takes one at a time whatever this says (coordinator/sidecar/committer.py)."""
     metrics_engine_labels: bool = True
     """Label per-engine gauges with each engine id; False: one series, engine="all", for every engine
     (engine ids can name tenants, and /metrics is often scraped by a shared Prometheus)."""
@@ -89,6 +93,8 @@ def check_config(config: ServeConfig) -> None:
     for name, address in (("--tcp", config.tcp), ("--http", config.http)):
         if address is not None and not config.allow_remote and not is_loopback(address[0]):
             raise ConfigError(f"{name} {address[0]} is not a loopback address; pass --allow-remote to listen on it")
+    if config.appends_in_flight < 1:
+        raise ConfigError(f"--appends-in-flight {config.appends_in_flight} is below 1")
     if config.max_frame < 1024:
         raise ConfigError(f"--max-frame {config.max_frame} is below 1024 bytes")
     if config.audit_tokens:

@@ -107,15 +107,18 @@ class DecisionHub:
         self.subscriptions.discard(subscription)
 
     def publish(self, commits: list[tuple[list[Event], int]], last_seq: int) -> None:
-        """After a commit: offer each subscription its decisions among (events, first_seq)."""
+        """After a commit: offer each subscription its decisions among (events, first_seq), those
+        after the last published sequence only: a commit that `publish_from_log` published
+        already (after a failed append, groups that landed behind it) is not offered twice."""
         if self.subscriptions:
             # The decisions among the events, found once (most commits hold none), then each
             # subscription's among them: not every event once per subscription.
+            published = self.last_seq
             found = [
                 (first + index, event)
                 for events, first in commits
                 for index, event in enumerate(events)
-                if isinstance(event, DECISION_TYPES)
+                if isinstance(event, DECISION_TYPES) and first + index > published
             ]
             if found:
                 engines = {event.engine_id for _, event in found}

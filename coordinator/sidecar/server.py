@@ -98,7 +98,7 @@ class Sidecar:
         """What the sidecar runs beside its connections (handed in: the CLI composes them)."""
         self.metrics = SidecarMetrics(lambda: ledger.state, engine_labels=config.metrics_engine_labels)
         self.hub = DecisionHub(ledger.log, ledger.codec, ledger.last_seq, config.subscriber_buffer)
-        self.committer = Committer(ledger, self.hub, self.metrics)
+        self.committer = Committer(ledger, self.hub, self.metrics, appends_in_flight=config.appends_in_flight)
         self.accepting = False
         self.draining = False
         self._in_flight = 0

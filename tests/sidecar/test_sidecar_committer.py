@@ -341,3 +341,38 @@ async def test_a_slow_snapshot_write_holds_up_no_step_through_the_committer(
                 await anyio.sleep(0.05)
             committer.close()
     assert answered_before_any_write, "a step waited for a snapshot write"
+
+
+async def test_a_commit_published_from_the_log_and_then_by_its_group_is_offered_to_workers_once(event_log: EventLog) -> None:
+    """After a failed append, the committer publishes from the log whatever landed; a group that
+    landed behind it (several in flight on Kafka) is then published again when it is answered:
+    each decision still reaches a worker once."""
+    from coordinator.core.commands import DeclareTier, FinishOwner, MarkComputed, StartStore
+    from coordinator.sidecar.hub import DecisionHub
+    from events import StoreJobStarted
+
+    ledger = await Ledger.open(event_log)
+    await ledger.execute(DeclareTier(spec=TIER_SPEC))
+    await ledger.execute(declaration("pod-a"))
+    started = await ledger.run_step("pod-a", 1, 1.0, [StartOwner(engine_id="pod-a", req_id="r")])
+    owner = next(e for e in started.events if isinstance(e, OwnerStarted)).owner_id
+    allocated = await ledger.run_step("pod-a", 2, 2.0, [AllocateBlocks(engine_id="pod-a", owner_id=owner, pool_id=0, count=2)])
+    blocks = next(e for e in allocated.events if isinstance(e, BlocksAllocated)).blocks
+    hub = DecisionHub(ledger.log, ledger.codec, ledger.last_seq, 100)
+    subscription = hub.register("pod-a", 0, ledger.last_seq)
+    stored = await ledger.run_step(
+        "pod-a",
+        3,
+        3.0,
+        [
+            MarkComputed(engine_id="pod-a", owner_id=owner, blocks=blocks, token_ids=list(range(2 * b.BLOCK))),
+            StartStore(engine_id="pod-a", tier=b.TIER, blocks=blocks),
+            FinishOwner(engine_id="pod-a", owner_id=owner),
+        ],
+    )
+    [job] = [e for e in stored.events if isinstance(e, StoreJobStarted)]
+    await hub.publish_from_log(stored.last_seq)  # what a failed group's answer publishes
+    hub.publish([(stored.events, stored.first_seq)], stored.last_seq)  # the group behind it, answered
+    with anyio.fail_after(5):
+        decisions = await subscription.live()
+    assert [decision.event for decision in decisions] == [job]
