@@ -599,24 +599,17 @@ class Indexer:
         rows.decisions.append((seq, "released", namespace, None, evicted, "", rationale))
 
     def _observed_blocks_stored(self, rows: AuditRows, event: ObservedBlocksStored, seq: int, engine: str) -> None:
-        by = event.engine_id
-        incarnation = event.incarnation
-        medium = event.medium
-        group = event.group
-        rank = event.dp_rank
-        source = event.source_seq
-        hashes = event.block_hashes
-        rows.observed += [(h, seq, "stored", by, incarnation, medium, group, rank, source) for h in dict.fromkeys(hashes)]
+        self._observed_blocks(rows, event, seq, "stored")
 
     def _observed_blocks_removed(self, rows: AuditRows, event: ObservedBlocksRemoved, seq: int, engine: str) -> None:
-        by = event.engine_id
-        incarnation = event.incarnation
-        medium = event.medium
-        group = event.group
-        rank = event.dp_rank
-        source = event.source_seq
-        hashes = event.block_hashes
-        rows.observed += [(h, seq, "removed", by, incarnation, medium, group, rank, source) for h in dict.fromkeys(hashes)]
+        self._observed_blocks(rows, event, seq, "removed")
+
+    @staticmethod
+    def _observed_blocks(rows: AuditRows, event: ObservedBlocksStored | ObservedBlocksRemoved, seq: int, kind: str) -> None:
+        """One row a distinct hash the observed engine stored or removed."""
+        by, incarnation, medium, group = event.engine_id, event.incarnation, event.medium, event.group
+        rank, source = event.dp_rank, event.source_seq
+        rows.observed += [(h, seq, kind, by, incarnation, medium, group, rank, source) for h in dict.fromkeys(event.block_hashes)]
 
     def _observed_cache_cleared(self, rows: AuditRows, event: ObservedCacheCleared, seq: int, engine: str) -> None:
         by = event.engine_id
