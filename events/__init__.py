@@ -56,12 +56,15 @@ from events._catalog import (
     TierDeclared,
     event_tag,
 )
-from events._codec import EventCodec, EventDecodeError, UnknownEventType, Upcaster
+from events._codec import EventCodec, EventDecodeError, UnknownEventType
 from events._envelope import Envelope
 from events._reasons import Reason
+from events._upcasts import Upcaster
 from events._values import (
     NULL_BLOCK_ID,
+    SCRATCH_BLOCK,
     BlockRef,
+    CopyBatch,
     CopyOp,
     NamespaceOutcome,
     NamespaceSpec,
@@ -78,6 +81,7 @@ __all__ = [
     "BlocksReleased",
     "BlocksReused",
     "ComputedBlock",
+    "CopyBatch",
     "CopyOp",
     "EVENT_TYPES",
     "EncoderEntryAllocated",
@@ -126,6 +130,7 @@ __all__ = [
     "Reason",
     "Refused",
     "Region",
+    "SCRATCH_BLOCK",
     "StateCopyPlanned",
     "StepBegan",
     "StepEnded",

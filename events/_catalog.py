@@ -12,7 +12,7 @@ from typing import ClassVar
 import msgspec
 
 from events._reasons import Reason
-from events._values import BlockRef, CopyOp, NamespaceOutcome, NamespaceSpec, PoolSpec, TierSpec
+from events._values import BlockRef, CopyBatch, NamespaceOutcome, NamespaceSpec, PoolSpec, TierSpec
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=False):
@@ -213,14 +213,19 @@ class LoadJobStarted(Event, frozen=True, tag="load_job_started", omit_defaults=T
 
 
 class StateCopyPlanned(Event, frozen=True, tag="state_copy_planned"):
-    """A decision: run `batches` in order; the copies inside one batch are independent (I15)."""
+    """A decision: run `batches` in order; the copies inside one batch are independent (I15).
+
+    v2 holds each batch in columns (CopyBatch); v1 held a list of CopyOps per batch and is
+    upcast when read (events._upcasts)."""
+
+    schema_version: ClassVar[int] = 2
 
     job_id: int
     engine_id: str
     incarnation: int
     pool_id: int
     world_size: int
-    batches: list[list[CopyOp]]
+    batches: list[CopyBatch]
     scratch_bytes: int
     blocks: list[BlockRef]
     """Every slot the plan reads or writes; pinned until the job ends."""

@@ -7,14 +7,12 @@ upcasters (type, from_version) -> from_version + 1 in order, then converts to th
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Union
 
 import msgspec
 
 from events._catalog import EVENT_TYPES, Event, event_tag
-
-Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+from events._upcasts import UPCASTERS, Upcaster
 
 
 class EventDecodeError(ValueError):
@@ -35,14 +33,15 @@ class UnknownEventType(EventDecodeError):
 
 
 class EventCodec:
-    """Encodes events to (tag, version, payload) and back; holds the upcaster registry."""
+    """Encodes events to (tag, version, payload) and back; holds the upcaster registry, which
+    starts with the upcasters of this code's own schema changes (events._upcasts.UPCASTERS)."""
 
     def __init__(self, event_types: tuple[type[Event], ...] = EVENT_TYPES) -> None:
         self._types: dict[str, type[Event]] = {event_tag(t): t for t in event_types}
         self._decoders = {tag: msgspec.msgpack.Decoder(t) for tag, t in self._types.items()}
         self._encoder = msgspec.msgpack.Encoder()
         self._untyped = msgspec.msgpack.Decoder(dict[str, Any])
-        self._upcasters: dict[tuple[str, int], Upcaster] = {}
+        self._upcasters: dict[tuple[str, int], Upcaster] = dict(UPCASTERS)
         self._all = msgspec.msgpack.Decoder(list[Union[event_types]])  # type: ignore[valid-type]  # noqa: UP007
         self._current = {f"{tag}@{t.schema_version}" for tag, t in self._types.items()}
         self._checked: dict[str, bool] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -100,3 +101,96 @@ class CopyOp(msgspec.Struct, frozen=True, array_like=True):
     dst: Region
     ordered: bool
     """True when src and dst overlap: the worker must copy with memmove semantics."""
+
+
+SCRATCH_BLOCK = -1
+"""The block id that names a copy plan's scratch area in a CopyBatch column (a Region whose
+block is None); its generation column holds 0."""
+
+
+class CopyBatch(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One batch of an ordered state-copy plan (I15), in columns: op k is entry k of every
+    column, all of one pool. `ops()` reads it back as CopyOps.
+
+    Columns, not a list of CopyOps: a worker reads a batch of 1,024 ops into numpy arrays in
+    about 90 us (np.array of each int list), where walking 1,024 CopyOps with their nested
+    Regions and BlockRefs took 450 us, as much as half the copy itself (ops/bench/copies.py,
+    issue 22). They are lists of ints rather than packed int64 bytes: bytes would read into numpy
+    for free (np.frombuffer, ~1 us a column) but are opaque in the JSON export and in any
+    reader's code, and cost 8 bytes an entry in the log where msgpack spends 1-3 on the small ids
+    and offsets of a plan (a 1,024-op batch: 15 KB as int lists, 57 KB as int64 bytes, 25 KB as
+    CopyOps); decoding one costs 90 us as lists, 330 us as CopyOps.
+
+    A scratch region has block SCRATCH_BLOCK (-1) and generation 0. One `length` serves both
+    sides: a copy's source and destination have the same size. Columns of unequal length are
+    refused when the batch is made or decoded (ValueError; msgspec.ValidationError on decode)."""
+
+    pool_id: int
+    src_block: list[int]
+    src_generation: list[int]
+    src_offset: list[int]
+    dst_block: list[int]
+    dst_generation: list[int]
+    dst_offset: list[int]
+    length: list[int]
+    ordered: list[bool]
+    """True when src and dst overlap: the worker must copy with memmove semantics."""
+
+    def __post_init__(self) -> None:
+        count = len(self.length)
+        columns = (self.src_block, self.src_generation, self.src_offset, self.dst_block, self.dst_generation, self.dst_offset)
+        if any(len(column) != count for column in columns) or len(self.ordered) != count:
+            sizes = ", ".join(f"{name} {len(getattr(self, name))}" for name in self.__struct_fields__[1:])
+            raise ValueError(f"a copy batch's columns differ in length: {sizes}")
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    @classmethod
+    def from_ops(cls, pool_id: int, ops: Sequence[CopyOp]) -> CopyBatch:
+        """Pack CopyOps of pool `pool_id`. ValueError for an op whose source and destination
+        differ in size, a block of another pool, or a block numbered SCRATCH_BLOCK: the columns
+        cannot say them."""
+        src_block: list[int] = []
+        src_generation: list[int] = []
+        src_offset: list[int] = []
+        dst_block: list[int] = []
+        dst_generation: list[int] = []
+        dst_offset: list[int] = []
+        for index, op in enumerate(ops):
+            if op.src.length != op.dst.length:
+                raise ValueError(f"op {index}: src has {op.src.length} bytes, dst {op.dst.length}")
+            for region, (block, generation, offset) in (
+                (op.src, (src_block, src_generation, src_offset)),
+                (op.dst, (dst_block, dst_generation, dst_offset)),
+            ):
+                ref = region.block
+                if ref is None:
+                    block.append(SCRATCH_BLOCK)
+                    generation.append(0)
+                else:
+                    if ref.pool_id != pool_id or ref.block_id == SCRATCH_BLOCK:
+                        raise ValueError(
+                            f"op {index} names block {ref.block_id} of pool {ref.pool_id}, in a batch of pool {pool_id}"
+                        )
+                    block.append(ref.block_id)
+                    generation.append(ref.generation)
+                offset.append(region.offset)
+        lengths = [op.src.length for op in ops]
+        ordered = [op.ordered for op in ops]
+        return cls(pool_id, src_block, src_generation, src_offset, dst_block, dst_generation, dst_offset, lengths, ordered)
+
+    def op(self, index: int) -> CopyOp:
+        """Op `index` as a CopyOp."""
+        return CopyOp(
+            self._region(self.src_block[index], self.src_generation[index], self.src_offset[index], self.length[index]),
+            self._region(self.dst_block[index], self.dst_generation[index], self.dst_offset[index], self.length[index]),
+            self.ordered[index],
+        )
+
+    def ops(self) -> list[CopyOp]:
+        """Every op as a CopyOp, in order (for the audit, descriptions and tests)."""
+        return [self.op(index) for index in range(len(self))]
+
+    def _region(self, block_id: int, generation: int, offset: int, length: int) -> Region:
+        return Region(None if block_id == SCRATCH_BLOCK else BlockRef(self.pool_id, block_id, generation), offset, length)

@@ -1,19 +1,20 @@
 """Ordered state copies on a device pool (I15): run a `plan_copies` plan on a real tensor.
 
 A batch of moves means *parallel assignment*: every move reads the content as it was before the
-batch. coordinator.core.copy_plan.plan_copies turns such a batch into ordered `batches` of CopyOps
-(chains in dependency order, cycles broken by a first batch that saves sources to scratch);
-this module executes that plan on a pool.
+batch. coordinator.core.copy_plan.plan_copies turns such a batch into ordered batches of CopyOps
+(chains in dependency order, cycles broken by a first batch that saves sources to scratch); the
+decider packs each batch into a CopyBatch, its ops in columns; this module executes such a plan
+(a sequence of CopyBatches) on a pool.
 
 A pool is a contiguous 2-D torch.uint8 tensor [num_blocks, bytes_per_block]; block 0 is the
 null block and is never read or written. A Region names bytes [offset, offset + length) of one
-block, or of the scratch buffer when its block is None. Scratch is a separate uint8 tensor of
+block, or of the scratch buffer when its block is None (SCRATCH_BLOCK in a CopyBatch). Scratch is a separate uint8 tensor of
 `scratch_bytes` on the pool's device, alive for one `execute_plan` call.
 
 Execution:
 
-* The whole plan is validated before any byte is written (block ids, null block, bounds, equal
-  src/dst lengths, one pool id, no two destinations of one batch overlapping), so a bad plan
+* The whole plan is validated before any byte is written (columns of equal length, block ids,
+  null block, bounds, one pool id, no two destinations of one batch overlapping), so a bad plan
   raises CopyError and leaves the pool untouched.
 * Batches run in order. Each batch is one gather and then one scatter: the byte ranges of
   all its sources and destinations are expanded into index arrays (no per-byte Python loop),
@@ -37,8 +38,9 @@ Execution:
   the batch is still read whole before it is written. That is the same copy, with fewer and
   wider indices, and a few odd shifts do not shrink every index of the batch.
 
-The plan's metadata is read once into numpy arrays on the host (the plan is host data), and
-validated there, vectorised. On the CPU the copies themselves are numpy fancy indexing on a view
+The plan's metadata is read once into numpy arrays on the host (the plan is host data): each
+column of a CopyBatch is one np.array call, with no walk over per-op objects (that walk was half
+the time of a 1,024-op batch, ops/bench/copies.py); it is validated there, vectorised. On the CPU the copies themselves are numpy fancy indexing on a view
 of the pool's memory: one memcpy a row, where torch's CPU index_select/index_copy_ go element by
 element and ran 3-9x slower (ops/bench/copies.py). On CUDA they are torch index_select and
 index_copy_, and only per-op starts and counts go to the device, where they are expanded; this
@@ -50,15 +52,14 @@ index metadata.
 from __future__ import annotations
 
 import math
-import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import cast
 
 import numpy as np
 import torch
 
 from coordinator.core.copy_plan import PlannedMove, overlapping_destinations, plan_copies
-from events import BlockRef, CopyOp, Region
+from events import SCRATCH_BLOCK, BlockRef, CopyBatch, CopyOp, Region
 
 __all__ = ["CopyError", "apply_moves", "execute_plan", "validate_plan"]
 
@@ -68,8 +69,11 @@ _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
 
 class CopyError(ValueError):
     """A plan this pool cannot run. `reason` is a stable string: bad_pool, bad_scratch,
-    null_block, unknown_block, out_of_bounds, size_mismatch, mixed_pools, wrong_pool,
-    overlapping_destinations. `batch` and `op` locate the offending op when there is one."""
+    null_block, unknown_block, out_of_bounds, mixed_pools, wrong_pool, overlapping_destinations,
+    ragged_batch (a CopyBatch whose columns were changed to unequal lengths after it was made).
+    `batch` and `op` locate the offending op when there is one. A copy's two sizes can no longer
+    differ (size_mismatch): a CopyBatch has one length column, and CopyBatch.from_ops refuses
+    CopyOps whose sizes differ."""
 
     def __init__(self, reason: str, message: str, *, batch: int | None = None, op: int | None = None) -> None:
         super().__init__(message)
@@ -104,18 +108,9 @@ class _Batch:
         self.disjoint = disjoint
 
 
-_SRC = operator.attrgetter("src")
-_DST = operator.attrgetter("dst")
-_BLOCK = operator.attrgetter("block")
-_OFFSET = operator.attrgetter("offset")
-_LENGTH = operator.attrgetter("length")
-_BLOCK_ID = operator.attrgetter("block_id")
-_POOL_ID = operator.attrgetter("pool_id")
-
-
-def _ints(values: Iterable[int], count: int) -> np.ndarray:
-    """Python ints as an int64 array. OverflowError for a value outside int64."""
-    return np.fromiter(values, dtype=np.int64, count=count)
+def _ints(values: list[int]) -> np.ndarray:
+    """A column of Python ints as an int64 array. OverflowError for a value outside int64."""
+    return np.array(values, dtype=np.int64)
 
 
 def _check_pool(pool: torch.Tensor) -> None:
@@ -153,11 +148,9 @@ def _describe(op: CopyOp) -> str:
     return f"{name(op.src)}[{op.src.offset}:+{op.src.length}] -> {name(op.dst)}[{op.dst.offset}:+{op.dst.length}]"
 
 
-def _first_problem(
-    batch_index: int, batch: Sequence[CopyOp], num_blocks: int, bytes_per_block: int, scratch_bytes: int
-) -> CopyError:
+def _first_problem(batch_index: int, batch: CopyBatch, num_blocks: int, bytes_per_block: int, scratch_bytes: int) -> CopyError:
     """The error for the first bad op of a batch the vectorised check rejected."""
-    for index, op in enumerate(batch):
+    for index, op in enumerate(batch.ops()):
         for side, region in (("src", op.src), ("dst", op.dst)):
             problem = _region_problem(region, num_blocks, bytes_per_block, scratch_bytes)
             if problem is not None:
@@ -168,45 +161,41 @@ def _first_problem(
                     batch=batch_index,
                     op=index,
                 )
-        if op.src.length != op.dst.length:
-            return CopyError(
-                "size_mismatch",
-                f"batch {batch_index} op {index} ({_describe(op)}): src has {op.src.length} bytes, dst {op.dst.length}",
-                batch=batch_index,
-                op=index,
-            )
     raise AssertionError("the vectorised check and the per-op check disagree")  # pragma: no cover
 
 
 def _extract(
     batch_index: int,
-    batch: Sequence[CopyOp],
+    batch: CopyBatch,
     num_blocks: int,
     bytes_per_block: int,
     scratch_bytes: int,
     pool_ids: set[int],
     check_overlap: bool = True,
 ) -> _Batch:
-    """Check one batch and turn it into unified byte addresses. The ops' fields are read
-    once (attrgetters mapped over the regions, straight into numpy); every check after that is
-    vectorised over the batch. The per-op walk (_first_problem) only runs to name the culprit
-    once a check failed."""
-    n = len(batch)
-    regions = list(map(_SRC, batch))
-    regions += map(_DST, batch)
-    refs = list(map(_BLOCK, regions))
-    has_scratch = None in refs
+    """Check one batch and turn it into unified byte addresses. The batch's columns are read
+    straight into numpy (src and dst side by side: entry k and n + k are op k's two regions);
+    every check after that is vectorised over the batch. The per-op walk (_first_problem) only
+    runs to name the culprit once a check failed."""
+    n = len(batch.length)
+    sizes = {len(batch.src_block), len(batch.dst_block), len(batch.src_offset), len(batch.dst_offset), n}
+    if len(sizes) > 1:
+        # A CopyBatch refuses ragged columns when it is made; this is one changed since.
+        raise CopyError(
+            "ragged_batch",
+            f"batch {batch_index}: its columns differ in length (src_block {len(batch.src_block)}, dst_block "
+            f"{len(batch.dst_block)}, src_offset {len(batch.src_offset)}, dst_offset {len(batch.dst_offset)}, length {n})",
+            batch=batch_index,
+        )
     try:
-        offsets = _ints(map(_OFFSET, regions), 2 * n)
-        lengths = _ints(map(_LENGTH, regions), 2 * n)
-        if has_scratch:
-            scratch: np.ndarray | None = np.fromiter((b is None for b in refs), dtype=bool, count=2 * n)
-            ids = _ints((-1 if b is None else b.block_id for b in refs), 2 * n)
-        else:
-            scratch = None
-            ids = _ints(map(_BLOCK_ID, refs), 2 * n)
+        ids = _ints(batch.src_block + batch.dst_block)
+        offsets = _ints(batch.src_offset + batch.dst_offset)
+        length = _ints(batch.length)
     except OverflowError:
         raise _first_problem(batch_index, batch, num_blocks, bytes_per_block, scratch_bytes) from None
+    lengths = np.concatenate((length, length))
+    is_scratch = ids == SCRATCH_BLOCK
+    scratch = is_scratch if is_scratch.any() else None
     if scratch is None:
         limit: np.ndarray | int = bytes_per_block
         in_range = (ids > 0) & (ids < num_blocks)
@@ -215,9 +204,9 @@ def _extract(
         in_range = scratch | ((ids > 0) & (ids < num_blocks))
     # offsets and lengths are each checked against the limit first, so their sum cannot wrap.
     bad = ~in_range | (lengths <= 0) | (offsets < 0) | (offsets > limit) | (lengths > limit)
-    if bad.any() or (offsets + lengths > limit).any() or not np.array_equal(lengths[:n], lengths[n:]):
+    if bad.any() or (offsets + lengths > limit).any():
         raise _first_problem(batch_index, batch, num_blocks, bytes_per_block, scratch_bytes)
-    pool_ids.update(map(_POOL_ID, (b for b in refs if b is not None) if has_scratch else refs))
+    pool_ids.add(batch.pool_id)
     if len(pool_ids) > 1:
         raise CopyError(
             "mixed_pools",
@@ -240,7 +229,7 @@ def _extract(
         a, b = sorted((int(order[k]), int(order[k + 1])))
         raise CopyError(
             "overlapping_destinations",
-            f"batch {batch_index} ops {a} ({_describe(batch[a])}) and {b} ({_describe(batch[b])}) write the same bytes",
+            f"batch {batch_index} ops {a} ({_describe(batch.op(a))}) and {b} ({_describe(batch.op(b))}) write the same bytes",
             batch=batch_index,
             op=b,
         )
@@ -255,7 +244,7 @@ def _extract(
 
 def _validate(
     pool: torch.Tensor,
-    batches: Sequence[Sequence[CopyOp]],
+    batches: Sequence[CopyBatch],
     scratch_bytes: int,
     *,
     pool_id: int | None = None,
@@ -276,9 +265,7 @@ def _validate(
     return checked
 
 
-def validate_plan(
-    pool: torch.Tensor, batches: Sequence[Sequence[CopyOp]], scratch_bytes: int, *, pool_id: int | None = None
-) -> None:
+def validate_plan(pool: torch.Tensor, batches: Sequence[CopyBatch], scratch_bytes: int, *, pool_id: int | None = None) -> None:
     """Raise CopyError if `pool` cannot run the plan; checks everything, writes nothing.
     With `pool_id`, every block the plan names must belong to that pool."""
     _validate(pool, batches, scratch_bytes, pool_id=pool_id)
@@ -509,9 +496,7 @@ def _run_batch(flat: torch.Tensor, scratch: torch.Tensor | None, batch: _Batch, 
         _scatter(batch, group, flat.numel())
 
 
-def execute_plan(
-    pool: torch.Tensor, batches: Sequence[Sequence[CopyOp]], scratch_bytes: int, *, pool_id: int | None = None
-) -> None:
+def execute_plan(pool: torch.Tensor, batches: Sequence[CopyBatch], scratch_bytes: int, *, pool_id: int | None = None) -> None:
     """Validate the whole plan (with `pool_id`: also that it names only that pool), then run
     its batches in order, each as one gather + one scatter on `pool.view(-1)` (see the module
     docstring). On CUDA, runs on the current stream."""
@@ -533,12 +518,26 @@ def apply_moves(pool: torch.Tensor, moves: Sequence[tuple[BlockRef, int, BlockRe
         for src, src_offset, dst, dst_offset, length in moves
     ]
     # Check the moves themselves first: the planner drops exact self-copies, which must not
-    # hide a bad block or bound.
-    _validate(pool, [[CopyOp(m.src, m.dst, False) for m in planned]], 0, check_overlap=False)
+    # hide a bad block or bound. Packed in one CopyBatch, they must be of one pool and name no
+    # block SCRATCH_BLOCK (which a column reads as scratch).
+    pool_ids = set()
+    for index, (src, _, dst, _, _) in enumerate(moves):
+        for side, ref in (("src", src), ("dst", dst)):
+            pool_ids.add(ref.pool_id)
+            if ref.block_id == SCRATCH_BLOCK:
+                raise CopyError(
+                    "unknown_block",
+                    f"move {index}: {side} block {ref.block_id}, not in a pool of {pool.shape[0]} blocks",
+                    op=index,
+                )
+    if len(pool_ids) > 1:
+        raise CopyError("mixed_pools", f"the moves name pools {sorted(pool_ids)}; one tensor is one pool")
+    pool_id = pool_ids.pop() if pool_ids else 0
+    _validate(pool, [CopyBatch.from_ops(pool_id, [CopyOp(m.src, m.dst, False) for m in planned])], 0, check_overlap=False)
     clash = overlapping_destinations(planned)
     if clash is not None:
         first, second = clash
         raise CopyError("overlapping_destinations", f"moves {first} and {second} write the same bytes", op=second)
-    batches, scratch_bytes = plan_copies(planned)
-    execute_plan(pool, batches, scratch_bytes)
-    return len(batches), scratch_bytes
+    plan, scratch_bytes = plan_copies(planned)
+    execute_plan(pool, [CopyBatch.from_ops(pool_id, ops) for ops in plan], scratch_bytes)
+    return len(plan), scratch_bytes

@@ -252,7 +252,7 @@ class BlockChecks(Checks):
         engine = self.state.engines.get(event.engine_id)
         for ref in event.blocks:
             self._current(at, engine, ref, "copies")
-        for problem in copy_plan_problems(event.batches):
+        for problem in copy_plan_problems([batch.ops() for batch in event.batches]):
             self._flag("I15", at, problem)
         self._started(
             event.job_id,

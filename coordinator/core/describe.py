@@ -76,7 +76,7 @@ def describe(event: Event) -> str:
         case LoadJobStarted(job_id=job_id, items=items, lease_expires_at=expiry):
             return f"load job {job_id}: into {_blocks([i.dest for i in items])}, lease to t={expiry:g}"
         case StateCopyPlanned(job_id=job_id, batches=batches, scratch_bytes=scratch):
-            ordered = sum(op.ordered for batch in batches for op in batch)
+            ordered = sum(sum(batch.ordered) for batch in batches)
             return f"copy job {job_id}: {len(batches)} batches, {ordered} ordered, {scratch} B scratch"
         case RankReported(job_id=job_id, rank=rank, ok=ok):
             return f"job {job_id} rank {rank} {'ok' if ok else 'FAILED'}"

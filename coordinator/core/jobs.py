@@ -20,6 +20,7 @@ from coordinator.core.tier_slots import reserve_tier_slots
 from events import (
     NULL_BLOCK_ID,
     BlockRef,
+    CopyBatch,
     CopyOp,
     Event,
     FencedRankDone,
@@ -338,9 +339,10 @@ def _plan_state_copy(state: State, command: PlanStateCopy) -> list[Event]:
     if is_off(Protection.ORDERED_COPIES):
         # The naive executor of seed 000: each move in the order given, reading what earlier
         # moves wrote, no scratch.
-        batches, scratch = [[CopyOp(m.src, m.dst, False)] for m in planned if m.src != m.dst], 0
+        plan, scratch = [[CopyOp(m.src, m.dst, False)] for m in planned if m.src != m.dst], 0
     else:
-        batches, scratch = plan_copies(planned)
+        plan, scratch = plan_copies(planned)
+    batches = [CopyBatch.from_ops(pool.spec.pool_id, ops) for ops in plan]
     job_id = state.next_job_id
     events: list[Event] = [
         StateCopyPlanned(

@@ -329,11 +329,11 @@ class State(msgspec.Struct, kw_only=True):
     """How many events have been folded in."""
 
 
-SNAPSHOT_SCHEMA_VERSION = 6
+SNAPSHOT_SCHEMA_VERSION = 7
 """Snapshots of another version are not decoded: recovery replays the log instead (a snapshot is a
 cache, always rebuildable), and verify does not compare them with a replay.
 
-v6 stores a tier's published keys in columns (TierState: per-slot lists, a key -> slot dict, the
+v7: a copy job in flight holds its StateCopyPlanned v2 (each batch a CopyBatch of columns). v6 stores a tier's published keys in columns (TierState: per-slot lists, a key -> slot dict, the
 LRU as a dict of slots; issue 22), where v5 held a KeyEntry per key and a PublishedRef per LRU
 place. v5 folds a new incarnation's declaration as starting its steps and clock afresh (issue 17):
 a v4 snapshot's engines could hold the old incarnation's step. v4 packs a key's checksums in one

@@ -483,7 +483,7 @@ def check_against_oracle(planned: StateCopyPlanned, moves: list[Move], contents:
     parallel_assignment_on_bytes(expected, [(m.src, m.src_offset, m.dst, m.dst_offset, m.length) for m in moves])
     for reverse in (False, True):
         actual = {k: bytearray(v) for k, v in contents.items()}
-        run_plan_on_bytes(actual, planned.batches, planned.scratch_bytes, reverse=reverse)
+        run_plan_on_bytes(actual, [batch.ops() for batch in planned.batches], planned.scratch_bytes, reverse=reverse)
         assert actual == expected
 
 
@@ -522,7 +522,7 @@ def test_I15_shift_inside_one_block_is_a_memmove() -> None:
         core, (a,), contents = copy_setup(1)
         moves = [Move(a, src_offset, a, dst_offset, 40)]
         planned = plan(core, moves)
-        [[op]] = planned.batches
+        [[op]] = [batch.ops() for batch in planned.batches]
         assert op.ordered
         check_against_oracle(planned, moves, contents)
         assert replay_matches(core)
@@ -534,7 +534,7 @@ def test_I15_disjoint_copies_stay_in_one_batch() -> None:
     moves = [Move(a, 0, b, 0, 64), Move(c, 0, d, 32, 32)]
     planned = plan(core, moves)
     assert len(planned.batches) == 1 and len(planned.batches[0]) == 2
-    assert planned.scratch_bytes == 0 and not any(op.ordered for op in planned.batches[0])
+    assert planned.scratch_bytes == 0 and not any(planned.batches[0].ordered)
     check_against_oracle(planned, moves, contents)
     for rank in range(2):
         ok(core.execute(ReportRank(job_id=planned.job_id, rank=rank, ok=True)))

@@ -10,13 +10,14 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+import msgspec
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.core.copy_plan import PlannedMove, overlapping_destinations, plan_copies
-from events import BlockRef, CopyOp, Region
+from events import SCRATCH_BLOCK, BlockRef, CopyBatch, CopyOp, Region
 from gpu import copies
 from gpu.copies import CopyError, apply_moves, execute_plan, validate_plan
 
@@ -33,6 +34,11 @@ def _ref(block_id: int) -> BlockRef:
 
 def _move(src: int, src_off: int, dst: int, dst_off: int, length: int) -> Move:
     return (_ref(src), src_off, _ref(dst), dst_off, length)
+
+
+def _plan(*batches: list[CopyOp], pool_id: int = POOL_ID) -> list[CopyBatch]:
+    """A plan of hand-written batches, packed as the decider packs the planner's."""
+    return [CopyBatch.from_ops(pool_id, ops) for ops in batches]
 
 
 def _pool(num_blocks: int = NUM_BLOCKS, block: int = BLOCK, seed: int = 0, device: str = "cpu") -> torch.Tensor:
@@ -222,7 +228,7 @@ def test_I15_execute_plan_of_the_planner_equals_parallel_assignment(moves: list[
     pool = _pool(seed=1)
     original = pool.clone()
     batches, scratch = plan_copies([PlannedMove(Region(s, so, n), Region(d, do, n)) for s, so, d, do, n in moves])
-    execute_plan(pool, batches, scratch)
+    execute_plan(pool, _plan(*batches), scratch)
     assert torch.equal(pool, _expected(original, moves))
 
 
@@ -234,7 +240,7 @@ def test_plan_reading_and_writing_scratch_in_one_batch() -> None:
     pool = _pool()
     original = pool.clone()
     a, b = _ref(1), _ref(2)
-    batches = [
+    batches = _plan(
         [CopyOp(Region(a, 0, 16), Region(None, 0, 16), False), CopyOp(Region(b, 0, 16), Region(None, 16, 16), False)],
         # scratch[0:16] -> scratch[16:32] while scratch[16:32] -> block 3 and block 1 -> block 4
         [
@@ -243,7 +249,7 @@ def test_plan_reading_and_writing_scratch_in_one_batch() -> None:
             CopyOp(Region(a, 32, 16), Region(_ref(4), 8, 16), False),
         ],
         [CopyOp(Region(None, 16, 16), Region(_ref(5), 48, 16), False)],
-    ]
+    )
     execute_plan(pool, batches, 32)
     expected = original.clone()
     expected[3, 0:16] = original[2, 0:16]
@@ -258,12 +264,12 @@ def test_a_batch_is_itself_a_parallel_assignment() -> None:
     original = pool.clone()
     execute_plan(
         pool,
-        [
+        _plan(
             [
                 CopyOp(Region(_ref(1), 0, 8), Region(_ref(2), 0, 8), False),
                 CopyOp(Region(_ref(2), 0, 8), Region(_ref(3), 0, 8), False),
             ]
-        ],
+        ),
         0,
     )
     expected = original.clone()
@@ -281,7 +287,7 @@ def test_a_batch_larger_than_a_chunk_with_a_chain_inside_is_still_a_parallel_ass
     pool = _pool(num_blocks=count + 2, block=block, seed=5)
     original = pool.clone()
     batch = [CopyOp(Region(_ref(i), 0, block), Region(_ref(i + 1), 0, block), False) for i in range(1, count + 1)]
-    execute_plan(pool, [batch], 0)
+    execute_plan(pool, _plan(batch), 0)
     expected = original.clone()
     expected[2 : count + 2] = original[1 : count + 1]
     assert torch.equal(pool, expected)
@@ -324,7 +330,7 @@ def test_a_batch_is_disjoint_only_when_no_op_reads_what_any_op_writes(second_src
         CopyOp(Region(_ref(3), 0, 8), Region(_ref(2), 16, 8), False),
         CopyOp(second_src, Region(_ref(1), 0, 8), second_src.block == _ref(1)),
     ]
-    (checked,) = copies._validate(pool, [batch], 0)
+    (checked,) = copies._validate(pool, _plan(batch), 0)
     assert checked.disjoint is disjoint
 
 
@@ -341,21 +347,27 @@ def _good_op() -> CopyOp:
         (CopyOp(Region(_ref(0), 0, 8), Region(_ref(2), 8, 8), False), "null_block", "block 0"),
         (CopyOp(Region(_ref(1), 0, 8), Region(_ref(0), 0, 8), False), "null_block", "block 0"),
         (CopyOp(Region(_ref(NUM_BLOCKS), 0, 8), Region(_ref(2), 8, 8), False), "unknown_block", f"block {NUM_BLOCKS}"),
-        (CopyOp(Region(_ref(1), 0, 8), Region(_ref(-1), 0, 8), False), "unknown_block", "block -1"),
+        (CopyOp(Region(_ref(1), 0, 8), Region(_ref(-2), 0, 8), False), "unknown_block", "block -2"),
         (CopyOp(Region(_ref(1), BLOCK - 4, 8), Region(_ref(2), 8, 8), False), "out_of_bounds", "block 1"),
         (CopyOp(Region(_ref(1), -1, 8), Region(_ref(2), 8, 8), False), "out_of_bounds", "block 1"),
         (CopyOp(Region(_ref(1), 0, 0), Region(_ref(2), 8, 0), False), "out_of_bounds", "block 1"),
         (CopyOp(Region(_ref(1), 0, 8), Region(None, 0, 8), False), "out_of_bounds", "scratch"),
-        (CopyOp(Region(_ref(1), 0, 8), Region(_ref(3), 0, 9), False), "size_mismatch", "block 3"),
         (CopyOp(Region(_ref(1), 0, 8), Region(_ref(5), 4, 8), False), "overlapping_destinations", "block 5"),
-        (CopyOp(Region(BlockRef(POOL_ID + 1, 4, 1), 0, 8), Region(_ref(3), 0, 8), False), "mixed_pools", "pools"),
+        (
+            CopyOp(Region(BlockRef(POOL_ID + 1, 4, 1), 0, 8), Region(BlockRef(POOL_ID + 1, 3, 1), 0, 8), False),
+            "mixed_pools",
+            "pools",
+        ),
     ],
 )
 def test_bad_plan_raises_and_changes_nothing(bad: CopyOp, reason: str, needle: str) -> None:
     pool = _pool()
     original = pool.clone()
-    # The bad op sits in the LAST batch: earlier, valid batches must not have run either.
-    batches = [[_good_op()], [CopyOp(Region(_ref(4), 0, 8), Region(_ref(5), 0, 8), False), bad]]
+    # The bad op sits in the LAST batch: earlier, valid batches must not have run either. A
+    # batch is of one pool: the op of another pool makes a batch of its own pool.
+    pool_id = POOL_ID if bad.src.block is None else bad.src.block.pool_id
+    neighbour = CopyOp(Region(BlockRef(pool_id, 4, 1), 0, 8), Region(BlockRef(pool_id, 5, 1), 0, 8), False)
+    batches = [*_plan([_good_op()]), CopyBatch.from_ops(pool_id, [neighbour, bad])]
     with pytest.raises(CopyError) as caught:
         validate_plan(pool, batches, 0)
     assert caught.value.reason == reason
@@ -380,6 +392,8 @@ def test_bad_plan_raises_and_changes_nothing(bad: CopyOp, reason: str, needle: s
         ([_move(0, 0, 0, 0, 8)], "null_block"),  # an exact self-copy does not hide a bad block
         ([_move(1, 0, 2, 0, 8), _move(3, 0, 2, 4, 8)], "overlapping_destinations"),
         ([_move(1, 0, 2, 0, 8), _move(2, 0, 1, 0, 8), _move(3, 0, 3, 2, 8), _move(4, 0, 3, 9, 4)], "overlapping_destinations"),
+        ([_move(1, 0, SCRATCH_BLOCK, 0, 8)], "unknown_block"),  # -1 would read as scratch once packed
+        ([_move(1, 0, 2, 0, 8), (BlockRef(POOL_ID + 1, 3, 1), 0, _ref(4), 0, 8)], "mixed_pools"),
     ],
 )
 def test_bad_moves_raise_and_change_nothing(moves: list[Move], reason: str) -> None:
@@ -392,7 +406,7 @@ def test_bad_moves_raise_and_change_nothing(moves: list[Move], reason: str) -> N
 
 
 def test_bad_pools_and_scratch_are_refused() -> None:
-    ok = [[_good_op()]]
+    ok = _plan([_good_op()])
     for pool in (
         torch.zeros(NUM_BLOCKS, BLOCK, dtype=torch.int16),
         torch.zeros(NUM_BLOCKS * BLOCK, dtype=torch.uint8),
@@ -409,11 +423,57 @@ def test_bad_pools_and_scratch_are_refused() -> None:
 def test_a_plan_for_another_pool_is_refused() -> None:
     pool = _pool()
     original = pool.clone()
-    validate_plan(pool, [[_good_op()]], 0, pool_id=POOL_ID)
+    validate_plan(pool, _plan([_good_op()]), 0, pool_id=POOL_ID)
     with pytest.raises(CopyError) as caught:
-        execute_plan(pool, [[_good_op()]], 0, pool_id=POOL_ID + 1)
+        execute_plan(pool, _plan([_good_op()]), 0, pool_id=POOL_ID + 1)
     assert caught.value.reason == "wrong_pool"
     assert torch.equal(pool, original)
+
+
+def test_a_batch_whose_columns_were_made_ragged_is_refused() -> None:
+    """A CopyBatch refuses columns of unequal length when made or decoded; a column changed
+    afterwards (the lists are lists) is refused by the executor before anything is written."""
+    columns = ([1], [1], [0], [2], [1], [0], [8], [False])
+    with pytest.raises(ValueError, match="differ in length"):
+        CopyBatch(POOL_ID, *columns[:6], [8, 8], [False])
+    encoded = msgspec.msgpack.encode([POOL_ID, *columns[:5], [0, 8], [8], [False]])
+    with pytest.raises(msgspec.ValidationError, match="differ in length"):
+        msgspec.msgpack.decode(encoded, type=CopyBatch)
+    pool = _pool()
+    original = pool.clone()
+    batch = CopyBatch(POOL_ID, *columns)
+    batch.dst_offset.append(16)
+    with pytest.raises(CopyError) as caught:
+        execute_plan(pool, [*_plan([_good_op()]), batch], 0)
+    assert caught.value.reason == "ragged_batch" and caught.value.batch == 1
+    assert "dst_offset 2" in str(caught.value)
+    assert torch.equal(pool, original)
+
+
+def test_a_copy_batch_refuses_ops_its_columns_cannot_say() -> None:
+    """One length column, one pool, and block -1 means scratch: ops that say otherwise are
+    refused when packed (the executor's old size_mismatch and in-batch mixed_pools)."""
+    for bad, needle in (
+        (CopyOp(Region(_ref(1), 0, 8), Region(_ref(3), 0, 9), False), "src has 8 bytes, dst 9"),
+        (CopyOp(Region(BlockRef(POOL_ID + 1, 4, 1), 0, 8), Region(_ref(3), 0, 8), False), f"pool {POOL_ID + 1}"),
+        (CopyOp(Region(_ref(1), 0, 8), Region(_ref(SCRATCH_BLOCK), 0, 8), False), "block -1"),
+    ):
+        with pytest.raises(ValueError, match="op 1") as caught:
+            CopyBatch.from_ops(POOL_ID, [_good_op(), bad])
+        assert needle in str(caught.value)
+
+
+def test_a_copy_batch_reads_back_the_ops_it_was_made_of() -> None:
+    ops = [
+        CopyOp(Region(BlockRef(POOL_ID, 1, 7), 8, 16), Region(None, 32, 16), False),
+        CopyOp(Region(None, 0, 4), Region(BlockRef(POOL_ID, 2, 9), 60, 4), False),
+        CopyOp(Region(BlockRef(POOL_ID, 3, 2), 0, 48), Region(BlockRef(POOL_ID, 3, 2), 8, 48), True),
+    ]
+    batch = CopyBatch.from_ops(POOL_ID, ops)
+    assert len(batch) == 3 and batch.ops() == ops and batch.op(1) == ops[1]
+    assert batch.src_block == [1, SCRATCH_BLOCK, 3] and batch.dst_generation == [0, 9, 2] and batch.length == [16, 4, 48]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=CopyBatch) == batch
+    assert not CopyBatch.from_ops(POOL_ID, [])
 
 
 def test_copy_error_is_a_value_error() -> None:

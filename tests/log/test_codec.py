@@ -110,3 +110,50 @@ def test_every_event_type_is_in_the_union_that_messages_carry() -> None:
     from events import EVENT_TYPES, AnyEvent
 
     assert set(typing.get_args(AnyEvent)) == set(EVENT_TYPES)
+
+
+_V1_COPY_PLAN = bytes.fromhex(
+    "8aa474797065b273746174655f636f70795f706c616e6e6564a66a6f625f696401a9656e67696e655f6964a8656e67696e652d61ab696e63"
+    "61726e6174696f6e01a7706f6f6c5f696400aa776f726c645f73697a6502a7626174636865739491939393000101002093c00020c2919393"
+    "93000301001093930003010810c391939393000201002093930001010020c2919393c0002093930002010020c2ad736372617463685f6279"
+    "74657320a6626c6f636b7393930001019300020193000301ac64657374696e6174696f6e7393930002019300010193000301"
+)
+"""A StateCopyPlanned v1 payload (batches as lists of CopyOps), written by kvledger at 3f29064
+for the plan of `_copy_plan_now`: a swap of blocks 1 and 2 through 32 bytes of scratch and
+a shift inside block 3."""
+
+
+def _copy_plan_now() -> events.StateCopyPlanned:
+    from coordinator.core.commands import Move, PlanStateCopy
+
+    core = b.new_core([b.attention_pool(), b.state_pool()])
+    b.begin(core)
+    x, y, z = b.allocate(core, b.owner(core), 3)
+    moves = [Move(x, 0, y, 0, 32), Move(y, 0, x, 0, 32), Move(z, 0, z, 8, 16)]
+    plan = core.execute(PlanStateCopy(engine_id=b.ENGINE, pool_id=0, moves=moves))[0]
+    assert isinstance(plan, events.StateCopyPlanned)
+    return plan
+
+
+def test_a_v1_copy_plan_is_upcast_to_columns() -> None:
+    """An old log still replays: the v1 event reads as the v2 event this code decides for the
+    same moves (each batch a CopyBatch; scratch as block SCRATCH_BLOCK)."""
+    codec = EventCodec()
+    assert not codec.all_current("state_copy_planned@1")  # a step holding it skips the fast path
+    decoded = codec.decode("state_copy_planned", 1, _V1_COPY_PLAN, position=5)
+    assert decoded == _copy_plan_now()
+    assert isinstance(decoded, events.StateCopyPlanned)
+    assert [batch.src_block for batch in decoded.batches] == [[1], [3], [2], [events.SCRATCH_BLOCK]]
+    assert decoded.batches[1].ordered == [True] and decoded.scratch_bytes == 32
+    assert codec.decode(*codec.encode(decoded)) == decoded
+
+
+def test_a_v1_copy_plan_its_columns_cannot_say_is_corrupt() -> None:
+    """Ops of unequal sizes, or of another pool than the event's: the decider never wrote them,
+    and the upcaster refuses them rather than guess."""
+    old = msgspec.msgpack.decode(_V1_COPY_PLAN)
+    resized = {**old, "batches": [[[[[0, 1, 1], 0, 32], [None, 0, 16], False]]]}
+    moved = {**old, "batches": [[[[[1, 1, 1], 0, 32], [None, 0, 32], False]]]}
+    for fields, needle in ((resized, "src has 32 bytes, dst 16"), (moved, "leaves pool 0")):
+        with pytest.raises(EventDecodeError, match=needle):
+            EventCodec().decode("state_copy_planned", 1, msgspec.msgpack.encode(fields), position=8)

@@ -68,8 +68,8 @@ def test_each_scenario_bites_with_its_protection_off_and_is_prevented_with_it_on
     if scenario.protection == Protection.ORDERED_COPIES:
         [plan_on] = [e for e in events_on if isinstance(e, StateCopyPlanned)]
         [plan_off] = [e for e in events_off if isinstance(e, StateCopyPlanned)]
-        written_on = [op.dst.block for batch in plan_on.batches for op in batch]
-        written_off = [op.dst.block for batch in plan_off.batches for op in batch]
+        written_on = [op.dst.block for batch in plan_on.batches for op in batch.ops()]
+        written_off = [op.dst.block for batch in plan_off.batches for op in batch.ops()]
         # Off runs the moves as given (b := a, then c := b); on orders the reader first (c := b).
         assert [len(batch) for batch in plan_on.batches] == [1, 1] and plan_on.scratch_bytes == 0
         assert written_on == list(reversed(written_off)) and written_off == plan_off.destinations
