@@ -112,14 +112,14 @@ class CopyBatch(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """One batch of an ordered state-copy plan (I15), in columns: op k is entry k of every
     column, all of one pool. `ops()` reads it back as CopyOps.
 
-    Columns, not a list of CopyOps: a worker reads a batch of 1,024 ops into numpy arrays in
-    about 90 us (np.array of each int list), where walking 1,024 CopyOps with their nested
-    Regions and BlockRefs took 450 us, as much as half the copy itself (ops/bench/copies.py,
-    issue 22). They are lists of ints rather than packed int64 bytes: bytes would read into numpy
-    for free (np.frombuffer, ~1 us a column) but are opaque in the JSON export and in any
-    reader's code, and cost 8 bytes an entry in the log where msgpack spends 1-3 on the small ids
-    and offsets of a plan (a 1,024-op batch: 15 KB as int lists, 57 KB as int64 bytes, 25 KB as
-    CopyOps); decoding one costs 90 us as lists, 330 us as CopyOps.
+    Columns, not a list of CopyOps (issue 22): a worker checks a 1,024-op batch in 0.15-0.17 ms
+    reading columns, 0.45 ms reading CopyOps with their nested Regions and BlockRefs, a third of
+    the copy itself (ops/bench/copies.py, half-block segments). The columns are int lists, not
+    packed int64 bytes: bytes would read into numpy for nothing (np.frombuffer: 5 us for the
+    five columns a worker reads, lists 90 us), but are opaque in the JSON export and to any
+    reader's code, and cost 8 bytes an entry in the log where msgpack spends 1-3 on a plan's
+    small ids and offsets (a 1,024-op batch: 15 KB as int lists, 57 KB as int64 bytes, 25 KB as
+    CopyOps). Decoding one from the log costs 90 us as lists, 330 us as CopyOps.
 
     A scratch region has block SCRATCH_BLOCK (-1) and generation 0. One `length` serves both
     sides: a copy's source and destination have the same size. Columns of unequal length are
