@@ -130,13 +130,13 @@ def _memo(namespace_id: bytes, pool_id: int) -> _Memo:
 
 def tier_keys(namespace_id: bytes, pool_ids: list[int], engine_keys: list[bytes]) -> list[bytes]:
     """`external_key` of each (pool_id, engine_key) pair of the columns, remembered (`_Memo`)."""
-    group = one_group(pool_ids)
+    group = _one_group(pool_ids)
     if group is not None:  # the common case: a command's keys are of one group
         return _memo(namespace_id, group).keys(engine_keys)
     return [_memo(namespace_id, pool_id).keys([key])[0] for pool_id, key in zip(pool_ids, engine_keys, strict=True)]
 
 
-def one_group(pool_ids: list[int]) -> int | None:
+def _one_group(pool_ids: list[int]) -> int | None:
     """The one pool id every item names, or None (none, or several)."""
     if not pool_ids:
         return None
@@ -212,7 +212,7 @@ _NOTHING: dict[bytes, int] = {}
 def _slots(tier: TierState, pool_ids: list[int], keys: list[bytes]) -> list[int | None]:
     """The slot each tier key of the columns is published in, or None (TierState.slot_of of each)."""
     published = tier.published
-    group = one_group(pool_ids)
+    group = _one_group(pool_ids)
     if group is not None:  # one group, one C loop
         return list(map(published.get(group, _NOTHING).get, keys))
     return [tier.slot_of(pool_id, key) for pool_id, key in zip(pool_ids, keys, strict=True)]
