@@ -22,7 +22,6 @@ completed as kvledger's own are (coordinator/core/completion.py). Pure, like the
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Container
 from typing import Any
 
@@ -54,42 +53,113 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 RECENT_EXTERNAL_KEYS = 1 << 14
-"""How many engine keys `external_key` remembers the tier key of (about 4 MiB with vLLM's
-36-byte keys). One request's keys are hashed by its lookup, then again by its load and its store
-(the sidecar's LookupKeys, then the step): a blake3 hash costs ~0.5 us in Python, a hit ~0.08 us
-(ops/bench/trace.py spent a sixth of its time hashing the same keys again)."""
+"""How many engine keys of one namespace and group `tier_keys` remembers the tier key of, at least
+(at most twice as many: about 4-8 MiB with vLLM's 36-byte keys). One request's keys are hashed by
+its lookup, then again by its load and its store (the sidecar's LookupKeys, then the step): a
+blake3 hash costs ~0.5 us in Python, a remembered key ~0.05 us (ops/bench/trace.py spent a sixth
+of its time hashing the same keys again)."""
+
+MEMO_PLACES = 4
+"""How many (namespace, group) pairs `tier_keys` keeps a memo for; one more clears them all, so
+the memos hold at most 2 x MEMO_PLACES x RECENT_EXTERNAL_KEYS keys (an engine has a few groups)."""
 
 
 _KEYED = blake3.blake3(key=KEY_SEED_DIGEST)
 """A hasher keyed by the chain seed and fed nothing: a copy of it is a keyed hasher ~80 ns
-sooner than a new one (external_key's cost on a miss)."""
+sooner than a new one."""
 
 
-@functools.lru_cache(maxsize=RECENT_EXTERNAL_KEYS)
 def external_key(namespace_id: bytes, pool_id: int, engine_key: bytes) -> bytes:
     """The tier key of an engine's own block key: blake3 keyed by the chain seed (coordinator.core.keys)
     over ("external", namespace_id, pool_id, engine_key), 16 bytes. The namespace roots it, as it
     roots every content key (I8): the same vLLM hash under another weights revision, tokenizer or
-    tenant is another key. A pure function, so the recently asked are remembered (a bounded
-    cache: what it answers is exactly what the hash would)."""
+    tenant is another key. The formula, written once; the decider asks `tier_keys`, which hashes
+    the same bytes and remembers the recently asked."""
     payload = _encoder.encode(("external", namespace_id, pool_id, engine_key))
     return _KEYED.copy().update(payload).digest(KEY_BYTES)
 
 
-def _pools(eng: EngineState, keys: list[ExternalKey]) -> None:
-    """Every key names a pool of the engine that the engine allocates itself (a reported pool)."""
+class _Memo:
+    """The tier keys of one namespace and group's recently asked engine keys, in two generations:
+    `recent` fills up to RECENT_EXTERNAL_KEYS, then becomes `older` (the older one goes);
+    a key found in `older` moves back to `recent`. A memo of a pure function: what it answers is
+    exactly what `external_key` would, so nothing in it can go stale."""
+
+    __slots__ = ("head", "older", "recent")
+
+    def __init__(self, namespace_id: bytes, pool_id: int) -> None:
+        # external_key's payload is a msgpack array of four items: its header and the first three
+        # items are the same for every key of this namespace and group, so a copy of a hasher fed
+        # them hashes a key as external_key does, from the fourth item on.
+        head = b"\x94" + _encoder.encode("external") + _encoder.encode(namespace_id) + _encoder.encode(pool_id)
+        self.head = _KEYED.copy().update(head)
+        self.recent: dict[bytes, bytes] = {}
+        self.older: dict[bytes, bytes] = {}
+
+    def keys(self, engine_keys: list[bytes]) -> list[bytes]:
+        found = list(map(self.recent.get, engine_keys))  # the common case, in one C loop
+        if None in found:
+            self._fill(engine_keys, found)
+        return found  # type: ignore[return-value]  # no None left: _fill filled each
+
+    def _fill(self, engine_keys: list[bytes], found: list[bytes | None]) -> None:
+        recent, older, head, encode = self.recent, self.older, self.head, _encoder.encode
+        for index, engine_key in enumerate(engine_keys):
+            if found[index] is not None:
+                continue
+            key = older.get(engine_key)  # (a key twice in one command is hashed twice: same answer)
+            if key is None:
+                key = head.copy().update(encode(engine_key)).digest(KEY_BYTES)
+            found[index] = recent[engine_key] = key
+            if len(recent) >= RECENT_EXTERNAL_KEYS:
+                self.older, self.recent = recent, {}
+                recent, older = self.recent, self.older
+
+
+_MEMOS: dict[tuple[bytes, int], _Memo] = {}
+
+
+def _memo(namespace_id: bytes, pool_id: int) -> _Memo:
+    memo = _MEMOS.get((namespace_id, pool_id))
+    if memo is None:
+        if len(_MEMOS) >= MEMO_PLACES:
+            _MEMOS.clear()
+        memo = _MEMOS[namespace_id, pool_id] = _Memo(namespace_id, pool_id)
+    return memo
+
+
+def tier_keys(namespace_id: bytes, pool_ids: list[int], engine_keys: list[bytes]) -> list[bytes]:
+    """`external_key` of each (pool_id, engine_key) pair of the columns, remembered (`_Memo`)."""
+    group = _one_group(pool_ids)
+    if group is not None:  # the common case: a command's keys are of one group
+        return _memo(namespace_id, group).keys(engine_keys)
+    return [_memo(namespace_id, pool_id).keys([key])[0] for pool_id, key in zip(pool_ids, engine_keys, strict=True)]
+
+
+def _one_group(pool_ids: list[int]) -> int | None:
+    """The one pool id every item names, or None (none, or several)."""
+    if not pool_ids:
+        return None
+    first = pool_ids[0]
+    return first if pool_ids.count(first) == len(pool_ids) else None
+
+
+def _columns(eng: EngineState, keys: list[ExternalKey]) -> tuple[list[int], list[bytes]]:
+    """The keys' pool ids and engine keys, once every key is checked to name a pool of the engine
+    that the engine allocates itself (a reported pool) and to be 1..MAX_ENGINE_KEY_BYTES long."""
     check.count(len(keys), check.MAX_ITEMS_PER_COMMAND, "number of keys")
+    pool_ids, engine_keys = [ref.pool_id for ref in keys], [ref.engine_key for ref in keys]
     # The common case checked in bulk: a command's keys name one or two pools, so each pool is
     # checked once, not once per key. Anything wrong: the key-by-key loop below names the first
     # bad key exactly as it always did.
     pools = eng.pools
-    for pool_id in {ref.pool_id for ref in keys}:
+    for pool_id in set(pool_ids):
         named = pools.get(pool_id)
         if named is None or named.spec.kind == "encoder" or named.spec.managed:
             break
     else:
-        if all(0 < len(ref.engine_key) <= MAX_ENGINE_KEY_BYTES for ref in keys):
-            return
+        if 0 < min(map(len, engine_keys)) and max(map(len, engine_keys)) <= MAX_ENGINE_KEY_BYTES:
+            return pool_ids, engine_keys
     for index, ref in enumerate(keys):
         pool: PoolState = check.pool(eng, ref.pool_id)
         if pool.spec.kind == "encoder":
@@ -103,6 +173,7 @@ def _pools(eng: EngineState, keys: list[ExternalKey]) -> None:
             raise Refusal(
                 Reason.INVALID_ARGUMENT, f"key {index} is {len(ref.engine_key)} bytes; an engine key is 1..{MAX_ENGINE_KEY_BYTES}"
             )
+    raise AssertionError("the bulk check refused what the key-by-key check accepts")  # pragma: no cover
 
 
 # --- lookup ------------------------------------------------------------------------------------
@@ -120,25 +191,31 @@ def answer_lookup(state: State, command: LookupExternal, uncommitted: Container[
     log may not keep, and a miss is always safe (the engine computes)."""
     eng = check.engine(state, command.engine_id)
     tier = check.tier(state, eng, command.tier)
-    _pools(eng, command.keys)
-    loadable = []
-    namespace, published, quarantined, namespace_ids = eng.namespace_id, tier.published, tier.quarantined, tier.namespace_ids
-    for ref in command.keys:  # TierState.slot_of inlined: once per key of every lookup
-        pool_id = ref.pool_id
-        key = external_key(namespace, pool_id, ref.engine_key)
-        group = published.get(pool_id)
-        slot = None if group is None else group.get(key)
-        # I9: another namespace's key reads exactly like an absent one.
-        loadable.append(
-            slot is not None and slot not in quarantined and namespace_ids[slot] == namespace and key not in uncommitted
-        )
+    pool_ids, engine_keys = _columns(eng, command.keys)
+    namespace = eng.namespace_id
+    keys = tier_keys(namespace, pool_ids, engine_keys)
+    quarantined, namespace_ids = tier.quarantined, tier.namespace_ids
+    # I9: another namespace's key reads exactly like an absent one.
+    loadable = [
+        slot is not None and slot not in quarantined and namespace_ids[slot] == namespace and key not in uncommitted
+        for slot, key in zip(_slots(tier, pool_ids, keys), keys, strict=True)
+    ]
     return ExternalKeysLookedUp(
-        engine_id=eng.engine_id,
-        tier=tier.spec.name,
-        pool_ids=[k.pool_id for k in command.keys],
-        engine_keys=[k.engine_key for k in command.keys],
-        loadable=loadable,
+        engine_id=eng.engine_id, tier=tier.spec.name, pool_ids=pool_ids, engine_keys=engine_keys, loadable=loadable
     )
+
+
+_NOTHING: dict[bytes, int] = {}
+"""A group with no published key (never written to)."""
+
+
+def _slots(tier: TierState, pool_ids: list[int], keys: list[bytes]) -> list[int | None]:
+    """The slot each tier key of the columns is published in, or None (TierState.slot_of of each)."""
+    published = tier.published
+    group = _one_group(pool_ids)
+    if group is not None:  # one group, one C loop
+        return list(map(published.get(group, _NOTHING).get, keys))
+    return [tier.slot_of(pool_id, key) for pool_id, key in zip(pool_ids, keys, strict=True)]
 
 
 # --- store -------------------------------------------------------------------------------------
@@ -157,30 +234,28 @@ def _in_flight(state: State, tier: TierState) -> set[tuple[int, bytes]]:
 def _store_external(state: State, command: StoreExternal) -> list[Event]:
     eng = check.engine_in_step(state, command.engine_id)
     tier = check.tier(state, eng, command.tier)
-    _pools(eng, command.keys)
+    pool_ids, engine_keys = _columns(eng, command.keys)
+    keys = tier_keys(eng.namespace_id, pool_ids, engine_keys)
     writing = _in_flight(state, tier)
-    to_store: list[tuple[ExternalKey, bytes]] = []
+    to_store: list[int] = []
+    """The indices of the keys to store."""
     skipped: list[bytes] = []
     kept: set[tuple[int, bytes]] = set()
     seen: set[tuple[int, bytes]] = set()
-    namespace, published = eng.namespace_id, tier.published
-    for ref in command.keys:
-        pool_id = ref.pool_id
-        key = external_key(namespace, pool_id, ref.engine_key)
+    for index, (pool_id, key, slot) in enumerate(zip(pool_ids, keys, _slots(tier, pool_ids, keys), strict=True)):
         place = (pool_id, key)
-        group = published.get(pool_id)
-        if place in seen or place in writing or (group is not None and key in group):
-            skipped.append(ref.engine_key)  # I10: there already, or on its way: an idempotent skip
+        if slot is not None or place in seen or place in writing:
+            skipped.append(engine_keys[index])  # I10: there already, or on its way: an idempotent skip
             kept.add(place)
             continue
         seen.add(place)
-        to_store.append((ref, key))
+        to_store.append(index)
     slots, evictions = reserve_tier_slots(tier, eng, len(to_store), kept)
     job_id = state.next_job_id
     generations = tier.generations
     items = [
-        ExternalItem(ref.pool_id, ref.engine_key, key, slot, generations[slot] + 1)
-        for (ref, key), slot in zip(to_store, slots, strict=True)
+        ExternalItem(pool_ids[index], engine_keys[index], keys[index], slot, generations[slot] + 1)
+        for index, slot in zip(to_store, slots, strict=True)
     ]
     events: list[Event] = [*evictions]
     events.append(
@@ -205,24 +280,28 @@ def _store_external(state: State, command: StoreExternal) -> list[Event]:
 def _load_external(state: State, command: LoadExternal) -> list[Event]:
     eng = check.engine_in_step(state, command.engine_id)
     tier = check.tier(state, eng, command.tier)
-    _pools(eng, command.keys)
+    pool_ids, engine_keys = _columns(eng, command.keys)
     check.finite(command.lease_seconds, "lease_seconds", high=check.MAX_LEASE_SECONDS)
     if command.lease_seconds <= 0:
         raise Refusal(Reason.INVALID_ARGUMENT, "lease_seconds must be positive")
     items = []
     namespace = eng.namespace_id
-    for ref in command.keys:
-        key = external_key(namespace, ref.pool_id, ref.engine_key)
-        slot = tier.slot_of(ref.pool_id, key)
-        if slot is None or tier.namespace_ids[slot] != namespace:
+    keys = tier_keys(namespace, pool_ids, engine_keys)
+    namespace_ids, quarantined, packed, generations = (
+        tier.namespace_ids,
+        tier.quarantined,
+        tier.packed_checksums,
+        tier.generations,
+    )
+    for pool_id, engine_key, key, slot in zip(pool_ids, engine_keys, keys, _slots(tier, pool_ids, keys), strict=True):
+        if slot is None or namespace_ids[slot] != namespace:
             raise Refusal(
                 Reason.KEY_NOT_PUBLISHED,
-                f"engine key {ref.engine_key.hex()} of group {ref.pool_id} is not published in tier {tier.spec.name!r}",
+                f"engine key {engine_key.hex()} of group {pool_id} is not published in tier {tier.spec.name!r}",
             )
-        if slot in tier.quarantined:
-            raise Refusal(Reason.KEY_QUARANTINED, f"engine key {ref.engine_key.hex()} (tier key {key.hex()}) is quarantined")
-        checksums = unpack_checksums(tier.packed_checksums[slot])
-        items.append(ExternalItem(ref.pool_id, ref.engine_key, key, slot, tier.generations[slot], checksums))
+        if slot in quarantined:
+            raise Refusal(Reason.KEY_QUARANTINED, f"engine key {engine_key.hex()} (tier key {key.hex()}) is quarantined")
+        items.append(ExternalItem(pool_id, engine_key, key, slot, generations[slot], unpack_checksums(packed[slot])))
     return [
         ExternalLoadStarted(
             job_id=state.next_job_id,

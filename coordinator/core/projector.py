@@ -7,7 +7,8 @@ the same bytes (I18). Refusals and dropped notices change nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import operator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from coordinator.core.state import (
@@ -109,22 +110,30 @@ def apply(state: State, event: Event) -> State:
 def project(events: Iterable[Event], state: State | None = None) -> State:
     """Fold a sequence of events, from an empty state unless one is given."""
     state = State() if state is None else state
-    folds = _FOLDS
-    number = 0  # events folded: enumerate counts them, cheaper than a `+= 1` per event
+    # Counted without a counter per event (enumerate cost ~3% of the fold): every event of a list
+    # when all fold, else as many as its iterator had passed before the one that raised. Any
+    # other iterable is listed first (every caller passes a list: a step's events, a log batch).
+    listed = events if type(events) is list else list(events)
+    remaining = iter(listed)
     try:
-        for number, event in enumerate(events, 1):  # noqa: B007 (read in `finally`)
-            try:
-                folds[type(event)](state, event)
-            except BaseException:
-                number -= 1  # this one was not folded (a try costs nothing until it raises)
-                raise
+        _fold_each(state, remaining)
+    except BaseException:
+        state.last_event += len(listed) - operator.length_hint(remaining) - 1
+        raise
+    state.last_event += len(listed)
+    return state
+
+
+def _fold_each(state: State, events: Iterator[Event]) -> None:
+    folds = _FOLDS
+    event = None
+    try:
+        for event in events:
+            folds[type(event)](state, event)
     except KeyError:
         if type(event) not in folds:
             raise ProjectionError(f"no fold for event type {type(event).__name__}") from None
         raise
-    finally:
-        state.last_event += number
-    return state
 
 
 # --- slot bookkeeping --------------------------------------------------------------------------

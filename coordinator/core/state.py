@@ -126,9 +126,9 @@ pack_checksums: Callable[[list[bytes]], bytes] = _checksums_encoder.encode
 method, with no function around it: the projector packs one per published key."""
 
 
-def unpack_checksums(packed: bytes) -> list[bytes]:
-    """One checksum per rank (a new list each time), from `pack_checksums`."""
-    return _checksums_decoder.decode(packed)
+unpack_checksums: Callable[[bytes], list[bytes]] = _checksums_decoder.decode
+"""One checksum per rank (a new list each time), from `pack_checksums`: the decoder's own method,
+as `pack_checksums` is the encoder's (a load unpacks one per key it reads)."""
 
 
 class KeyEntry(msgspec.Struct, kw_only=True, gc=False):
@@ -350,23 +350,28 @@ def removed(holder: PoolState | TierState, name: str, count: int = 1) -> None:
     CPython leaves a hole in a dict's entry table for each deleted key and only compacts when
     the table grows. These sets lose keys at the front (the oldest slot is taken first), and
     finding the first live key walks every hole before it: with 65,536 slots an allocation cost
-    about 20 us (ops/bench/sidecar.py, profiled). Rebuilding after H removals, H ~ sqrt(150 n),
-    balances the walk against the copy. The count lives in the instance's __dict__ (msgspec
-    `dict=True`), which is never encoded: the snapshot bytes and the order are unchanged."""
+    about 20 us (ops/bench/sidecar.py, profiled). Rebuilding after H removals, H ~ sqrt(f n),
+    balances the walk against the copy: a copy costs ~20 ns a live key, a walk ~0.6 ns a hole,
+    so f ~ 70 x the removals between two walks. A free list is walked at every allocation
+    (f = 150); the LRU only by a store that evicts, which then evicts a dozen keys or more and
+    loads touch more (f = 600: ops/bench/trace.py rebuilt its 20,000-slot LRU every 1,700
+    removals, 4% of its time). The count lives in the instance's __dict__ (msgspec `dict=True`),
+    which is never encoded: the snapshot bytes and the order are unchanged."""
     # Hot (every allocation, eviction and LRU touch): the counter's key is looked up, not
     # formatted, and the set itself is read only once the holes could be worth a rebuild.
-    key = _HOLES_KEYS[name]
+    key, factor = _HOLES[name]
     counters = holder.__dict__
     holes = counters.get(key, 0) + count
     if holes > 64:
         items: dict[Any, Any] = getattr(holder, name)
-        if holes * holes > 150 * len(items):
+        if holes * holes > factor * len(items):
             setattr(holder, name, dict(items))
             holes = 0
     counters[key] = holes
 
 
-_HOLES_KEYS = {name: f"holes_{name}" for name in ("free", "cached", "lru")}
+_HOLES = {"free": ("holes_free", 150), "cached": ("holes_cached", 150), "lru": ("holes_lru", 600)}
+"""Per set: the key of its hole count in the holder's __dict__, and its rebuild factor f."""
 
 
 def encode_state(state: State) -> bytes:

@@ -24,16 +24,21 @@ def reserve_tier_slots(
         honour_leases = not is_off(Protection.LEASES)
         clock, name, engine_id = eng.clock, tier.spec.name, eng.engine_id
         keys, leased = tier.keys, tier.leases
+        wanted = needed - len(slots)
         for slot, pool_id in tier.lru.items():
             key = keys[slot]
             assert key is not None  # a slot in the LRU holds a published key
-            leases = leased.get(slot) if leased else None
             # KeyEntry.leased_at inlined, asked only of a key some load leased (most have none)
-            if (leases and honour_leases and any(expiry > clock for expiry in leases.values())) or (pool_id, key) in keep:
+            if leased and honour_leases:
+                leases = leased.get(slot)
+                if leases and any(expiry > clock for expiry in leases.values()):
+                    continue
+            if keep and (pool_id, key) in keep:
                 continue
             evictions.append(KeyEvicted(tier=name, pool_id=pool_id, key=key, tier_slot=slot, engine_id=engine_id))
             slots.append(slot)
-            if len(slots) == needed:
+            wanted -= 1
+            if not wanted:
                 break
     if len(slots) < needed:
         raise Refusal(

@@ -19,7 +19,7 @@ from coordinator.core.commands import (
     StoreExternal,
 )
 from coordinator.core.completion import complete
-from coordinator.core.external import external_key
+from coordinator.core.external import RECENT_EXTERNAL_KEYS, external_key, tier_keys
 from coordinator.core.keys import namespace_id
 from coordinator.core.protections import Protection, switched_off
 from events import (
@@ -49,6 +49,35 @@ def test_tier_key_is_the_engine_key_in_the_namespace() -> None:
     assert external_key(a, 0, vllm_key(1)) != external_key(a, 1, vllm_key(1))
     assert external_key(a, 0, vllm_key(1)) == external_key(a, 0, vllm_key(1))  # fixed seed: every process agrees
     assert len(external_key(a, 0, vllm_key(1))) == 16
+
+
+# external_key's answers, pinned (I8: keys agree across processes, versions and machines): a
+# namespace id of bytes 0..15 and engine keys of `length` bytes (i * 7 + length) % 256.
+PINNED_TIER_KEYS = [
+    (0, 1, "d4eb6851ca60bac37466ab4d786999d1"),
+    (0, 8, "5e1b0b9625974972a8f28eabd39c8440"),
+    (3, 36, "30ec9fc616dd6ee2674df2b5ca042cb2"),
+    (70000, 255, "b736a196b6592049e817333dde2a4323"),
+    (1, 256, "791924ab78057fef107db2b3f3996b30"),
+    ((1 << 31) - 1, 36, "7e1547378ba74ae4024047f62adfb8ee"),
+]
+
+
+def test_tier_keys_are_pinned_and_the_memo_answers_as_the_formula() -> None:
+    """I8: the tier key of an engine key never changes; `tier_keys` (the decider's, remembered,
+    hashing from a prefix fed once per group) answers exactly what `external_key` does, for one
+    group or several, a key asked twice, and across the memo's generations."""
+    ns = bytes(range(16))
+    engine_keys = [bytes((i * 7 + length) % 256 for i in range(length)) for _, length, _ in PINNED_TIER_KEYS]
+    pool_ids = [pool_id for pool_id, _, _ in PINNED_TIER_KEYS]
+    expected = [bytes.fromhex(key) for _, _, key in PINNED_TIER_KEYS]
+    assert [external_key(ns, p, k) for p, k in zip(pool_ids, engine_keys, strict=True)] == expected
+    assert tier_keys(ns, pool_ids, engine_keys) == expected  # several groups
+    for pool_id, engine_key, key in zip(pool_ids, engine_keys, expected, strict=True):
+        assert tier_keys(ns, [pool_id, pool_id], [engine_key, engine_key]) == [key, key]  # one group, twice
+    many = [n.to_bytes(8, "big") for n in range(RECENT_EXTERNAL_KEYS + 7)]  # past both generations
+    for _ in range(2):
+        assert tier_keys(ns, [2] * len(many), many) == [external_key(ns, 2, k) for k in many]
 
 
 def test_another_weights_revision_never_sees_the_key() -> None:
