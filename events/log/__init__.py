@@ -25,7 +25,7 @@ from events.log._contract import (
 )
 from events.log._kafka import KafkaEventLog
 from events.log._open import check_sqlite_file, open_log, schema_revision, upgrade_log
-from events.log._sql import SqlEventLog, is_outage
+from events.log._sql import PAGE_CACHE_KIB, SqlEventLog, is_outage
 from events.log._urls import data_dir, is_kafka, mask, normalize
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "LogDiverged",
     "LogError",
     "LogUnavailable",
+    "PAGE_CACHE_KIB",
     "PendingEvent",
     "PipelinedLog",
     "ProjectionTransaction",

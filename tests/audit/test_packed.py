@@ -25,7 +25,7 @@ from coordinator.audit.store import indexed_seq, sync_index
 from coordinator.audit.timeline import load_timeline
 from coordinator.simulator.report import mixed_workload
 from events import BlockRef, BlocksAllocated, BlocksReleased, StepEnded
-from events.log import SqlEventLog, normalize, open_log
+from events.log import PAGE_CACHE_KIB, SqlEventLog, normalize, open_log
 from events.log.schema import metadata
 
 pytestmark = pytest.mark.anyio
@@ -225,5 +225,20 @@ async def test_0007_empties_an_older_index_and_the_next_catch_up_rebuilds_it(gol
                 assert (await conn.execute(sa.text(f"SELECT count(*) FROM {table}"))).scalar() == 0, table
         assert await sync_index(event_log) == head
         assert await answers(event_log) == before
+    finally:
+        await event_log.close()
+
+
+# --- the page cache of a batch -------------------------------------------------------------------
+
+
+async def test_a_batch_leaves_its_connection_with_the_log_s_page_cache(golden: Path, tmp_path: Path) -> None:
+    """A batch inserts with INDEX_CACHE_KIB of page cache; the pooled connection goes back with
+    the log's own PAGE_CACHE_KIB (a query after a catch-up holds no more memory than before)."""
+    event_log = await open_log(str(copy_of(golden, tmp_path / "log")))
+    try:
+        assert await sync_index(event_log, batch=97) == await event_log.head()
+        async with event_log.engine.connect() as conn:
+            assert (await conn.exec_driver_sql("PRAGMA cache_size")).scalar() == -PAGE_CACHE_KIB
     finally:
         await event_log.close()
