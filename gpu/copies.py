@@ -29,8 +29,9 @@ Execution:
 * A batch that is *disjoint* (no op reads a byte that any op of the batch writes: what the
   planner makes of moves without a dependency) has nothing to protect, so on the CPU it is
   copied a cache-sized chunk at a time (_CHUNK_BYTES): each chunk's staged rows are still in
-  cache when they are written out. Validation tells the two kinds apart; a hand-made plan with a
-  chain inside one batch still gets the whole gather first.
+  cache when they are written out, and a large one (_PARALLEL_BYTES) is split between torch's
+  CPU threads, one contiguous range of rows each. Validation tells the two kinds apart; a
+  hand-made plan with a chain inside one batch still gets the whole gather first, on one thread.
 * Indices address rows, not necessarily bytes: an op's row size ("unit") is the gcd of
   bytes_per_block and its offsets and length, so whole-block moves take one index per block
   and a one-byte shift one per byte; rows are read as int64/int32/int16 when the unit and the
@@ -54,7 +55,9 @@ copy of the index metadata.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
 import numpy as np
@@ -473,6 +476,53 @@ chunk's staging copy is still in cache when it is written out, so the batch cost
 pass over its bytes rather than two (ops/bench/copies.py: 1-2 MiB was best)."""
 
 
+_PARALLEL_BYTES = 4 << 20
+"""A disjoint CPU batch of at least this many bytes is split between torch's CPU threads (as
+torch's own index_select/index_copy_ split theirs): numpy's fancy indexing lets go of the GIL
+while it copies. Below it, a thread's hand-over costs more than it saves."""
+
+_helpers: ThreadPoolExecutor | None = None
+_helpers_size = 0
+_helpers_lock = threading.Lock()
+
+
+def _helper_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's copy helpers (threads - 1 of them; the caller's thread is the other)."""
+    global _helpers, _helpers_size
+    with _helpers_lock:
+        if _helpers is None or _helpers_size != threads - 1:
+            if _helpers is not None:
+                _helpers.shutdown(wait=False)
+            _helpers = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvledger-copy")
+            _helpers_size = threads - 1
+        return _helpers
+
+
+def _copy_range(host: np.ndarray, src: np.ndarray, dst: np.ndarray, step: int, start: int, stop: int) -> None:
+    for at in range(start, stop, step):
+        end = min(at + step, stop)
+        host[dst[at:end]] = host[src[at:end]]
+
+
+def _copy_chunks(host: np.ndarray, src: np.ndarray, dst: np.ndarray, step: int, nbytes: int) -> None:
+    """rows[dst] = rows[src] for a disjoint batch, `step` rows at a time; with torch's CPU threads
+    > 1 and at least _PARALLEL_BYTES, the rows are split into that many contiguous ranges, one a
+    thread (the batch is disjoint: the ranges neither read nor write each other's bytes)."""
+    threads = min(torch.get_num_threads(), len(src) // step) if nbytes >= _PARALLEL_BYTES else 1
+    if threads <= 1:
+        _copy_range(host, src, dst, step, 0, len(src))
+        return
+    share = -(-len(src) // threads)
+    helpers = _helper_pool(threads)
+    futures = [
+        helpers.submit(_copy_range, host, src, dst, step, start, min(start + share, len(src)))
+        for start in range(share, len(src), share)
+    ]
+    _copy_range(host, src, dst, step, 0, share)
+    for future in futures:
+        future.result()
+
+
 def _run_batch(flat: torch.Tensor, scratch: torch.Tensor | None, batch: _Batch, bytes_per_block: int) -> None:
     """Gather every source of the batch, then scatter: nothing is written before all is read.
     A disjoint batch (no op reads what any op writes) needs no such care: on the CPU it is
@@ -487,9 +537,7 @@ def _run_batch(flat: torch.Tensor, scratch: torch.Tensor | None, batch: _Batch, 
         dst = rows.index(batch.dst // unit, counts)
         step = max(1, _CHUNK_BYTES // unit)
         if rows.host is not None and batch.disjoint and len(src) > step:
-            host = rows.host
-            for at in range(0, len(src), step):
-                host[dst[at : at + step]] = host[src[at : at + step]]
+            _copy_chunks(rows.host, src, dst, step, int(batch.length.sum()))
             return
         rows.put(dst, rows.select(src))
         return

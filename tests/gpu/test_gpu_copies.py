@@ -311,6 +311,28 @@ def test_a_disjoint_batch_larger_than_a_chunk_equals_parallel_assignment() -> No
         assert torch.equal(pool, _expected(original, moves))
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_disjoint_batch_split_between_threads_equals_parallel_assignment(threads: int) -> None:
+    """A disjoint batch of at least gpu.copies._PARALLEL_BYTES is split into one range of rows a
+    torch CPU thread; with a row count that no thread count divides, every range but the last
+    ends inside a chunk. Each byte must still land once, from the untouched source."""
+    block = 4096
+    count = copies._PARALLEL_BYTES // block + 13
+    rng = random.Random(threads)
+    targets = list(range(count + 1, 2 * count + 1))
+    rng.shuffle(targets)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        pool = _pool(num_blocks=2 * count + 1, block=block, seed=threads)
+        original = pool.clone()
+        moves = [_move(src, 0, dst, 0, block) for src, dst in zip(range(1, count + 1), targets, strict=True)]
+        assert _apply(moves, pool) == (1, 0)
+        assert torch.equal(pool, _expected(original, moves))
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(
     ("second_src", "disjoint"),
     [
