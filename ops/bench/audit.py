@@ -150,18 +150,20 @@ async def queries(event_log: SqlEventLog, head: int, count: int, seed: int) -> N
     audit = Audit(event_log)
     rng = random.Random(seed)
     async with event_log.engine.connect() as conn:
-        keys = [
-            bytes(r[0]).hex()
-            for r in await conn.execute(
-                sa.text("SELECT key FROM kvl_audit_keys WHERE kind = 'published' ORDER BY random() LIMIT :n"), {"n": count}
-            )
-        ]
-        req_ids = [
-            r[0]
-            for r in await conn.execute(
-                sa.text("SELECT req_id FROM kvl_audit_owners WHERE kind = 'started' ORDER BY random() LIMIT :n"), {"n": count}
-            )
-        ]
+        # Sampled with the seeded generator, not SQLite's random(): each run asks about the same
+        # keys and requests, so query figures compare between runs and commits.
+        async def sample(table: str, column: str, kind: str) -> list[Any]:
+            rowids = [r[0] for r in await conn.execute(sa.text(f"SELECT rowid FROM {table} WHERE kind = :kind"), {"kind": kind})]
+            chosen = rng.sample(rowids, min(count, len(rowids)))
+            if not chosen:
+                return []
+            listed = ",".join(map(str, chosen))
+            rows = await conn.execute(sa.text(f"SELECT rowid, {column} FROM {table} WHERE rowid IN ({listed})"))
+            found = {rowid: value for rowid, value in rows}
+            return [found[rowid] for rowid in chosen]
+
+        keys = [bytes(key).hex() for key in await sample("kvl_audit_keys", "key", "published")]
+        req_ids = await sample("kvl_audit_owners", "req_id", "started")
         pools = {
             int(r[0]): int(r[1])
             for r in await conn.execute(sa.text("SELECT pool, max(block) FROM kvl_audit_slots GROUP BY pool"))
