@@ -537,7 +537,8 @@ def _run_batch(flat: torch.Tensor, scratch: torch.Tensor | None, batch: _Batch, 
         dst = rows.index(batch.dst // unit, counts)
         step = max(1, _CHUNK_BYTES // unit)
         if rows.host is not None and batch.disjoint and len(src) > step:
-            _copy_chunks(rows.host, src, dst, step, int(batch.length.sum()))
+            # On the CPU (rows.host) the indices are numpy arrays.
+            _copy_chunks(rows.host, cast(np.ndarray, src), cast(np.ndarray, dst), step, int(batch.length.sum()))
             return
         rows.put(dst, rows.select(src))
         return
