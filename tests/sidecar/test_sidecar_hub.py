@@ -190,10 +190,10 @@ async def test_a_slow_subscriber_is_cut_off_and_resumes_without_gaps_or_repeats(
             first = await driver.step([StartOwner(engine_id="pod-a", req_id="r")])
             owner = next(e for e in first.results[0] if isinstance(e, OwnerStarted)).owner_id
             copies = []
-            for _ in range(24):  # each decision is ~22 KiB: together more than the socket buffers hold
+            for _ in range(24):  # each decision is ~23 KiB (2,000 moves in columns): together more than the socket buffers hold
                 alloc = await driver.step([AllocateBlocks(engine_id="pod-a", owner_id=owner, pool_id=0, count=2)])
                 src, dst = next(e for e in alloc.results[0] if isinstance(e, BlocksAllocated)).blocks
-                moves = [Move(src, 2 * i, dst, 2 * i + 1, 1) for i in range(1000)]
+                moves = [Move(src, 2 * i, dst, 2 * i + 1, 1) for i in range(2000)]
                 result = await driver.step([PlanStateCopy(engine_id="pod-a", pool_id=0, moves=moves)])
                 copies += result.decisions
         got: list[Decision] = []
