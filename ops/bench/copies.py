@@ -10,7 +10,10 @@ blocks 1..moves to a shuffled permutation of blocks moves+1..2*moves, in two sha
 * segments: each move copies half a block, at offset 0 or block_bytes/2 (chosen at random on
   both sides).
 
-Per shape, each timed as the best of `repeats` runs after a warm-up (CUDA: synchronised):
+Per shape, each timed as its best run after a warm-up (CUDA: synchronised). The bytes baseline,
+slow, gets `repeats` runs of its own; ours, validate_plan alone and the rows and loop baselines
+are timed in turns (`repeats` rounds, each running every one 3 times, the order rotated), so
+that a burst of load on a shared host falls on them alike and their ratios hold still:
 
 1. baseline, bytes: `flat.index_copy_(0, dst_idx, flat.index_select(0, src_idx))` with the
    per-byte int64 indices precomputed (not timed) - the brief's `flat[dst] = flat[src]`;
@@ -87,6 +90,39 @@ def best_of(repeats: int, device: torch.device, run: Callable[[], object]) -> fl
     return min(times)
 
 
+PER_TURN = 3
+"""Runs of one contender in a row in `in_turns` (the first after another contender's may pay for
+its leftovers: torch's OpenMP threads still spinning, caches)."""
+
+
+def in_turns(rounds: int, device: torch.device, contenders: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Best wall time of each contender, timed in turns: each round runs every contender
+    PER_TURN times, the order rotated from round to round. On a shared host a burst of load then
+    falls on all of them alike, rather than on whichever was being timed when it came, so the
+    ratios between them are steadier than those of best_of one after another."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    names = list(contenders)
+    for name in names:
+        contenders[name]()
+    sync()
+    best = dict.fromkeys(names, float("inf"))
+    for round_ in range(rounds):
+        turn = round_ % len(names)
+        for name in names[turn:] + names[:turn]:
+            run = contenders[name]
+            for _ in range(PER_TURN):
+                sync()
+                start = time.perf_counter()
+                run()
+                sync()
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
 def byte_index(moves: list[Move], bytes_per_block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     src = torch.cat([torch.arange(s * bytes_per_block + so, s * bytes_per_block + so + n) for s, so, _, _, n in moves])
     dst = torch.cat([torch.arange(d * bytes_per_block + do, d * bytes_per_block + do + n) for _, _, d, do, n in moves])
@@ -140,8 +176,6 @@ def scenario(
     reset()
     ours()
     assert torch.equal(pool, expected), f"{name}: execute_plan disagrees with parallel assignment"
-    ours_s = best_of(args.repeats, device, ours)
-    validate_s = best_of(args.repeats, device, lambda: validate_plan(pool, batches, scratch))
 
     src_idx, dst_idx = byte_index(moves, bytes_per_block, device)
 
@@ -167,7 +201,6 @@ def scenario(
     reset()
     rows_baseline()
     assert torch.equal(pool, expected), f"{name}: the rows baseline is wrong"
-    rows_s = best_of(args.repeats, device, rows_baseline)
 
     views = [(pool[d, do : do + n], pool[s, so : so + n]) for s, so, d, do, n in moves]
 
@@ -175,7 +208,14 @@ def scenario(
         for target, source in views:
             target.copy_(source)
 
-    loop_s = best_of(args.repeats, device, loop_baseline)
+    # The moves are disjoint, so running any of them again leaves the expected pool.
+    timed = in_turns(
+        args.repeats,
+        device,
+        {"ours": ours, "validate": lambda: validate_plan(pool, batches, scratch), "rows": rows_baseline, "loop": loop_baseline},
+    )
+    assert torch.equal(pool, expected), f"{name}: the pool changed while timed"
+    ours_s, validate_s, rows_s, loop_s = timed["ours"], timed["validate"], timed["rows"], timed["loop"]
 
     out(f"{name}: {len(moves):,} moves of {length:,} bytes, {nbytes / 2**20:,.1f} MiB, one batch")
     out(f"  baseline bytes (index_select + index_copy_, per-byte indices): {bytes_s * 1e3:8.3f} ms  {gbps(nbytes, bytes_s)}")
@@ -251,7 +291,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--moves", type=int, default=1024, help="moves in the batch (default 1024)")
     parser.add_argument("--block-bytes", type=int, default=16384, help="bytes per block (default 16384)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed runs, best kept (default 10)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs or rounds, best kept (default 10)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--overlap", type=float, default=0.1, help="fraction of moves made shifts (default 0.1)")
     parser.add_argument("--shift-bytes", type=int, default=64, help="shift of the overlapping moves (default 64)")
