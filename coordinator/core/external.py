@@ -54,14 +54,14 @@ _encoder = msgspec.msgpack.Encoder()
 
 RECENT_EXTERNAL_KEYS = 1 << 14
 """How many engine keys of one namespace and group `tier_keys` remembers the tier key of, at least
-(at most twice as many: about 4-8 MiB with vLLM's 36-byte keys). One request's keys are hashed by
+(at most twice as many, plus one command's: about 4-8 MiB with vLLM's 36-byte keys). One request's keys are hashed by
 its lookup, then again by its load and its store (the sidecar's LookupKeys, then the step): a
 blake3 hash costs ~0.5 us in Python, a remembered key ~0.05 us (ops/bench/trace.py spent a sixth
 of its time hashing the same keys again)."""
 
 MEMO_PLACES = 4
 """How many (namespace, group) pairs `tier_keys` keeps a memo for; one more clears them all, so
-the memos hold at most 2 x MEMO_PLACES x RECENT_EXTERNAL_KEYS keys (an engine has a few groups)."""
+the memos hold at most 2 x MEMO_PLACES x RECENT_EXTERNAL_KEYS keys, and a command's (an engine has a few groups)."""
 
 
 _KEYED = blake3.blake3(key=KEY_SEED_DIGEST)
@@ -81,7 +81,8 @@ def external_key(namespace_id: bytes, pool_id: int, engine_key: bytes) -> bytes:
 
 class _Memo:
     """The tier keys of one namespace and group's recently asked engine keys, in two generations:
-    `recent` fills up to RECENT_EXTERNAL_KEYS, then becomes `older` (the older one goes);
+    `recent` fills up to RECENT_EXTERNAL_KEYS, then becomes `older` (the older one goes; a
+    command's keys go to one generation, so it may hold that many more);
     a key found in `older` moves back to `recent`. A memo of a pure function: what it answers is
     exactly what `external_key` would, so nothing in it can go stale."""
 
@@ -103,17 +104,18 @@ class _Memo:
         return found  # type: ignore[return-value]  # no None left: _fill filled each
 
     def _fill(self, engine_keys: list[bytes], found: list[bytes | None]) -> None:
+        missing = [index for index, key in enumerate(found) if key is None]
+        if len(self.recent) + len(missing) > RECENT_EXTERNAL_KEYS:
+            # A new generation before the batch, not in the middle of it: the memo's size is
+            # checked once a command, not once a key.
+            self.older, self.recent = self.recent, {}
         recent, older, head, encode = self.recent, self.older, self.head, _encoder.encode
-        for index, engine_key in enumerate(engine_keys):
-            if found[index] is not None:
-                continue
+        for index in missing:
+            engine_key = engine_keys[index]
             key = older.get(engine_key)  # (a key twice in one command is hashed twice: same answer)
             if key is None:
                 key = head.copy().update(encode(engine_key)).digest(KEY_BYTES)
             found[index] = recent[engine_key] = key
-            if len(recent) >= RECENT_EXTERNAL_KEYS:
-                self.older, self.recent = recent, {}
-                recent, older = self.recent, self.older
 
 
 _MEMOS: dict[tuple[bytes, int], _Memo] = {}
@@ -231,25 +233,43 @@ def _in_flight(state: State, tier: TierState) -> set[tuple[int, bytes]]:
     }
 
 
+def _admitted(
+    state: State, tier: TierState, pool_ids: list[int], engine_keys: list[bytes], keys: list[bytes]
+) -> tuple[list[int], list[bytes], set[tuple[int, bytes]]]:
+    """Which of a store's keys get a slot (their indices), and which it skips (I10: published
+    already, on their way in a store in flight, or twice in the command: an idempotent skip):
+    their engine keys, and their places (pool, tier key), which eviction must keep."""
+    slots = _slots(tier, pool_ids, keys)
+    group = _one_group(pool_ids)
+    writing = _in_flight(state, tier)
+    if group is not None and not writing and len(set(keys)) == len(keys):
+        # The common case, in C loops: one group, nothing in flight, no key twice.
+        to_store = [index for index, slot in enumerate(slots) if slot is None]
+        if len(to_store) == len(keys):
+            return to_store, [], set()
+        published = [index for index, slot in enumerate(slots) if slot is not None]
+        return to_store, [engine_keys[index] for index in published], {(group, keys[index]) for index in published}
+    to_store = []
+    skipped: list[bytes] = []
+    kept: set[tuple[int, bytes]] = set()
+    seen: set[tuple[int, bytes]] = set()
+    for index, (pool_id, key, slot) in enumerate(zip(pool_ids, keys, slots, strict=True)):
+        place = (pool_id, key)
+        if slot is not None or place in seen or place in writing:
+            skipped.append(engine_keys[index])
+            kept.add(place)
+            continue
+        seen.add(place)
+        to_store.append(index)
+    return to_store, skipped, kept
+
+
 def _store_external(state: State, command: StoreExternal) -> list[Event]:
     eng = check.engine_in_step(state, command.engine_id)
     tier = check.tier(state, eng, command.tier)
     pool_ids, engine_keys = _columns(eng, command.keys)
     keys = tier_keys(eng.namespace_id, pool_ids, engine_keys)
-    writing = _in_flight(state, tier)
-    to_store: list[int] = []
-    """The indices of the keys to store."""
-    skipped: list[bytes] = []
-    kept: set[tuple[int, bytes]] = set()
-    seen: set[tuple[int, bytes]] = set()
-    for index, (pool_id, key, slot) in enumerate(zip(pool_ids, keys, _slots(tier, pool_ids, keys), strict=True)):
-        place = (pool_id, key)
-        if slot is not None or place in seen or place in writing:
-            skipped.append(engine_keys[index])  # I10: there already, or on its way: an idempotent skip
-            kept.add(place)
-            continue
-        seen.add(place)
-        to_store.append(index)
+    to_store, skipped, kept = _admitted(state, tier, pool_ids, engine_keys, keys)
     slots, evictions = reserve_tier_slots(tier, eng, len(to_store), kept)
     job_id = state.next_job_id
     generations = tier.generations

@@ -43,6 +43,7 @@ from events import (
     Event,
     ExternalLoadStarted,
     ExternalStoreStarted,
+    KeyEvicted,
     NamespaceSpec,
     PoolSpec,
     Reason,
@@ -144,6 +145,8 @@ def outcome(events: Iterable[Event]) -> Outcome:
     """What a request's step decided; RuntimeError on any refusal but a full tier."""
     result = Outcome(reports=[])
     for event in events:
+        if isinstance(event, KeyEvicted):  # most of a step's events, and nothing to report
+            continue
         if isinstance(event, ExternalLoadStarted):
             checksums = [item.checksums[0] for item in event.items]
             result.reports.append(ReportRank(job_id=event.job_id, rank=0, ok=True, checksums=checksums))
