@@ -125,7 +125,8 @@ async def sync_index(
 
 def batch_end(after: int, batch: int) -> int:
     """The last sequence of the batch after `after`: the last window end within `batch` events,
-    or `after + batch` when no window ends within them (a batch never crosses a window's end)."""
+    or `after + batch` when no window ends within them. So no window is split between batches (but
+    where a step crosses its end: a batch ends with a whole step)."""
     limit = after + batch
     window_end = ((limit + 1) >> SLOT_WINDOW_BITS << SLOT_WINDOW_BITS) - 1  # the last one at or before `limit`
     return window_end if window_end > after else limit
