@@ -98,6 +98,25 @@ def test_an_event_with_no_blocks_makes_no_row() -> None:
 # --- batches and windows change rows, not answers ------------------------------------------------
 
 
+def test_a_batch_ends_at_the_last_window_end_within_it_and_never_crosses_one() -> None:
+    window = 1 << index.SLOT_WINDOW_BITS
+    # Four windows from a window's start (the default batch): they end together.
+    assert store.batch_end(0, store.BATCH) == store.BATCH - 1
+    assert store.batch_end(window - 1, 4 * window) == 5 * window - 1
+    # A batch that began inside a window (its step crossed the window's end) ends at the last
+    # window end within it, not beyond: the windows after stay whole for the next batch.
+    assert store.batch_end(window + 5, 4 * window) == 5 * window - 1
+    # A batch smaller than a window ends at the window's end when it falls within it, else at its size.
+    assert store.batch_end(window - 10, 53) == window - 1
+    assert store.batch_end(window + 3, 53) == window + 56
+    for after in random.Random(3).sample(range(10 * window), 200):
+        for batch in (53, window, 3 * window + 7):
+            end = store.batch_end(after, batch)
+            assert after < end <= after + batch
+            # It ends at a window's end, or lies within one window: no window is split.
+            assert (end + 1) % window == 0 or (after + 1) // window == end // window
+
+
 async def answers(event_log: SqlEventLog) -> dict[str, Any]:
     """Every kind of answer, on points and subjects drawn the same way from any index of the log."""
     audit = Audit(event_log)
