@@ -467,6 +467,30 @@ def test_a_batch_whose_columns_were_made_ragged_is_refused() -> None:
     assert torch.equal(pool, original)
 
 
+@pytest.mark.parametrize(
+    ("column", "value", "reason"),
+    [
+        (0, 1 << 70, "unknown_block"),
+        (3, -(1 << 70), "unknown_block"),
+        (2, 1 << 63, "out_of_bounds"),
+        (5, -(1 << 64), "out_of_bounds"),
+        (6, 1 << 80, "out_of_bounds"),
+    ],
+)
+def test_a_column_value_outside_int64_is_refused_and_named(column: int, value: int, reason: str) -> None:
+    """The columns are read into int64 arrays; an int that does not fit (a hand-made or hostile
+    plan: a CopyBatch made in Python checks no range) is refused with the op it is in, as any
+    other bad region, before anything is written."""
+    columns: list[list[int | bool]] = [[1, 3], [1, 1], [0, 0], [2, 4], [1, 1], [0, 0], [8, 8], [False, False]]
+    columns[column][1] = value
+    pool = _pool()
+    original = pool.clone()
+    with pytest.raises(CopyError) as caught:
+        execute_plan(pool, [CopyBatch(POOL_ID, *columns)], 0)  # type: ignore[arg-type]
+    assert caught.value.reason == reason and caught.value.batch == 0 and caught.value.op == 1
+    assert torch.equal(pool, original)
+
+
 def test_copy_error_is_a_value_error() -> None:
     assert issubclass(CopyError, ValueError)
 
