@@ -5,7 +5,8 @@ advisory lock on PostgreSQL) and assigns `global_seq` explicitly as max + 1. So 
 gapless and a reader can never see N + 1 before N commits: the skipped-row bug of logs that
 take ids from a sequence and commit out of order (eventsourcing's comment on table locking).
 SQLite work never runs on the event loop: appends and reads (the hot paths) run on a pysqlite
-engine in worker threads, one hop per call (writes through a one-slot limiter); projections,
+engine in worker threads, one hop per call (appends on the log's own writer thread,
+events/log/_writer_thread.py; reads in anyio's pool); projections,
 snapshots and small queries go through aiosqlite's thread.
 
 Storage: one `kvl_steps` row per stream per append, holding the step's events' payloads
@@ -42,6 +43,7 @@ from events.log._contract import (
     WrongExpectedVersion,
     pack_step,
 )
+from events.log._writer_thread import WriterThread
 
 log = structlog.get_logger("kvledger.log")
 
@@ -254,10 +256,11 @@ class SqlEventLog:
         self.dialect = engine.dialect.name
         self.blocking_engine = blocking
         """SQLite only: the pysqlite engine that appends and reads run on, in worker threads."""
-        self._writer = anyio.CapacityLimiter(1)
+        self._writer = WriterThread(f"kvledger-log-writer {url}")
+        """SQLite only: the thread every append runs on, one after another."""
         self._writer_connection: Any = None
         """SQLite only: the pooled connection appends run on, checked out by the first append and
-        held until close (used only under `_writer`, one thread at a time)."""
+        held until close (used only on `_writer`'s thread)."""
         self._checkpointer = _Checkpointer(blocking, url) if blocking is not None else None
         self._appended = anyio.Event()
         self._listener: Any = None
@@ -267,7 +270,7 @@ class SqlEventLog:
     async def append(self, batches: Sequence[AppendBatch], *, expected_head: int | None = None) -> list[AppendResult]:
         """Append every batch atomically; raises WrongExpectedVersion or HeadMoved and appends nothing."""
         if self.blocking_engine is not None:
-            results = await anyio.to_thread.run_sync(self._append_blocking, batches, expected_head, limiter=self._writer)
+            results = await self._writer.run(self._append_blocking, batches, expected_head, pack_batches(batches))
             assert self._checkpointer is not None
             self._checkpointer.appended()
             self._wake()
@@ -293,7 +296,9 @@ class SqlEventLog:
         self._wake()
         return results
 
-    def _append_blocking(self, batches: Sequence[AppendBatch], expected_head: int | None) -> list[AppendResult]:
+    def _append_blocking(
+        self, batches: Sequence[AppendBatch], expected_head: int | None, packed: Sequence[PackedStep | None]
+    ) -> list[AppendResult]:
         """One append transaction, straight on sqlite3: checking a connection out of SQLAlchemy's
         pool, its begin listener, commit and the pool's reset on return took ~80 us of the ~550 us
         an append of 256 events spent in its thread (ops/bench/peer_eventsourcing.py, timed)."""
@@ -305,7 +310,7 @@ class SqlEventLog:
         driver = self._writer_connection.driver_connection
         _driver_statement(driver, "BEGIN IMMEDIATE")  # the write lock up front: appends serialize
         try:
-            results = _append_rows(_SqliteRows(driver), batches, expected_head)
+            results = _append_rows(_SqliteRows(driver), batches, expected_head, packed)
             _driver_statement(driver, "COMMIT")
         except BaseException as error:
             if driver.in_transaction:
@@ -499,8 +504,9 @@ class SqlEventLog:
         if self._checkpointer is not None:
             await anyio.to_thread.run_sync(self._checkpointer.close)
         if self._writer_connection is not None:
-            await anyio.to_thread.run_sync(self._writer_connection.close, limiter=self._writer)
+            await self._writer.run(self._writer_connection.close)
             self._writer_connection = None
+        await self._writer.close()
         if self.blocking_engine is not None:
             await anyio.to_thread.run_sync(self.blocking_engine.dispose)
         await self.engine.dispose()
@@ -535,13 +541,35 @@ def _append_sync(conn: sa.Connection, batches: Sequence[AppendBatch], expected_h
     return _append_rows(rows, batches, expected_head)
 
 
-def _append_rows(rows: _Rows, batches: Sequence[AppendBatch], expected_head: int | None) -> list[AppendResult]:
+PackedStep = tuple[str, bytes, bytes, list[str]]
+"""A batch's events as its kvl_steps row holds them (schemas, header, payload) and their ids."""
+
+
+def pack_batches(batches: Sequence[AppendBatch]) -> list[PackedStep | None]:
+    """Every batch's row contents (None for a batch with no events). Pure Python, no statement:
+    the SQLite log runs it on the event loop's thread before handing the append to its writer
+    thread, where the same work took twice as long (the events were made on the loop's thread and
+    are warm in its core's caches; ops/bench/peer_eventsourcing.py, timed: 81 us a 256-event step
+    in the writer thread, 41 us on the loop's). The GIL keeps the loop from running beside it
+    either way."""
+    packed: list[PackedStep | None] = []
+    for batch in batches:
+        events = batch.events
+        packed.append((*pack_step(events), [event.event_id for event in events]) if events else None)
+    return packed
+
+
+def _append_rows(
+    rows: _Rows, batches: Sequence[AppendBatch], expected_head: int | None, packed: Sequence[PackedStep | None] | None = None
+) -> list[AppendResult]:
+    if packed is None:
+        packed = pack_batches(batches)
     results = []
     head = rows.head()
     if expected_head is not None and head != expected_head:
         raise HeadMoved(expected_head, head)
     next_seq = head + 1
-    for batch in batches:
+    for batch, contents in zip(batches, packed, strict=True):
         if batch.command_id is not None:
             done = rows.command(batch.command_id)
             if done is not None:
@@ -553,12 +581,12 @@ def _append_rows(rows: _Rows, batches: Sequence[AppendBatch], expected_head: int
             raise WrongExpectedVersion(batch.stream_id, batch.expected_version, actual)
         count = len(batch.events)
         first, last = (next_seq, next_seq + count - 1) if count else (0, 0)
-        if count:
-            events = batch.events
-            schemas, header, payload = pack_step(events)
+        if contents is not None:
+            schemas, header, payload, event_ids = contents
+            first_event = batch.events[0]
             rows.insert_step(
-                (first, last, batch.stream_id, actual + 1, events[0].step, events[0].recorded_at, schemas, header, payload),
-                [(event.event_id, first + index) for index, event in enumerate(events)],
+                (first, last, batch.stream_id, actual + 1, first_event.step, first_event.recorded_at, schemas, header, payload),
+                event_ids,
             )
             rows.set_stream_version(batch.stream_id, actual + count, new=current is None)
         next_seq += count
@@ -584,7 +612,8 @@ class _Rows(Protocol):
 
     def stream_version(self, stream_id: str) -> int | None: ...
 
-    def insert_step(self, step: StepRow, ids: list[tuple[str, int]]) -> None: ...
+    def insert_step(self, step: StepRow, event_ids: list[str]) -> None:
+        """The step's row, and its events' ids from step[0] (its first global sequence) on."""
 
     def set_stream_version(self, stream_id: str, version: int, *, new: bool) -> None: ...
 
@@ -616,13 +645,31 @@ class _SqliteRows:
         row = self.driver.execute("SELECT version FROM kvl_streams WHERE stream_id = ?", (stream_id,)).fetchone()
         return None if row is None else int(row[0])
 
-    def insert_step(self, step: StepRow, ids: list[tuple[str, int]]) -> None:
+    def insert_step(self, step: StepRow, event_ids: list[str]) -> None:
         self.driver.execute(_INSERT_STEP_SQL, step)
         # One statement, not one per event (executemany): sqlite3 lets go of the GIL around each
         # row's step, and while the event loop is busy each handover waits up to the switch
         # interval for it back. A 258-event step of refusals took 10-18 ms to append under
         # ops/bench/hostile.py's attack, and every engine's step waited behind it.
-        self.driver.execute(_INSERT_IDS_AT_ONCE_SQL, (step[0], msgspec.json.encode([event_id for event_id, _ in ids])))
+        ids = msgspec.json.encode(event_ids)
+        try:
+            self.driver.execute(_INSERT_IDS_AT_ONCE_SQL, (step[0], ids))
+        except sqlite3.IntegrityError as error:
+            raise sqlite3.IntegrityError(f"{error}: {self._taken(event_ids, ids)}") from error
+
+    def _taken(self, event_ids: list[str], ids: bytes) -> str:
+        """Which of a step's event ids broke their uniqueness (the statement failed as a whole)."""
+        seen: set[str] = set()
+        for event_id in event_ids:
+            if event_id in seen:
+                return f"event id {event_id!r} is given twice in the step"
+            seen.add(event_id)
+        row = self.driver.execute(
+            "SELECT event_id, global_seq FROM kvl_event_ids WHERE event_id IN (SELECT value FROM json_each(?)) "
+            "ORDER BY global_seq LIMIT 1",
+            (ids,),
+        ).fetchone()
+        return f"event id {row[0]!r} is taken (global sequence {row[1]})" if row else "an event id is taken"
 
     def set_stream_version(self, stream_id: str, version: int, *, new: bool) -> None:
         if new:
@@ -664,9 +711,13 @@ class _CoreRows:
         value = self.conn.execute(sa.select(t.streams.c.version).where(t.streams.c.stream_id == stream_id)).scalar()
         return None if value is None else int(value)
 
-    def insert_step(self, step: StepRow, ids: list[tuple[str, int]]) -> None:
+    def insert_step(self, step: StepRow, event_ids: list[str]) -> None:
         self.conn.execute(t.steps.insert().values(dict(zip(t.steps.c.keys(), step, strict=True))))
-        self.conn.execute(t.event_ids.insert(), [{"event_id": event_id, "global_seq": seq} for event_id, seq in ids])
+        first = step[0]
+        self.conn.execute(
+            t.event_ids.insert(),
+            [{"event_id": event_id, "global_seq": first + index} for index, event_id in enumerate(event_ids)],
+        )
 
     def set_stream_version(self, stream_id: str, version: int, *, new: bool) -> None:
         if new:
