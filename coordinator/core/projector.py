@@ -556,31 +556,12 @@ def _job_failed(state: State, event: JobFailed) -> None:
 # --- tiers ---------------------------------------------------------------------------------------------
 
 
-def _key_published(state: State, event: KeyPublished) -> None:
-    """The key's slot row is written whole (a re-publication, possible with PUBLISH_WHEN_COMPLETE
-    off, starts with no lease and no quarantine) and the slot becomes the most recently used."""
-    tier = state.tiers[event.tier]
-    pool_id, key, slot = event.pool_id, event.key, event.tier_slot
-    group = tier.published.get(pool_id)
-    if group is None:
-        group = tier.published[pool_id] = {}
-    group[key] = slot
-    tier.keys[slot] = key
-    tier.namespace_ids[slot] = event.namespace_id
-    tier.packed_checksums[slot] = pack_checksums(event.checksums)
-    tier.sizes[slot] = event.size_bytes
-    tier.source_jobs[slot] = event.source_job
-    if tier.quarantined:
-        tier.quarantined.pop(slot, None)
-    if tier.leases:
-        tier.leases.pop(slot, None)
-    tier.lru[slot] = pool_id
-
-
 def _keys_published(state: State, event: KeyPublished, rest: Iterator[Event]) -> Event | None:
-    """`_key_published` of `event` and of each KeyPublished after it in `rest` (a job's
-    publications), the tier and its columns read once while the run names one tier; the first
-    event after the run, unfolded, or None."""
+    """A run of KeyPublished (a job's publications): `event`, then each KeyPublished `rest` reads
+    next. Each key's slot row is written whole (a re-publication, possible with
+    PUBLISH_WHEN_COMPLETE off, starts with no lease and no quarantine) and the slot becomes the
+    most recently used; the tier and its columns are read once while the run names one tier.
+    Returns the first event after the run, not folded, or None."""
     tiers = state.tiers
     name = None
     while True:
@@ -615,10 +596,11 @@ def _keys_published(state: State, event: KeyPublished, rest: Iterator[Event]) ->
 
 
 def _keys_evicted(state: State, event: KeyEvicted, rest: Iterator[Event]) -> Event | None:
-    """`_key_evicted` of `event` and of each KeyEvicted after it in `rest` (a store's evictions),
-    the tier and its columns read once while the run names one tier, and the LRU's holes counted
-    once a tier (`removed`: the LRU is not rebuilt under the loop); the first event after the run,
-    unfolded, or None."""
+    """A run of KeyEvicted (a store's evictions): `event`, then each KeyEvicted `rest` reads next.
+    Each key leaves the tier, its slot's row is cleared (I18: a free slot holds nothing) and the
+    slot is free again; the tier and its columns are read once while the run names one tier, and
+    the LRU's holes are counted once a tier (`removed`: the LRU is not rebuilt under the loop).
+    Returns the first event after the run, not folded, or None."""
     tiers, engines = state.tiers, state.engines
     tier: TierState | None = None
     name, engine_id, pending = None, None, None
@@ -661,27 +643,18 @@ def _keys_evicted(state: State, event: KeyEvicted, rest: Iterator[Event]) -> Eve
     return after
 
 
+_NO_EVENTS: Iterator[Event] = iter(())
+"""An iterator that is over: a run fold given it folds its one event."""
+
+
+def _key_published(state: State, event: KeyPublished) -> None:
+    """One KeyPublished (`apply`): `_keys_published`, the rule written once, of a run of one."""
+    _keys_published(state, event, _NO_EVENTS)
+
+
 def _key_evicted(state: State, event: KeyEvicted) -> None:
-    """The key leaves the tier; its slot's row is cleared (I18: a free slot holds nothing) and
-    the slot is free again."""
-    name, pool_id, key, slot = event.tier, event.pool_id, event.key, event.tier_slot
-    tier = state.tiers[name]
-    del tier.published[pool_id][key]
-    del tier.lru[slot]
-    removed(tier, "lru")
-    tier.keys[slot] = None
-    tier.namespace_ids[slot] = b""
-    tier.packed_checksums[slot] = b""
-    tier.sizes[slot] = 0
-    tier.source_jobs[slot] = 0
-    if tier.quarantined:
-        tier.quarantined.pop(slot, None)
-    if tier.leases:
-        tier.leases.pop(slot, None)
-    tier.free[slot] = None
-    engine = state.engines.get(event.engine_id)
-    if engine is not None:
-        engine.pending_removed_keys.append((name, pool_id, key))
+    """One KeyEvicted (`apply`): `_keys_evicted`, the rule written once, of a run of one."""
+    _keys_evicted(state, event, _NO_EVENTS)
 
 
 def _key_quarantined(state: State, event: KeyQuarantined) -> None:
