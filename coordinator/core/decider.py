@@ -309,8 +309,11 @@ def _end_step(state: State, command: EndStep) -> list[Event]:
             freed_entries.append(entry_id)
     removed_keys = []
     tiers = state.tiers
+    name, group_id, group = None, None, None
     for tier_name, pool_id, key in eng.pending_removed_keys:  # one per key evicted: TierState.slot_of inlined
-        group = tiers[tier_name].published.get(pool_id)
+        if pool_id != group_id or tier_name != name:  # read once for a run of one tier and group
+            name, group_id = tier_name, pool_id
+            group = tiers[tier_name].published.get(pool_id)
         if group is not None and key in group:
             drop("key_removed", f"key {key.hex()} in tier {tier_name!r}")
         else:

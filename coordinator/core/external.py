@@ -160,7 +160,8 @@ def _columns(eng: EngineState, keys: list[ExternalKey]) -> tuple[list[int], list
         if named is None or named.spec.kind == "encoder" or named.spec.managed:
             break
     else:
-        if 0 < min(map(len, engine_keys)) and max(map(len, engine_keys)) <= MAX_ENGINE_KEY_BYTES:
+        lengths = set(map(len, engine_keys))  # a command's keys have one length or a few: one C loop
+        if 0 < min(lengths) and max(lengths) <= MAX_ENGINE_KEY_BYTES:
             return pool_ids, engine_keys
     for index, ref in enumerate(keys):
         pool: PoolState = check.pool(eng, ref.pool_id)
@@ -235,10 +236,11 @@ def _in_flight(state: State, tier: TierState) -> set[tuple[int, bytes]]:
 
 def _admitted(
     state: State, tier: TierState, pool_ids: list[int], engine_keys: list[bytes], keys: list[bytes]
-) -> tuple[list[int], list[bytes], set[tuple[int, bytes]]]:
+) -> tuple[list[int], list[bytes], set[int]]:
     """Which of a store's keys get a slot (their indices), and which it skips (I10: published
     already, on their way in a store in flight, or twice in the command: an idempotent skip):
-    their engine keys, and their places (pool, tier key), which eviction must keep."""
+    their engine keys, and the slots of those published, which eviction must keep (a key in
+    flight or twice in the command is not published, so never a candidate for eviction)."""
     slots = _slots(tier, pool_ids, keys)
     group = _one_group(pool_ids)
     writing = _in_flight(state, tier)
@@ -248,16 +250,19 @@ def _admitted(
         if len(to_store) == len(keys):
             return to_store, [], set()
         published = [index for index, slot in enumerate(slots) if slot is not None]
-        return to_store, [engine_keys[index] for index in published], {(group, keys[index]) for index in published}
+        published_slots = set(slots)
+        published_slots.discard(None)
+        return to_store, [engine_keys[index] for index in published], published_slots  # type: ignore[return-value]  # no None left
     to_store = []
     skipped: list[bytes] = []
-    kept: set[tuple[int, bytes]] = set()
+    kept: set[int] = set()
     seen: set[tuple[int, bytes]] = set()
     for index, (pool_id, key, slot) in enumerate(zip(pool_ids, keys, slots, strict=True)):
         place = (pool_id, key)
         if slot is not None or place in seen or place in writing:
             skipped.append(engine_keys[index])
-            kept.add(place)
+            if slot is not None:
+                kept.add(slot)
             continue
         seen.add(place)
         to_store.append(index)

@@ -195,7 +195,7 @@ def _start_store(state: State, command: StartStore) -> list[Event]:
     check.unique_refs(command.blocks, "blocks to store")
     to_store: list[tuple[BlockRef, bytes]] = []
     skipped: list[bytes] = []
-    kept: set[tuple[int, bytes]] = set()
+    kept: set[int] = set()  # the slots of the published keys it skips (reserve_tier_slots keeps them)
     seen: set[tuple[int, bytes]] = set()
     naive_nulls = is_off(Protection.NULL_STATES)
     for ref in command.blocks:
@@ -207,9 +207,11 @@ def _start_store(state: State, command: StartStore) -> list[Event]:
         if key is None or not held:
             # I17: content that is still being computed or loaded is not stored.
             raise Refusal(Reason.NOT_COMPUTED, f"block {ref.pool_id}/{ref.block_id} is not computed and held")
-        if (ref.pool_id, key) in seen or tier.slot_of(ref.pool_id, key) is not None:
+        published = tier.slot_of(ref.pool_id, key)
+        if published is not None or (ref.pool_id, key) in seen:
             skipped.append(key)  # I10: already there (or twice in this job): an idempotent skip
-            kept.add((ref.pool_id, key))
+            if published is not None:
+                kept.add(published)
             continue
         seen.add((ref.pool_id, key))
         to_store.append((ref, key))

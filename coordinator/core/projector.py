@@ -125,14 +125,27 @@ def project(events: Iterable[Event], state: State | None = None) -> State:
 
 
 def _fold_each(state: State, events: Iterator[Event]) -> None:
-    folds = _FOLDS
-    event = None
+    """Fold each event in order; a run of consecutive events of a type with a run fold
+    (`_RUN_FOLDS`: a store's evictions, a job's publications, a dozen or more a step each) in one
+    call that reads its tier once and reads the run's events from `events` itself, handing back
+    the first event after the run (None at the end). The state is exactly the event-by-event
+    fold's (I18); when a fold raises, `events` has passed exactly the events before the one that
+    raised and that one (project's count)."""
+    folds, runs = _FOLDS, _RUN_FOLDS
+    kind: type = type(None)
     try:
         for event in events:
-            folds[type(event)](state, event)
+            kind = type(event)
+            while kind in runs:
+                after = runs[kind](state, event, events)
+                if after is None:
+                    break
+                event, kind = after, type(after)
+            else:
+                folds[kind](state, event)
     except KeyError:
-        if type(event) not in folds:
-            raise ProjectionError(f"no fold for event type {type(event).__name__}") from None
+        if kind not in folds:
+            raise ProjectionError(f"no fold for event type {kind.__name__}") from None
         raise
 
 
@@ -543,48 +556,105 @@ def _job_failed(state: State, event: JobFailed) -> None:
 # --- tiers ---------------------------------------------------------------------------------------------
 
 
+def _keys_published(state: State, event: KeyPublished, rest: Iterator[Event]) -> Event | None:
+    """A run of KeyPublished (a job's publications): `event`, then each KeyPublished `rest` reads
+    next. Each key's slot row is written whole (a re-publication, possible with
+    PUBLISH_WHEN_COMPLETE off, starts with no lease and no quarantine) and the slot becomes the
+    most recently used; the tier and its columns are read once while the run names one tier.
+    Returns the first event after the run, not folded, or None."""
+    tiers = state.tiers
+    name = None
+    while True:
+        if event.tier != name:
+            name = event.tier
+            tier = tiers[name]
+            published, lru, keys = tier.published, tier.lru, tier.keys
+            namespace_ids, packed, sizes, source_jobs = tier.namespace_ids, tier.packed_checksums, tier.sizes, tier.source_jobs
+            quarantined, leases = tier.quarantined, tier.leases
+            pool_id, group = -1, None
+        if event.pool_id != pool_id:
+            pool_id = event.pool_id
+            group = published.get(pool_id)
+            if group is None:
+                group = published[pool_id] = {}
+        key, slot = event.key, event.tier_slot
+        group[key] = slot  # type: ignore[index]
+        keys[slot] = key
+        namespace_ids[slot] = event.namespace_id
+        packed[slot] = pack_checksums(event.checksums)
+        sizes[slot] = event.size_bytes
+        source_jobs[slot] = event.source_job
+        if quarantined:
+            quarantined.pop(slot, None)
+        if leases:
+            leases.pop(slot, None)
+        lru[slot] = pool_id
+        after = next(rest, None)
+        if type(after) is not KeyPublished:
+            return after
+        event = after
+
+
+def _keys_evicted(state: State, event: KeyEvicted, rest: Iterator[Event]) -> Event | None:
+    """A run of KeyEvicted (a store's evictions): `event`, then each KeyEvicted `rest` reads next.
+    Each key leaves the tier, its slot's row is cleared (I18: a free slot holds nothing) and the
+    slot is free again; the tier and its columns are read once while the run names one tier, and
+    the LRU's holes are counted once a tier (`removed`: the LRU is not rebuilt under the loop).
+    Returns the first event after the run, not folded, or None."""
+    tiers, engines = state.tiers, state.engines
+    tier: TierState | None = None
+    name, engine_id, pending = None, None, None
+    evicted = 0
+    after: Event | None = None
+    while True:
+        if event.tier != name:
+            if tier is not None:
+                removed(tier, "lru", evicted)
+            name, evicted = event.tier, 0
+            tier = tiers[name]
+            published, lru, keys, free = tier.published, tier.lru, tier.keys, tier.free
+            namespace_ids, packed, sizes, source_jobs = tier.namespace_ids, tier.packed_checksums, tier.sizes, tier.source_jobs
+            quarantined, leases = tier.quarantined, tier.leases
+        pool_id, key, slot = event.pool_id, event.key, event.tier_slot
+        del published[pool_id][key]
+        del lru[slot]
+        evicted += 1
+        keys[slot] = None
+        namespace_ids[slot] = b""
+        packed[slot] = b""
+        sizes[slot] = 0
+        source_jobs[slot] = 0
+        if quarantined:
+            quarantined.pop(slot, None)
+        if leases:
+            leases.pop(slot, None)
+        free[slot] = None
+        if event.engine_id != engine_id:
+            engine_id = event.engine_id
+            engine = engines.get(engine_id)
+            pending = None if engine is None else engine.pending_removed_keys
+        if pending is not None:
+            pending.append((name, pool_id, key))
+        after = next(rest, None)
+        if type(after) is not KeyEvicted:
+            break
+        event = after
+    removed(tier, "lru", evicted)  # type: ignore[arg-type]
+    return after
+
+
+_NO_EVENTS: Iterator[Event] = iter(())
+"""An iterator that is over: a run fold given it folds its one event."""
+
+
 def _key_published(state: State, event: KeyPublished) -> None:
-    """The key's slot row is written whole (a re-publication, possible with PUBLISH_WHEN_COMPLETE
-    off, starts with no lease and no quarantine) and the slot becomes the most recently used."""
-    tier = state.tiers[event.tier]
-    pool_id, key, slot = event.pool_id, event.key, event.tier_slot
-    group = tier.published.get(pool_id)
-    if group is None:
-        group = tier.published[pool_id] = {}
-    group[key] = slot
-    tier.keys[slot] = key
-    tier.namespace_ids[slot] = event.namespace_id
-    tier.packed_checksums[slot] = pack_checksums(event.checksums)
-    tier.sizes[slot] = event.size_bytes
-    tier.source_jobs[slot] = event.source_job
-    if tier.quarantined:
-        tier.quarantined.pop(slot, None)
-    if tier.leases:
-        tier.leases.pop(slot, None)
-    tier.lru[slot] = pool_id
+    """One KeyPublished (`apply`): `_keys_published`, the rule written once, of a run of one."""
+    _keys_published(state, event, _NO_EVENTS)
 
 
 def _key_evicted(state: State, event: KeyEvicted) -> None:
-    """The key leaves the tier; its slot's row is cleared (I18: a free slot holds nothing) and
-    the slot is free again."""
-    name, pool_id, key, slot = event.tier, event.pool_id, event.key, event.tier_slot
-    tier = state.tiers[name]
-    del tier.published[pool_id][key]
-    del tier.lru[slot]
-    removed(tier, "lru")
-    tier.keys[slot] = None
-    tier.namespace_ids[slot] = b""
-    tier.packed_checksums[slot] = b""
-    tier.sizes[slot] = 0
-    tier.source_jobs[slot] = 0
-    if tier.quarantined:
-        tier.quarantined.pop(slot, None)
-    if tier.leases:
-        tier.leases.pop(slot, None)
-    tier.free[slot] = None
-    engine = state.engines.get(event.engine_id)
-    if engine is not None:
-        engine.pending_removed_keys.append((name, pool_id, key))
+    """One KeyEvicted (`apply`): `_keys_evicted`, the rule written once, of a run of one."""
+    _keys_evicted(state, event, _NO_EVENTS)
 
 
 def _key_quarantined(state: State, event: KeyQuarantined) -> None:
@@ -700,3 +770,11 @@ _FOLDS: dict[type[Event], Callable[[State, Any], None]] = {
     ExternalLoadStarted: _external_load_started,
     FencedRankReleased: _nothing,  # a record: the FencedRankDone events after it release
 }
+
+
+_RUN_FOLDS: dict[type[Event], Callable[[State, Any, Iterator[Event]], Event | None]] = {
+    KeyPublished: _keys_published,
+    KeyEvicted: _keys_evicted,
+}
+"""Folds of a whole run of consecutive events of one type (`_fold_each`); `apply` folds one event
+with `_FOLDS`, which has a fold for every type."""

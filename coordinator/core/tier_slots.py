@@ -5,6 +5,7 @@ live lease holds (I12). One rule for kvledger's own stores (jobs.py) and an engi
 from __future__ import annotations
 
 import itertools
+from collections.abc import Collection
 
 from coordinator.core.checks import Refusal
 from coordinator.core.protections import Protection, is_off
@@ -13,11 +14,13 @@ from events import KeyEvicted, Reason
 
 
 def reserve_tier_slots(
-    tier: TierState, eng: EngineState, needed: int, keep: set[tuple[int, bytes]]
+    tier: TierState, eng: EngineState, needed: int, keep: Collection[int]
 ) -> tuple[list[int], list[KeyEvicted]]:
     """Free slots first, then evict least recently used keys that no live lease holds (I12)
-    and that this very decision does not rely on (`keep`: keys it reports as published).
-    Leases off (seed 002's offload path): a key being loaded is evicted like any other."""
+    and that this very decision does not rely on (`keep`: the slots of the keys it reports as
+    published; a slot, not a (pool, key) pair: only a published key is a candidate, and it has
+    one slot, so no pair is made per candidate). Leases off (seed 002's offload path): a key
+    being loaded is evicted like any other."""
     slots = list(itertools.islice(tier.free, needed))
     evictions: list[KeyEvicted] = []
     if len(slots) < needed:
@@ -26,15 +29,15 @@ def reserve_tier_slots(
         keys, leased = tier.keys, tier.leases
         wanted = needed - len(slots)
         for slot, pool_id in tier.lru.items():
-            key = keys[slot]
-            assert key is not None  # a slot in the LRU holds a published key
             # KeyEntry.leased_at inlined, asked only of a key some load leased (most have none)
             if leased and honour_leases:
                 leases = leased.get(slot)
                 if leases and any(expiry > clock for expiry in leases.values()):
                     continue
-            if keep and (pool_id, key) in keep:
+            if keep and slot in keep:
                 continue
+            key = keys[slot]
+            assert key is not None  # a slot in the LRU holds a published key
             evictions.append(KeyEvicted(tier=name, pool_id=pool_id, key=key, tier_slot=slot, engine_id=engine_id))
             slots.append(slot)
             wanted -= 1

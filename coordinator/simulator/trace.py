@@ -94,9 +94,15 @@ def read_trace(path: Path) -> list[TraceRequest]:
         return parse_trace(lines, str(path))
 
 
+def block_keys(hash_ids: list[int]) -> list[ExternalKey]:
+    """The engine key of each trace block: its id, 8 bytes big-endian, in group 0 (one loop a
+    request, no call a block)."""
+    return [ExternalKey(0, hash_id.to_bytes(8, "big")) for hash_id in hash_ids]
+
+
 def block_key(hash_id: int) -> ExternalKey:
-    """The engine key of a trace block: its id, 8 bytes big-endian, in group 0."""
-    return ExternalKey(0, hash_id.to_bytes(8, "big"))
+    """The engine key of one trace block (`block_keys`)."""
+    return block_keys([hash_id])[0]
 
 
 def tier_spec(slots: int) -> TierSpec:
@@ -200,7 +206,7 @@ class CoreReplay(Tally):
     def replay(self, request: TraceRequest) -> int:
         """One request; the blocks it hit."""
         engine = self.engines[self.requests % len(self.engines)]
-        keys = [block_key(block) for block in request.hash_ids]
+        keys = block_keys(request.hash_ids)
         answer = answer_lookup(self.core.state, LookupExternal(engine_id=engine, tier=TIER, keys=keys))
         hit, commands = plan(engine, keys, answer.loadable)
         self.steps[engine] += 1

@@ -53,7 +53,7 @@ from coordinator.simulator.trace import (  # noqa: E402
     Tally,
     TraceError,
     TraceRequest,
-    block_key,
+    block_keys,
     declaration,
     outcome,
     plan,
@@ -106,7 +106,7 @@ async def sidecar_replay(socket: str, requests: list[TraceRequest], slots: int, 
         for index, request in enumerate(requests):
             engine = index % engines
             client, worker, name = clients[engine], workers[engine], names[engine]
-            keys = [block_key(block) for block in request.hash_ids]
+            keys = block_keys(request.hash_ids)
             answer = (await client.lookup_keys(TIER, keys)).answer
             if not hasattr(answer, "loadable"):
                 raise RuntimeError(f"request {index}: the lookup was refused: {answer}")

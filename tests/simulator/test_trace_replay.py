@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.core.projector import apply, project
+from coordinator.core.state import decode_state, encode_state
 from coordinator.simulator.trace import (
     SHIPPED_TRACE,
     CoreReplay,
@@ -70,6 +72,23 @@ def test_more_slots_never_hit_less_and_engines_sharing_the_tier_hit_the_same() -
     requests = read_trace(SLICE)[:400]
     small, large, shared = CoreReplay(300), CoreReplay(3_000), CoreReplay(3_000, engines=2)
     assert small.replay_all(requests) <= large.replay_all(requests) == shared.replay_all(requests)
+
+
+def test_runs_of_evictions_and_publications_fold_as_event_by_event() -> None:
+    """I18 (issue 22): `project` folds a run of KeyEvicted or KeyPublished events in one call; the
+    state it builds from the replay's log is byte for byte the state `apply` builds one event at a
+    time, and the live core's."""
+    replay = CoreReplay(200, engines=2)
+    declared = encode_state(replay.core.state)  # the tier and the engines, before any request
+    replay.core._keep_events = True
+    replay.replay_all(read_trace(SLICE)[:300])
+    events = replay.core.events
+    assert sum(type(event).__name__ == "KeyEvicted" for event in events) > 1_000  # long runs of both
+    one_by_one = decode_state(declared)
+    for event in events:
+        apply(one_by_one, event)
+    in_runs = project(events, decode_state(declared))
+    assert encode_state(in_runs) == encode_state(one_by_one) == encode_state(replay.core.state)
 
 
 def test_a_line_that_is_not_a_trace_request_is_named() -> None:
