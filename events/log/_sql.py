@@ -5,8 +5,7 @@ advisory lock on PostgreSQL) and assigns `global_seq` explicitly as max + 1. So 
 gapless and a reader can never see N + 1 before N commits: the skipped-row bug of logs that
 take ids from a sequence and commit out of order (eventsourcing's comment on table locking).
 SQLite work never runs on the event loop: appends and reads (the hot paths) run on a pysqlite
-engine in worker threads, one hop per call (appends on the log's own writer thread,
-events/log/_writer_thread.py; reads in anyio's pool); projections,
+engine in worker threads, one hop per call (writes through a one-slot limiter); projections,
 snapshots and small queries go through aiosqlite's thread.
 
 Storage: one `kvl_steps` row per stream per append, holding the step's events' payloads
@@ -43,7 +42,6 @@ from events.log._contract import (
     WrongExpectedVersion,
     pack_step,
 )
-from events.log._writer_thread import WriterThread
 
 log = structlog.get_logger("kvledger.log")
 
@@ -256,11 +254,10 @@ class SqlEventLog:
         self.dialect = engine.dialect.name
         self.blocking_engine = blocking
         """SQLite only: the pysqlite engine that appends and reads run on, in worker threads."""
-        self._writer = WriterThread(f"kvledger-log-writer {url}")
-        """SQLite only: the thread every append runs on, one after another."""
+        self._writer = anyio.CapacityLimiter(1)
         self._writer_connection: Any = None
         """SQLite only: the pooled connection appends run on, checked out by the first append and
-        held until close (used only on `_writer`'s thread)."""
+        held until close (used only under `_writer`, one thread at a time)."""
         self._checkpointer = _Checkpointer(blocking, url) if blocking is not None else None
         self._appended = anyio.Event()
         self._listener: Any = None
@@ -270,7 +267,8 @@ class SqlEventLog:
     async def append(self, batches: Sequence[AppendBatch], *, expected_head: int | None = None) -> list[AppendResult]:
         """Append every batch atomically; raises WrongExpectedVersion or HeadMoved and appends nothing."""
         if self.blocking_engine is not None:
-            results = await self._writer.run(self._append_blocking, batches, expected_head, pack_batches(batches))
+            packed = pack_batches(batches)
+            results = await anyio.to_thread.run_sync(self._append_blocking, batches, expected_head, packed, limiter=self._writer)
             assert self._checkpointer is not None
             self._checkpointer.appended()
             self._wake()
@@ -504,9 +502,8 @@ class SqlEventLog:
         if self._checkpointer is not None:
             await anyio.to_thread.run_sync(self._checkpointer.close)
         if self._writer_connection is not None:
-            await self._writer.run(self._writer_connection.close)
+            await anyio.to_thread.run_sync(self._writer_connection.close, limiter=self._writer)
             self._writer_connection = None
-        await self._writer.close()
         if self.blocking_engine is not None:
             await anyio.to_thread.run_sync(self.blocking_engine.dispose)
         await self.engine.dispose()
@@ -547,11 +544,17 @@ PackedStep = tuple[str, bytes, bytes, list[str]]
 
 def pack_batches(batches: Sequence[AppendBatch]) -> list[PackedStep | None]:
     """Every batch's row contents (None for a batch with no events). Pure Python, no statement:
-    the SQLite log runs it on the event loop's thread before handing the append to its writer
-    thread, where the same work took twice as long (the events were made on the loop's thread and
-    are warm in its core's caches; ops/bench/peer_eventsourcing.py, timed: 81 us a 256-event step
-    in the writer thread, 41 us on the loop's). The GIL keeps the loop from running beside it
-    either way."""
+    the SQLite log runs it on the event loop's thread before handing the append to a worker
+    thread. The GIL keeps the loop from running beside it either way, and there the events are
+    still warm in the loop's core's caches: 300k events appended 256 a step one after another
+    (ops/bench/peer_eventsourcing.py's append) ran 3-6% faster, three runs alternated, and
+    ops/bench/sidecar.py was unchanged (issue 22).
+
+    Tried and not kept: a thread of the log's own for appends, fed by a queue (as aiosqlite's
+    connection thread is). An empty call took ~78 us on it against ~110 us through anyio, and
+    the one-after-another appends ran 5-14% faster, but `ops/bench/sidecar.py --engines 4
+    --commands 32 --steps 300` lost ~10% in every one of eight rotated runs (24.5-27.0k events/s,
+    step p50 5.3-5.6 ms, against 27.8-29.4k and 4.6-5.1 ms)."""
     packed: list[PackedStep | None] = []
     for batch in batches:
         events = batch.events
