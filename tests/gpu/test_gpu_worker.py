@@ -458,7 +458,8 @@ def test_kvledger_worker_processes_store_for_a_served_engine(tmp_path: Path) -> 
                 process.kill()
                 process.wait(10)
         first_line = workers[0].stdout.read().decode().splitlines()[0] if workers and workers[0].stdout else ""
-        assert first_line.startswith("kvledger worker: engine pod-a rank 0 on cpu"), first_line
+        where = "cuda" if torch.cuda.is_available() else "cpu"  # the worker takes the GPU when it sees one
+        assert first_line.startswith(f"kvledger worker: engine pod-a rank 0 on {where}"), first_line
 
 
 def test_pools_are_typed_from_the_declaration_and_transfers_move_their_bytes() -> None:
