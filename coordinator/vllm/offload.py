@@ -34,7 +34,7 @@ that connector (get_worker refuses otherwise).
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 import msgspec
@@ -189,12 +189,15 @@ class KvledgerOffloadingManager(OffloadingManager):
     def _refs(keys: Iterable[OffloadKey]) -> list[ExternalKey]:
         return [ExternalKey(get_offload_group_idx(key), bytes(key)) for key in keys]
 
-    def ask(self, keys: Collection[OffloadKey]) -> None:
-        """A request's whole key chain, asked in one question before vLLM looks its keys up one by one."""
+    def ask(self, keys: Collection[OffloadKey], waiting: Callable[[], Iterable[Collection[OffloadKey]]] | None = None) -> None:
+        """A request's whole key chain, asked in one question before vLLM looks its keys up one by
+        one; `waiting`, the chains of the requests behind it, asked in the same question when it
+        needs a round trip (LedgerSession.ask)."""
         if not keys:
             return
         try:
-            self.session().ask(self._refs(keys))
+            more = None if waiting is None else (lambda: (self._refs(chain) for chain in waiting()))
+            self.session().ask(self._refs(keys), more)
         except (Refusal, SidecarError, SidecarUnavailable) as error:  # each lookup then asks alone (or misses)
             log.warning("kvledger_unavailable", call="ask", error=str(error))
 

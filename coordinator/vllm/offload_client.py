@@ -31,7 +31,7 @@ model with one KV-cache group (`check_connector_config`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
@@ -63,6 +63,8 @@ from events import (
 
 HASH_PREFIX = "vllm:"
 """A vLLM engine's key hash algorithm as kvledger names it: "vllm:" + prefix_caching_hash_algo (as `kvledger ingest vllm` names it)."""
+PREFETCH_KEYS = 4096
+"""The most keys one lookup asks for a request and the requests waiting behind it (LedgerSession.ask)."""
 NOMINAL_BLOCKS = 2
 """vLLM's GPU blocks are its own (a reported pool that kvledger never names a block of); the pool
 is declared with the fewest blocks a pool may have (block 0 is the null block)."""
@@ -444,11 +446,24 @@ class LedgerSession:
         self._answers.update(zip(keys, reply.answer.loadable, strict=True))
         return list(reply.answer.loadable)
 
-    def ask(self, keys: Sequence[ExternalKey]) -> None:
-        """A request's key chain, asked once for this pass (the keys already answered are not asked again)."""
-        missing = list(dict.fromkeys(key for key in keys if key not in self._answers))
-        if missing:
-            self.lookup(missing)
+    def ask(self, keys: Sequence[ExternalKey], waiting: Callable[[], Iterable[Sequence[ExternalKey]]] | None = None) -> None:
+        """A request's key chain, asked once for this pass (the keys already answered are not asked
+        again). `waiting`: the chains of the requests waiting behind it, called only when this
+        chain needs a round trip; as many as fit in PREFETCH_KEYS ride along in the same lookup,
+        so the requests one scheduler pass admits cost one round trip, not one each."""
+        answers = self._answers
+        missing = list(dict.fromkeys(key for key in keys if key not in answers))
+        if not missing:
+            return
+        if waiting is not None:
+            asked = set(missing)
+            for chain in waiting():
+                more = [key for key in chain if key not in answers and key not in asked]
+                if len(asked) + len(more) > PREFETCH_KEYS:
+                    break
+                asked.update(more)
+                missing += more
+        self.lookup(missing)
 
     def answer(self, key: ExternalKey) -> bool:
         """The key's answer in this pass: from `ask`, or asked alone when it was not part of a chain."""

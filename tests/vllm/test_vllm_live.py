@@ -598,3 +598,63 @@ def test_settings_name_what_is_missing() -> None:
     declare, tier = declaration(_settings("/s"), _facts())
     assert declare.key_hash_algorithm == "vllm:sha256" and declare.namespace.block_sizes == (32,)
     assert [pool.managed for pool in declare.pools] == [False] and tier.bytes_per_slot == 32768
+
+
+def test_the_chains_of_waiting_requests_ride_along_so_a_pass_asks_once(
+    sidecar_socket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LedgerSession.ask with `waiting` (the connector's _waiting_chains): the first request of a
+    scheduler pass that needs a round trip asks for the chains of the requests behind it too, so
+    their own asks and lookups in that pass make none; a chain over PREFETCH_KEYS is left to ask
+    for itself; the answers are the sidecar's, published keys loadable; a new pass asks again."""
+    from coordinator.core.commands import ExternalKey, ReportRank
+    from coordinator.vllm import offload_client
+    from coordinator.vllm.offload_client import Reporter
+
+    def key(n: int) -> ExternalKey:
+        return ExternalKey(0, n.to_bytes(4, "big") * 8 + b"\x00" * 4)
+
+    session = LedgerSession(_settings(sidecar_socket), _facts(), retry_for=5)
+    reporter = Reporter(sidecar_socket, session.engine_id, 0, retry_for=5)
+    round_trips: list[list[ExternalKey]] = []
+    real_lookup = session.client.lookup_keys
+
+    def counted(tier: str, keys: list[ExternalKey]) -> Any:
+        round_trips.append(list(keys))
+        return real_lookup(tier, keys)
+
+    monkeypatch.setattr(session.client, "lookup_keys", counted)
+    try:
+        stored = session.store([key(9)])  # published by the rank's report: loadable from now on
+        session.flush()
+        assert stored is not None and stored.job is not None
+        reporter.report(ReportRank(job_id=stored.job.job_id, rank=0, ok=True, checksums=[b"\x11" * 16]))
+        session.end_pass()
+        round_trips.clear()
+
+        asked_for_waiting: list[int] = []
+
+        def waiting() -> Iterator[list[ExternalKey]]:
+            asked_for_waiting.append(1)
+            yield [key(1), key(9), key(3)]  # key(1) is the asking chain's too: asked once
+            yield [key(4)]
+
+        session.ask([key(1), key(2)], waiting)
+        assert round_trips == [[key(1), key(2), key(9), key(3), key(4)]]
+        # The requests behind it, in the same pass: answered, no round trip, `waiting` not called again.
+        session.ask([key(9), key(3)], waiting)
+        session.ask([key(4)], waiting)
+        assert [session.answer(k) for k in (key(1), key(2), key(9), key(3), key(4))] == [False, False, True, False, False]
+        assert len(round_trips) == 1 and asked_for_waiting == [1]
+
+        # A new pass asks again; a waiting chain beyond the budget is left out and asks for itself.
+        session.end_pass()
+        monkeypatch.setattr(offload_client, "PREFETCH_KEYS", 3)
+        session.ask([key(5)], lambda: iter([[key(6)], [key(7), key(8), key(9)], [key(10)]]))
+        assert round_trips[1:] == [[key(5), key(6)]]
+        assert session.answer(key(9)) is True and round_trips[2:] == [[key(9)]]
+        session.ask([key(6)])
+        assert len(round_trips) == 3
+    finally:
+        reporter.close()
+        session.close()
