@@ -458,7 +458,7 @@ class LedgerSession:
         if waiting is not None:
             asked = set(missing)
             for chain in waiting():
-                more = [key for key in chain if key not in answers and key not in asked]
+                more = [key for key in dict.fromkeys(chain) if key not in answers and key not in asked]
                 if len(asked) + len(more) > PREFETCH_KEYS:
                     break
                 asked.update(more)

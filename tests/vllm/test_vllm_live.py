@@ -637,7 +637,7 @@ def test_the_chains_of_waiting_requests_ride_along_so_a_pass_asks_once(
         def waiting() -> Iterator[list[ExternalKey]]:
             asked_for_waiting.append(1)
             yield [key(1), key(9), key(3)]  # key(1) is the asking chain's too: asked once
-            yield [key(4)]
+            yield [key(4), key(4)]  # a key twice in one chain: asked once
 
         session.ask([key(1), key(2)], waiting)
         assert round_trips == [[key(1), key(2), key(9), key(3), key(4)]]
