@@ -440,3 +440,58 @@ async def test_a_workers_reports_of_one_pass_go_in_one_round_trip_and_a_retried_
         assert refused.value.code is p.ErrorCode.INVALID_MESSAGE and "vllm-b" in str(refused.value)
         assert await event_log.head() == head
         worker.close()
+
+
+async def test_posted_reports_commit_before_they_are_collected_and_a_reply_lost_on_the_way_is_asked_again_once(
+    event_log: EventLog, tmp_path: Path
+) -> None:
+    """SyncWorkerClient.post_all / collect (a vLLM worker posts before its forward pass and
+    collects after it): the sidecar commits the reports before anyone reads the reply; nothing
+    else goes on the connection meanwhile; a reply lost with its connection is asked again with
+    the same command ids and counted once (I4); a refused batch commits nothing."""
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock), _client(sock, "vllm-a") as client, _client(sock, "vllm-b") as other:
+
+        async def reported() -> int:
+            return len([e for _, e in await _logged(event_log) if isinstance(e, RankReported)])
+
+        jobs = [await _store(client, n + 1, [_key(n)]) for n in range(2)]
+        batch = [(_report(job), f"p{job.job_id}") for job in jobs]
+        worker = SyncWorkerClient(Address(socket_path=str(sock)), "vllm-a", 0, retry_for=10)
+        posted = await anyio.to_thread.run_sync(worker.post_all, batch)
+        assert posted.sent
+        await _wait_for(lambda: _equals(reported, 2))  # committed while nobody waits for the reply
+        with pytest.raises(RuntimeError, match="not collected yet"):
+            worker.report(_report(jobs[0]))
+        first = await anyio.to_thread.run_sync(worker.collect, posted)
+        assert [len([e for e in events if isinstance(e, KeyPublished)]) for events in first] == [1, 1]
+        assert worker.connections == 1
+
+        # The reply lost on the way: collect sends the batch again on a new connection, counted once.
+        jobs = [await _store(client, n + 3, [_key(n + 3)]) for n in range(2)]
+        proxy = _CutAfterRequest(sock, tmp_path / "proxy.sock")
+        cut = SyncWorkerClient(Address(socket_path=proxy.path), "vllm-a", 0, retry_for=10)
+        posted = await anyio.to_thread.run_sync(cut.post_all, [(_report(job), f"p{job.job_id}") for job in jobs])
+        await _wait_for(lambda: _equals(reported, 4))
+        proxy.cut.set()
+        again = await anyio.to_thread.run_sync(cut.collect, posted)
+        assert cut.connections == 2
+        assert [len([e for e in events if isinstance(e, KeyPublished)]) for events in again] == [1, 1]
+        assert await reported() == 4
+        cut.close()
+        proxy.close()
+
+        # Another engine's job in a posted batch: refused whole when collected, nothing committed.
+        foreign = await _store(other, 1, [_key(9)])
+        job = await _store(client, 5, [_key(5)])
+        head = await event_log.head()
+        posted = await anyio.to_thread.run_sync(worker.post_all, [(_report(job), "ok"), (_report(foreign), "theirs")])
+        with pytest.raises(SidecarError) as refused:
+            await anyio.to_thread.run_sync(worker.collect, posted)
+        assert refused.value.code is p.ErrorCode.INVALID_MESSAGE and "vllm-b" in str(refused.value)
+        assert await event_log.head() == head
+        worker.close()
+
+
+async def _equals(count: Any, expected: int) -> bool:
+    return bool(await count() == expected)
