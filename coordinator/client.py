@@ -515,13 +515,7 @@ class _BlockingChannel:
         self.max_frame = max_frame
 
     def exchange(self, message: p.Message) -> p.ServerMessage:
-        self.send(message)
-        return self.receive()
-
-    def send(self, message: p.Message) -> None:
         self.sock.sendall(p.frame(message))
-
-    def receive(self) -> p.ServerMessage:
         length = p.frame_length(self._exactly(p.HEADER_BYTES), self.max_frame)
         return p.decode_server(self._exactly(length))
 
@@ -560,8 +554,6 @@ class _BlockingRequester:
         """Seconds to wait for one reply; past it the connection counts as lost."""
         self.max_frame = max_frame
         self._channel: _BlockingChannel | None = None
-        self._posted = False
-        """A request was sent by `post` and its reply not yet read by `collect`."""
         self.connections = 0
         """Connections opened so far (the first, then one after each loss)."""
 
@@ -583,8 +575,6 @@ class _BlockingRequester:
         hello: Callable[[], p.Hello],
         welcomed: Callable[[p.Welcome], None] = lambda _: None,
     ) -> R:
-        if self._posted:
-            raise RuntimeError(f"a posted request's reply is not collected yet; {type(message).__name__} must wait for it")
         deadline = time.monotonic() + self.retry_for
         delay = 0.05
         while True:
@@ -597,9 +587,15 @@ class _BlockingRequester:
                 self.drop()
                 problem = f"{type(lost).__name__}: {lost}"
             else:
-                verdict = self._judge(reply, expected)
+                try:
+                    verdict = _verdict(reply, expected, self.retry)
+                except SidecarError as error:
+                    if error.fatal:
+                        self.drop()
+                    raise
                 if not isinstance(verdict, str):
                     return verdict
+                self.drop()
                 problem = verdict
             if time.monotonic() >= deadline:
                 raise SidecarUnavailable(f"sidecar at {self.address} unavailable for {self.retry_for} s: {problem}")
@@ -607,62 +603,7 @@ class _BlockingRequester:
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    def _judge(self, reply: p.ServerMessage, expected: type[R]) -> R | str:
-        """The expected reply, or why to ask again (the connection dropped); SidecarError for a refusal."""
-        try:
-            verdict = _verdict(reply, expected, self.retry)
-        except SidecarError as error:
-            if error.fatal:
-                self.drop()
-            raise
-        if isinstance(verdict, str):
-            self.drop()
-        return verdict
-
-    def post(
-        self, message: p.Message, hello: Callable[[], p.Hello], welcomed: Callable[[p.Welcome], None] = lambda _: None
-    ) -> bool:
-        """Send `message` now and return without its reply, which `collect` reads later (so the
-        sidecar works on it meanwhile). False when it could not be sent: `collect` then sends it
-        the way `request` does. One posted request at a time, and nothing else until it is collected."""
-        if self._posted:
-            raise RuntimeError("a posted request's reply is not collected yet")
-        try:
-            if self._channel is None:
-                welcomed(self.open(hello()))
-            assert self._channel is not None
-            self._channel.send(message)
-        except (OSError, p.FrameError, SidecarError):  # collect's request says it again, or retries
-            self.drop()
-            return False
-        self._posted = True
-        return True
-
-    def collect(
-        self,
-        message: p.Message,
-        expected: type[R],
-        hello: Callable[[], p.Hello],
-        welcomed: Callable[[p.Welcome], None] = lambda _: None,
-    ) -> R:
-        """The reply to the posted `message` (the same message, with the same command id); a reply
-        lost with its connection, or a message that could not be posted, is asked again as
-        `request` asks (the sidecar counts a command id once, I4)."""
-        if self._posted:
-            self._posted = False
-            assert self._channel is not None
-            try:
-                reply = self._channel.receive()
-            except (OSError, p.FrameError):
-                self.drop()
-            else:
-                verdict = self._judge(reply, expected)
-                if not isinstance(verdict, str):
-                    return verdict
-        return self.request(message, expected, hello, welcomed)
-
     def drop(self) -> None:
-        self._posted = False
         if self._channel is not None:
             self._channel.close()
             self._channel = None
@@ -744,17 +685,6 @@ class SyncEngineClient:
         self.close()
 
 
-class PostedReports:
-    """Reports a SyncWorkerClient sent with `post_all`, in frames (`chunks`); `sent`: the first
-    frame is on its way and its reply not yet read."""
-
-    __slots__ = ("chunks", "sent")
-
-    def __init__(self, chunks: list[list[p.Report]]) -> None:
-        self.chunks = chunks
-        self.sent = False
-
-
 class SyncWorkerClient:
     """A worker rank's reports from code that is not async (a vLLM worker): one connection,
     opened at the first report and kept open, on a blocking socket; through a lost connection a
@@ -785,41 +715,22 @@ class SyncWorkerClient:
     def report(self, report: ReportRank, *, command_id: str | None = None) -> list[Event]:
         """What the report committed (RankReported; with the last rank, the job's end)."""
         message = p.Report(report=report, command_id=command_id or uuid_utils.uuid7().hex)
-        return list(self._requester.request(message, p.Committed, self._hello).events)
+        committed = self._requester.request(
+            message, p.Committed, lambda: _hello("worker", self.engine_id, self.address.token, rank=self.rank)
+        )
+        return list(committed.events)
 
     def report_all(self, reports: Sequence[tuple[ReportRank, str]]) -> list[list[Event]]:
         """Several (report, command id) in one round trip, committed together; what each committed."""
-        return self.collect(self._chunks(reports))
-
-    def post_all(self, reports: Sequence[tuple[ReportRank, str]]) -> PostedReports:
-        """report_all in two halves: the reports are sent now, in one Reports frame, and this
-        returns at once; `collect` reads what each committed. Between the two the sidecar commits
-        them while the caller works (a vLLM worker: its forward pass). Reports that need more than
-        one frame are sent by `collect`, one round trip each."""
-        posted = self._chunks(reports)
-        if len(posted.chunks) == 1:
-            posted.sent = self._requester.post(p.Reports(reports=posted.chunks[0]), self._hello)
-        return posted
-
-    def collect(self, posted: PostedReports) -> list[list[Event]]:
-        """What each report of `posted` committed; through a lost connection they are sent again
-        with the same command ids (counted once, I4)."""
         results: list[list[Event]] = []
-        for index, chunk in enumerate(posted.chunks):
+        messages = [p.Report(report=report, command_id=command_id) for report, command_id in reports]
+        for chunk in p.frame_chunks(messages):  # the sidecar refuses a larger Reports
             message = p.Reports(reports=chunk)
-            if index == 0 and posted.sent:
-                committed = self._requester.collect(message, p.ReportsCommitted, self._hello)
-            else:
-                committed = self._requester.request(message, p.ReportsCommitted, self._hello)
+            committed = self._requester.request(
+                message, p.ReportsCommitted, lambda: _hello("worker", self.engine_id, self.address.token, rank=self.rank)
+            )
             results += [list(result.events) for result in committed.results]
         return results
-
-    def _chunks(self, reports: Sequence[tuple[ReportRank, str]]) -> PostedReports:
-        messages = [p.Report(report=report, command_id=command_id) for report, command_id in reports]
-        return PostedReports(list(p.frame_chunks(messages)))  # the sidecar refuses a larger Reports
-
-    def _hello(self) -> p.Hello:
-        return _hello("worker", self.engine_id, self.address.token, rank=self.rank)
 
     def close(self) -> None:
         self._requester.drop()

@@ -72,14 +72,6 @@ class KvledgerOffloadingConnector(OffloadingConnector):
 
     # --- worker side --------------------------------------------------------------------------
 
-    def start_load_kv(self, forward_context, **kwargs) -> None:
-        """vLLM's transfers of this pass (stores deferred from the last, then loads), then their
-        reports sent at once: the sidecar commits them while the forward pass runs, and
-        get_finished, after it, reads the verdicts (a load the sidecar failed is refused there,
-        in the same pass as before). They used to wait for their commit in get_finished."""
-        super().start_load_kv(forward_context, **kwargs)
-        self.connector_worker.worker.post_reports()
-
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The engine blocks of the loads refused since the last forward pass (one KV-cache group:
         vLLM recomputes from the first of them and keeps the blocks before it)."""

@@ -59,7 +59,6 @@ from vllm.v1.kv_offload.base import (
     get_offload_group_idx,
 )
 
-from coordinator.client import PostedReports
 from coordinator.core.commands import ExternalKey, ReportRank
 from coordinator.vllm.offload_client import (
     CONNECTOR_MODULE,
@@ -342,8 +341,6 @@ class KvledgerOffloadingWorker(OffloadingWorker):
         self.finished: list[TransferResult] = []
         self._unreported: list = []
         """(report, what to do with what it committed) of the transfers submitted since the last get_finished."""
-        self._posted: tuple[list, PostedReports] | None = None
-        """Reports sent before the forward pass (`post_reports`), read in get_finished."""
 
     def _rows(self, group: int, block_id: int) -> list[torch.Tensor]:
         return [self.tensors[index][block_id] for index in self.group_tensors[group]]
@@ -432,27 +429,12 @@ class KvledgerOffloadingWorker(OffloadingWorker):
         cannot count: kvledger would not know its key was read)."""
         self._unreported.append((report, reported))
 
-    def post_reports(self) -> None:
-        """Send the reports queued so far (the transfers vLLM just started, before its forward
-        pass) without waiting: the sidecar commits them while the engine computes, and
-        get_finished reads what they committed, in the same pass as before."""
-        if self._posted is not None or not self._unreported:
-            return
-        unreported, self._unreported = self._unreported, []
-        self._posted = (unreported, self.reporter.post_all([report for report, _ in unreported]))
-
     def _send_reports(self) -> None:
-        """What every report queued or posted so far committed, each `reported` called with it."""
-        if self._posted is not None:
-            (unreported, posted), self._posted = self._posted, None
-            self._settle(unreported, lambda: self.reporter.collect(posted))
         unreported, self._unreported = self._unreported, []
-        if unreported:
-            self._settle(unreported, lambda: self.reporter.report_all([report for report, _ in unreported]))
-
-    def _settle(self, unreported: list, committed_of) -> None:
+        if not unreported:
+            return
         try:
-            committed: list = committed_of()
+            committed: list = self.reporter.report_all([report for report, _ in unreported])
         except (SidecarError, SidecarUnavailable) as error:
             log.warning("kvledger_unavailable", call="report", jobs=[report.job_id for report, _ in unreported], error=str(error))
             committed = [None] * len(unreported)

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from coordinator.client import Address, PostedReports, SidecarError, SidecarUnavailable, SyncEngineClient, SyncWorkerClient
+from coordinator.client import Address, SidecarError, SidecarUnavailable, SyncEngineClient, SyncWorkerClient
 from coordinator.core.commands import (
     AnyCommand,
     DeclareEngine,
@@ -599,13 +599,6 @@ class Reporter:
     def report_all(self, reports: Sequence[ReportRank]) -> list[list[Event]]:
         """Several reports in one round trip (one group); what each committed."""
         return self._client.report_all([(report, self._command_id(report)) for report in reports])
-
-    def post_all(self, reports: Sequence[ReportRank]) -> PostedReports:
-        """report_all's first half: the reports go now; `collect` reads what each committed."""
-        return self._client.post_all([(report, self._command_id(report)) for report in reports])
-
-    def collect(self, posted: PostedReports) -> list[list[Event]]:
-        return self._client.collect(posted)
 
     def _command_id(self, report: ReportRank) -> str:
         return f"report/{self._client.engine_id}/{report.job_id}/{report.rank}"
