@@ -156,18 +156,6 @@ def _index_step(indexer: Indexer, codec: EventCodec, rows: AuditRows, step: Stor
     """One stored step's events after `after`. An event this code cannot decode (a newer kvledger
     wrote it) is logged and skipped: forensic readers list and skip (DESIGN.md, "The log")."""
     first = max(step.first_seq, after + 1)
-    if step.unreadable:
-        log.warning("audit_step_skipped", first_seq=step.first_seq, last_seq=step.last_seq, error=step.unreadable)
-        indexer.step(
-            rows,
-            [],
-            first_seq=first,
-            last_seq=step.last_seq,
-            stream_id=step.stream_id,
-            step=step.step,
-            recorded_at=step.recorded_at,
-        )
-        return
     if codec.all_current(step.schemas):
         try:
             events = codec.decode_concatenated(step.payload, step.count)

@@ -16,8 +16,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from events._codec import EventDecodeError
-
 
 class PendingEvent(msgspec.Struct, frozen=True, kw_only=True):
     """An encoded event about to be appended (see events.EventCodec.encode)."""
@@ -94,26 +92,12 @@ class StoredStep(msgspec.Struct, frozen=True, gc=False):
     """The engine step (-1 for an append outside a step, such as a worker's report)."""
     recorded_at: float = 0.0
     """Wall-clock time of the append (seconds since the epoch)."""
-    unreadable: str = ""
-    """Why the row's bytes could not be read back (a corrupt compressed row), or "" when they
-    were: then `header` and `payload` are empty and every event of the step is undecodable."""
 
     @property
     def count(self) -> int:
         return self.last_seq - self.first_seq + 1
 
-    def unreadable_error(self, global_seq: int) -> EventDecodeError:
-        """The error that names one event of an unreadable step."""
-        return EventDecodeError(
-            f"the step row of stream {self.stream_id!r} holding global sequences {self.first_seq}-{self.last_seq} "
-            f"is unreadable: {self.unreadable}",
-            event_type="?",
-            position=global_seq,
-        )
-
     def events(self) -> list[StoredEvent]:
-        if self.unreadable:
-            raise self.unreadable_error(self.first_seq)
         entries = _header_decoder.decode(self.header)
         if len(entries) != self.count:
             raise ValueError(

@@ -9,8 +9,7 @@ engine in worker threads, one hop per call (writes through a one-slot limiter); 
 snapshots and small queries go through aiosqlite's thread.
 
 Storage: one `kvl_steps` row per stream per append, holding the step's events' payloads
-concatenated, with a header naming each event (id, type, schema version, length), both stored
-as LZ4 blocks when that makes them smaller (events/log/_compression.py); event ids go
+concatenated, with a header naming each event (id, type, schema version, length); event ids go
 to `kvl_event_ids`, whose primary key keeps them unique. A reader splits a step back into events
 (`StoredStep.events`), or replay decodes the whole payload in one call.
 """
@@ -31,7 +30,6 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from events.log import schema as t
-from events.log._compression import RowUnreadable, compress_row, decompress_row
 from events.log._contract import (
     AppendBatch,
     AppendRejected,
@@ -152,7 +150,7 @@ def _configure_sqlite(sync_engine: sa.Engine) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE" if writing else "BEGIN")
 
 
-_STEP_COLUMNS = "first_seq, last_seq, stream_id, first_version, schemas, header, payload, step, recorded_at, compression"
+_STEP_COLUMNS = "first_seq, last_seq, stream_id, first_version, schemas, header, payload, step, recorded_at"
 _READ_STEPS_SQL = (
     # The step holding after + 1 starts at the greatest first_seq <= after + 1; every step that
     # starts up to after + limit holds some of the events asked for. Both bounds use the primary key.
@@ -172,25 +170,14 @@ _READ_STREAM_STEPS = sa.text(_READ_STREAM_STEPS_SQL).bindparams(
 )
 _HEAD_SQL = "SELECT last_seq FROM kvl_steps ORDER BY first_seq DESC LIMIT 1"
 _INSERT_STEP_SQL = (
-    "INSERT INTO kvl_steps (first_seq, last_seq, stream_id, first_version, step, recorded_at, schemas, header, payload, "
-    "compression) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO kvl_steps (first_seq, last_seq, stream_id, first_version, step, recorded_at, schemas, header, payload) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _INSERT_IDS_SQL = "INSERT INTO kvl_event_ids (event_id, global_seq) VALUES (?, ?)"
 _INSERT_IDS_AT_ONCE_SQL = (
     # A step's event ids in one statement, from a JSON array (key: the index in it).
     "INSERT INTO kvl_event_ids (event_id, global_seq) SELECT value, ? + key FROM json_each(?)"
 )
-
-
-def _stored_step(row: Sequence[Any]) -> StoredStep:
-    """A kvl_steps row (_STEP_COLUMNS) as a StoredStep, its header and payload decompressed."""
-    first_seq, last_seq, stream_id, first_version, schemas, header, payload, step, recorded_at, compression = row
-    try:
-        header, payload = decompress_row(compression, header, payload)
-    except RowUnreadable as error:
-        log.error("step_row_unreadable", first_seq=first_seq, stream_id=stream_id, error=str(error))
-        return StoredStep(first_seq, last_seq, stream_id, first_version, schemas, b"", b"", step, recorded_at, str(error))
-    return StoredStep(first_seq, last_seq, stream_id, first_version, schemas, header, payload, step, recorded_at)
 
 
 def events_of(steps: Sequence[StoredStep], after_seq: int, limit: int) -> list[StoredEvent]:
@@ -361,14 +348,14 @@ class SqlEventLog:
             return await anyio.to_thread.run_sync(self._read_steps_blocking, after_seq, limit)
         async with self.engine.connect() as conn:
             rows = (await conn.execute(_READ_STEPS, {"after": after_seq, "limit": limit})).all()
-        return [_stored_step(row) for row in rows]
+        return [StoredStep(*row) for row in rows]
 
     def _read_steps_blocking(self, after_seq: int, limit: int) -> list[StoredStep]:
         assert self.blocking_engine is not None
         with self.blocking_engine.connect() as conn:
             driver = conn.connection.driver_connection
             cursor = driver.execute(_READ_STEPS_SQL, {"after": after_seq, "limit": limit})  # type: ignore[union-attr]
-            return [_stored_step(row) for row in cursor.fetchall()]
+            return [StoredStep(*row) for row in cursor.fetchall()]
 
     async def read_stream_steps(self, stream_id: str, after_seq: int = 0, limit: int = 1_000) -> list[StoredStep]:
         if limit <= 0:
@@ -378,14 +365,14 @@ class SqlEventLog:
             return await anyio.to_thread.run_sync(self._read_stream_steps_blocking, parameters)
         async with self.engine.connect() as conn:
             rows = (await conn.execute(_READ_STREAM_STEPS, parameters)).all()
-        return [_stored_step(row) for row in rows]
+        return [StoredStep(*row) for row in rows]
 
     def _read_stream_steps_blocking(self, parameters: dict[str, object]) -> list[StoredStep]:
         assert self.blocking_engine is not None
         with self.blocking_engine.connect() as conn:
             driver = conn.connection.driver_connection
             cursor = driver.execute(_READ_STREAM_STEPS_SQL, parameters)  # type: ignore[union-attr]
-            return [_stored_step(row) for row in cursor.fetchall()]
+            return [StoredStep(*row) for row in cursor.fetchall()]
 
     async def tail(self, after_seq: int = 0, batch: int = 10_000) -> AsyncIterator[StoredEvent]:
         """Every committed event after `after_seq`, in order, forever: woken by appends in this
@@ -599,22 +586,9 @@ def _append_rows(
         first, last = (next_seq, next_seq + count - 1) if count else (0, 0)
         if contents is not None:
             schemas, header, payload, event_ids = contents
-            # Compressed here, in the append's worker thread on SQLite (LZ4 lets go of the GIL).
-            compression, header, payload = compress_row(header, payload)
             first_event = batch.events[0]
             rows.insert_step(
-                (
-                    first,
-                    last,
-                    batch.stream_id,
-                    actual + 1,
-                    first_event.step,
-                    first_event.recorded_at,
-                    schemas,
-                    header,
-                    payload,
-                    compression,
-                ),
+                (first, last, batch.stream_id, actual + 1, first_event.step, first_event.recorded_at, schemas, header, payload),
                 event_ids,
             )
             rows.set_stream_version(batch.stream_id, actual + count, new=current is None)
@@ -628,7 +602,7 @@ def _append_rows(
     return results
 
 
-StepRow = tuple[int, int, str, int, int, float, str, bytes, bytes, int]
+StepRow = tuple[int, int, str, int, int, float, str, bytes, bytes]
 """kvl_steps' columns in table order."""
 
 

@@ -41,12 +41,6 @@ def decode_step(
     """The step's events after `after_seq`: in one decode call when every schema in it is current
     and no byte is corrupt; otherwise one event at a time, so an error names its global sequence.
     With `on_skip`, an undecodable event is reported to it and skipped instead of raised."""
-    if step.unreadable:
-        for global_seq in range(max(step.first_seq, after_seq + 1), step.last_seq + 1):
-            if on_skip is None:
-                raise step.unreadable_error(global_seq)
-            on_skip(step.unreadable_error(global_seq))
-        return []
     events: list[Event] | None = None
     if codec.all_current(step.schemas):
         try:

@@ -29,9 +29,6 @@ steps = sa.Table(
     sa.Column("header", sa.LargeBinary, nullable=False),
     # The events' payloads, concatenated in order; the header gives each one's length.
     sa.Column("payload", sa.LargeBinary, nullable=False),
-    # How header and payload are stored (events/log/_compression.py): 0 as they are, 1 as LZ4
-    # blocks. Rows written before migration 0008 are 0.
-    sa.Column("compression", sa.SmallInteger, nullable=False, server_default="0"),
     sa.UniqueConstraint("stream_id", "first_version", name="uq_kvl_steps_stream_version"),
 )
 # One stream's steps after a sequence, in order (EventLog.read_stream_steps: a worker's catch-up).

@@ -86,13 +86,12 @@ async def sqlite_sizes(url: str) -> tuple[int, int]:
 
 
 def sqlite_encoded(url: str, events: int) -> None:
-    """The steps' bytes as kvl_steps stores them (header and payload LZ4-compressed where that
-    shrinks them, migration 0008); a Kafka record carries them uncompressed, before its envelope."""
+    """The steps' encoded bytes alone: what one Kafka record carries, before its envelope."""
     with sqlite3.connect(url) as db:
         (encoded,) = db.execute("SELECT SUM(LENGTH(schemas) + LENGTH(header) + LENGTH(payload)) FROM kvl_steps").fetchone()
         (ids,) = db.execute("SELECT SUM(pgsize) FROM dbstat WHERE name LIKE '%kvl_event_ids%'").fetchone()
     print(
-        f"  stored steps (schemas + header + payload): {encoded:,} B = {encoded / events:.0f} B/event; "
+        f"  encoded steps (schemas + header + payload): {encoded:,} B = {encoded / events:.0f} B/event; "
         f"the event-id table: {ids:,} B = {ids / events:.0f} B/event"
     )
 
