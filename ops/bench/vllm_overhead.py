@@ -3,7 +3,7 @@
 Run with the vLLM environment (`make vllm-env` builds it), never the project's .venv; the sidecar
 runs from .venv (`.venv/bin/kvledger serve`):
 
-    .venv-vllm/bin/python ops/bench/vllm_overhead.py [--prompts 48] [--rounds 6] [--max-tokens 16]
+    .venv-vllm/bin/python ops/bench/vllm_overhead.py [--prompts 48] [--rounds 12] [--max-tokens 16]
         [--gpu-blocks 64] [--max-num-seqs 16] [--tier-slots 0] [--memory-tier] [--keep]
 
 It builds the project's tiny model (ops/vllm/tiny_model.py) in a temporary directory, then runs
@@ -379,8 +379,9 @@ def main() -> None:
     parser.add_argument(
         "--rounds",
         type=int,
-        default=6,
-        help="rounds, reset_prefix_cache() between (default 6: the best of few sub-second rounds is noisy)",
+        default=12,
+        help="rounds on each engine, in turns, reset_prefix_cache() between (default 12: a round pair's ratio moves "
+        "by +-0.3 on a busy host, their median much less)",
     )
     parser.add_argument("--max-tokens", type=int, default=16, help="new tokens per prompt (default 16)")
     parser.add_argument("--gpu-blocks", type=int, default=64, help="num_gpu_blocks_override (default 64)")
