@@ -396,7 +396,12 @@ def main() -> None:
     parser.add_argument(
         "--kvledger", type=Path, default=DEFAULT_KVLEDGER, help="the project's kvledger command (its own venv, not this one)"
     )
-    parser.add_argument("--engine-timeout", type=float, default=900.0, help="seconds per engine child (default 900)")
+    parser.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=900.0,
+        help="seconds an engine child may take to come up, to run one round or to exit (default 900)",
+    )
     parser.add_argument("--phase", choices=["plain", "kvledger"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
