@@ -317,6 +317,8 @@ class Engine:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        self._pump.join(timeout=10)
+        self._transcript.close()
 
     def finish(self) -> dict[str, Any]:
         os.write(self._go, QUIT)
