@@ -111,6 +111,19 @@ def foreign(engine_id: str, commands: Sequence[AnyCommand]) -> p.Error | None:
     return None
 
 
+def foreign_commands(state: State, engine_id: str, commands: Sequence[AnyCommand]) -> p.Error | None:
+    """`foreign`, and a ReportRank among the commands of an Execute or a Step on another engine's
+    job (`foreign_report`): found by tests/sidecar/test_fuzz_protocol.py, an engine's Execute of a
+    ReportRank failed the other engine's store job (only a Report was checked)."""
+    problem = foreign(engine_id, commands)
+    for command in commands:
+        if problem is not None:
+            break
+        if isinstance(command, ReportRank):
+            problem = foreign_report(state, engine_id, command)
+    return problem
+
+
 def foreign_report(state: State, engine_id: str, report: ReportRank) -> p.Error | None:
     """A ReportRank names no engine, so `foreign` cannot see whose job it is: another engine's
     worker completed this engine's store job, publishing its keys with checksums of bytes it never

@@ -820,7 +820,8 @@ class Sidecar:
         if isinstance(message, p.LookupKeys):
             return self._lookup_keys(session, message)
         if isinstance(message, p.Execute):
-            problem = admission.foreign(session.engine_id, [message.command]) or self._over_budget(session, [message.command])
+            problem = admission.foreign_commands(self.ledger.state, session.engine_id, [message.command])
+            problem = problem or self._over_budget(session, [message.command])
             return problem or await self._commit_single(session, "execute", message.command, message.command_id)
         assert isinstance(message, p.Step)
         return await self._step(session, message)
@@ -877,7 +878,8 @@ class Sidecar:
         return admission.over_budget(self.ledger.state, session.engine_id, commands, self.budget)
 
     async def _step(self, session: Session, message: p.Step) -> p.ServerMessage:
-        problem = admission.foreign(session.engine_id, message.commands) or self._over_budget(session, message.commands)
+        problem = admission.foreign_commands(self.ledger.state, session.engine_id, message.commands)
+        problem = problem or self._over_budget(session, message.commands)
         if problem is not None:
             return problem
         if not message.command_id:

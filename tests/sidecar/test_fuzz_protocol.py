@@ -711,12 +711,14 @@ def _client(socket_path: Path, engine_id: str) -> EngineClient:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("role", ["worker", "engine"])
+@pytest.mark.parametrize("role", ["worker", "engine", "engine's Execute", "engine's Step"])
 async def test_another_engines_connection_cannot_report_this_engines_job(event_log: EventLog, tmp_path: Path, role: str) -> None:
     """A ReportRank names no engine, so the check that an engine speaks only for itself never saw
     it: pod-b's workers completed pod-a's store job, publishing pod-a's keys with checksums of
     bytes they never wrote (I9, I13). Now a report for another engine's job is an invalid message
-    and nothing is committed; pod-a's own worker then completes the job."""
+    and nothing is committed; pod-a's own worker then completes the job. The same report sent as
+    an engine's Execute or inside its Step was still taken until test_fuzz_a_command_id_sent_again_
+    with_other_content found it (a failed report of the other engine's job, which failed the job)."""
     sock = tmp_path / "s.sock"
     address = Address(socket_path=str(sock))
     async with sidecar_on(event_log, sock) as sidecar, _client(sock, "pod-a") as a, _client(sock, "pod-b") as b_engine:
@@ -726,8 +728,12 @@ async def test_another_engines_connection_cannot_report_this_engines_job(event_l
         with pytest.raises(SidecarError) as refused:
             if role == "worker":
                 await WorkerClient(address, "pod-b", 0).report(report)
-            else:
+            elif role == "engine":
                 await b_engine.report(report)
+            elif role == "engine's Execute":
+                await b_engine.execute(report, command_id="x-1")
+            else:
+                await b_engine.step(1, 1.0, [StartOwner(engine_id="pod-b", req_id="q"), report])
         assert refused.value.code == p.ErrorCode.INVALID_MESSAGE and "pod-a" in str(refused.value)
         assert await _mark(sidecar, event_log) == before
         for rank in (0, 1):
