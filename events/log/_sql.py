@@ -30,6 +30,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from events.log import schema as t
+from events.log._command_filter import CommandFilter
 from events.log._contract import (
     AppendBatch,
     AppendRejected,
@@ -259,6 +260,8 @@ class SqlEventLog:
         """SQLite only: the pooled connection appends run on, checked out by the first append and
         held until close (used only under `_writer`, one thread at a time)."""
         self._checkpointer = _Checkpointer(blocking, url) if blocking is not None else None
+        self._commands = CommandFilter()
+        """SQLite only: the command ids the log holds, so most groups need no look-up (find_commands)."""
         self._appended = anyio.Event()
         self._listener: Any = None
 
@@ -268,7 +271,15 @@ class SqlEventLog:
         """Append every batch atomically; raises WrongExpectedVersion or HeadMoved and appends nothing."""
         if self.blocking_engine is not None:
             packed = pack_batches(batches)
-            results = await anyio.to_thread.run_sync(self._append_blocking, batches, expected_head, packed, limiter=self._writer)
+            self._commands.began()
+            try:
+                results = await anyio.to_thread.run_sync(
+                    self._append_blocking, batches, expected_head, packed, limiter=self._writer
+                )
+            except BaseException:
+                self._commands.failed()
+                raise
+            self._commands.appended(expected_head, [batch.command_id for batch in batches], results)
             assert self._checkpointer is not None
             self._checkpointer.appended()
             self._wake()
@@ -406,7 +417,9 @@ class SqlEventLog:
             # One hop to a worker thread (~0.17 ms of the event loop's time, timed): through
             # SQLAlchemy's async engine and aiosqlite's thread a head took ~1 ms of it, and a
             # sidecar asks for it ten times a second (following the log) and at every health probe.
-            return await anyio.to_thread.run_sync(self._head_blocking)
+            head = await anyio.to_thread.run_sync(self._head_blocking)
+            self._commands.saw_head(head)
+            return head
         async with self.engine.connect() as conn:
             value = (await conn.execute(sa.text(_HEAD_SQL))).scalar()
         return int(value or 0)
@@ -420,7 +433,15 @@ class SqlEventLog:
         if not command_ids:
             return {}
         if self.blocking_engine is not None:
-            return await anyio.to_thread.run_sync(self._find_commands_blocking, list(command_ids))
+            known = self._commands
+            if known.ready and not known.may_hold_any(command_ids):
+                return {}  # surely new: no hop to a worker thread (most steps)
+            build = not known.ready and not known.off
+            appends, running = known.appends, known.appending
+            found, fresh = await anyio.to_thread.run_sync(self._find_commands_blocking, list(command_ids), build)
+            if fresh is not None and known.build_valid(appends, running):
+                known.adopt(fresh)
+            return found
         query = sa.select(t.commands).where(t.commands.c.command_id.in_(list(command_ids)))
         async with self.engine.connect() as conn:
             rows = (await conn.execute(query)).all()
@@ -436,16 +457,34 @@ class SqlEventLog:
             for row in rows
         }
 
-    def _find_commands_blocking(self, command_ids: list[str]) -> dict[str, AppendResult]:
+    def _find_commands_blocking(
+        self, command_ids: list[str], build: bool
+    ) -> tuple[dict[str, AppendResult], CommandFilter | None]:
+        """The ids found; with `build`, also a CommandFilter of every command id of the log and
+        its head, read in the same transaction (~0.5 s and 3.6 MB for 1M commands, measured)."""
         assert self.blocking_engine is not None
         found = {}
+        fresh = None
         with self.blocking_engine.connect() as conn:
-            rows = _SqliteRows(conn.connection.driver_connection)
-            for command_id in command_ids:
-                result = rows.command(command_id)
-                if result is not None:
-                    found[command_id] = result
-        return found
+            driver: Any = conn.connection.driver_connection
+            rows = _SqliteRows(driver)
+            if build:
+                driver.execute("BEGIN")  # one snapshot of the log for the head and the ids
+            try:
+                for command_id in command_ids:
+                    result = rows.command(command_id)
+                    if result is not None:
+                        found[command_id] = result
+                if build:
+                    # Rows are insert-only: the largest rowid is about their count (and costs no scan).
+                    expected = driver.execute("SELECT max(rowid) FROM kvl_commands").fetchone()[0] or 0
+                    cursor = driver.execute("SELECT command_id FROM kvl_commands")
+                    chunks = iter(lambda: [row[0] for row in cursor.fetchmany(65_536)], [])
+                    fresh = CommandFilter.read(chunks, rows.head(), expected)
+            finally:
+                if build:
+                    driver.execute("COMMIT")
+        return found, fresh
 
     async def stream_version(self, stream_id: str) -> int:
         async with self.engine.connect() as conn:
