@@ -127,7 +127,15 @@ def foreign_commands(state: State, engine_id: str, commands: Sequence[AnyCommand
 def foreign_report(state: State, engine_id: str, report: ReportRank) -> p.Error | None:
     """A ReportRank names no engine, so `foreign` cannot see whose job it is: another engine's
     worker completed this engine's store job, publishing its keys with checksums of bytes it never
-    wrote (I9, I13). A job the state does not know is left to the decider (it drops the notice)."""
+    wrote (I9, I13). A job that ended is left to the decider (it drops the notice). A job not made
+    yet (at or past the state's next job id) is refused: it may be made by another engine's step
+    in the very group this report would be decided in, after this check (a hostile engine guessing
+    the next id), and a worker reports only jobs it was sent, committed."""
+    if report.job_id >= state.next_job_id:
+        return p.Error(
+            code=p.ErrorCode.INVALID_MESSAGE,
+            message=f"job {report.job_id} does not exist (the next job is {state.next_job_id}): report only jobs you were sent",
+        )
     fenced = state.fenced.get(report.job_id)
     job = state.jobs.get(report.job_id) or (fenced.job if fenced is not None else None)
     if job is None or job.decision.engine_id == engine_id:

@@ -741,3 +741,31 @@ async def test_another_engines_connection_cannot_report_this_engines_job(event_l
                 ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items])
             )
         assert [type(e).__name__ for e in committed.events][-1] == "JobSucceeded"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("role", ["worker", "engine's Execute"])
+async def test_a_report_for_a_job_not_made_yet_is_refused_before_it_is_decided(
+    event_log: EventLog, tmp_path: Path, role: str
+) -> None:
+    """Job ids are counted: a report naming the next one passed the check of whose job it is
+    (the state did not know it yet), and if another engine's step made that job in the same
+    group, decided just before the report, the report counted for that job (I9). A report for a
+    job not made yet is refused whole, nothing committed."""
+    sock = tmp_path / "s.sock"
+    address = Address(socket_path=str(sock))
+    async with sidecar_on(event_log, sock) as sidecar, _client(sock, "pod-a") as a, _client(sock, "pod-b") as b_engine:
+        engine = Engine(a)
+        await engine.request(0)
+        coming = sidecar.ledger.state.next_job_id
+        before = await _mark(sidecar, event_log)
+        report = ReportRank(job_id=coming, rank=0, ok=False, checksums=[])
+        with pytest.raises(SidecarError) as refused:
+            if role == "worker":
+                await WorkerClient(address, "pod-b", 0).report(report)
+            else:
+                await b_engine.execute(report, command_id="guess-1")
+        assert refused.value.code == p.ErrorCode.INVALID_MESSAGE and f"job {coming} does not exist" in str(refused.value)
+        assert await _mark(sidecar, event_log) == before
+        job = await engine.request(1)
+        assert job.job_id == coming and coming in sidecar.ledger.state.jobs  # made later, untouched

@@ -282,7 +282,7 @@ async def test_an_engines_reset_fences_its_old_workers_which_say_hello_again_and
     async with sidecar_on(event_log, sock), _client(sock, "pod-a") as client:
         job = await Engine(client).request(0)
         worker = WorkerClient(Address(socket_path=str(sock)), "pod-a", 0, retry_for=5)
-        await worker.report(ReportRank(job_id=999_999, rank=0, ok=True, checksums=[]))  # opens its connection
+        await worker.report(ReportRank(job_id=0, rank=0, ok=True, checksums=[]))  # opens its connection (no job 0: refused)
         await client.execute(ResetCache(engine_id="pod-a"))  # the engine's own reset: its own connection follows
         late = await worker.report(ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=[b"\x01" * 16] * len(job.items)))
         # Taken for what it is now: a fenced job's rank done (its slots let go, nothing published).
@@ -648,7 +648,7 @@ async def test_a_credential_takes_only_its_roles_for_its_engines_or_its_tenants(
             await refused(WorkerClient(address(ENGINE_TOKEN), "pod-a", 0, retry_for=2), "not worker")
             await refused(WorkerClient(address(WORKER_TOKEN), "pod-b", 0, retry_for=2), "'pod-b'")
             worker = WorkerClient(address(WORKER_TOKEN), "pod-a", 0, retry_for=2)
-            await worker.report(ReportRank(job_id=999_999, rank=0, ok=True, checksums=[]))  # its own engine: in
+            await worker.report(ReportRank(job_id=0, rank=0, ok=True, checksums=[]))  # its own engine: in (no job 0: refused)
             await worker.aclose()
             # Tenant b's credential declares its tenant's engines only, and takes over no other's.
             tenant_b = msgspec.structs.replace(declaration("pod-b"), namespace=b.namespace(tenant="tenant-b"))
@@ -683,7 +683,7 @@ from coordinator.core.commands import ReportRank
 os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[2]))
 worker = SyncWorkerClient(Address(socket_path=sys.argv[1]), sys.argv[3], 0, retry_for=2)
 try:
-    worker.report(ReportRank(job_id=999999, rank=0, ok=True, checksums=[]))
+    worker.report(ReportRank(job_id=0, rank=0, ok=True, checksums=[]))  # no job 0: committed as refused
 except SidecarError as error:
     print(error.code.value, str(error))
 else:
