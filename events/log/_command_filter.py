@@ -1,11 +1,11 @@
-"""The command ids a SQLite log holds, in Bloom filters: a group whose ids are surely new is
+"""The command ids a SQL log holds, in Bloom filters: a group whose ids are surely new is
 decided without a trip to the database.
 
 The ledger asks the log which of a group's command ids were already committed
 (`EventLog.find_commands`) before it decides the group, at every step. On SQLite that is a hop to a
 worker thread and back, and it found nothing for almost every step: measured with
 `ops/bench/sidecar.py --engines 1 --commands 4`, the hop took a quarter of the sidecar's CPU a
-step and of its step latency. A Bloom filter never misses an id it was given (it may only answer
+step and of its step latency. On PostgreSQL it is a query through SQLAlchemy's async engine. A Bloom filter never misses an id it was given (it may only answer
 "maybe" for one it was not), so an id it does not hold is surely not in the log, provided every id
 of the log went into it. That is what this class keeps track of:
 
@@ -81,9 +81,13 @@ class CommandFilter:
         fresh._filters.append(Bloom(size, ERROR_RATE))
         fresh._capacity = size
         for chunk in chunks:
-            fresh._add(chunk)
+            fresh.add_read(chunk)
         fresh.through = head
         return fresh
+
+    def add_read(self, chunk: Sequence[str]) -> None:
+        """More ids of a filter being `read` (not yet adopted)."""
+        self._add(chunk)
 
     def adopt(self, fresh: CommandFilter) -> None:
         """Trust a filter `read` while no append ran (`build_valid`)."""

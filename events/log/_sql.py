@@ -261,7 +261,7 @@ class SqlEventLog:
         held until close (used only under `_writer`, one thread at a time)."""
         self._checkpointer = _Checkpointer(blocking, url) if blocking is not None else None
         self._commands = CommandFilter()
-        """SQLite only: the command ids the log holds, so most groups need no look-up (find_commands)."""
+        """The command ids the log holds, so most groups need no look-up (find_commands)."""
         self._appended = anyio.Event()
         self._listener: Any = None
 
@@ -284,11 +284,23 @@ class SqlEventLog:
             self._checkpointer.appended()
             self._wake()
             return results
+        self._commands.began()
+        try:
+            results = await self._append_async(batches, expected_head)
+        except BaseException:
+            self._commands.failed()
+            raise
+        self._commands.appended(expected_head, [batch.command_id for batch in batches], results)
+        self._wake()
+        return results
+
+    async def _append_async(self, batches: Sequence[AppendBatch], expected_head: int | None) -> list[AppendResult]:
+        """One append transaction through SQLAlchemy's async engine (PostgreSQL)."""
         try:
             async with self._write() as conn:
                 if self.dialect == "postgresql":
                     await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADVISORY_LOCK_KEY})
-                results = await conn.run_sync(_append_sync, batches, expected_head)
+                results: list[AppendResult] = await conn.run_sync(_append_sync, batches, expected_head)
                 if self.dialect == "postgresql" and any(not r.duplicate and r.last_seq for r in results):
                     await conn.execute(sa.text(f"NOTIFY {NOTIFY_CHANNEL}"))
         except sa.exc.IntegrityError as error:
@@ -302,7 +314,6 @@ class SqlEventLog:
                     "be committed; retry it with the same command id"
                 ) from error
             raise
-        self._wake()
         return results
 
     def _append_blocking(
@@ -421,8 +432,9 @@ class SqlEventLog:
             self._commands.saw_head(head)
             return head
         async with self.engine.connect() as conn:
-            value = (await conn.execute(sa.text(_HEAD_SQL))).scalar()
-        return int(value or 0)
+            value = int((await conn.execute(sa.text(_HEAD_SQL))).scalar() or 0)
+        self._commands.saw_head(value)
+        return value
 
     def _head_blocking(self) -> int:
         assert self.blocking_engine is not None
@@ -432,20 +444,27 @@ class SqlEventLog:
     async def find_commands(self, command_ids: Sequence[str]) -> dict[str, AppendResult]:
         if not command_ids:
             return {}
+        known = self._commands
+        if known.ready and not known.may_hold_any(command_ids):
+            return {}  # surely new: nothing asked of the database (most steps)
+        build = not known.ready and not known.off
+        appends, running = known.appends, known.appending
+        found, fresh = await self._look_up_commands(list(command_ids), build)
+        if fresh is not None and known.build_valid(appends, running):
+            known.adopt(fresh)
+        return found
+
+    async def _look_up_commands(
+        self, command_ids: list[str], build: bool
+    ) -> tuple[dict[str, AppendResult], CommandFilter | None]:
+        """The ids found in the log; with `build`, also a CommandFilter of every command id of the
+        log and its head, read in one transaction."""
         if self.blocking_engine is not None:
-            known = self._commands
-            if known.ready and not known.may_hold_any(command_ids):
-                return {}  # surely new: no hop to a worker thread (most steps)
-            build = not known.ready and not known.off
-            appends, running = known.appends, known.appending
-            found, fresh = await anyio.to_thread.run_sync(self._find_commands_blocking, list(command_ids), build)
-            if fresh is not None and known.build_valid(appends, running):
-                known.adopt(fresh)
-            return found
-        query = sa.select(t.commands).where(t.commands.c.command_id.in_(list(command_ids)))
+            return await anyio.to_thread.run_sync(self._find_commands_blocking, command_ids, build)
+        query = sa.select(t.commands).where(t.commands.c.command_id.in_(command_ids))
         async with self.engine.connect() as conn:
             rows = (await conn.execute(query)).all()
-        return {
+        found = {
             row.command_id: AppendResult(
                 stream_id=row.stream_id,
                 first_seq=row.first_seq,
@@ -456,6 +475,22 @@ class SqlEventLog:
             )
             for row in rows
         }
+        build = build and self.dialect == "postgresql"  # (a SQLite log always has its blocking engine)
+        return found, (await self._read_command_filter() if build else None)
+
+    async def _read_command_filter(self) -> CommandFilter:
+        """Every command id of the log and its head, in one snapshot (REPEATABLE READ), streamed
+        in chunks: a log of 1M commands is never a list of 1M strings in memory."""
+        async with self.engine.connect() as conn:
+            await conn.execution_options(isolation_level="REPEATABLE READ")
+            async with conn.begin():
+                head = int((await conn.execute(sa.text(_HEAD_SQL))).scalar() or 0)
+                expected = int((await conn.execute(sa.text("SELECT count(*) FROM kvl_commands"))).scalar() or 0)
+                fresh = CommandFilter.read([], head, expected)
+                result = await conn.stream(sa.text("SELECT command_id FROM kvl_commands"))
+                async for chunk in result.partitions(65_536):
+                    fresh.add_read([row[0] for row in chunk])
+        return fresh
 
     def _find_commands_blocking(
         self, command_ids: list[str], build: bool

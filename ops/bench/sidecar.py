@@ -1,7 +1,7 @@
 """Benchmark: the sidecar's step latency and sustained event rate, over its Unix socket, on SQLite or Kafka.
 
     .venv/bin/python ops/bench/sidecar.py [--engines 4] [--steps 400] [--commands 256] [--warmup 20] [--seed 7]
-        [--log sqlite|kafka] [--appends-in-flight N] [--broker-rtt-ms MS]
+        [--log sqlite|postgresql|kafka] [--appends-in-flight N] [--broker-rtt-ms MS]
 
 Starts a real `kvledger serve` subprocess (`--socket DIR/kvledger.sock --log DIR/log.sqlite
 --http off`, KVLEDGER_DATA_DIR=DIR) in a temporary directory and waits until the socket exists
@@ -55,6 +55,10 @@ N events/s`, its latency per append, `sidecar/log ratio target >= 0.5: met|MISSE
 last line, `sidecar/log ratio X` (the sidecar's timed events/s over the log-only events/s; 1.0
 would be a sidecar that costs nothing over its log).
 
+--log postgresql: the same, on PostgreSQL at $KVLEDGER_TEST_PG (default
+postgresql://postgres@127.0.0.1:5432/test, as ops/bench/log.py): two databases of the script's
+own, created and upgraded first (the sidecar's and the log-only ceiling's), dropped at the end.
+
 --log kafka: the same, on the Kafka log. This script starts a Tansu broker (tests/kit/kafka.py,
 memory storage, on a free loopback port; skipped, saying why, where it cannot run) and the sidecar
 logs to a topic of its own there (`--log kafka://.../TOPIC?state=DIR/state.sqlite`, the URL's
@@ -78,6 +82,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,6 +95,7 @@ import structlog  # noqa: E402
 import uuid_utils  # noqa: E402
 from anyio.streams.buffered import BufferedByteReceiveStream  # noqa: E402
 from figures import console, load, out, percentile, progress  # noqa: E402
+from log import PG_URL, pg_admin, pg_unreachable  # noqa: E402  (ops/bench/log.py, beside this script)
 
 from coordinator import unix_streams  # noqa: E402
 from coordinator.client import Address, EngineClient  # noqa: E402
@@ -112,7 +118,7 @@ from events import (  # noqa: E402
     Refused,
     TierSpec,
 )
-from events.log import AppendBatch, EventLog, PendingEvent, StoredStep, open_log  # noqa: E402
+from events.log import AppendBatch, EventLog, PendingEvent, StoredStep, open_log, upgrade_log  # noqa: E402
 from tests.kit import builders as b  # noqa: E402
 from tests.kit.kafka import BrokerUnavailable, KafkaBroker, free_port  # noqa: E402
 
@@ -440,6 +446,11 @@ class Logs:
         return cls(path, path, str(directory / "log-only.sqlite"))
 
     @classmethod
+    def postgresql(cls, databases: Sequence[str]) -> Logs:
+        sidecar, fresh = (f"{PG_URL.rsplit('/', 1)[0]}/{database}" for database in databases)
+        return cls(sidecar, sidecar, fresh)
+
+    @classmethod
     def kafka(cls, directory: Path, broker: KafkaBroker) -> Logs:
         topic = f"kvl-bench-{uuid_utils.uuid7().hex[-12:]}"
         return cls(
@@ -612,7 +623,9 @@ def main() -> int:
     parser.add_argument("--commands", type=int, default=256, help="commands per step (default 256)")
     parser.add_argument("--warmup", type=int, default=20, help="steps per engine before timing (default 20)")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--log", choices=("sqlite", "kafka"), default="sqlite", help="the sidecar's log backend (default sqlite)")
+    parser.add_argument(
+        "--log", choices=("sqlite", "postgresql", "kafka"), default="sqlite", help="the sidecar's log backend (default sqlite)"
+    )
     parser.add_argument(
         "--appends-in-flight",
         type=int,
@@ -650,9 +663,22 @@ def main() -> int:
             )
             wait_listening(proxy_port)
             out(f"kafka: clients reach it through a proxy at {broker.bootstrap} adding {args.broker_rtt_ms:g} ms a round trip")
+    databases: list[str] = []
+    if args.log == "postgresql":
+        unreachable = anyio.run(pg_unreachable)
+        if unreachable is not None:
+            out(f"postgresql: skipped, the server at {PG_URL} is unreachable ({unreachable})")
+            return 0
+        databases = [f"kvl_bench_{uuid_utils.uuid7().hex[-12:]}" for _ in range(2)]
+        for database in databases:
+            anyio.run(pg_admin, f'CREATE DATABASE "{database}"')
+            anyio.run(upgrade_log, f"{PG_URL.rsplit('/', 1)[0]}/{database}")
+        out(f"postgresql: databases {', '.join(databases)} on {PG_URL.rsplit('/', 1)[0]}, created by this script")
     try:
-        return bench_on(args, kvledger, broker)
+        return bench_on(args, kvledger, broker, databases)
     finally:
+        for database in databases:
+            anyio.run(pg_admin, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
         if proxy is not None:
             proxy.kill()
             proxy.wait()
@@ -672,11 +698,16 @@ def wait_listening(port: int) -> None:
             time.sleep(0.05)
 
 
-def bench_on(args: argparse.Namespace, kvledger: Path, broker: KafkaBroker | None) -> int:
+def bench_on(args: argparse.Namespace, kvledger: Path, broker: KafkaBroker | None, databases: Sequence[str]) -> int:
     status = 0
     with tempfile.TemporaryDirectory(prefix="kvl-sidecar-bench-") as name:
         directory = Path(name)
-        logs = Logs.sqlite(directory) if broker is None else Logs.kafka(directory, broker)
+        if broker is not None:
+            logs = Logs.kafka(directory, broker)
+        elif databases:
+            logs = Logs.postgresql(databases)
+        else:
+            logs = Logs.sqlite(directory)
         socket_path = str(directory / "kvledger.sock")
         output = directory / "serve.log"
         env = {**os.environ, "KVLEDGER_DATA_DIR": str(directory)}

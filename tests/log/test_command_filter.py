@@ -1,10 +1,9 @@
-"""The Bloom filters of a SQLite log's command ids (events/log/_command_filter.py): a group whose
+"""The Bloom filters of a SQL log's command ids (events/log/_command_filter.py): a group whose
 ids are surely new is decided without a look-up in the database, and a retried command id is
 still found, after a restart, after a failed append, and when another writer committed it."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -15,7 +14,7 @@ from coordinator.core.state import encode_state
 from coordinator.ledger.ledger import Ledger
 from coordinator.ledger.recovery import replay
 from events import EventCodec
-from events.log import AppendBatch, AppendResult, PendingEvent, WrongExpectedVersion, open_log
+from events.log import AppendBatch, AppendResult, PendingEvent, WrongExpectedVersion, open_log, upgrade_log
 from events.log._command_filter import FIRST_CAPACITY, CommandFilter
 from events.log._sql import SqlEventLog
 from tests.log.test_ledger import ENGINE, _declare
@@ -111,32 +110,35 @@ def test_a_build_read_while_an_append_ran_is_not_trusted() -> None:
     assert known.build_valid(known.appends, known.appending)
 
 
-# --- on a SQLite log ------------------------------------------------------------------------------
+# --- on a SQL log (SQLite and PostgreSQL: the `log_url` fixture) ----------------------------------
 
 
-def _sqlite(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'log.sqlite'}"
+async def _open(url: str) -> SqlEventLog:
+    if url.startswith("postgresql"):
+        await upgrade_log(url)
+    event_log = await open_log(url)
+    assert isinstance(event_log, SqlEventLog)
+    return event_log
 
 
 def _count_lookups(event_log: SqlEventLog, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
-    """The look-ups that reached the database (the worker thread's call), recorded."""
+    """The look-ups that reached the database, recorded."""
     calls: list[list[str]] = []
-    blocking = event_log._find_commands_blocking
+    look_up = event_log._look_up_commands
 
-    def counted(command_ids: list[str], build: bool) -> Any:
+    async def counted(command_ids: list[str], build: bool) -> Any:
         calls.append(list(command_ids))
-        return blocking(command_ids, build)
+        return await look_up(command_ids, build)
 
-    monkeypatch.setattr(event_log, "_find_commands_blocking", counted)
+    monkeypatch.setattr(event_log, "_look_up_commands", counted)
     return calls
 
 
 async def test_a_step_whose_command_id_is_new_is_decided_without_a_lookup_in_the_database(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    log_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    event_log = await open_log(_sqlite(tmp_path))
+    event_log = await _open(log_url)
     try:
-        assert isinstance(event_log, SqlEventLog)
         lookups = _count_lookups(event_log, monkeypatch)
         ledger = await Ledger.open(event_log)
         await _declare(ledger)
@@ -152,14 +154,14 @@ async def test_a_step_whose_command_id_is_new_is_decided_without_a_lookup_in_the
         await event_log.close()
 
 
-async def test_a_command_id_committed_before_a_restart_is_found_after_it(tmp_path: Path) -> None:
-    event_log = await open_log(_sqlite(tmp_path))
+async def test_a_command_id_committed_before_a_restart_is_found_after_it(log_url: str) -> None:
+    event_log = await _open(log_url)
     ledger = await Ledger.open(event_log)
     await _declare(ledger)
     first = await ledger.run_step(ENGINE, 1, 1.0, [StartOwner(engine_id=ENGINE, req_id="r")], command_id="step-1")
     await ledger.close()
     await event_log.close()
-    event_log = await open_log(_sqlite(tmp_path))
+    event_log = await _open(log_url)
     try:
         ledger = await Ledger.open(event_log)
         head = await event_log.head()
@@ -172,11 +174,10 @@ async def test_a_command_id_committed_before_a_restart_is_found_after_it(tmp_pat
         await event_log.close()
 
 
-async def test_a_command_id_is_found_after_an_append_that_failed(tmp_path: Path) -> None:
+async def test_a_command_id_is_found_after_an_append_that_failed(log_url: str) -> None:
     """A failed append may have committed: the filter is built again before it is trusted."""
-    event_log = await open_log(_sqlite(tmp_path))
+    event_log = await _open(log_url)
     try:
-        assert isinstance(event_log, SqlEventLog)
         ledger = await Ledger.open(event_log)
         await _declare(ledger)
         await ledger.run_step(ENGINE, 1, 1.0, [StartOwner(engine_id=ENGINE, req_id="r")], command_id="step-1")
@@ -192,12 +193,11 @@ async def test_a_command_id_is_found_after_an_append_that_failed(tmp_path: Path)
 
 
 @pytest.mark.parametrize("caught_up", [False, True])
-async def test_a_command_another_writer_committed_is_never_committed_twice(tmp_path: Path, caught_up: bool) -> None:
-    """Two sidecars on one SQLite file, each its own log: one commits a step; the same step,
+async def test_a_command_another_writer_committed_is_never_committed_twice(log_url: str, caught_up: bool) -> None:
+    """Two sidecars on one log, each its own log object: one commits a step; the same step,
     retried at the other, is answered as that commit (whether or not the other folded it in
     first), and the log holds it once."""
-    url = _sqlite(tmp_path)
-    first_log, second_log = await open_log(url), await open_log(url)
+    first_log, second_log = await _open(log_url), await _open(log_url)
     try:
         first = await Ledger.open(first_log)
         await _declare(first)
@@ -220,10 +220,10 @@ async def test_a_command_another_writer_committed_is_never_committed_twice(tmp_p
         await second_log.close()
 
 
-async def test_the_filter_holds_every_id_when_the_log_is_busy(tmp_path: Path) -> None:
+async def test_the_filter_holds_every_id_when_the_log_is_busy(log_url: str) -> None:
     """Look-ups while appends run (the committer decides the next group while the one before
     is appended): every id appended is found, none appended is missed."""
-    event_log = await open_log(_sqlite(tmp_path))
+    event_log = await _open(log_url)
     try:
         stream = "busy"
         ids: list[str] = []
