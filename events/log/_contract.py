@@ -246,7 +246,11 @@ class EventLog(Protocol):
     async def head(self) -> int: ...
 
     async def find_commands(self, command_ids: Sequence[str]) -> dict[str, AppendResult]:
-        """The committed appends among these command ids (`duplicate=True` on each)."""
+        """The committed appends among these command ids (`duplicate=True` on each). Those this
+        log appended, or found when it opened, always; one another writer appended since (a
+        second sidecar on the same log) may be missed until this log sees the head move (the SQL
+        logs' CommandFilter) or the fold reads it (Kafka): an append then finds it committed,
+        or names a head that moved (HeadMoved), and appends nothing of it."""
         ...
 
     async def stream_version(self, stream_id: str) -> int: ...
