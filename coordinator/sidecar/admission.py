@@ -115,13 +115,8 @@ def foreign_commands(state: State, engine_id: str, commands: Sequence[AnyCommand
     """`foreign`, and a ReportRank among the commands of an Execute or a Step on another engine's
     job (`foreign_report`): found by tests/sidecar/test_fuzz_protocol.py, an engine's Execute of a
     ReportRank failed the other engine's store job (only a Report was checked)."""
-    problem = foreign(engine_id, commands)
-    for command in commands:
-        if problem is not None:
-            break
-        if isinstance(command, ReportRank):
-            problem = foreign_report(state, engine_id, command)
-    return problem
+    reports = (foreign_report(state, engine_id, command) for command in commands if isinstance(command, ReportRank))
+    return foreign(engine_id, commands) or next((problem for problem in reports if problem is not None), None)
 
 
 def foreign_report(state: State, engine_id: str, report: ReportRank) -> p.Error | None:

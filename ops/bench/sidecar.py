@@ -1,4 +1,4 @@
-"""Benchmark: the sidecar's step latency and sustained event rate, over its Unix socket, on SQLite or Kafka.
+"""Benchmark: the sidecar's step latency and sustained event rate, over its Unix socket, on SQLite, PostgreSQL or Kafka.
 
     .venv/bin/python ops/bench/sidecar.py [--engines 4] [--steps 400] [--commands 256] [--warmup 20] [--seed 7]
         [--log sqlite|postgresql|kafka] [--appends-in-flight N] [--broker-rtt-ms MS]
@@ -670,11 +670,12 @@ def main() -> int:
             out(f"postgresql: skipped, the server at {PG_URL} is unreachable ({unreachable})")
             return 0
         databases = [f"kvl_bench_{uuid_utils.uuid7().hex[-12:]}" for _ in range(2)]
+    try:
         for database in databases:
             anyio.run(pg_admin, f'CREATE DATABASE "{database}"')
             anyio.run(upgrade_log, f"{PG_URL.rsplit('/', 1)[0]}/{database}")
-        out(f"postgresql: databases {', '.join(databases)} on {PG_URL.rsplit('/', 1)[0]}, created by this script")
-    try:
+        if databases:
+            out(f"postgresql: databases {', '.join(databases)} on {PG_URL.rsplit('/', 1)[0]}, created by this script")
         return bench_on(args, kvledger, broker, databases)
     finally:
         for database in databases:
