@@ -269,28 +269,21 @@ class SqlEventLog:
 
     async def append(self, batches: Sequence[AppendBatch], *, expected_head: int | None = None) -> list[AppendResult]:
         """Append every batch atomically; raises WrongExpectedVersion or HeadMoved and appends nothing."""
-        if self.blocking_engine is not None:
-            packed = pack_batches(batches)
-            self._commands.began()
-            try:
+        self._commands.began()
+        try:
+            if self.blocking_engine is not None:
+                packed = pack_batches(batches)
                 results = await anyio.to_thread.run_sync(
                     self._append_blocking, batches, expected_head, packed, limiter=self._writer
                 )
-            except BaseException:
-                self._commands.failed()
-                raise
-            self._commands.appended(expected_head, [batch.command_id for batch in batches], results)
-            assert self._checkpointer is not None
-            self._checkpointer.appended()
-            self._wake()
-            return results
-        self._commands.began()
-        try:
-            results = await self._append_async(batches, expected_head)
+            else:
+                results = await self._append_async(batches, expected_head)
         except BaseException:
             self._commands.failed()
             raise
         self._commands.appended(expected_head, [batch.command_id for batch in batches], results)
+        if self._checkpointer is not None:
+            self._checkpointer.appended()
         self._wake()
         return results
 
