@@ -16,6 +16,7 @@ to `kvl_event_ids`, whose primary key keeps them unique. A reader splits a step 
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -73,6 +74,13 @@ with 64 MiB; a sidecar's memory grew by the cache as its log grew (ops/bench/hos
 at 64 MiB under a flood of refused steps, +13 MiB at 8 MiB)."""
 CHECKPOINT_EVERY = 0.25
 """Seconds between the background WAL checkpoints while appends come in (`_Checkpointer`)."""
+RESTART_FRAMES = 2_500
+"""WAL frames (pages: 10 MB) past which `_Checkpointer` lets the next append start the WAL afresh:
+a quarter of `wal_autocheckpoint`, SQLite's own bound, which then comes due only if it falls behind."""
+CATCH_UP_TRIES = 4
+FINISH_FRAMES = 300
+"""`_Checkpointer` copies again (at most CATCH_UP_TRIES times) until fewer than this many frames
+came in during a copy, then copies the rest with the appends held."""
 
 
 def is_outage(error: BaseException) -> bool:
@@ -188,22 +196,31 @@ def events_of(steps: Sequence[StoredStep], after_seq: int, limit: int) -> list[S
 
 
 class _Checkpointer:
-    """Copies SQLite's WAL into the database file in a thread of its own, so no append pays for it.
+    """Copies SQLite's WAL into the database file in a thread of its own, and starts the WAL
+    afresh at the cost of a short pause of the appends, not a long one.
 
     SQLite checkpoints on the commit that takes the WAL past `wal_autocheckpoint` pages: under
     ops/bench/hostile.py's load that was one append every ~15 s taking 40-55 ms, and every
-    engine's step waited for it (the legitimate engine's slowest step, 53-63 ms, in every run).
-    Here a PASSIVE checkpoint runs at most every CHECKPOINT_EVERY seconds while appends come in:
-    it takes no write lock, so appends go on beside it. The WAL starts afresh only when an
-    append begins with every frame copied, and a checkpoint copies and syncs both files: appends
-    10 ms apart (256 events each) always committed during one, so the WAL never started afresh
-    (it grew ~2.2 MB every 20 appends) and the autocheckpoint still came due every 10,000 pages
-    (the slowest append of ~470: 16-33 ms). Appends one after another
-    (ops/bench/peer_eventsourcing.py) meet it every ~360 appends, 50-280 ms each, about a third
-    of their time; without this thread, 110-285 ms. Copying the rest on the writer's turn, so
-    that the WAL starts afresh, traded that for a pause at every checkpoint (2-67 ms: the syncs)
-    and a p99 three times higher: not done (issue 22, measured). Started by the first append: a
-    log only read never starts it."""
+    engine's step waited for it. Appends one after another (ops/bench/peer_eventsourcing.py)
+    met it every ~360 appends, 50-150 ms each: a fifth to a third of their time. The WAL starts
+    afresh only when an append begins with every frame copied, which a checkpoint beside the
+    appends never sees: frames come in while it copies.
+
+    So, while appends come in, this thread:
+
+    * copies the WAL at most every CHECKPOINT_EVERY seconds (PASSIVE: no lock, appends go on
+      beside it), then syncs the database file itself. SQLite syncs it only when a checkpoint
+      reaches the WAL's end, so otherwise every page copied since the WAL last started afresh
+      waited for the one checkpoint that did: the 26-45 ms of a sync inside each pause (strace);
+    * once the WAL holds RESTART_FRAMES frames, copies again until few frames came in meanwhile,
+      then copies the rest holding `lock`, which every append holds through its transaction:
+      no append beside it, the copy reaches the WAL's end, and the next append starts the WAL
+      afresh. That pause is the last few frames and their syncs: 2.5-10 ms, against 50-150 ms
+      for SQLite's own on the commit (ops/bench/peer_eventsourcing.py's appends, timed).
+
+    A reader's snapshot can keep a checkpoint from the WAL's end (PASSIVE never waits for it): the
+    WAL then starts afresh on a later try. `wal_autocheckpoint` stays as the bound if this
+    thread falls behind. Started by the first append: a log only read never starts it."""
 
     def __init__(self, engine: sa.Engine, url: str) -> None:
         self._engine = engine
@@ -212,6 +229,10 @@ class _Checkpointer:
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         self._start = threading.Lock()
+        self.lock = threading.Lock()
+        """Held by each append through its transaction, and by this thread to finish a checkpoint."""
+        self.restarts = 0
+        """Checkpoints finished holding `lock` (each lets the next append start the WAL afresh)."""
 
     def appended(self) -> None:
         if self._thread is None:
@@ -231,18 +252,46 @@ class _Checkpointer:
                 with self._engine.connect() as conn:
                     # The driver's own connection: SQLAlchemy would begin a transaction first, and
                     # a checkpoint inside one cannot copy past the snapshot it holds.
-                    driver = conn.connection.driver_connection
-                    driver.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()  # type: ignore[union-attr]
-            except (sqlite3.Error, sa.exc.DBAPIError) as error:
+                    self._checkpoint(conn.connection.driver_connection)
+            except (sqlite3.Error, sa.exc.DBAPIError, OSError) as error:
                 # A checkpoint is housekeeping: the next one (or SQLite's own) copies what this did not.
                 log.warning("wal_checkpoint_failed", url=self._url, error=str(error).splitlines()[0])
             self._closing.wait(CHECKPOINT_EVERY)
+
+    def _checkpoint(self, driver: Any) -> None:
+        frames = self._copy(driver)
+        if frames < RESTART_FRAMES:
+            return
+        for _ in range(CATCH_UP_TRIES):  # each copy is shorter than the one before: fewer frames came in
+            more = self._copy(driver)
+            if more - frames < FINISH_FRAMES or self._closing.is_set():
+                break
+            frames = more
+        with self.lock:
+            self._copy(driver)
+            self.restarts += 1
+
+    def _copy(self, driver: Any) -> int:
+        """A PASSIVE checkpoint, then the database file synced: the frames the WAL held (-1: no WAL)."""
+        _busy, frames, _copied = driver.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        database = self._engine.url.database
+        if frames > 0 and database and database != ":memory:":
+            descriptor = os.open(database, os.O_RDONLY)
+            try:
+                _sync(descriptor)
+            finally:
+                os.close(descriptor)
+        return int(frames)
 
     def close(self) -> None:
         self._closing.set()
         self._due.set()
         if self._thread is not None:
             self._thread.join()
+
+
+_sync = getattr(os, "fdatasync", os.fsync)
+"""Flushes a file's data to disk (fdatasync where the platform has it)."""
 
 
 class SqlEventLog:
@@ -321,6 +370,17 @@ class SqlEventLog:
             # (the pragmas of _configure_sqlite: isolation_level None, WAL, busy timeout).
             self._writer_connection = self.blocking_engine.raw_connection()
         driver = self._writer_connection.driver_connection
+        assert self._checkpointer is not None
+        with self._checkpointer.lock:  # a checkpoint finishing holds it: the WAL then starts afresh
+            return self._append_transaction(driver, batches, expected_head, packed)
+
+    def _append_transaction(
+        self,
+        driver: sqlite3.Connection,
+        batches: Sequence[AppendBatch],
+        expected_head: int | None,
+        packed: Sequence[PackedStep | None],
+    ) -> list[AppendResult]:
         _driver_statement(driver, "BEGIN IMMEDIATE")  # the write lock up front: appends serialize
         try:
             results = _append_rows(_SqliteRows(driver), batches, expected_head, packed)
