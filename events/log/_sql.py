@@ -10,8 +10,9 @@ snapshots and small queries go through aiosqlite's thread.
 
 Storage: one `kvl_steps` row per stream per append, holding the step's events' payloads
 concatenated, with a header naming each event (id, type, schema version, length); event ids go
-to `kvl_event_ids`, whose primary key keeps them unique. A reader splits a step back into events
-(`StoredStep.events`), or replay decodes the whole payload in one call.
+to `kvl_event_ids`, whose primary key keeps them unique. A step of 1 KiB or more is stored with
+its header and payload compressed (LZ4, `kvl_steps.codec`; `stored_step` reads either). A reader
+splits a step back into events (`StoredStep.events`), or replay decodes the whole payload in one call.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 import anyio
+import lz4.block
 import msgspec
 import sqlalchemy as sa
 import structlog
@@ -159,7 +161,7 @@ def _configure_sqlite(sync_engine: sa.Engine) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE" if writing else "BEGIN")
 
 
-_STEP_COLUMNS = "first_seq, last_seq, stream_id, first_version, schemas, header, payload, step, recorded_at"
+_STEP_COLUMNS = "first_seq, last_seq, stream_id, first_version, schemas, header, payload, step, recorded_at, codec"
 _READ_STEPS_SQL = (
     # The step holding after + 1 starts at the greatest first_seq <= after + 1; every step that
     # starts up to after + limit holds some of the events asked for. Both bounds use the primary key.
@@ -179,8 +181,8 @@ _READ_STREAM_STEPS = sa.text(_READ_STREAM_STEPS_SQL).bindparams(
 )
 _HEAD_SQL = "SELECT last_seq FROM kvl_steps ORDER BY first_seq DESC LIMIT 1"
 _INSERT_STEP_SQL = (
-    "INSERT INTO kvl_steps (first_seq, last_seq, stream_id, first_version, step, recorded_at, schemas, header, payload) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO kvl_steps (first_seq, last_seq, stream_id, first_version, step, recorded_at, schemas, header, payload, codec) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _INSERT_IDS_SQL = "INSERT INTO kvl_event_ids (event_id, global_seq) VALUES (?, ?)"
 _INSERT_IDS_AT_ONCE_SQL = (
@@ -423,14 +425,14 @@ class SqlEventLog:
             return await anyio.to_thread.run_sync(self._read_steps_blocking, after_seq, limit)
         async with self.engine.connect() as conn:
             rows = (await conn.execute(_READ_STEPS, {"after": after_seq, "limit": limit})).all()
-        return [StoredStep(*row) for row in rows]
+        return [stored_step(row) for row in rows]
 
     def _read_steps_blocking(self, after_seq: int, limit: int) -> list[StoredStep]:
         assert self.blocking_engine is not None
         with self.blocking_engine.connect() as conn:
             driver = conn.connection.driver_connection
             cursor = driver.execute(_READ_STEPS_SQL, {"after": after_seq, "limit": limit})  # type: ignore[union-attr]
-            return [StoredStep(*row) for row in cursor.fetchall()]
+            return [stored_step(row) for row in cursor.fetchall()]
 
     async def read_stream_steps(self, stream_id: str, after_seq: int = 0, limit: int = 1_000) -> list[StoredStep]:
         if limit <= 0:
@@ -440,14 +442,14 @@ class SqlEventLog:
             return await anyio.to_thread.run_sync(self._read_stream_steps_blocking, parameters)
         async with self.engine.connect() as conn:
             rows = (await conn.execute(_READ_STREAM_STEPS, parameters)).all()
-        return [StoredStep(*row) for row in rows]
+        return [stored_step(row) for row in rows]
 
     def _read_stream_steps_blocking(self, parameters: dict[str, object]) -> list[StoredStep]:
         assert self.blocking_engine is not None
         with self.blocking_engine.connect() as conn:
             driver = conn.connection.driver_connection
             cursor = driver.execute(_READ_STREAM_STEPS_SQL, parameters)  # type: ignore[union-attr]
-            return [StoredStep(*row) for row in cursor.fetchall()]
+            return [stored_step(row) for row in cursor.fetchall()]
 
     async def tail(self, after_seq: int = 0, batch: int = 10_000) -> AsyncIterator[StoredEvent]:
         """Every committed event after `after_seq`, in order, forever: woken by appends in this
@@ -675,8 +677,38 @@ def _append_sync(conn: sa.Connection, batches: Sequence[AppendBatch], expected_h
     return _append_rows(rows, batches, expected_head)
 
 
-PackedStep = tuple[str, bytes, bytes, list[str]]
-"""A batch's events as its kvl_steps row holds them (schemas, header, payload) and their ids."""
+PackedStep = tuple[str, bytes, bytes, list[str], int]
+"""A batch's events as its kvl_steps row holds them (schemas, header, payload), their ids, and the
+row's codec."""
+
+CODEC_RAW = 0
+CODEC_LZ4 = 1
+"""kvl_steps.codec: header and payload as they are, or each compressed with LZ4 (block format, its
+size in front: lz4.block's default). Migration 0008."""
+COMPRESS_FROM = 1_024
+"""Header and payload of at least this many bytes together are stored compressed. A 256-event step
+of the decider's mix (ops/bench/log.py) packs 51 KB into 17 KB in ~40 us: an append writes a
+third of the pages, a checkpoint copies and syncs a third; a smaller step fits its page as it is."""
+
+
+def stored_step(row: Sequence[Any]) -> StoredStep:
+    """A kvl_steps row read as `_STEP_COLUMNS` lists them, its header and payload as they were packed."""
+    first_seq, last_seq, stream_id, first_version, schemas, header, payload, step, recorded_at, codec = row
+    if codec == CODEC_LZ4:
+        try:
+            header, payload = _decompress(header), _decompress(payload)
+        except lz4.block.LZ4BlockError as error:
+            raise ValueError(f"step at global sequence {first_seq} of stream {stream_id!r}: its LZ4 bytes are corrupt ({error})") from None
+    elif codec != CODEC_RAW:
+        raise ValueError(
+            f"step at global sequence {first_seq} of stream {stream_id!r} is stored with codec {codec}, "
+            f"which this kvledger does not know (it reads {CODEC_RAW}: as they are, {CODEC_LZ4}: LZ4)"
+        )
+    return StoredStep(first_seq, last_seq, stream_id, first_version, schemas, header, payload, step, recorded_at)
+
+
+_compress = lz4.block.compress
+_decompress = lz4.block.decompress
 
 
 def pack_batches(batches: Sequence[AppendBatch]) -> list[PackedStep | None]:
@@ -695,7 +727,14 @@ def pack_batches(batches: Sequence[AppendBatch]) -> list[PackedStep | None]:
     packed: list[PackedStep | None] = []
     for batch in batches:
         events = batch.events
-        packed.append((*pack_step(events), [event.event_id for event in events]) if events else None)
+        if not events:
+            packed.append(None)
+            continue
+        schemas, header, payload = pack_step(events)
+        codec = CODEC_RAW
+        if len(header) + len(payload) >= COMPRESS_FROM:
+            header, payload, codec = _compress(header), _compress(payload), CODEC_LZ4
+        packed.append((schemas, header, payload, [event.event_id for event in events], codec))
     return packed
 
 
@@ -722,10 +761,10 @@ def _append_rows(
         count = len(batch.events)
         first, last = (next_seq, next_seq + count - 1) if count else (0, 0)
         if contents is not None:
-            schemas, header, payload, event_ids = contents
+            schemas, header, payload, event_ids, codec = contents
             first_event = batch.events[0]
             rows.insert_step(
-                (first, last, batch.stream_id, actual + 1, first_event.step, first_event.recorded_at, schemas, header, payload),
+                (first, last, batch.stream_id, actual + 1, first_event.step, first_event.recorded_at, schemas, header, payload, codec),
                 event_ids,
             )
             rows.set_stream_version(batch.stream_id, actual + count, new=current is None)
@@ -739,7 +778,7 @@ def _append_rows(
     return results
 
 
-StepRow = tuple[int, int, str, int, int, float, str, bytes, bytes]
+StepRow = tuple[int, int, str, int, int, float, str, bytes, bytes, int]
 """kvl_steps' columns in table order."""
 
 

@@ -29,6 +29,9 @@ steps = sa.Table(
     sa.Column("header", sa.LargeBinary, nullable=False),
     # The events' payloads, concatenated in order; the header gives each one's length.
     sa.Column("payload", sa.LargeBinary, nullable=False),
+    # How header and payload are stored: 0 as they are, 1 each compressed with LZ4 (block format,
+    # size-prefixed). Migration 0008; events/log/_sql.py packs and reads them.
+    sa.Column("codec", sa.SmallInteger, nullable=False, server_default="0"),
     sa.UniqueConstraint("stream_id", "first_version", name="uq_kvl_steps_stream_version"),
 )
 # One stream's steps after a sequence, in order (EventLog.read_stream_steps: a worker's catch-up).
