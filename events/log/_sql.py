@@ -698,7 +698,9 @@ def stored_step(row: Sequence[Any]) -> StoredStep:
         try:
             header, payload = _decompress(header), _decompress(payload)
         except lz4.block.LZ4BlockError as error:
-            raise ValueError(f"step at global sequence {first_seq} of stream {stream_id!r}: its LZ4 bytes are corrupt ({error})") from None
+            raise ValueError(
+                f"step at global sequence {first_seq} of stream {stream_id!r}: its LZ4 bytes are corrupt ({error})"
+            ) from None
     elif codec != CODEC_RAW:
         raise ValueError(
             f"step at global sequence {first_seq} of stream {stream_id!r} is stored with codec {codec}, "
@@ -764,7 +766,18 @@ def _append_rows(
             schemas, header, payload, event_ids, codec = contents
             first_event = batch.events[0]
             rows.insert_step(
-                (first, last, batch.stream_id, actual + 1, first_event.step, first_event.recorded_at, schemas, header, payload, codec),
+                (
+                    first,
+                    last,
+                    batch.stream_id,
+                    actual + 1,
+                    first_event.step,
+                    first_event.recorded_at,
+                    schemas,
+                    header,
+                    payload,
+                    codec,
+                ),
                 event_ids,
             )
             rows.set_stream_version(batch.stream_id, actual + count, new=current is None)
