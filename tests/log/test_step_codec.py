@@ -5,8 +5,6 @@ corrupt compressed bytes, is an error naming the step; a downgrade keeps every b
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -15,11 +13,13 @@ import migrations
 from coordinator.core.state import state_digest
 from coordinator.ledger.recovery import replay
 from events import EventCodec
-from events.log import AppendBatch, PendingEvent, SqlEventLog, normalize, open_log, upgrade_log
+from events.log import AppendBatch, PendingEvent, normalize, open_log, upgrade_log
 from events.log._contract import pack_step
 from events.log._sql import CODEC_LZ4, CODEC_RAW, COMPRESS_FROM
 from tests.kit.log_writer import append_steps, pending_event, step_batch
 from tests.log.test_codec import _sample_events
+from tests.log.test_command_filter import _open
+from tests.log.test_migrations import _on_connection
 
 pytestmark = pytest.mark.anyio
 
@@ -35,23 +35,6 @@ async def _rows(url: str) -> list[tuple[int, int, int, int]]:
             return [tuple(row) for row in (await conn.execute(sa.text(query))).all()]
     finally:
         await engine.dispose()
-
-
-async def _on_connection(url: str, work: Callable[[sa.Connection], object]) -> None:
-    engine = create_async_engine(normalize(url))
-    try:
-        async with engine.begin() as conn:
-            await conn.run_sync(work)
-    finally:
-        await engine.dispose()
-
-
-async def _open(url: str) -> SqlEventLog:
-    if url.startswith("postgresql"):
-        await upgrade_log(url)
-    event_log = await open_log(url)
-    assert isinstance(event_log, SqlEventLog)
-    return event_log
 
 
 def _packed_sizes(per_step: int) -> int:
