@@ -64,6 +64,10 @@ from events import (
 HASH_PREFIX = "vllm:"
 """A vLLM engine's key hash algorithm as kvledger names it: "vllm:" + prefix_caching_hash_algo (as `kvledger ingest vllm` names it)."""
 PREFETCH_KEYS = 4096
+HIT_SECONDS = 0.5
+"""How long a hit is reused across scheduler passes by default (OffloadSettings.hit_seconds)."""
+MAX_HIT_SECONDS = 60.0
+"""The longest kvledger_hit_seconds taken: a hit older than that is not worth a load decision."""
 """The most keys one lookup asks for a request and the requests waiting behind it (LedgerSession.ask)."""
 NOMINAL_BLOCKS = 2
 """vLLM's GPU blocks are its own (a reported pool that kvledger never names a block of); the pool
@@ -127,6 +131,9 @@ class OffloadSettings(msgspec.Struct, frozen=True, kw_only=True):
     every engine whose workers name the same master; not with kvledger_tier_dir."""
     lease_seconds: float = 60.0
     """kvledger_lease_seconds: how long a load holds its keys against eviction (I12)."""
+    hit_seconds: float = HIT_SECONDS
+    """kvledger_hit_seconds: how long a key the sidecar answered loadable is taken as loadable in
+    later scheduler passes without asking again (LedgerSession); 0 asks in every pass."""
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> OffloadSettings:
@@ -154,9 +161,20 @@ class OffloadSettings(msgspec.Struct, frozen=True, kw_only=True):
                 tier_slots=int(extra.get("kvledger_tier_slots", 256)),
                 tier_dir=str(extra.get("kvledger_tier_dir", "")),
                 lease_seconds=float(extra.get("kvledger_lease_seconds", 60.0)),
+                hit_seconds=_hit_seconds(extra.get("kvledger_hit_seconds", HIT_SECONDS)),
             )
         except (TypeError, ValueError) as error:
             raise SettingsError(f"kv_connector_extra_config: {error}") from error
+
+
+def _hit_seconds(value: Any) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not 0 <= seconds <= MAX_HIT_SECONDS:
+        raise ValueError(f"kvledger_hit_seconds is {value!r}: seconds from 0 (ask in every pass) to {MAX_HIT_SECONDS:g}")
+    return seconds
 
 
 class SpecItem(NamedTuple):
@@ -416,7 +434,13 @@ class LedgerSession:
     * The loads and stores of one scheduler pass are one committed kvledger step (`flush`, at
       the end of the pass), not one step each: until then they are PendingLoad / PendingStore.
     * A store of keys this pass's lookups found published is known to be an idempotent skip
-      (I10): it is not sent at all."""
+      (I10): it is not sent at all.
+    * A hit is reused in later passes for `settings.hit_seconds` without asking again; a miss is
+      asked again in every pass (a request's own stores publish keys the next requests hit).
+      A hit is never trusted for more than choosing to load: the load is decided at the flush,
+      committed and leased (I12), and a key evicted meanwhile is refused there, which vLLM
+      recomputes, as it would a miss. Every hit is forgotten once a flush saw a store evict or
+      a load refused (the tier changed under them), and at a reset."""
 
     def __init__(self, settings: OffloadSettings, facts: EngineFacts, *, retry_for: float = 30.0) -> None:
         self.settings = settings
@@ -431,6 +455,9 @@ class LedgerSession:
         self._ended_pass: dict[ExternalKey, bool] = {}
         """The answers of the pass that ended last: vLLM prepares its stores after it ends the pass
         (on_schedule_end, then the store jobs, in build_connector_meta)."""
+        self._hits: dict[ExternalKey, float] = {}
+        """Keys answered loadable, and when (time.monotonic): reused across passes while younger
+        than settings.hit_seconds."""
         self._loads: list[PendingLoad] = []
         self._stores: list[PendingStore] = []
         self.steps = 0
@@ -443,22 +470,38 @@ class LedgerSession:
         reply = self.client.lookup_keys(self.tier.name, keys)
         if isinstance(reply.answer, Refused):
             raise Refusal(reply.answer)
-        self._answers.update(zip(keys, reply.answer.loadable, strict=True))
-        return list(reply.answer.loadable)
+        loadable = reply.answer.loadable
+        self._answers.update(zip(keys, loadable, strict=True))
+        if self.settings.hit_seconds:
+            now, hits = time.monotonic(), self._hits
+            for key, hit in zip(keys, loadable, strict=True):
+                hits.pop(key, None)  # a miss now is no hit; a hit goes to the end (the first is the oldest)
+                if hit:
+                    hits[key] = now
+        return list(loadable)
+
+    def _known_hits(self) -> Callable[[ExternalKey], bool]:
+        """Whether a key is a hit young enough to reuse (older hits are dropped here, all at once)."""
+        hits = self._hits
+        if hits:
+            oldest = time.monotonic() - self.settings.hit_seconds
+            if next(iter(hits.values())) < oldest:  # oldest first (lookup keeps them so)
+                self._hits = hits = {key: at for key, at in hits.items() if at >= oldest}
+        return hits.__contains__
 
     def ask(self, keys: Sequence[ExternalKey], waiting: Callable[[], Iterable[Sequence[ExternalKey]]] | None = None) -> None:
         """A request's key chain, asked once for this pass (the keys already answered are not asked
         again). `waiting`: the chains of the requests waiting behind it, called only when this
         chain needs a round trip; as many as fit in PREFETCH_KEYS ride along in the same lookup,
         so the requests one scheduler pass admits cost one round trip, not one each."""
-        answers = self._answers
-        missing = list(dict.fromkeys(key for key in keys if key not in answers))
+        answers, hit = self._answers, self._known_hits()
+        missing = list(dict.fromkeys(key for key in keys if key not in answers and not hit(key)))
         if not missing:
             return
         if waiting is not None:
             asked = set(missing)
             for chain in waiting():
-                more = [key for key in dict.fromkeys(chain) if key not in answers and key not in asked]
+                more = [key for key in dict.fromkeys(chain) if key not in answers and not hit(key) and key not in asked]
                 if len(asked) + len(more) > PREFETCH_KEYS:
                     break
                 asked.update(more)
@@ -469,6 +512,8 @@ class LedgerSession:
         """The key's answer in this pass: from `ask`, or asked alone when it was not part of a chain."""
         known = self._answers.get(key)
         if known is None:
+            if self._known_hits()(key):
+                return True
             (known,) = self.lookup([key])
         return known
 
@@ -485,7 +530,8 @@ class LedgerSession:
 
     def store(self, keys: Sequence[ExternalKey]) -> PendingStore | None:
         """None: nothing to store (every key was found published in this pass: an idempotent skip)."""
-        fresh = [key for key in keys if not self._ended_pass.get(key) and not self._answers.get(key)]
+        hit = self._known_hits()
+        fresh = [key for key in keys if not self._ended_pass.get(key) and not self._answers.get(key) and not hit(key)]
         if not fresh:
             return None
         pending = PendingStore(fresh)
@@ -524,6 +570,8 @@ class LedgerSession:
                 continue
             (store.job,) = [e for e in events if isinstance(e, ExternalStoreStarted)]
             store.evicted = [e for e in events if isinstance(e, KeyEvicted)]
+        if any(load.refused for load in loads) or any(store.evicted for store in stores):
+            self._hits = {}  # the tier changed under them (evicted here, or refused a load)
 
     def _decide(self, commands: list[AnyCommand]) -> list[list[Event]]:
         """Each command's events: in one step, or in several for a pass that holds more than
@@ -550,7 +598,7 @@ class LedgerSession:
         (ResetCache.drop_tier_keys: evicted, or quarantined where a load holds one) and its jobs
         in flight are fenced (I16), committed before this returns; nothing this session knew of
         the tier survives it. Raises SidecarError or SidecarUnavailable when it could not be told."""
-        self._answers, self._ended_pass, self._loads, self._stores = {}, {}, [], []
+        self._answers, self._ended_pass, self._hits, self._loads, self._stores = {}, {}, {}, [], []
         reset = ResetCache(engine_id=self.engine_id, reason="reset_prefix_cache(reset_connector=True)", drop_tier_keys=True)
         return list(self.client.execute(reset).events)
 

@@ -425,9 +425,9 @@ def _settings(socket: str, **namespace: Any) -> OffloadSettings:
     return OffloadSettings.parse({"kvledger_socket": socket, "kvledger_namespace": fields})
 
 
-def _facts(block_size: int = 32, hash_algorithm: str | None = "sha256") -> EngineFacts:
+def _facts(block_size: int = 32, hash_algorithm: str | None = "sha256", vllm_engine_id: str = "e1") -> EngineFacts:
     return EngineFacts(
-        vllm_engine_id="e1",
+        vllm_engine_id=vllm_engine_id,
         model="tiny",
         dtype="float32",
         groups=[(0, block_size)],
@@ -588,6 +588,17 @@ def test_the_parallel_layout_is_the_engines_so_a_tp1_and_a_tp2_engine_never_shar
         declaration(_settings("/s", parallelism_agnostic=True), _facts())
 
 
+def test_a_bad_hit_seconds_setting_is_refused_naming_it() -> None:
+    from coordinator.vllm.offload_client import HIT_SECONDS, SettingsError
+
+    base = {"kvledger_socket": "/s", "kvledger_namespace": _settings("/s").namespace}
+    assert OffloadSettings.parse(base).hit_seconds == HIT_SECONDS
+    assert OffloadSettings.parse({**base, "kvledger_hit_seconds": 0}).hit_seconds == 0
+    for bad in (-1, "soon", None, float("nan"), float("inf"), 1e9):
+        with pytest.raises(SettingsError, match="kvledger_hit_seconds is"):
+            OffloadSettings.parse({**base, "kvledger_hit_seconds": bad})
+
+
 def test_settings_name_what_is_missing() -> None:
     from coordinator.vllm.offload_client import SettingsError
 
@@ -606,7 +617,8 @@ def test_the_chains_of_waiting_requests_ride_along_so_a_pass_asks_once(
     """LedgerSession.ask with `waiting` (the connector's _waiting_chains): the first request of a
     scheduler pass that needs a round trip asks for the chains of the requests behind it too, so
     their own asks and lookups in that pass make none; a chain over PREFETCH_KEYS is left to ask
-    for itself; the answers are the sidecar's, published keys loadable; a new pass asks again."""
+    for itself; the answers are the sidecar's, published keys loadable; a new pass asks its misses
+    again and reuses its hits (kvledger_hit_seconds)."""
     from coordinator.core.commands import ExternalKey, ReportRank
     from coordinator.vllm import offload_client
     from coordinator.vllm.offload_client import Reporter
@@ -647,14 +659,155 @@ def test_the_chains_of_waiting_requests_ride_along_so_a_pass_asks_once(
         assert [session.answer(k) for k in (key(1), key(2), key(9), key(3), key(4))] == [False, False, True, False, False]
         assert len(round_trips) == 1 and asked_for_waiting == [1]
 
-        # A new pass asks again; a waiting chain beyond the budget is left out and asks for itself.
+        # A new pass asks its misses again, not its hit (key 9); a waiting chain beyond the budget
+        # is left out and asks for itself.
         session.end_pass()
-        monkeypatch.setattr(offload_client, "PREFETCH_KEYS", 3)
-        session.ask([key(5)], lambda: iter([[key(6)], [key(7), key(8), key(9)], [key(10)]]))
+        monkeypatch.setattr(offload_client, "PREFETCH_KEYS", 4)
+        session.ask([key(5)], lambda: iter([[key(6), key(9)], [key(7), key(8), key(1)], [key(10)]]))
         assert round_trips[1:] == [[key(5), key(6)]]
-        assert session.answer(key(9)) is True and round_trips[2:] == [[key(9)]]
+        assert session.answer(key(9)) is True and len(round_trips) == 2
         session.ask([key(6)])
-        assert len(round_trips) == 3
+        assert len(round_trips) == 2
+        session.ask([key(7)])
+        assert round_trips[2:] == [[key(7)]]
     finally:
         reporter.close()
         session.close()
+
+
+def test_a_hit_is_reused_across_passes_until_it_is_too_old_or_the_tier_changed(
+    sidecar_socket: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """LedgerSession keeps a hit for kvledger_hit_seconds: later passes neither ask for it nor
+    store it again. A miss is asked again in every pass (the key may be published since). A hit
+    goes when it is older, when the sidecar answers it a miss, when a flush evicts for a store
+    or refuses a load (the tier changed), and at a reset; 0 asks in every pass."""
+    from coordinator.core.commands import ExternalKey, ReportRank
+    from coordinator.vllm.offload_client import Reporter
+
+    def key(n: int) -> ExternalKey:
+        return ExternalKey(0, n.to_bytes(4, "big") * 8 + b"\x00" * 4)
+
+    def session_with(hit_seconds: float) -> LedgerSession:
+        settings = OffloadSettings.parse(
+            {
+                "kvledger_socket": sidecar_socket,
+                "kvledger_namespace": _settings(sidecar_socket).namespace,
+                "kvledger_tier_slots": 3,
+                "kvledger_tier_dir": str(tmp_path / "tier"),  # a tier both engines share
+                "kvledger_hit_seconds": hit_seconds,
+            }
+        )
+        return LedgerSession(settings, _facts(), retry_for=5)
+
+    session = session_with(30)
+    reporter = Reporter(sidecar_socket, session.engine_id, 0, retry_for=5)
+    round_trips: list[list[ExternalKey]] = []
+    real_lookup = session.client.lookup_keys
+
+    def counted(tier: str, keys: list[ExternalKey]) -> Any:
+        round_trips.append(list(keys))
+        return real_lookup(tier, keys)
+
+    def publish(keys: list[ExternalKey]) -> None:
+        stored = session.store(keys)
+        session.flush()
+        assert stored is not None and stored.job is not None
+        reporter.report(ReportRank(job_id=stored.job.job_id, rank=0, ok=True, checksums=[b"\x11" * 16] * len(keys)))
+
+    monkeypatch.setattr(session.client, "lookup_keys", counted)
+    try:
+        publish([key(1), key(2)])
+        session.end_pass()
+        session.ask([key(1), key(2), key(3)])
+        assert [session.answer(k) for k in (key(1), key(2), key(3))] == [True, True, False]
+        assert len(round_trips) == 1
+
+        # Later passes: the hits are neither asked nor stored again; the miss is asked each time.
+        for _ in range(3):
+            session.end_pass()
+            session.ask([key(1), key(2), key(3)])
+            assert [session.answer(k) for k in (key(1), key(2))] == [True, True]
+            assert round_trips[-1] == [key(3)]
+        assert len(round_trips) == 4
+        session.end_pass()
+        assert session.store([key(1), key(2)]) is None  # published: an idempotent skip, nothing sent
+        steps = session.steps
+        session.flush()
+        assert session.steps == steps
+
+        # A store that evicts (3 slots: key 3 and key 4 take the last one and one of the hits'):
+        # every hit is forgotten, so the next pass asks for both again.
+        publish([key(3), key(4)])
+        session.end_pass()
+        session.ask([key(1), key(2)])
+        assert round_trips[-1] == [key(1), key(2)]
+        assert [session.answer(k) for k in (key(1), key(2))].count(False) == 1
+
+        # A load refused at the flush (a key never published) forgets them too.
+        session.end_pass()
+        session.ask([key(3), key(4)])
+        asked = len(round_trips)
+        session.end_pass()
+        refused = session.load([key(9)])
+        session.flush()
+        assert refused.job is None and refused.refused
+        session.end_pass()
+        session.ask([key(3), key(4)])
+        assert len(round_trips) == asked + 1 and round_trips[-1] == [key(3), key(4)]
+
+        # Another engine's stores evict this engine's hits. A hit is then stale: a lookup that
+        # answers it a miss drops it, and a load vLLM asks on one is refused at the flush (never a
+        # wrong read); a reset forgets them all.
+        other = LedgerSession(session.settings, _facts(vllm_engine_id="e2"), retry_for=5)
+        other_reporter = Reporter(sidecar_socket, other.engine_id, 0, retry_for=5)
+        try:
+            evicting = other.store([key(30), key(31), key(32)])
+            other.flush()
+            assert evicting is not None and evicting.job is not None and len(evicting.evicted) == 3
+            other_reporter.report(ReportRank(job_id=evicting.job.job_id, rank=0, ok=True, checksums=[b"\x22" * 16] * 3))
+        finally:
+            other_reporter.close()
+            other.close()
+        session.end_pass()
+        session.ask([key(3), key(4)])
+        assert len(round_trips) == asked + 1  # stale hits, not asked
+        assert session.lookup([key(3)]) == [False]
+        session.end_pass()
+        assert session.answer(key(3)) is False and round_trips[-1] == [key(3)]
+        stale = session.load([key(4)])
+        session.flush()
+        assert stale.job is None and "refused" in stale.refused
+        session.end_pass()
+        session.ask([key(3), key(4)])
+        assert round_trips[-1] == [key(3), key(4)]
+        session.ask([key(30)])
+        assert session.answer(key(30)) is True  # the other engine's key: a hit of this one
+        asked = len(round_trips)
+        session.end_pass()
+        session.reset()
+        session.ask([key(30)])
+        assert len(round_trips) == asked + 1 and round_trips[-1] == [key(30)]
+    finally:
+        reporter.close()
+        session.close()
+
+    # Too old: asked again. And 0 asks in every pass.
+    for hit_seconds, wait in ((0.2, 0.3), (0, 0.0)):
+        session = session_with(hit_seconds)
+        reporter = Reporter(sidecar_socket, session.engine_id, 0, retry_for=5)
+        round_trips.clear()
+        real_lookup = session.client.lookup_keys
+        monkeypatch.setattr(session.client, "lookup_keys", counted)
+        try:
+            publish([key(20 + int(hit_seconds * 10))])
+            session.end_pass()
+            session.ask([key(20 + int(hit_seconds * 10))])
+            assert round_trips and session.answer(key(20 + int(hit_seconds * 10))) is True
+            time.sleep(wait)
+            session.end_pass()
+            session.ask([key(20 + int(hit_seconds * 10))])
+            assert len(round_trips) == 2, hit_seconds
+        finally:
+            reporter.close()
+            session.close()
