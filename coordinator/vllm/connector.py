@@ -110,6 +110,8 @@ class KvledgerOffloadingConnector(OffloadingConnector):
         self._refused_requests.update(
             req_id for req_id in connector_output.failed_recving or () if req_id in live and not live[req_id].req.is_finished()
         )
+        if connector_output.invalid_block_ids or connector_output.failed_recving:
+            self.scheduler.manager.load_failed()  # its hits are not reused: a key may be quarantined
         super().update_connector_output(connector_output)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -272,6 +272,12 @@ class KvledgerOffloadingManager(OffloadingManager):
         if evicted_keys and self.events_enabled:
             self._events.append(OffloadingEvent(keys=evicted_keys, medium=Medium.CPU, removed=True))
 
+    def load_failed(self) -> None:
+        """vLLM heard of loads refused on a worker (their blocks named as load errors): the tier
+        changed under this session's hits (a key quarantined, a job failed), so none is reused."""
+        if self._session is not None:
+            self._session.forget_hits()
+
     def on_schedule_end(self, context) -> None:
         if self._session is not None:
             self._session.end_pass()

@@ -440,7 +440,8 @@ class LedgerSession:
       A hit is never trusted for more than choosing to load: the load is decided at the flush,
       committed and leased (I12), and a key evicted meanwhile is refused there, which vLLM
       recomputes, as it would a miss. Every hit is forgotten once a flush saw a store evict or
-      a load refused (the tier changed under them), and at a reset."""
+      a load refused (the tier changed under them), once a decided load failed on a worker
+      (`forget_hits`: vLLM names its blocks as load errors), and at a reset."""
 
     def __init__(self, settings: OffloadSettings, facts: EngineFacts, *, retry_for: float = 30.0) -> None:
         self.settings = settings
@@ -516,6 +517,12 @@ class LedgerSession:
                 return True
             (known,) = self.lookup([key])
         return known
+
+    def forget_hits(self) -> None:
+        """A load failed after it was decided (a rank's bytes failed verification, I13, or the
+        sidecar failed the job): the keys' state changed where this session cannot see it, so
+        no earlier hit is reused; the next passes ask again (and miss a quarantined key)."""
+        self._hits = {}
 
     def end_pass(self) -> None:
         """vLLM ended a scheduler pass (on_schedule_end): the next question begins a new one."""

@@ -222,6 +222,7 @@ def prove(socket: Path, tier_dir: Path) -> dict[str, Any]:
         result["bad_load_job"] = load.job_id
         result["bad_load"] = [ask(rank, "load", 3, load, load_blocks) for rank in range(WORLD)]
         result["load_blocks"] = load_blocks
+        scheduler.manager.load_failed()  # as the connector does once vLLM hears of the refused blocks
         result["after_bad_load"] = scheduler.loadable()
 
         # Again with another request's keys, the ranks reporting the other way round: rank 1's
@@ -236,6 +237,7 @@ def prove(socket: Path, tier_dir: Path) -> dict[str, Any]:
         load = scheduler.load()
         result["second_bad_load_job"] = load.job_id
         result["second_bad_load"] = {rank: ask(rank, "load", 5, load, load_blocks) for rank in (1, 0)}
+        scheduler.manager.load_failed()
         result["second_after_bad_load"] = scheduler.loadable()
         scheduler.manager.shutdown()
         return result
