@@ -38,6 +38,7 @@ class Reason(enum.StrEnum):
     STALE_JOB = "stale_job"  # I4 / I16: finished or fenced
     DUPLICATE_REPORT = "duplicate_report"  # I4
     CONFLICTING_REPORT = "conflicting_report"  # I4
+    FOREIGN_JOB = "foreign_job"  # I4 / I9: a rank's report on another engine's job
     RANK_FAILED = "rank_failed"  # I5
     MISSING_CHECKSUM = "missing_checksum"  # I5 / I11
     NOT_COMPUTED = "not_computed"  # I17

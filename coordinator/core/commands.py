@@ -178,6 +178,12 @@ class ReportRank(Command, frozen=True, tag="report_rank"):
     lost: list[int] = []
     """A failed load's items whose bytes the tier no longer holds (a Mooncake Store evicts on
     its own): their keys leave kvledger's tier, so no lookup offers them again."""
+    engine_id: str = ""
+    """The engine whose worker sent the report, as the sidecar knows it from the connection (it
+    stamps every report; a report naming another engine is refused at the door). The decider
+    refuses a report on another engine's job (FOREIGN_JOB), so a report the door let in counts for
+    no other job whatever happened before its decision. Empty: a report of the in-process core,
+    whose callers are the engine."""
 
 
 class AllocateEncoderEntry(Command, frozen=True, tag="allocate_encoder_entry"):

@@ -372,8 +372,14 @@ def _report_rank(state: State, command: ReportRank) -> list[Event]:
     if not 0 < command.job_id < state.next_job_id:
         raise Refusal(Reason.UNKNOWN_JOB, f"job {command.job_id} was never started")
     job = state.jobs.get(command.job_id)
+    fenced = state.fenced.get(command.job_id) if job is None else None
+    owner = job.decision.engine_id if job is not None else fenced.job.decision.engine_id if fenced is not None else None
+    if command.engine_id and owner is not None and owner != command.engine_id:
+        # The sidecar's door checks this too, against the state then; here it holds whatever was
+        # decided in between (a job id freed by a failed append's rebuild and made again for
+        # another engine in the very group this report is decided in).
+        raise Refusal(Reason.FOREIGN_JOB, f"job {command.job_id} belongs to engine {owner!r}, not to {command.engine_id!r}")
     if job is None:
-        fenced = state.fenced.get(command.job_id)
         if fenced is not None and command.rank in fenced.pending:
             # I16: the result is dropped, but this rank's transfer is over; the job's slots go
             # when every rank is done.

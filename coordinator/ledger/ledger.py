@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
+from typing import Any
 
 import anyio
 import blake3
@@ -34,7 +35,7 @@ import structlog
 import uuid_utils
 
 from coordinator.core import CoordinatorCore
-from coordinator.core.commands import AnyCommand
+from coordinator.core.commands import AnyCommand, ReportRank
 from coordinator.core.decider import END_OF_STEP_NOTICES
 from coordinator.core.projector import read_effects
 from coordinator.core.protections import Protection
@@ -109,9 +110,18 @@ _digest_encoder = msgspec.msgpack.Encoder()
 
 def content_digest(tx: Submission) -> bytes:
     """What a command id stands for: its step (engine, number, clock, commands) or its command.
-    Kept with the id in the log, so a retry with other content is told apart from a retry."""
-    content = (tx.engine_id, tx.step, tx.clock, list(tx.commands)) if isinstance(tx, Step) else tx.command
+    Kept with the id in the log, so a retry with other content is told apart from a retry. A
+    report's engine (stamped by the sidecar since 2026-12-05) is left out: the command id is
+    scoped by the engine already, and a retry across that upgrade is the same report."""
+    if isinstance(tx, Step):
+        content: Any = (tx.engine_id, tx.step, tx.clock, [_unattributed(command) for command in tx.commands])
+    else:
+        content = _unattributed(tx.command)
     return blake3.blake3(_digest_encoder.encode(content)).digest(16)
+
+
+def _unattributed(command: AnyCommand) -> AnyCommand:
+    return msgspec.structs.replace(command, engine_id="") if isinstance(command, ReportRank) and command.engine_id else command
 
 
 Transaction = Submission | Recorded

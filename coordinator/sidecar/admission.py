@@ -111,6 +111,19 @@ def foreign(engine_id: str, commands: Sequence[AnyCommand]) -> p.Error | None:
     return None
 
 
+def attributed(engine_id: str, commands: Sequence[AnyCommand]) -> list[AnyCommand]:
+    """The commands with each ReportRank attributed to this connection's engine: one that names no
+    engine gets this one (a client need not send it), so the decider refuses it on another
+    engine's job (FOREIGN_JOB) whatever happened between this door and its decision; one that
+    names another engine is left as it is, for `foreign` to refuse."""
+    return [
+        msgspec.structs.replace(command, engine_id=engine_id)
+        if isinstance(command, ReportRank) and not command.engine_id
+        else command
+        for command in commands
+    ]
+
+
 def foreign_commands(state: State, engine_id: str, commands: Sequence[AnyCommand]) -> p.Error | None:
     """`foreign`, and a ReportRank among the commands of an Execute or a Step on another engine's
     job (`foreign_report`): found by tests/sidecar/test_fuzz_protocol.py, an engine's Execute of a
@@ -120,12 +133,19 @@ def foreign_commands(state: State, engine_id: str, commands: Sequence[AnyCommand
 
 
 def foreign_report(state: State, engine_id: str, report: ReportRank) -> p.Error | None:
-    """A ReportRank names no engine, so `foreign` cannot see whose job it is: another engine's
-    worker completed this engine's store job, publishing its keys with checksums of bytes it never
-    wrote (I9, I13). A job that ended is left to the decider (it drops the notice). A job not made
-    yet (at or past the state's next job id) is refused: it may be made by another engine's step
-    in the very group this report would be decided in, after this check (a hostile engine guessing
-    the next id), and a worker reports only jobs it was sent, committed."""
+    """A report on another engine's job, refused at the door: another engine's worker completed
+    this engine's store job, publishing its keys with checksums of bytes it never wrote (I9, I13).
+    A report naming another engine than the connection's is refused too. A job that ended is left
+    to the decider (it drops the notice). A job not made yet (at or past the state's next job id)
+    is refused: it may be made by another engine's step in the very group this report would be
+    decided in, after this check (a hostile engine guessing the next id), and a worker reports
+    only jobs it was sent, committed. The decider checks the job's engine again when it decides
+    (the report is `attributed`), against the state then."""
+    if report.engine_id and report.engine_id != engine_id:
+        return p.Error(
+            code=p.ErrorCode.INVALID_MESSAGE,
+            message=f"the report names engine {report.engine_id!r}; this connection is engine {engine_id!r}",
+        )
     if report.job_id >= state.next_job_id:
         return p.Error(
             code=p.ErrorCode.INVALID_MESSAGE,

@@ -787,10 +787,12 @@ class Sidecar:
         if isinstance(message, p.Report):
             if session.role not in ("worker", "engine"):
                 return _wrong_role(session, message)
-            problem = admission.foreign_report(self.ledger.state, session.engine_id, message.report)
+            (report,) = admission.attributed(session.engine_id, [message.report])
+            assert isinstance(report, ReportRank)
+            problem = admission.foreign_report(self.ledger.state, session.engine_id, report)
             if problem is not None:
                 return problem
-            return await self._commit_single(session, "report", message.report, message.command_id or _report_id(message))
+            return await self._commit_single(session, "report", report, message.command_id or _report_id(message))
         if isinstance(message, p.Reports):
             if session.role not in ("worker", "engine"):
                 return _wrong_role(session, message)
@@ -820,9 +822,10 @@ class Sidecar:
         if isinstance(message, p.LookupKeys):
             return self._lookup_keys(session, message)
         if isinstance(message, p.Execute):
-            problem = admission.foreign_commands(self.ledger.state, session.engine_id, [message.command])
-            problem = problem or self._over_budget(session, [message.command])
-            return problem or await self._commit_single(session, "execute", message.command, message.command_id)
+            (executed,) = admission.attributed(session.engine_id, [message.command])
+            problem = admission.foreign_commands(self.ledger.state, session.engine_id, [executed])
+            problem = problem or self._over_budget(session, [executed])
+            return problem or await self._commit_single(session, "execute", executed, message.command_id)
         assert isinstance(message, p.Step)
         return await self._step(session, message)
 
@@ -878,8 +881,9 @@ class Sidecar:
         return admission.over_budget(self.ledger.state, session.engine_id, commands, self.budget)
 
     async def _step(self, session: Session, message: p.Step) -> p.ServerMessage:
-        problem = admission.foreign_commands(self.ledger.state, session.engine_id, message.commands)
-        problem = problem or self._over_budget(session, message.commands)
+        commands = admission.attributed(session.engine_id, message.commands)
+        problem = admission.foreign_commands(self.ledger.state, session.engine_id, commands)
+        problem = problem or self._over_budget(session, commands)
         if problem is not None:
             return problem
         if not message.command_id:
@@ -890,7 +894,7 @@ class Sidecar:
             engine_id=session.engine_id,
             step=message.step,
             clock=message.clock,
-            commands=message.commands,
+            commands=commands,
             command_id=admission.scoped(session.engine_id, "step", message.command_id),
         )
         try:
@@ -955,14 +959,16 @@ class Sidecar:
         if not message.reports:
             return p.ReportsCommitted(results=[])
         ids = []
-        for sent in message.reports:
-            problem = admission.foreign_report(self.ledger.state, session.engine_id, sent.report)
+        reports = admission.attributed(session.engine_id, [sent.report for sent in message.reports])
+        for sent, report in zip(message.reports, reports, strict=True):
+            assert isinstance(report, ReportRank)
+            problem = admission.foreign_report(self.ledger.state, session.engine_id, report)
             if problem is not None:
                 return problem
             ids.append(sent.command_id or _report_id(sent))
         txs = [
-            Single(command=sent.report, command_id=admission.scoped(session.engine_id, "report", command_id))
-            for sent, command_id in zip(message.reports, ids, strict=True)
+            Single(command=report, command_id=admission.scoped(session.engine_id, "report", command_id))
+            for report, command_id in zip(reports, ids, strict=True)
         ]
         try:
             results = await self.committer.submit_all(txs)

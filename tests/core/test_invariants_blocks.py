@@ -343,6 +343,45 @@ def test_I4_reports_for_unknown_or_finished_jobs_are_dropped() -> None:
     assert replay_matches(core)
 
 
+def test_I4_a_report_on_another_engines_job_is_dropped_and_changes_nothing() -> None:
+    """A report carries the engine whose worker sent it (the sidecar stamps it from the
+    connection). On another engine's job, running or fenced, it is dropped FOREIGN_JOB and
+    nothing changes: a job id made again for another engine (after a failed append's rebuild,
+    in the very group the report was queued in) never takes a report meant for the first. A
+    report of the job's own engine, or an unattributed one (the in-process core), counts."""
+    core = new_core()
+    begin(core)
+    own = owner(core)
+    blocks = allocate(core, own, 1)
+    [key] = compute(core, own, blocks, TOKENS[:4])
+    job = start_store(core, blocks)
+    foreign = ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=[checksum(key, 0)], engine_id="pod-other")
+    dropped = rejected(core, foreign, NoticeDropped, Reason.FOREIGN_JOB)
+    assert "pod-other" in str(dropped) and ENGINE in str(dropped)  # both engines named
+    rejected(core, ReportRank(job_id=job.job_id, rank=1, ok=False, engine_id="pod-other"), NoticeDropped, Reason.FOREIGN_JOB)
+    assert not core.state.jobs[job.job_id].reports
+    ok(core.execute(ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=[checksum(key, 0)], engine_id=ENGINE)))
+    events = ok(core.execute(ReportRank(job_id=job.job_id, rank=1, ok=True, checksums=[checksum(key, 1)])))
+    assert [e for e in events if isinstance(e, KeyPublished)], events
+
+    # Fenced: another engine's report neither finishes a rank of it nor frees its slots.
+    own = owner(core, "req-2")
+    blocks = allocate(core, own, 1)
+    [key] = compute(core, own, blocks, TOKENS[4:8])
+    job = start_store(core, blocks)
+    ok(core.execute(ResetCache(engine_id=ENGINE)))
+    assert job.job_id in core.state.fenced
+    rejected(
+        core,
+        ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=[checksum(key, 0)], engine_id="pod-other"),
+        NoticeDropped,
+        Reason.FOREIGN_JOB,
+    )
+    late = ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=[checksum(key, 0)], engine_id=ENGINE)
+    assert core.execute(late) == [FencedRankDone(job_id=job.job_id, rank=0)]
+    assert replay_matches(core)
+
+
 def test_I4_same_req_id_store_jobs_are_accounted_separately() -> None:
     """Seed 000: a preempted request resumes with the same req_id; its two store jobs are two
     jobs, and finishing one never releases the other's pin."""

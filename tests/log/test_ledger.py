@@ -355,3 +355,18 @@ async def test_a_group_decided_while_the_append_before_it_fails_is_decided_on_th
     assert isinstance(commit, StepCommit) and commit.commit.first_seq == head + 1
     assert [e.req_id for e in commit.commit.events if isinstance(e, OwnerStarted)] == ["second"]
     assert encode_state(ledger.state) == encode_state((await replay(event_log, EventCodec()))[0])
+
+
+def test_a_reports_command_id_stands_for_the_report_whichever_engine_is_stamped_on_it() -> None:
+    """content_digest leaves a report's engine out: the sidecar stamps it from the connection
+    (since 2026-12-05) and the command id is scoped by the engine already, so a report committed
+    before that and retried after is the same report, not other content. Any other field is."""
+    from coordinator.ledger.ledger import Single, content_digest
+
+    report = ReportRank(job_id=3, rank=1, ok=True, checksums=[b"\x01" * 16])
+    stamped = msgspec.structs.replace(report, engine_id="pod-a")
+    assert content_digest(Single(command=report)) == content_digest(Single(command=stamped))
+    in_step = [Step(engine_id="pod-a", step=1, clock=1.0, commands=[command]) for command in (report, stamped)]
+    assert content_digest(in_step[0]) == content_digest(in_step[1])
+    for other in (msgspec.structs.replace(stamped, rank=0), msgspec.structs.replace(stamped, ok=False)):
+        assert content_digest(Single(command=other)) != content_digest(Single(command=stamped))

@@ -60,10 +60,11 @@ from coordinator.audit.store import sync_index
 from coordinator.client import Address, EngineClient, SidecarError, WorkerClient
 from coordinator.core.commands import AllocateBlocks, EndStep, ReportRank, StartOwner
 from coordinator.core.state import state_digest
+from coordinator.sidecar import admission
 from coordinator.sidecar import protocol as p
 from coordinator.sidecar.admission import MAX_POOL_ID
 from coordinator.sidecar.server import Sidecar
-from events import BlocksAllocated, EventCodec, OwnerStarted, Refused, StepBegan, TierSpec
+from events import BlocksAllocated, EventCodec, NoticeDropped, OwnerStarted, Reason, Refused, StepBegan, TierSpec
 from events.log import EventLog, SqlEventLog, open_log, upgrade_log
 from tests.conftest import log_url_for
 from tests.kit import builders as b
@@ -741,6 +742,61 @@ async def test_another_engines_connection_cannot_report_this_engines_job(event_l
                 ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items])
             )
         assert [type(e).__name__ for e in committed.events][-1] == "JobSucceeded"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("role", ["worker", "engine", "engine's Execute", "engine's Step"])
+async def test_a_report_that_names_another_engine_than_its_connections_is_refused(
+    event_log: EventLog, tmp_path: Path, role: str
+) -> None:
+    """The sidecar attributes every report to its connection's engine (ReportRank.engine_id); a
+    report that names another engine itself is an invalid message, nothing committed, even on
+    that engine's own job."""
+    sock = tmp_path / "s.sock"
+    address = Address(socket_path=str(sock))
+    async with sidecar_on(event_log, sock) as sidecar, _client(sock, "pod-a") as a, _client(sock, "pod-b") as b_engine:
+        job = await Engine(a).request(0)
+        before = await _mark(sidecar, event_log)
+        report = ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=[b"\x00" * 16 for _ in job.items], engine_id="pod-a")
+        with pytest.raises(SidecarError) as refused:
+            if role == "worker":
+                await WorkerClient(address, "pod-b", 0).report(report)
+            elif role == "engine":
+                await b_engine.report(report)
+            elif role == "engine's Execute":
+                await b_engine.execute(report, command_id="x-2")
+            else:
+                await b_engine.step(1, 1.0, [StartOwner(engine_id="pod-b", req_id="q"), report])
+        assert refused.value.code == p.ErrorCode.INVALID_MESSAGE
+        assert "pod-a" in str(refused.value) and "pod-b" in str(refused.value)
+        assert await _mark(sidecar, event_log) == before
+
+
+@pytest.mark.anyio
+async def test_a_report_the_door_let_in_counts_for_no_other_engines_job(
+    event_log: EventLog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The door checks a report's job against the state before the report is decided; in between,
+    a failed append's rebuild can free the job id and another engine's step make it again in the
+    same group (issue 22's note). The decider checks it again: with the door's check out of the
+    way, pod-b's worker's report on pod-a's job is dropped FOREIGN_JOB and committed as such, the
+    job untouched, and pod-a's own workers then complete it."""
+    sock = tmp_path / "s.sock"
+    address = Address(socket_path=str(sock))
+    async with sidecar_on(event_log, sock) as sidecar, _client(sock, "pod-a") as a, _client(sock, "pod-b"):
+        job = await Engine(a).request(0)
+        monkeypatch.setattr(admission, "foreign_report", lambda state, engine_id, report: None)
+        committed = await WorkerClient(address, "pod-b", 0).report(
+            ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=[b"\x00" * 16 for _ in job.items])
+        )
+        [dropped] = committed.events
+        assert isinstance(dropped, NoticeDropped) and dropped.reason == Reason.FOREIGN_JOB and "pod-b" in str(dropped)
+        assert not sidecar.ledger.state.jobs[job.job_id].reports
+        for rank in (0, 1):
+            done = await WorkerClient(address, "pod-a", rank).report(
+                ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items])
+            )
+        assert [type(e).__name__ for e in done.events][-1] == "JobSucceeded"
 
 
 @pytest.mark.anyio
