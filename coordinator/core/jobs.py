@@ -15,7 +15,7 @@ from coordinator.core.completion import complete
 from coordinator.core.copy_plan import PlannedMove, overlapping_destinations, plan_copies
 from coordinator.core.keys import chain_keys, iter_chain_keys, reuse_unit
 from coordinator.core.protections import Protection, is_off
-from coordinator.core.state import EngineState, PoolState, SlotStatus, State, unpack_checksums
+from coordinator.core.state import EngineState, JobState, PoolState, SlotStatus, State, unpack_checksums
 from coordinator.core.tier_slots import reserve_tier_slots
 from events import (
     NULL_BLOCK_ID,
@@ -367,19 +367,29 @@ def _plan_state_copy(state: State, command: PlanStateCopy) -> list[Event]:
 # --- reports -----------------------------------------------------------------------------------------
 
 
+def _check_own_job(state: State, command: ReportRank, job: JobState | None) -> None:
+    """A report attributed to an engine counts only for that engine's jobs, running or fenced.
+    The sidecar's door checks this too, against the state then; here it holds whatever was decided
+    in between (a job id freed by a failed append's rebuild and made again for another engine in
+    the very group this report is decided in)."""
+    if job is None:
+        fenced = state.fenced.get(command.job_id)
+        job = fenced.job if fenced is not None else None
+    if job is not None and job.decision.engine_id != command.engine_id:
+        raise Refusal(
+            Reason.FOREIGN_JOB, f"job {command.job_id} belongs to engine {job.decision.engine_id!r}, not to {command.engine_id!r}"
+        )
+
+
 def _report_rank(state: State, command: ReportRank) -> list[Event]:
     """A rank's report (I4): counted per (job_id, rank); duplicates and stale ones dropped."""
     if not 0 < command.job_id < state.next_job_id:
         raise Refusal(Reason.UNKNOWN_JOB, f"job {command.job_id} was never started")
     job = state.jobs.get(command.job_id)
-    fenced = state.fenced.get(command.job_id) if job is None else None
-    owner = job.decision.engine_id if job is not None else fenced.job.decision.engine_id if fenced is not None else None
-    if command.engine_id and owner is not None and owner != command.engine_id:
-        # The sidecar's door checks this too, against the state then; here it holds whatever was
-        # decided in between (a job id freed by a failed append's rebuild and made again for
-        # another engine in the very group this report is decided in).
-        raise Refusal(Reason.FOREIGN_JOB, f"job {command.job_id} belongs to engine {owner!r}, not to {command.engine_id!r}")
+    if command.engine_id:
+        _check_own_job(state, command, job)
     if job is None:
+        fenced = state.fenced.get(command.job_id)
         if fenced is not None and command.rank in fenced.pending:
             # I16: the result is dropped, but this rank's transfer is over; the job's slots go
             # when every rank is done.
