@@ -711,6 +711,18 @@ def _client(socket_path: Path, engine_id: str) -> EngineClient:
     return EngineClient(Address(socket_path=str(socket_path)), declaration(engine_id), tiers=[TIER_SPEC], retry_for=0)
 
 
+async def _report_as(role: str, address: Address, engine: EngineClient, report: ReportRank) -> None:
+    """Send `report` as `engine`'s worker (rank 0), its connection, an Execute of it or a Step holding it."""
+    if role == "worker":
+        await WorkerClient(address, engine.engine_id, 0).report(report)
+    elif role == "engine":
+        await engine.report(report)
+    elif role == "engine's Execute":
+        await engine.execute(report)
+    else:
+        await engine.step(1, 1.0, [StartOwner(engine_id=engine.engine_id, req_id="q"), report])
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("role", ["worker", "engine", "engine's Execute", "engine's Step"])
 async def test_another_engines_connection_cannot_report_this_engines_job(event_log: EventLog, tmp_path: Path, role: str) -> None:
@@ -727,14 +739,7 @@ async def test_another_engines_connection_cannot_report_this_engines_job(event_l
         before = await _mark(sidecar, event_log)
         report = ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=[b"\x00" * 16 for _ in job.items])
         with pytest.raises(SidecarError) as refused:
-            if role == "worker":
-                await WorkerClient(address, "pod-b", 0).report(report)
-            elif role == "engine":
-                await b_engine.report(report)
-            elif role == "engine's Execute":
-                await b_engine.execute(report, command_id="x-1")
-            else:
-                await b_engine.step(1, 1.0, [StartOwner(engine_id="pod-b", req_id="q"), report])
+            await _report_as(role, address, b_engine, report)
         assert refused.value.code == p.ErrorCode.INVALID_MESSAGE and "pod-a" in str(refused.value)
         assert await _mark(sidecar, event_log) == before
         for rank in (0, 1):
@@ -759,14 +764,7 @@ async def test_a_report_that_names_another_engine_than_its_connections_is_refuse
         before = await _mark(sidecar, event_log)
         report = ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=[b"\x00" * 16 for _ in job.items], engine_id="pod-a")
         with pytest.raises(SidecarError) as refused:
-            if role == "worker":
-                await WorkerClient(address, "pod-b", 0).report(report)
-            elif role == "engine":
-                await b_engine.report(report)
-            elif role == "engine's Execute":
-                await b_engine.execute(report, command_id="x-2")
-            else:
-                await b_engine.step(1, 1.0, [StartOwner(engine_id="pod-b", req_id="q"), report])
+            await _report_as(role, address, b_engine, report)
         assert refused.value.code == p.ErrorCode.INVALID_MESSAGE
         assert "pod-a" in str(refused.value) and "pod-b" in str(refused.value)
         assert await _mark(sidecar, event_log) == before
