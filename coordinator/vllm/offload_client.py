@@ -64,11 +64,11 @@ from events import (
 HASH_PREFIX = "vllm:"
 """A vLLM engine's key hash algorithm as kvledger names it: "vllm:" + prefix_caching_hash_algo (as `kvledger ingest vllm` names it)."""
 PREFETCH_KEYS = 4096
+"""The most keys one lookup asks for a request and the requests waiting behind it (LedgerSession.ask)."""
 HIT_SECONDS = 0.5
 """How long a hit is reused across scheduler passes by default (OffloadSettings.hit_seconds)."""
 MAX_HIT_SECONDS = 60.0
 """The longest kvledger_hit_seconds taken: a hit older than that is not worth a load decision."""
-"""The most keys one lookup asks for a request and the requests waiting behind it (LedgerSession.ask)."""
 NOMINAL_BLOCKS = 2
 """vLLM's GPU blocks are its own (a reported pool that kvledger never names a block of); the pool
 is declared with the fewest blocks a pool may have (block 0 is the null block)."""
