@@ -611,6 +611,19 @@ def test_settings_name_what_is_missing() -> None:
     assert [pool.managed for pool in declare.pools] == [False] and tier.bytes_per_slot == 32768
 
 
+def _count_lookups(session: LedgerSession, monkeypatch: pytest.MonkeyPatch) -> list[list[Any]]:
+    """The keys of each lookup round trip `session` makes from now on, in order."""
+    round_trips: list[list[Any]] = []
+    real_lookup = session.client.lookup_keys
+
+    def counted(tier: str, keys: list[Any]) -> Any:
+        round_trips.append(list(keys))
+        return real_lookup(tier, keys)
+
+    monkeypatch.setattr(session.client, "lookup_keys", counted)
+    return round_trips
+
+
 def test_the_chains_of_waiting_requests_ride_along_so_a_pass_asks_once(
     sidecar_socket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -628,14 +641,7 @@ def test_the_chains_of_waiting_requests_ride_along_so_a_pass_asks_once(
 
     session = LedgerSession(_settings(sidecar_socket), _facts(), retry_for=5)
     reporter = Reporter(sidecar_socket, session.engine_id, 0, retry_for=5)
-    round_trips: list[list[ExternalKey]] = []
-    real_lookup = session.client.lookup_keys
-
-    def counted(tier: str, keys: list[ExternalKey]) -> Any:
-        round_trips.append(list(keys))
-        return real_lookup(tier, keys)
-
-    monkeypatch.setattr(session.client, "lookup_keys", counted)
+    round_trips = _count_lookups(session, monkeypatch)
     try:
         stored = session.store([key(9)])  # published by the rank's report: loadable from now on
         session.flush()
@@ -702,12 +708,6 @@ def test_a_hit_is_reused_across_passes_until_it_is_too_old_or_the_tier_changed(
 
     session = session_with(30)
     reporter = Reporter(sidecar_socket, session.engine_id, 0, retry_for=5)
-    round_trips: list[list[ExternalKey]] = []
-    real_lookup = session.client.lookup_keys
-
-    def counted(tier: str, keys: list[ExternalKey]) -> Any:
-        round_trips.append(list(keys))
-        return real_lookup(tier, keys)
 
     def publish(keys: list[ExternalKey]) -> None:
         stored = session.store(keys)
@@ -715,7 +715,7 @@ def test_a_hit_is_reused_across_passes_until_it_is_too_old_or_the_tier_changed(
         assert stored is not None and stored.job is not None
         reporter.report(ReportRank(job_id=stored.job.job_id, rank=0, ok=True, checksums=[b"\x11" * 16] * len(keys)))
 
-    monkeypatch.setattr(session.client, "lookup_keys", counted)
+    round_trips = _count_lookups(session, monkeypatch)
     try:
         publish([key(1), key(2)])
         session.end_pass()
@@ -796,9 +796,7 @@ def test_a_hit_is_reused_across_passes_until_it_is_too_old_or_the_tier_changed(
     for hit_seconds, wait in ((0.2, 0.3), (0, 0.0)):
         session = session_with(hit_seconds)
         reporter = Reporter(sidecar_socket, session.engine_id, 0, retry_for=5)
-        round_trips.clear()
-        real_lookup = session.client.lookup_keys
-        monkeypatch.setattr(session.client, "lookup_keys", counted)
+        round_trips = _count_lookups(session, monkeypatch)
         try:
             publish([key(20 + int(hit_seconds * 10))])
             session.end_pass()
