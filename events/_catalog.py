@@ -128,7 +128,7 @@ class BlocksReleased(Event, frozen=True, tag="blocks_released"):
     blocks: list[BlockRef]
 
 
-class ComputedBlock(msgspec.Struct, frozen=True, array_like=True):
+class ComputedBlock(msgspec.Struct, frozen=True, array_like=True, gc=False):
     block: BlockRef
     key: bytes
 
@@ -140,7 +140,7 @@ class BlocksComputed(Event, frozen=True, tag="blocks_computed"):
     blocks: list[ComputedBlock]
 
 
-class GroupHit(msgspec.Struct, frozen=True, array_like=True):
+class GroupHit(msgspec.Struct, frozen=True, array_like=True, gc=False):
     pool_id: int
     keys: list[bytes]
     """The published keys to load for this group, in token order."""
@@ -160,7 +160,7 @@ class PrefixLookedUp(Event, frozen=True, tag="prefix_looked_up"):
 # --- jobs ------------------------------------------------------------------------------------
 
 
-class StoreItem(msgspec.Struct, frozen=True, array_like=True):
+class StoreItem(msgspec.Struct, frozen=True, array_like=True, gc=False):
     source: BlockRef
     key: bytes
     tier_slot: int
@@ -184,7 +184,7 @@ class StoreJobStarted(Event, frozen=True, tag="store_job_started"):
     recorded, so replay and forensics see the store ran unprotected."""
 
 
-class LoadItem(msgspec.Struct, frozen=True, array_like=True):
+class LoadItem(msgspec.Struct, frozen=True, array_like=True, gc=False):
     key: bytes
     tier_slot: int
     tier_generation: int
@@ -458,7 +458,7 @@ class ObservedEventsMissed(Event, frozen=True, tag="observed_events_missed"):
 # --- external keys (an engine that owns its device blocks and names its own keys: vLLM's offloading) --
 
 
-class ExternalItem(msgspec.Struct, frozen=True, array_like=True):
+class ExternalItem(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """One block of an external job: the engine's own key for it, the tier key kvledger made of
     that key in the engine's namespace (coordinator/core/external.py, `external_key`: I8, I9), and the
     tier slot. The device block is the engine's: kvledger never names it."""

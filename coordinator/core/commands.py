@@ -133,7 +133,7 @@ class StartStore(Command, frozen=True, tag="start_store"):
     blocks: list[BlockRef]
 
 
-class LoadRequest(msgspec.Struct, frozen=True, array_like=True):
+class LoadRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
     key: bytes
     dest: BlockRef
 
@@ -148,7 +148,7 @@ class StartLoad(Command, frozen=True, tag="start_load"):
     lease_seconds: float = 30.0
 
 
-class Move(msgspec.Struct, frozen=True, array_like=True):
+class Move(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Copy `length` bytes from src block at src_offset to dst block at dst_offset."""
 
     src: BlockRef
@@ -297,7 +297,7 @@ class ObserveMalformed(Command, frozen=True, tag="observe_malformed"):
 # (coordinator/core/external.py decides these; the tier key is made from the engine's key by kvledger)
 
 
-class ExternalKey(msgspec.Struct, frozen=True, array_like=True):
+class ExternalKey(msgspec.Struct, frozen=True, array_like=True, gc=False):
     pool_id: int
     """The cache group the key belongs to."""
     engine_key: bytes
