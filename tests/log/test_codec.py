@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import ClassVar
 
 import msgspec
@@ -43,6 +44,39 @@ def test_round_trip_of_real_events_is_exact() -> None:
         tag, version, payload = codec.encode(event)
         assert tag == event_tag(type(event)) and version == type(event).schema_version
         assert codec.decode(tag, version, payload) == event
+
+
+def _structs_within(info: msgspec.inspect.Type, found: dict[type[msgspec.Struct], None]) -> None:
+    """Every Struct type `info` is or holds (its fields', items', keys' and values' types), once."""
+    if isinstance(info, msgspec.inspect.StructType):
+        if info.cls in found:
+            return
+        found[info.cls] = None
+        for field in info.fields:
+            _structs_within(field.type, found)
+    for name in ("item_type", "key_type", "value_type", "types", "item_types"):
+        inner = getattr(info, name, None)
+        for one in inner if isinstance(inner, tuple) else () if inner is None else (inner,):
+            _structs_within(one, found)
+
+
+def test_no_event_or_value_within_one_is_tracked_by_the_cyclic_collector() -> None:
+    """Events and the frozen values they hold (BlockRef, the items of jobs, the specs) are
+    gc=False: a replay decodes hundreds of thousands, and the collector tracking each cost ~10% of
+    decode (ops/bench/log.py). A new value type must say gc=False too; a decoded one is untracked."""
+    found: dict[type[msgspec.Struct], None] = {}
+    for event_type in EVENT_TYPES:
+        _structs_within(msgspec.inspect.type_info(event_type), found)
+    assert len(found) > len(EVENT_TYPES)  # the values within were reached, not only the events
+    tracked = [cls.__name__ for cls in found if cls.__struct_config__.gc]
+    assert tracked == []
+    codec = EventCodec()
+    for event in _sample_events():
+        decoded = codec.decode(*codec.encode(event))
+        fields = msgspec.structs.astuple(decoded)
+        within = [value for value in fields if isinstance(value, msgspec.Struct)]
+        within += [item for value in fields if isinstance(value, list) for item in value if isinstance(item, msgspec.Struct)]
+        assert not gc.is_tracked(decoded) and not any(map(gc.is_tracked, within)), type(decoded).__name__
 
 
 def test_unknown_event_type_names_the_type_and_position() -> None:
