@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import anyio  # noqa: E402
+import structlog  # noqa: E402
 from figures import load, out, percentile  # noqa: E402
 from sidecar import TIER, EngineLoad, declaration, server_output, stop, wait_ready  # noqa: E402
 
@@ -151,6 +152,8 @@ def main() -> int:
     available = len(read_trace(args.trace))
     if available < needed:
         parser.error(f"{args.trace} holds {available:,} requests; --rounds and --requests need {needed:,} (pass --trace)")
+    # The client's structlog lines (connected, retrying) go to stderr, keeping stdout to the figures.
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     out(f"host: {load()}; gap {args.gap_ms:g} ms, {args.rounds} rounds of {args.requests} requests a mode")
     core = anyio.run(core_turns, args)
     sidecar = run_sidecar(args)
