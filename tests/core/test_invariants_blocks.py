@@ -6,6 +6,8 @@ the folded state. Tier-side invariants (I5-I13) live in test_invariants_tiers.py
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from coordinator.core import CoordinatorCore
 from coordinator.core.commands import (
     AllocateBlocks,
@@ -48,6 +50,7 @@ from events import (
     Refused,
     StateCopyPlanned,
     StepEnded,
+    StoreJobStarted,
 )
 from tests.kit.builders import (
     ENGINE,
@@ -303,14 +306,19 @@ def test_I3_cached_free_copy_source_is_not_reallocated_while_pinned() -> None:
 # --- I4 job identity -------------------------------------------------------------------------------
 
 
+def _storing(core: CoordinatorCore, req_id: str = "req-1", tokens: Sequence[int] = TOKENS[:4]) -> tuple[StoreJobStarted, bytes]:
+    """A new owner's one block, computed over `tokens` and being stored: its store job and key."""
+    own = owner(core, req_id)
+    blocks = allocate(core, own, 1)
+    [key] = compute(core, own, blocks, tokens)
+    return start_store(core, blocks), key
+
+
 def test_I4_duplicate_and_conflicting_reports_change_nothing() -> None:
     """Reports count per (job_id, rank): a retry is idempotent, a contradiction is dropped."""
     core = new_core()
     begin(core)
-    own = owner(core)
-    blocks = allocate(core, own, 1)
-    [key] = compute(core, own, blocks, TOKENS[:4])
-    job = start_store(core, blocks)
+    job, key = _storing(core)
     first = ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=[checksum(key, 0)])
     ok(core.execute(first))
     rejected(core, first, NoticeDropped, Reason.DUPLICATE_REPORT)
@@ -330,10 +338,7 @@ def test_I4_reports_for_unknown_or_finished_jobs_are_dropped() -> None:
     """A report naming no job, or a finished one, never touches any job's accounting."""
     core = new_core()
     begin(core)
-    own = owner(core)
-    blocks = allocate(core, own, 1)
-    [key] = compute(core, own, blocks, TOKENS[:4])
-    job = start_store(core, blocks)
+    job, key = _storing(core)
     for job_id in (0, job.job_id + 1, 999):
         rejected(core, ReportRank(job_id=job_id, rank=0, ok=True), NoticeDropped, Reason.UNKNOWN_JOB)
     report_all(core, job.job_id, [key])
@@ -351,10 +356,7 @@ def test_I4_a_report_on_another_engines_job_is_dropped_and_changes_nothing() -> 
     report of the job's own engine, or an unattributed one (the in-process core), counts."""
     core = new_core()
     begin(core)
-    own = owner(core)
-    blocks = allocate(core, own, 1)
-    [key] = compute(core, own, blocks, TOKENS[:4])
-    job = start_store(core, blocks)
+    job, key = _storing(core)
     foreign = ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=[checksum(key, 0)], engine_id="pod-other")
     dropped = rejected(core, foreign, NoticeDropped, Reason.FOREIGN_JOB)
     assert "pod-other" in str(dropped) and ENGINE in str(dropped)  # both engines named
@@ -365,10 +367,7 @@ def test_I4_a_report_on_another_engines_job_is_dropped_and_changes_nothing() -> 
     assert [e for e in events if isinstance(e, KeyPublished)], events
 
     # Fenced: another engine's report neither finishes a rank of it nor frees its slots.
-    own = owner(core, "req-2")
-    blocks = allocate(core, own, 1)
-    [key] = compute(core, own, blocks, TOKENS[4:8])
-    job = start_store(core, blocks)
+    job, key = _storing(core, "req-2", TOKENS[4:8])
     ok(core.execute(ResetCache(engine_id=ENGINE)))
     assert job.job_id in core.state.fenced
     rejected(
