@@ -6,22 +6,34 @@ BIN := $(VENV)/bin
 # wheel. A GPU machine runs `make TORCH_SPEC="torch==2.13.0 --index-url <cuda index>" install`.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# What setup.py needs to compile the pure core: pyproject.toml's [build-system] requires, which
+# an isolated build would install for itself, here in the venv for the in-place build below.
+BUILD_REQUIRES := "setuptools>=68" wheel "cython>=3.1"
 
 .PHONY: install run test bench lint clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet $(TORCH_SPEC) $(BUILD_REQUIRES)
+	# Compiling nothing here (KVLEDGER_PURE_PYTHON=1): the rule below compiles the core in place.
+	KVLEDGER_PURE_PYTHON=1 $(BIN)/python -m pip install --quiet --no-build-isolation -e '.[test]'
 	touch $(STAMP)
 
-install: $(STAMP)
+# The pure core compiled with Cython (setup.py), again whenever one of its modules changed (a
+# couple of seconds a module): until then an edited module runs as Python (coordinator/_compiled.py).
+CORE_SOURCES := $(filter-out coordinator/core/__init__.py,$(wildcard coordinator/core/*.py))
+COMPILED := $(VENV)/.compiled
+$(COMPILED): $(STAMP) setup.py $(CORE_SOURCES)
+	$(BIN)/python setup.py --quiet build_ext --inplace --parallel $(shell nproc)
+	touch $(COMPILED)
 
-run: $(STAMP)
+install: $(STAMP) $(COMPILED)
+
+run: $(STAMP) $(COMPILED)
 	$(BIN)/kvledger demo
 
-test: $(STAMP) test-tools lint
+test: $(STAMP) $(COMPILED) test-tools lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # What some tests need beside the main venv, each built once and reused: the vLLM environment
@@ -42,7 +54,7 @@ promtool:
 mooncake: $(STAMP)
 	sh ops/tools/install-mooncake.sh $(BIN)/python
 
-bench: $(STAMP)
+bench: $(STAMP) $(COMPILED)
 	$(BIN)/python ops/bench/projector.py
 	$(BIN)/python ops/bench/log.py
 
@@ -54,7 +66,7 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 
 clean:
-	rm -rf $(VENV) .venv-vllm .tools build *.egg-info
+	rm -rf $(VENV) .venv-vllm .tools build *.egg-info coordinator/core/*.so coordinator/core/_compiled.json
 
 # The separate vLLM environment for issue 9 (about 3.4 GB; see ops/vllm/setup.sh); `make test` builds it.
 .PHONY: vllm-env

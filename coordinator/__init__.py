@@ -13,6 +13,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from coordinator import _compiled
+
+_compiled.install()  # before any module of the core is imported: a stale build never runs
+
 if TYPE_CHECKING:
     from coordinator.client import (
         Address,

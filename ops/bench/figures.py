@@ -1,5 +1,5 @@
 """What every benchmark prints the same way: figures to stdout, progress and notes to stderr,
-the load average beside the figures, nearest-rank percentiles."""
+the load average and the core's build beside the figures, nearest-rank percentiles."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from coordinator import _compiled
 from coordinator.simulator.workload import percentile as workload_percentile
 
 console = Console(stderr=True)
@@ -34,6 +35,11 @@ def out(line: str) -> None:
 def load() -> str:
     one, five, fifteen = os.getloadavg()
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} cores)"
+
+
+def build() -> str:
+    """How the pure core runs: how many of its modules compiled with Cython (setup.py), or why not."""
+    return _compiled.summary()
 
 
 # Nearest-rank, the one the simulator's report uses too (it was round(fraction x n + 0.5) here,

@@ -74,7 +74,9 @@ pip_run uninstall --quiet -y $REMOVE || die "pip uninstall $REMOVE"
 say "installing kvledger (editable, --no-deps) and its client's dependencies: $KVLEDGER_CLIENT_SPECS"
 # shellcheck disable=SC2086
 pip_run install --quiet -c "$constraints" $KVLEDGER_CLIENT_SPECS || die "pip install $KVLEDGER_CLIENT_SPECS"
-pip_run install --quiet --no-deps -e . || die "pip install --no-deps -e . (kvledger)"
+# Compiling nothing (KVLEDGER_PURE_PYTHON=1, setup.py): the core's compiled modules beside its
+# sources are the project venv's (`make install`), and this Python 3.11 imports the same files.
+KVLEDGER_PURE_PYTHON=1 pip_run install --quiet --no-deps -e . || die "pip install --no-deps -e . (kvledger)"
 # vLLM's own requirements must all still hold (a client dependency that moved one of them breaks
 # vLLM in ways its import does not show). `pip check` also lists, by design, kvledger's sidecar
 # dependencies (--no-deps) and the three packages removed above: those lines are expected.

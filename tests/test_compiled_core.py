@@ -1,0 +1,125 @@
+"""The pure core compiled with Cython (setup.py) runs only as its own source, and decides as it does.
+
+`make install` compiles each module of coordinator/core beside its source; coordinator/_compiled.py
+runs a module from its .py when the source changed since, when no digest vouches for the build,
+or under KVLEDGER_PURE_PYTHON=1. On a machine with no C compiler nothing is compiled and the
+tests that need a build skip, saying so; CI sets KVLEDGER_REQUIRE_COMPILED=1 (.ci/run), so there
+they fail instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator import _compiled
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRE_COMPILED = os.environ.get("KVLEDGER_REQUIRE_COMPILED") == "1"
+
+PROBE = """
+import json, sys
+import coordinator.core.routing as routing, coordinator.core.decider as decider
+from coordinator import _compiled
+print(json.dumps({
+    "routing": routing.__file__, "decider": decider.__file__, "status": _compiled.status(),
+    "edited": hasattr(routing, "EDITED_AFTER_THE_BUILD"),
+}))
+"""
+
+REPLAY = """
+import json
+from coordinator import _compiled
+from coordinator.core.state import state_digest
+from coordinator.simulator.trace import SHIPPED_TRACE, CoreReplay, read_trace
+
+replay = CoreReplay(slots=2_000, engines=2)
+hit = replay.replay_all(read_trace(SHIPPED_TRACE))
+print(json.dumps({"summary": _compiled.summary(), "hit": hit, "digest": state_digest(replay.core.state)}))
+"""
+
+
+def built() -> dict[str, str]:
+    """The real tree's status; skips (or fails, in CI) where nothing was compiled."""
+    status = _compiled.status()
+    if not any(how == _compiled.COMPILED for how in status.values()):
+        message = f"the core is not compiled here ({_compiled.summary()}): `make install` compiles it (setup.py)"
+        if REQUIRE_COMPILED:
+            pytest.fail(message)
+        pytest.skip(message)
+    return status
+
+
+def run(code: str, cwd: Path, **environment: str) -> Any:
+    env = {key: value for key, value in os.environ.items() if key != _compiled.PURE_PYTHON}
+    env.update(environment, PYTHONPATH=str(cwd))
+    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def copy_of_the_tree(destination: Path) -> Path:
+    """coordinator/ and events/ with their builds, where a test may edit them."""
+    for package in ("coordinator", "events"):
+        shutil.copytree(ROOT / package, destination / package, ignore=shutil.ignore_patterns("__pycache__"))
+    return destination
+
+
+def test_every_core_module_runs_compiled_after_the_install() -> None:
+    status = built()
+    assert status == dict.fromkeys(status, _compiled.COMPILED)
+    import coordinator.core.decider as decider
+
+    assert not decider.__file__.endswith(".py"), decider.__file__
+
+
+def test_a_core_module_edited_since_the_build_runs_from_its_source(tmp_path: Path) -> None:
+    built()
+    tree = copy_of_the_tree(tmp_path)
+    with (tree / "coordinator/core/routing.py").open("a") as source:
+        source.write("\nEDITED_AFTER_THE_BUILD = True\n")
+
+    seen = run(PROBE, tree)
+
+    assert seen["routing"] == str(tree / "coordinator/core/routing.py")
+    assert seen["edited"], "the edited module ran as its stale build"
+    assert seen["status"]["routing"] == _compiled.EDITED
+    assert not seen["decider"].endswith(".py"), "an unchanged module should still run compiled"
+    assert seen["status"]["decider"] == _compiled.COMPILED
+
+
+def test_a_build_no_digest_vouches_for_runs_from_its_source(tmp_path: Path) -> None:
+    built()
+    tree = copy_of_the_tree(tmp_path)
+    (tree / "coordinator/core/_compiled.json").unlink()
+
+    seen = run(PROBE, tree)
+
+    assert seen["status"] == dict.fromkeys(seen["status"], _compiled.UNVOUCHED)
+    assert seen["routing"].endswith(".py") and seen["decider"].endswith(".py")
+
+
+def test_pure_python_runs_every_core_module_from_its_source() -> None:
+    seen = run(PROBE, ROOT, **{_compiled.PURE_PYTHON: "1"})
+
+    assert seen["routing"].endswith("routing.py") and seen["decider"].endswith("decider.py")
+    assert set(seen["status"].values()) <= {_compiled.FORCED, _compiled.NOT_COMPILED}
+
+
+def test_the_compiled_core_decides_as_its_source() -> None:
+    """The bundled Mooncake trace through both: the same hit blocks and the same end state."""
+    built()
+    compiled = run(REPLAY, ROOT)
+    source = run(REPLAY, ROOT, **{_compiled.PURE_PYTHON: "1"})
+
+    assert compiled["summary"].startswith(f"core: {len(_compiled.status())} of ")
+    assert "Python" in source["summary"] and "0 of" in source["summary"]
+    assert compiled["hit"] == source["hit"] > 0
+    assert compiled["digest"] == source["digest"]
