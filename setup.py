@@ -4,8 +4,9 @@ Everything else about the package is in pyproject.toml; this file only adds the 
 Each module of the core is compiled as it is: the same Python source, made into an extension
 module that Python imports in place of the .py beside it. Nothing is rewritten for Cython, so
 the source stays the one truth, and the core still runs as plain Python wherever it is not
-compiled. The Mooncake trace through the core (`ops/bench/trace.py --core-only`) ran 285-291k
-blocks/s compiled against 214-217k as Python, in alternated runs (README, "Benchmarks").
+compiled. The Mooncake trace through the core (`ops/bench/trace.py --core-only`) ran 260-276k
+blocks/s compiled against 197-208k as Python (KVLEDGER_PURE_PYTHON=1), in alternated runs
+(README, "Benchmarks"); the projector's fold alone gains nothing measurable.
 
 * Cython reads the annotations as Python's own (`annotation_typing` off): an `x: float` stays a
   Python object, as it is in the source, so an event holds the very value it would as Python.
