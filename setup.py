@@ -16,7 +16,8 @@ blocks/s compiled against 197-208k as Python (KVLEDGER_PURE_PYTHON=1), in altern
   Python even where it is compiled (coordinator/_compiled.py), to step through it in a debugger.
 * Beside the extensions the build writes `coordinator/core/_compiled.json`, each compiled
   module's source digest (SHA-256). A module edited since runs from its source, never from a
-  stale build (coordinator/_compiled.py); `make test` and `make run` compile it again first.
+  stale build (coordinator/_compiled.py); `make test` and `make run` compile it again first,
+  and the build compiles again each module whose digest changed, whatever the file times say.
 """
 
 from __future__ import annotations
@@ -42,11 +43,34 @@ def source_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def vouched() -> dict[str, str]:
+    """The digests the last build wrote: the source each compiled module was built from."""
+    try:
+        return dict(json.loads((CORE / MANIFEST).read_text()))
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def changed() -> set[str]:
+    """The modules whose source is not the one their build was made from (or that have none)."""
+    built = vouched()
+    return {path.stem for path in core_sources() if built.get(path.stem) != source_digest(path)}
+
+
 class BuildCore(build_ext):
-    """build_ext that writes, beside the modules it compiled, the digest of each one's source."""
+    """build_ext that compiles again every module whose source changed (by digest, not by file
+    times), and writes, beside the modules it compiled, the digest of each one's source."""
 
     def run(self) -> None:
         digests = {path.stem: source_digest(path) for path in core_sources()}  # before the compiler reads them
+        stale = changed()
+        for extension in self.extensions:
+            if _stem(extension) in stale:
+                # Its old builds go (in build/ and, for --inplace, beside the source): a compile
+                # that fails must leave nothing behind to be copied in place and vouched for.
+                filename = self.get_ext_filename(extension.name)
+                for target in (Path(self.build_lib) / filename, Path(filename)):
+                    target.unlink(missing_ok=True)
         super().run()
         built: dict[str, str] = {}
         directory = None
@@ -54,9 +78,13 @@ class BuildCore(build_ext):
             target = Path(self.get_ext_fullpath(extension.name))
             directory = target.parent
             if target.exists():  # an optional extension that failed to build is not there
-                built[extension.name.rsplit(".", 1)[1]] = digests[extension.name.rsplit(".", 1)[1]]
+                built[_stem(extension)] = digests[_stem(extension)]
         if directory is not None:
             (directory / MANIFEST).write_text(json.dumps(built, indent=1, sort_keys=True) + "\n")
+
+
+def _stem(extension: Extension) -> str:
+    return str(extension.name.rsplit(".", 1)[1])
 
 
 def extensions() -> list[Extension]:
@@ -64,14 +92,18 @@ def extensions() -> list[Extension]:
         return []
     from Cython.Build import cythonize  # a build requirement (pyproject.toml, [build-system])
 
-    modules = [Extension(f"coordinator.core.{path.stem}", [str(path)], optional=True) for path in core_sources()]
-    return cythonize(  # type: ignore[no-any-return]
-        modules,
-        build_dir="build/cython",  # the generated C stays out of the source tree
-        language_level=3,
-        compiler_directives={"annotation_typing": False},
-        quiet=True,
-    )
+    stale = changed()
+    modules = []
+    for path in core_sources():
+        modules += cythonize(
+            [Extension(f"coordinator.core.{path.stem}", [str(path)], optional=True)],
+            build_dir="build/cython",  # the generated C stays out of the source tree
+            language_level=3,
+            compiler_directives={"annotation_typing": False},
+            force=path.stem in stale,  # its C again even where file times say it is up to date
+            quiet=True,
+        )
+    return modules
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": BuildCore})

@@ -66,9 +66,13 @@ def run(code: str, cwd: Path, **environment: str) -> Any:
 
 
 def copy_of_the_tree(destination: Path) -> Path:
-    """coordinator/ and events/ with their builds, where a test may edit them."""
+    """coordinator/ and events/ with their builds, setup.py and build/ (file times kept), where
+    a test may edit and build them."""
     for package in ("coordinator", "events"):
         shutil.copytree(ROOT / package, destination / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(ROOT / "setup.py", destination / "setup.py")
+    if (ROOT / "build").is_dir():  # the generated C, and the builds an in-place build copies from
+        shutil.copytree(ROOT / "build", destination / "build")
     return destination
 
 
@@ -92,6 +96,32 @@ def test_a_core_module_edited_since_the_build_runs_from_its_source(tmp_path: Pat
     assert seen["edited"], "the edited module ran as its stale build"
     assert seen["status"]["routing"] == _compiled.EDITED
     assert not seen["decider"].endswith(".py"), "an unchanged module should still run compiled"
+    assert seen["status"]["decider"] == _compiled.COMPILED
+
+
+def test_the_build_compiles_an_edited_module_again_and_vouches_for_its_new_source(tmp_path: Path) -> None:
+    """By digest, not by file times: the edited source is given its old time back, so that
+    only its content says it changed."""
+    built()
+    pytest.importorskip("Cython", reason="the build needs Cython (`make install` puts it in .venv)")
+    tree = copy_of_the_tree(tmp_path)
+    routing = tree / "coordinator/core/routing.py"
+    times = routing.stat()
+    with routing.open("a") as source:
+        source.write("\nEDITED_AFTER_THE_BUILD = True\n")
+    os.utime(routing, ns=(times.st_atime_ns, times.st_mtime_ns))
+    decider = next((tree / "coordinator/core").glob("decider.*.so"))
+    decider_built = decider.stat().st_mtime_ns
+
+    done = subprocess.run(
+        [sys.executable, "setup.py", "--quiet", "build_ext", "--inplace"], cwd=tree, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    seen = run(PROBE, tree)
+
+    assert seen["status"]["routing"] == _compiled.COMPILED, seen["status"]
+    assert not seen["routing"].endswith(".py") and seen["edited"], "the build did not compile the edited source"
+    assert decider.stat().st_mtime_ns == decider_built, "an unchanged module was compiled again"
     assert seen["status"]["decider"] == _compiled.COMPILED
 
 
