@@ -33,7 +33,7 @@ import anyio  # noqa: E402
 import sqlalchemy as sa  # noqa: E402
 import structlog  # noqa: E402
 import uuid_utils  # noqa: E402
-from figures import build, load, out, percentile, progress  # noqa: E402
+from figures import core_build, load, out, percentile, progress  # noqa: E402
 from workload import ENGINE, Workload  # noqa: E402
 
 from coordinator.audit.queries import Audit  # noqa: E402
@@ -144,7 +144,7 @@ async def run(args: argparse.Namespace) -> None:
         await event_log.close()
         directory.cleanup()
     out(load())
-    out(build())
+    out(core_build())
 
 
 async def queries(event_log: SqlEventLog, head: int, count: int, seed: int) -> None:

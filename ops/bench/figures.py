@@ -37,7 +37,7 @@ def load() -> str:
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} cores)"
 
 
-def build() -> str:
+def core_build() -> str:
     """How the pure core runs: how many of its modules compiled with Cython (setup.py), or why not."""
     return _compiled.summary()
 

@@ -81,7 +81,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import anyio  # noqa: E402
 import msgspec  # noqa: E402
 import structlog  # noqa: E402
-from figures import build, console, load, out, percentile  # noqa: E402
+from figures import console, core_build, load, out, percentile  # noqa: E402
 from sidecar import TIER, EngineLoad, cpu_seconds, server_output, stop, wait_ready  # noqa: E402
 
 from coordinator.client import Address, EngineClient  # noqa: E402
@@ -536,7 +536,7 @@ def main() -> int:
         parser.error(f"unknown attacks {unknown}; known: {', '.join(ATTACK_NAMES)}")
     kvledger = Path(sys.executable).parent / "kvledger"
     out(f"host at start: {load()}")
-    out(build())
+    out(core_build())
     with tempfile.TemporaryDirectory(prefix="kvl-hostile-bench-") as name:
         directory = Path(name)
         socket_path = str(directory / "kvledger.sock")

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import anyio  # noqa: E402
 import structlog  # noqa: E402
-from figures import build, load, out, percentile  # noqa: E402
+from figures import core_build, load, out, percentile  # noqa: E402
 from sidecar import TIER, EngineLoad, declaration, server_output, stop, wait_ready  # noqa: E402
 
 from coordinator.client import Address, EngineClient  # noqa: E402
@@ -155,7 +155,7 @@ def main() -> int:
     # The client's structlog lines (connected, retrying) go to stderr, keeping stdout to the figures.
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     out(f"host: {load()}; gap {args.gap_ms:g} ms, {args.rounds} rounds of {args.requests} requests a mode")
-    out(build())
+    out(core_build())
     core = anyio.run(core_turns, args)
     sidecar = run_sidecar(args)
     core_fast, core_paced = p50(core["back-to-back"]) * 1e6, p50(core["paced"]) * 1e6

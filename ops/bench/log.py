@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import anyio  # noqa: E402
 import asyncpg  # noqa: E402
 import structlog  # noqa: E402
-from figures import build, console, load, out, percentile, progress  # noqa: E402
+from figures import console, core_build, load, out, percentile, progress  # noqa: E402
 from workload import ENGINE, Workload  # noqa: E402
 
 from coordinator.core.projector import project  # noqa: E402
@@ -350,7 +350,7 @@ async def bench_postgresql(workload: Workload, pending: list[PendingEvent], step
 
 async def run(args: argparse.Namespace) -> None:
     out(f"host at start: {load()}")
-    out(build())
+    out(core_build())
     start = time.perf_counter()
     workload = generate(args.events, args.seed)
     events = workload.core.events

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from figures import build, console, load, out  # noqa: E402
+from figures import console, core_build, load, out  # noqa: E402
 
 from coordinator.core import CoordinatorCore  # noqa: E402
 from coordinator.core.commands import (  # noqa: E402
@@ -206,7 +206,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args()
     out(f"memory benchmark, {load()}")
-    out(build())
+    out(core_build())
     measure_slots(args.slots, args.world_size)
     measure_keys(args.keys, args.world_size)
 

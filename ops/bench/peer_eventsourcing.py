@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import anyio  # noqa: E402
 import msgspec  # noqa: E402
-from figures import build, load, out  # noqa: E402
+from figures import core_build, load, out  # noqa: E402
 from log import bench_append, encode_all, generate  # noqa: E402
 
 from coordinator.core.projector import apply  # noqa: E402
@@ -146,7 +146,7 @@ def main() -> int:
         parser.error("--events, --step-size and --rounds must be positive")
     peer_classes()  # fail early, saying how to install it
     out(f"host: {load()}")
-    out(build())
+    out(core_build())
     workload = generate(args.events, args.seed)
     events = list(workload.core.events)
     pending = encode_all(workload)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from figures import build  # noqa: E402
+from figures import core_build  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 from workload import Workload  # noqa: E402
@@ -82,7 +82,7 @@ def main() -> None:
         + ", ".join(f"{tag} {n / len(events):.1%}" for tag, n in mix.most_common(10))
     )
 
-    print(build())
+    print(core_build())
     rates = []
     for attempt in range(args.repeat):
         gc.collect()

@@ -94,7 +94,7 @@ import anyio  # noqa: E402
 import structlog  # noqa: E402
 import uuid_utils  # noqa: E402
 from anyio.streams.buffered import BufferedByteReceiveStream  # noqa: E402
-from figures import build, console, load, out, percentile, progress  # noqa: E402
+from figures import console, core_build, load, out, percentile, progress  # noqa: E402
 from log import PG_URL, pg_admin, pg_unreachable  # noqa: E402  (ops/bench/log.py, beside this script)
 
 from coordinator import unix_streams  # noqa: E402
@@ -646,7 +646,7 @@ def main() -> int:
 
     kvledger = Path(sys.executable).parent / "kvledger"
     out(f"host at start: {load()}")
-    out(build())
+    out(core_build())
     broker: KafkaBroker | None = None
     proxy: subprocess.Popen[bytes] | None = None
     if args.log == "kafka":

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import anyio  # noqa: E402
 import structlog  # noqa: E402
-from figures import build, console, load, out, percentile  # noqa: E402
+from figures import console, core_build, load, out, percentile  # noqa: E402
 from sidecar import server_output, stop, wait_ready  # noqa: E402
 
 from coordinator.client import Address, EngineClient, WorkerClient  # noqa: E402
@@ -189,7 +189,7 @@ def main() -> int:
     if args.limit:
         requests = requests[: args.limit]
     out(f"host at start: {load()}")
-    out(build())
+    out(core_build())
     out(
         f"trace {args.trace.name}: {len(requests):,} requests, {sum(len(r.hash_ids) for r in requests):,} blocks; "
         f"tier {args.slots:,} slots; {args.engines} engine(s)"
