@@ -5,7 +5,7 @@ advisory lock on PostgreSQL) and assigns `global_seq` explicitly as max + 1. So 
 gapless and a reader can never see N + 1 before N commits: the skipped-row bug of logs that
 take ids from a sequence and commit out of order (eventsourcing's comment on table locking).
 SQLite work never runs on the event loop: appends and reads (the hot paths) run on a pysqlite
-engine in worker threads, one hop per call (writes through a one-slot limiter); projections,
+engine in worker threads, one hop per call (appends on a thread of the log's own, in order); projections,
 snapshots and small queries go through aiosqlite's thread.
 
 Storage: one `kvl_steps` row per stream per append, holding the step's events' payloads
@@ -46,6 +46,7 @@ from events.log._contract import (
     WrongExpectedVersion,
     pack_step,
 )
+from events.log._writer_thread import WriterThread
 
 log = structlog.get_logger("kvledger.log")
 
@@ -306,10 +307,11 @@ class SqlEventLog:
         self.dialect = engine.dialect.name
         self.blocking_engine = blocking
         """SQLite only: the pysqlite engine that appends and reads run on, in worker threads."""
-        self._writer = anyio.CapacityLimiter(1)
+        self._writer = WriterThread(f"kvledger-append {url}")
+        """SQLite only: the thread appends run on, one after another (events/log/_writer_thread.py)."""
         self._writer_connection: Any = None
         """SQLite only: the pooled connection appends run on, checked out by the first append and
-        held until close (used only under `_writer`, one thread at a time)."""
+        held until close (used only on `_writer`)."""
         self._checkpointer = _Checkpointer(blocking, url) if blocking is not None else None
         self._commands = CommandFilter()
         """The command ids the log holds, so most groups need no look-up (find_commands)."""
@@ -324,9 +326,7 @@ class SqlEventLog:
         try:
             if self.blocking_engine is not None:
                 packed = pack_batches(batches)
-                results = await anyio.to_thread.run_sync(
-                    self._append_blocking, batches, expected_head, packed, limiter=self._writer
-                )
+                results = await self._writer.run(self._append_blocking, batches, expected_head, packed)
             else:
                 results = await self._append_async(batches, expected_head)
         except BaseException:
@@ -641,8 +641,9 @@ class SqlEventLog:
         if self._checkpointer is not None:
             await anyio.to_thread.run_sync(self._checkpointer.close)
         if self._writer_connection is not None:
-            await anyio.to_thread.run_sync(self._writer_connection.close, limiter=self._writer)
+            await self._writer.run(self._writer_connection.close)
             self._writer_connection = None
+        await self._writer.close()
         if self.blocking_engine is not None:
             await anyio.to_thread.run_sync(self.blocking_engine.dispose)
         await self.engine.dispose()
@@ -721,11 +722,11 @@ def pack_batches(batches: Sequence[AppendBatch]) -> list[PackedStep | None]:
     (ops/bench/peer_eventsourcing.py's append) ran 3-6% faster, three runs alternated, and
     ops/bench/sidecar.py was unchanged (issue 22).
 
-    Tried and not kept: a thread of the log's own for appends, fed by a queue (as aiosqlite's
-    connection thread is). An empty call took ~78 us on it against ~110 us through anyio, and
-    the one-after-another appends ran 5-14% faster, but `ops/bench/sidecar.py --engines 4
-    --commands 32 --steps 300` lost ~10% in every one of eight rotated runs (24.5-27.0k events/s,
-    step p50 5.3-5.6 ms, against 27.8-29.4k and 4.6-5.1 ms)."""
+    The append itself then runs on the log's own thread (events/log/_writer_thread.py). Session 19
+    tried one and saw `ops/bench/sidecar.py --engines 4 --commands 32 --steps 300` lose ~10%; the
+    one kept (session 27: a SimpleQueue, the result handed back with call_soon_threadsafe) ran it
+    as fast as anyio's pool in six pairs alternated (median ~525 steps/s each way), the appends one
+    after another 22% faster and the sidecar's step at an engine's pace 10-20% sooner."""
     packed: list[PackedStep | None] = []
     for batch in batches:
         events = batch.events
