@@ -28,11 +28,11 @@ import anyio
 import structlog
 import uuid_utils
 from anyio.abc import ByteStream
-from anyio.streams.buffered import BufferedByteReceiveStream
 
 from coordinator import unix_streams
 from coordinator.core.commands import AnyCommand, DeclareEngine, ExternalKey, ReportRank
 from coordinator.core.routing import Decision
+from coordinator.frames import FrameReader
 from coordinator.sidecar import protocol as p
 from events import EngineReset, Event, TierSpec
 
@@ -88,7 +88,7 @@ class _Channel:
 
     def __init__(self, stream: ByteStream, max_frame: int) -> None:
         self.stream = stream
-        self.reader = BufferedByteReceiveStream(stream)
+        self.reader = FrameReader(stream)
         self.max_frame = max_frame
 
     async def send(self, message: p.Message) -> None:

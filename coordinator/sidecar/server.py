@@ -27,7 +27,6 @@ import msgspec
 import structlog
 import uuid_utils
 from anyio.abc import SocketStream, TaskGroup
-from anyio.streams.buffered import BufferedByteReceiveStream
 
 from coordinator import unix_streams
 from coordinator.core.checks import MAX_EXTRA_KEYS, MAX_LOOKUP_TOKENS
@@ -37,6 +36,7 @@ from coordinator.core.jobs import Chains, hash_chains, lookup_groups
 from coordinator.core.protections import switched_off
 from coordinator.core.routing import decisions_for
 from coordinator.core.state import State
+from coordinator.frames import FrameReader
 from coordinator.http_serving import listen, serve_http
 from coordinator.ledger.ledger import Commit, Ledger, Single, StepCommit
 from coordinator.ledger.ledger import Step as LedgerStep
@@ -408,7 +408,7 @@ class Sidecar:
                 session.incarnation = max(session.incarnation, event.incarnation)
 
     async def _converse(self, conn: Connection, tasks: TaskGroup, is_tcp: bool) -> None:
-        reader = BufferedByteReceiveStream(conn.stream)
+        reader = FrameReader(conn.stream)
         session: Session | None = None
         while True:
             try:
@@ -425,7 +425,7 @@ class Sidecar:
     async def _frame(
         self,
         conn: Connection,
-        reader: BufferedByteReceiveStream,
+        reader: FrameReader,
         first: bytes,
         session: Session | None,
         tasks: TaskGroup,
@@ -510,15 +510,14 @@ class Sidecar:
                 self._in_flight -= 1
             return session, not (isinstance(reply, p.Error) and reply.fatal)
 
-    async def _frame_length(self, conn: Connection, reader: BufferedByteReceiveStream, first: bytes) -> int | None:
+    async def _frame_length(self, conn: Connection, reader: FrameReader, first: bytes) -> int | None:
         """The length a frame's header announces, its first byte read; None when the connection
         is to close (told why)."""
         try:
             # A frame that has begun must end, its header too: a peer that sends part of one
             # and stalls would otherwise hold its connection and buffer forever (found by
             # fuzzing; 1-3 bytes of a header were never cut).
-            with anyio.fail_after(self.config.frame_timeout):
-                header = first + await reader.receive_exactly(p.HEADER_BYTES - 1)
+            header = first + await reader.receive_within(p.HEADER_BYTES - 1, self.config.frame_timeout)
         except (anyio.EndOfStream, anyio.IncompleteRead):
             return None
         except TimeoutError:
@@ -530,7 +529,7 @@ class Sidecar:
             await self._error(conn, error.code, str(error), fatal=True)
             return None
 
-    async def _large_body(self, conn: Connection, reader: BufferedByteReceiveStream, length: int) -> bytes | None:
+    async def _large_body(self, conn: Connection, reader: FrameReader, length: int) -> bytes | None:
         """The body of a frame over MAX_DENSE_FRAME, which only a Lookup may be (its first bytes
         tell: `protocol.frame_bound`); None when the connection is to close (told why)."""
         prefix = await self._frame_body(conn, reader, p.LOOKUP_PEEK)
@@ -548,10 +547,9 @@ class Sidecar:
         rest = await self._frame_body(conn, reader, length - len(prefix))
         return prefix + rest if rest is not None else None
 
-    async def _frame_body(self, conn: Connection, reader: BufferedByteReceiveStream, length: int) -> bytes | None:
+    async def _frame_body(self, conn: Connection, reader: FrameReader, length: int) -> bytes | None:
         try:
-            with anyio.fail_after(self.config.frame_timeout):
-                return await reader.receive_exactly(length)
+            return await reader.receive_within(length, self.config.frame_timeout)
         except (anyio.EndOfStream, anyio.IncompleteRead):
             return None
         except TimeoutError:
