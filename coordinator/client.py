@@ -234,7 +234,7 @@ class EngineClient:
         self.reconnects = 0
         """Connections opened after the first (a dropped socket, a restarted sidecar)."""
         self._channel: _Channel | None = None
-        self._lock = anyio.Lock()
+        self._lock = anyio.Lock(fast_acquire=True)  # a free lock without a loop iteration
 
     async def __aenter__(self) -> EngineClient:
         await self.connect()
@@ -343,7 +343,7 @@ class WorkerClient:
         self.last_welcome: p.Welcome | None = None
         self._reports: _Channel | None = None
         """The connection reports go on: opened at the first, kept open, opened again after a loss."""
-        self._reporting = anyio.Lock()
+        self._reporting = anyio.Lock(fast_acquire=True)
 
     async def welcome(self) -> p.Welcome:
         """Hello as this worker; the Welcome names the engine's pools once it is declared. A

@@ -35,7 +35,10 @@ class Connection:
         self.peer = peer
         self.peer_uid = peer_uid
         """The Unix socket peer's uid, from the kernel (SO_PEERCRED); None on TCP."""
-        self._send_lock = anyio.Lock()
+        self._send_lock = anyio.Lock(fast_acquire=True)
+        """fast_acquire: a free lock is taken without a loop iteration; the stream's send still
+        yields once, so a busy connection does not hold the loop (coordinator/frames.py says why
+        iterations count)."""
         self.engine_id: str | None = None
         """The engine this connection speaks for, once its Hello made it an engine's."""
 

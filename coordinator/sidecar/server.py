@@ -375,11 +375,12 @@ class Sidecar:
     def _turns(self, session: Session) -> anyio.Semaphore:
         """The requests a credential may have in progress at once (its engines' connections
         together): many connections of one credential (a hostile tenant's) take turns, and
-        cannot fill the event loop ahead of the others'."""
+        cannot fill the event loop ahead of the others'. A free turn is taken without a loop
+        iteration (fast_acquire): waiters still queue in order, and each frame yields at its reply."""
         key = self._credential_key(session)
         turns = self._credential_turns.get(key)
         if turns is None:
-            turns = self._credential_turns[key] = anyio.Semaphore(REQUESTS_PER_CREDENTIAL)
+            turns = self._credential_turns[key] = anyio.Semaphore(REQUESTS_PER_CREDENTIAL, fast_acquire=True)
         return turns
 
     def _stale_incarnation(self, session: Session) -> str | None:
