@@ -229,9 +229,10 @@ class Ledger:
         """What the groups a failed append dropped had changed, until the rebuild succeeds."""
         self._snapshot_seq: int | None = None
         """The sequence of the last snapshot this ledger wrote (None: none yet)."""
-        self._lock = anyio.Lock()
-        """Held while the state is changed (decide, rebuild) or read whole (`committed`)."""
-        self._serial = anyio.Lock()
+        self._lock = anyio.Lock(fast_acquire=True)
+        """Held while the state is changed (decide, rebuild) or read whole (`committed`). Taken
+        without a loop iteration when free (coordinator/frames.py: what an iteration costs)."""
+        self._serial = anyio.Lock(fast_acquire=True)
         """`commit_group`'s: a caller that pipelines (the sidecar's committer) orders its groups itself."""
         self.snapshot_due: Snapshot | None = None
         """An encoded snapshot waiting to be written (commit_group with save_snapshot=False)."""

