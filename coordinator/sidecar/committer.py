@@ -19,7 +19,14 @@ the log took all the same is committed and answered. On SQLite an append is one 
 transaction, and one group travels at a time.
 
 There is no timer for transactions: under light load a group is one transaction and waits for
-nothing; under load the groups grow by themselves. A waiter that goes away does not cancel its
+nothing; under load the groups grow by themselves. On a log that takes one append at a time
+(SQL), a transaction (or batch) that finds the committer idle (nothing queued, nothing in flight,
+its task parked) does not hand itself over: its own task leads, deciding, appending and answering
+its group as the committer would (`_lead`). Once decided it is a group in flight like any other:
+what comes meanwhile is decided on top of it by the committer, which then answers both in order.
+A step at an engine's pace is spared four hand-overs between tasks (to the committer, to an
+append task, back to the committer, back to the connection); under load the committer is seldom
+idle, and the groups go through it as before. A waiter that goes away does not cancel its
 commit, so a client that reconnects and retries its command id gets the committed result.
 
 Records of reads (`record`: the lookups the sidecar answered at once, from the committed state)
@@ -147,6 +154,12 @@ class Committer:
         self._wake = anyio.Event()
         self._snapshot_wake = anyio.Event()
         self._closing = False
+        self._parked = False
+        """The committer's task waits in `_wait` (for a transaction, a record's delay, an append)."""
+        self._leading = False
+        """A submitter's task is deciding, appending and answering a group of its own (`_lead`)."""
+        self._deciding = False
+        """... and is deciding it: the committer takes nothing meanwhile."""
         self._record_delay = RECORD_DELAY
         """How long records wait alone before they are committed: doubles while the log refuses them."""
         self._records_due = False
@@ -163,11 +176,7 @@ class Committer:
         if self._closing:
             raise ShuttingDown("the sidecar is shutting down; retry against the restarted one")
         waiter = _Waiter(tx)
-        self._queue.append(waiter)
-        self._wake.set()
-        with anyio.CancelScope(shield=True):
-            # Leaving early would not undo the commit; wait so the result is never lost.
-            await waiter.done.wait()
+        await self._commit([waiter])
         if waiter.error is not None:
             raise waiter.error
         assert waiter.result is not None
@@ -181,15 +190,65 @@ class Committer:
             raise ShuttingDown("the sidecar is shutting down; retry against the restarted one")
         batch = object()
         waiters = [_Waiter(tx, batch) for tx in txs]
-        self._queue.extend(waiters)
-        self._wake.set()
-        with anyio.CancelScope(shield=True):
-            for waiter in waiters:
-                await waiter.done.wait()
+        await self._commit(waiters)
         for waiter in waiters:
             if waiter.error is not None:
                 raise waiter.error
         return [waiter.result for waiter in waiters if waiter.result is not None]
+
+    async def _commit(self, waiters: list[_Waiter]) -> None:
+        """Lead the waiters' group when the committer is idle, else queue them for it; return
+        once every one is answered."""
+        with anyio.CancelScope(shield=True):
+            # Leaving early would not undo the commit; wait so the result is never lost.
+            if self._idle():
+                await self._lead(waiters)
+            else:
+                self._queue.extend(waiters)
+                self._wake.set()
+            for waiter in waiters:
+                if not waiter.done.is_set():  # a wait on a set event still takes a loop iteration
+                    await waiter.done.wait()
+
+    def _idle(self) -> bool:
+        """Nothing queued, in flight or led, and the committer's task parked in `_wait` (not
+        between taking a group and publishing it), on a log that takes one append at a time: a
+        group decided now goes first, and the committer can decide the next on top of it."""
+        return (
+            self._parked
+            and self.appends_in_flight == 1
+            and not self._leading
+            and not self._queue
+            and not self._flights
+            and not self._closing
+        )
+
+    async def _lead(self, waiters: list[_Waiter]) -> None:
+        """Decide, append and answer one group in the caller's task, as the committer's loop
+        would (records queued ride along). While it is decided the committer takes nothing
+        (`_run` waits while `_deciding`); then it is a group in flight like any other, so a
+        transaction that comes meanwhile is decided on top of it by the committer, which then
+        answers this group itself (it comes first in `_flights`). A waiter put back in line (a
+        superseded or overtaken group) is the committer's from there."""
+        self._leading = self._deciding = True
+        try:
+            try:
+                flight = await self._decide(waiters, self._take_records(True))
+            finally:
+                self._deciding = False
+            if flight is None:
+                return
+            self._flights.append(flight)
+            if self._queue:  # came while this was decided: the committer decides it on top
+                self._wake.set()
+            await self._append(flight, wake=False)
+            if self._flights and self._flights[0] is flight:  # else the committer took it to answer
+                self._flights.popleft()
+                await self._finish(flight)
+        finally:
+            self._leading = False
+            if self._queue or self._closing:
+                self._wake.set()
 
     def record(self, stream_id: str, event: Event) -> None:
         """Append a read's record with a later group; never waits (the log may be down)."""
@@ -249,10 +308,13 @@ class Committer:
                 # behind it) before anything is taken again: they keep their order.
                 while flights and (flights[0].landed.is_set() or self._putting_back):
                     await self._finish(flights.popleft())
+                if self._deciding:  # a submitter decides a group it leads: nothing is taken meanwhile
+                    await self._wait()
+                    continue
                 waiters = self._take(flights)
                 records = self._take_records(bool(waiters) or self._closing or self._records_due)
                 if not waiters and not records:
-                    if not flights and self._closing and not self._queue and not self._records:
+                    if not flights and self._closing and not self._queue and not self._records and not self._leading:
                         return
                     await self._wait()  # for a transaction, a record's delay, or an append in flight
                     continue
@@ -344,8 +406,12 @@ class Committer:
     async def _wait(self) -> None:
         """Until a transaction comes, or queued records have waited their delay."""
         delay = self._record_delay if self._records else math.inf
-        with anyio.move_on_after(delay) as waited:
-            await self._wake.wait()
+        self._parked = True
+        try:
+            with anyio.move_on_after(delay) as waited:
+                await self._wake.wait()
+        finally:
+            self._parked = False
         if waited.cancelled_caught:
             self._records_due = True  # committed alone at the next turn
         else:
@@ -403,7 +469,9 @@ class Committer:
             raise
         return _InFlight(waiters, records, decided, started)
 
-    async def _append(self, flight: _InFlight) -> None:
+    async def _append(self, flight: _InFlight, *, wake: bool = True) -> None:
+        """The group's append; `wake`: the committer's task is told once it landed (a leader
+        finishes its own group)."""
         queued = flight.queued if self.appends_in_flight > 1 else None
         try:
             flight.results = await self.ledger.append_decided(flight.decided, save_snapshot=False, queued=queued)
@@ -414,7 +482,8 @@ class Committer:
         finally:
             flight.queued.set()
             flight.landed.set()
-            self._wake.set()
+            if wake:
+                self._wake.set()
 
     async def _finish(self, flight: _InFlight) -> None:
         """Wait for the group's append; publish and answer (or put it back, if superseded)."""
