@@ -97,6 +97,10 @@ class StoredStep(msgspec.Struct, frozen=True, gc=False):
     def count(self) -> int:
         return self.last_seq - self.first_seq + 1
 
+    def event_ids(self) -> list[str]:
+        """The step's event ids in order, read from its header alone."""
+        return [entry.event_id for entry in _header_decoder.decode(self.header)]
+
     def events(self) -> list[StoredEvent]:
         entries = _header_decoder.decode(self.header)
         if len(entries) != self.count:

@@ -9,19 +9,24 @@ engine in worker threads, one hop per call (appends on a thread of the log's own
 snapshots and small queries go through aiosqlite's thread.
 
 Storage: one `kvl_steps` row per stream per append, holding the step's events' payloads
-concatenated, with a header naming each event (id, type, schema version, length); event ids go
-to `kvl_event_ids`, whose primary key keeps them unique. A step of 1 KiB or more is stored with
-its header and payload compressed (LZ4, `kvl_steps.codec`; `stored_step` reads either). A reader
-splits a step back into events (`StoredStep.events`), or replay decodes the whole payload in one call.
+concatenated, with a header naming each event (id, type, schema version, length). Event ids stay
+unique: on SQLite a step whose ids ascend above every id the log holds is one `kvl_id_runs` row
+(its first and last id; the ledger's UUIDv7s nearly always do), and any other step's ids go to
+`kvl_event_ids`, whose primary key keeps them unique, each checked against the runs (migration
+0009); PostgreSQL keeps every id as a row. A step of 1 KiB or more is stored with its header
+and payload compressed (LZ4, `kvl_steps.codec`; `stored_step` reads either). A reader splits a
+step back into events (`StoredStep.events`), or replay decodes the whole payload in one call.
 """
 
 from __future__ import annotations
 
+import operator
 import os
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from itertools import islice
 from typing import Any, Protocol
 
 import anyio
@@ -191,6 +196,22 @@ _INSERT_IDS_AT_ONCE_SQL = (
     "INSERT INTO kvl_event_ids (event_id, global_seq) SELECT value, ? + key FROM json_each(?)"
 )
 
+# Event ids kept as runs (migration 0009): a step whose ids ascend above every id the log holds is
+# one kvl_id_runs row. Runs never overlap, so the highest by first id has the log's highest last id.
+_INSERT_RUN_SQL = "INSERT INTO kvl_id_runs (first_id, last_id, first_seq) VALUES (?, ?, ?)"
+_ABOVE_EVERY_ID_SQL = (
+    # Whether ids from ? to ? lie above every run and no kvl_event_ids row lies among them.
+    "SELECT coalesce((SELECT last_id FROM kvl_id_runs ORDER BY first_id DESC LIMIT 1) < ?1, 1) "
+    "AND NOT EXISTS (SELECT 1 FROM kvl_event_ids WHERE event_id BETWEEN ?1 AND ?2)"
+)
+_IDS_WITHIN_RUNS_SQL = (
+    # Each id of a JSON array that lies within a run's bounds, with that run's step: the run
+    # starting at or below it that starts highest, if it ends at or above it.
+    "SELECT ids.value, runs.first_seq FROM json_each(?) AS ids JOIN kvl_id_runs AS runs "
+    "ON runs.first_id = (SELECT max(first_id) FROM kvl_id_runs WHERE first_id <= ids.value) "
+    "WHERE ids.value <= runs.last_id"
+)
+
 
 def events_of(steps: Sequence[StoredStep], after_seq: int, limit: int) -> list[StoredEvent]:
     """The events after `after_seq` in `steps`, at most `limit` of them."""
@@ -348,7 +369,10 @@ class SqlEventLog:
                 if self.dialect == "postgresql" and any(not r.duplicate and r.last_seq for r in results):
                     await conn.execute(sa.text(f"NOTIFY {NOTIFY_CHANNEL}"))
         except sa.exc.IntegrityError as error:
-            raise AppendRejected(f"append refused by {self.url}: {error.orig}") from error
+            # PostgreSQL's DETAIL names the row (`Key (event_id)=(...) already exists.`).
+            detail = getattr(error.orig, "__cause__", None)
+            detail = getattr(detail, "detail", None)
+            raise AppendRejected(f"append refused by {self.url}: {error.orig}" + (f" ({detail})" if detail else "")) from error
         except Exception as error:
             if is_outage(error):
                 # As the Kafka log says it: callers retry an outage, and only an outage.
@@ -839,7 +863,13 @@ class _SqliteRows:
         return None if row is None else int(row[0])
 
     def insert_step(self, step: StepRow, event_ids: list[str]) -> None:
+        """The step's row, then its event ids kept unique: as one run when they ascend above every
+        id the log holds (the ledger's UUIDv7s nearly always do), else a kvl_event_ids row each,
+        none of them inside a run's step."""
         self.driver.execute(_INSERT_STEP_SQL, step)
+        if self._a_new_run(event_ids):
+            self.driver.execute(_INSERT_RUN_SQL, (event_ids[0], event_ids[-1], step[0]))
+            return
         # One statement, not one per event (executemany): sqlite3 lets go of the GIL around each
         # row's step, and while the event loop is busy each handover waits up to the switch
         # interval for it back. A 258-event step of refusals took 10-18 ms to append under
@@ -849,6 +879,21 @@ class _SqliteRows:
             self.driver.execute(_INSERT_IDS_AT_ONCE_SQL, (step[0], ids))
         except sqlite3.IntegrityError as error:
             raise sqlite3.IntegrityError(f"{error}: {self._taken(event_ids, ids)}") from error
+        for event_id, first_seq in self.driver.execute(_IDS_WITHIN_RUNS_SQL, (ids,)).fetchall():
+            # Inside a run's bounds: taken only if its step lists it (a header read, rare).
+            row = self.driver.execute(f"SELECT {_STEP_COLUMNS} FROM kvl_steps WHERE first_seq = ?", (first_seq,)).fetchone()
+            held = stored_step(row).event_ids()
+            if event_id in held:
+                raise sqlite3.IntegrityError(
+                    f"UNIQUE constraint failed: event id {event_id!r} is taken (global sequence {first_seq + held.index(event_id)})"
+                )
+
+    def _a_new_run(self, event_ids: list[str]) -> bool:
+        """Whether the ids ascend (so none is given twice) and all lie above every id the log
+        holds: the highest run's last id, and any kvl_event_ids row between the first and last."""
+        if not event_ids or not all(map(operator.lt, event_ids, islice(event_ids, 1, None))):
+            return False
+        return bool(self.driver.execute(_ABOVE_EVERY_ID_SQL, (event_ids[0], event_ids[-1])).fetchone()[0])
 
     def _taken(self, event_ids: list[str], ids: bytes) -> str:
         """Which of a step's event ids broke their uniqueness (the statement failed as a whole)."""

@@ -40,9 +40,21 @@ sa.Index("ix_kvl_steps_stream_last", steps.c.stream_id, steps.c.last_seq)
 event_ids = sa.Table(
     "kvl_event_ids",
     metadata,
-    # Event ids are unique across the whole log (DESIGN.md, "The log"); the primary key enforces it.
+    # Event ids are unique across the whole log (DESIGN.md, "The log"); the primary key keeps
+    # them unique, and on SQLite a step's ascending ids are a kvl_id_runs row instead (below).
     sa.Column("event_id", sa.String(64), primary_key=True),
     sa.Column("global_seq", sa.BigInteger, nullable=False),
+    sqlite_with_rowid=False,
+)
+
+id_runs = sa.Table(
+    "kvl_id_runs",
+    metadata,
+    # A step whose event ids ascend, all above every id before it: its lowest and highest id, in
+    # place of a kvl_event_ids row each. Runs never overlap (migration 0009; events/log/_sql.py).
+    sa.Column("first_id", sa.String(64), primary_key=True),
+    sa.Column("last_id", sa.String(64), nullable=False),
+    sa.Column("first_seq", sa.BigInteger, nullable=False),
     sqlite_with_rowid=False,
 )
 

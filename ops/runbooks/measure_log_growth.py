@@ -89,10 +89,13 @@ def sqlite_encoded(url: str, events: int) -> None:
     """The steps' encoded bytes alone: what one Kafka record carries, before its envelope."""
     with sqlite3.connect(url) as db:
         (encoded,) = db.execute("SELECT SUM(LENGTH(schemas) + LENGTH(header) + LENGTH(payload)) FROM kvl_steps").fetchone()
-        (ids,) = db.execute("SELECT SUM(pgsize) FROM dbstat WHERE name LIKE '%kvl_event_ids%'").fetchone()
+        # An event's id is a kvl_event_ids row, or inside its step's kvl_id_runs row (migration 0009).
+        (ids,) = db.execute(
+            "SELECT coalesce(SUM(pgsize), 0) FROM dbstat WHERE name LIKE '%kvl_event_ids%' OR name LIKE '%kvl_id_runs%'"
+        ).fetchone()
     print(
         f"  encoded steps (schemas + header + payload): {encoded:,} B = {encoded / events:.0f} B/event; "
-        f"the event-id table: {ids:,} B = {ids / events:.0f} B/event"
+        f"the event-id tables (rows and runs): {ids:,} B = {ids / events:.0f} B/event"
     )
 
 

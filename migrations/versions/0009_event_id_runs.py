@@ -1,0 +1,65 @@
+"""kvl_id_runs: a step whose event ids ascend, all above every id the log holds, keeps them as one
+run (its lowest and highest id) instead of a kvl_event_ids row each (issue 22).
+
+The ledger's ids are UUIDv7s, made in order, so nearly every step is such a run. A row per id
+was most of a SQLite append: 256 ids inserted in one statement took ~150 us of an append's
+~300 us, and the commit ~45 us more for their pages (a raw sqlite3 probe), and
+ops/bench/peer_eventsourcing.py's append ratio went from 6.3-7.5 to 9.3-9.4 with them left out.
+Runs never overlap (each begins above every run before it), so an id is in the log when it is a
+kvl_event_ids row, or inside a run's bounds and listed in that run's step header
+(events/log/_sql.py, `_SqliteRows.insert_step`). Rows before this revision stay in kvl_event_ids;
+a downgrade writes every run's ids back there.
+
+Revision ID: 0009
+Revises: 0008
+Create Date: 2026-12-05
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+from events.log._sql import stored_step
+
+revision = "0009"
+down_revision = "0008"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        "kvl_id_runs",
+        sa.Column("first_id", sa.String(64), primary_key=True),
+        sa.Column("last_id", sa.String(64), nullable=False),
+        sa.Column("first_seq", sa.BigInteger, nullable=False),
+        sqlite_with_rowid=False,
+    )
+
+
+_STEP_OF_RUN = sa.text(
+    "SELECT r.first_id, s.first_seq, s.last_seq, s.stream_id, s.first_version, s.schemas, s.header, s.payload, s.step, "
+    "s.recorded_at, s.codec FROM kvl_id_runs AS r JOIN kvl_steps AS s ON s.first_seq = r.first_seq "
+    "WHERE :after IS NULL OR r.first_id > :after ORDER BY r.first_id LIMIT 1000"
+).bindparams(sa.bindparam("after", type_=sa.String))
+
+
+def downgrade() -> None:
+    # Every run's ids go back to kvl_event_ids, a row each, as an append before 0009 wrote them.
+    bind = op.get_bind()
+    ids = sa.table("kvl_event_ids", sa.column("event_id"), sa.column("global_seq"))
+    after: str | None = None
+    while True:
+        page = bind.execute(_STEP_OF_RUN, {"after": after}).all()
+        if not page:
+            break
+        steps = [stored_step(row[1:]) for row in page]
+        rows = [
+            {"event_id": event_id, "global_seq": step.first_seq + index}
+            for step in steps
+            for index, event_id in enumerate(step.event_ids())
+        ]
+        bind.execute(ids.insert(), rows)
+        after = page[-1][0]
+    op.drop_table("kvl_id_runs")
