@@ -11,6 +11,7 @@ import random
 import re
 import uuid
 
+import anyio
 import pytest
 import sqlalchemy as sa
 
@@ -168,3 +169,38 @@ async def test_0009_downgrade_writes_each_runs_ids_back_as_rows(log_url: str) ->
         assert await _counts(log_url) == (1, 1_202)
     finally:
         await event_log.close()
+
+
+@pytest.mark.parametrize("log_url", ["sqlite"], indirect=True)
+async def test_two_writers_on_one_file_keep_ids_unique_as_their_runs_interleave(log_url: str) -> None:
+    # Two logs on one SQLite file (two sidecars, say), their ids from one clock: each append sees
+    # the other's runs and rows (BEGIN IMMEDIATE), so interleaved ranges fall back to rows, and an
+    # id one of them holds is refused to the other.
+    clock = iter(range(1, 10_000))
+    first, second = await _open(log_url), await _open(log_url)
+    taken: dict[str, int] = {}
+    try:
+
+        async def write(event_log: SqlEventLog, name: str) -> None:
+            version = 0
+            for _ in range(60):
+                # Ascending ids, a tick of the shared clock each: the two writers' ranges interleave.
+                ids = [f"{next(clock):05d}-{name}" for _ in range(3)]
+                [result] = await event_log.append([batch(f"engine/{name}", version, [pending(i) for i in ids])])
+                taken.update((event_id, result.first_seq + index) for index, event_id in enumerate(ids))
+                version += 3
+                stolen = sorted(taken)[len(taken) // 2]  # a held id, either writer's
+                with pytest.raises(AppendRejected, match=rf"event id '{stolen}' is taken \(global sequence {taken[stolen]}\)"):
+                    await event_log.append([batch(f"engine/{name}", version, [pending(f"{next(clock):05d}-x"), pending(stolen)])])
+                await anyio.sleep(0)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(write, first, "a")
+            group.start_soon(write, second, "b")
+        assert {event.event_id: event.global_seq for event in await all_events(first)} == taken
+        assert len(taken) == 360
+        runs, rows = await _counts(log_url)
+        assert runs > 0 and rows > 0 and runs * 3 + rows == 360  # interleaved steps fell back to rows
+    finally:
+        await first.close()
+        await second.close()
