@@ -879,10 +879,13 @@ class _SqliteRows:
             self.driver.execute(_INSERT_IDS_AT_ONCE_SQL, (step[0], ids))
         except sqlite3.IntegrityError as error:
             raise sqlite3.IntegrityError(f"{error}: {self._taken(event_ids, ids)}") from error
+        steps: dict[int, list[str]] = {}
         for event_id, first_seq in self.driver.execute(_IDS_WITHIN_RUNS_SQL, (ids,)).fetchall():
-            # Inside a run's bounds: taken only if its step lists it (a header read, rare).
-            row = self.driver.execute(f"SELECT {_STEP_COLUMNS} FROM kvl_steps WHERE first_seq = ?", (first_seq,)).fetchone()
-            held = stored_step(row).event_ids()
+            # Inside a run's bounds: taken only if its step lists it (a header read each step, rare).
+            held = steps.get(first_seq)
+            if held is None:
+                row = self.driver.execute(f"SELECT {_STEP_COLUMNS} FROM kvl_steps WHERE first_seq = ?", (first_seq,)).fetchone()
+                held = steps[first_seq] = stored_step(row).event_ids()
             if event_id in held:
                 raise sqlite3.IntegrityError(
                     f"UNIQUE constraint failed: event id {event_id!r} is taken (global sequence {first_seq + held.index(event_id)})"
