@@ -27,7 +27,7 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from itertools import islice
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 import lz4.block
@@ -51,6 +51,7 @@ from events.log._contract import (
     WrongExpectedVersion,
     pack_step,
 )
+from events.log._postgres_append import append_postgresql
 from events.log._writer_thread import WriterThread
 
 log = structlog.get_logger("kvledger.log")
@@ -360,14 +361,13 @@ class SqlEventLog:
         return results
 
     async def _append_async(self, batches: Sequence[AppendBatch], expected_head: int | None) -> list[AppendResult]:
-        """One append transaction through SQLAlchemy's async engine (PostgreSQL)."""
+        """One append transaction on PostgreSQL through SQLAlchemy's async engine: the lock, then
+        two statements (events/log/_postgres_append.py)."""
         try:
             async with self._write() as conn:
-                if self.dialect == "postgresql":
-                    await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADVISORY_LOCK_KEY})
-                results: list[AppendResult] = await conn.run_sync(_append_sync, batches, expected_head)
-                if self.dialect == "postgresql" and any(not r.duplicate and r.last_seq for r in results):
-                    await conn.execute(sa.text(f"NOTIFY {NOTIFY_CHANNEL}"))
+                # The lock in a statement of its own: the look-up after it sees every append before.
+                await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADVISORY_LOCK_KEY})
+                results = await append_postgresql(conn, batches, expected_head, pack_batches(batches), NOTIFY_CHANNEL)
         except sa.exc.IntegrityError as error:
             # PostgreSQL's DETAIL names the row (`Key (event_id)=(...) already exists.`).
             detail = getattr(error.orig, "__cause__", None)
@@ -696,12 +696,6 @@ def _driver_statement(driver: sqlite3.Connection, statement: str) -> None:
         raise sa.exc.OperationalError(statement, None, error) from error
 
 
-def _append_sync(conn: sa.Connection, batches: Sequence[AppendBatch], expected_head: int | None = None) -> list[AppendResult]:
-    """The body of one append transaction (runs with the append serialized)."""
-    rows: _Rows = _SqliteRows(conn.connection.driver_connection) if conn.dialect.name == "sqlite" else _CoreRows(conn)
-    return _append_rows(rows, batches, expected_head)
-
-
 PackedStep = tuple[str, bytes, bytes, list[str], int]
 """A batch's events as its kvl_steps row holds them (schemas, header, payload), their ids, and the
 row's codec."""
@@ -766,7 +760,10 @@ def pack_batches(batches: Sequence[AppendBatch]) -> list[PackedStep | None]:
 
 
 def _append_rows(
-    rows: _Rows, batches: Sequence[AppendBatch], expected_head: int | None, packed: Sequence[PackedStep | None] | None = None
+    rows: _SqliteRows,
+    batches: Sequence[AppendBatch],
+    expected_head: int | None,
+    packed: Sequence[PackedStep | None] | None = None,
 ) -> list[AppendResult]:
     if packed is None:
         packed = pack_batches(batches)
@@ -820,26 +817,10 @@ StepRow = tuple[int, int, str, int, int, float, str, bytes, bytes, int]
 """kvl_steps' columns in table order."""
 
 
-class _Rows(Protocol):
-    """The statements one append runs, on one connection inside its transaction."""
-
-    def head(self) -> int: ...
-
-    def command(self, command_id: str) -> AppendResult | None: ...
-
-    def stream_version(self, stream_id: str) -> int | None: ...
-
-    def insert_step(self, step: StepRow, event_ids: list[str]) -> None:
-        """The step's row, and its events' ids from step[0] (its first global sequence) on."""
-
-    def set_stream_version(self, stream_id: str, version: int, *, new: bool) -> None: ...
-
-    def insert_command(self, command_id: str, result: AppendResult) -> None: ...
-
-
 class _SqliteRows:
-    """Straight to sqlite3: SQLAlchemy's per-statement work was a quarter of an append
-    (ops/bench/log.py, profiled)."""
+    """The statements of one SQLite append, on one connection inside its transaction, straight
+    to sqlite3: SQLAlchemy's per-statement work was a quarter of an append (ops/bench/log.py,
+    profiled). PostgreSQL's appends are events/log/_postgres_append.py."""
 
     def __init__(self, driver: Any) -> None:
         self.driver = driver
@@ -923,57 +904,4 @@ class _SqliteRows:
             "INSERT INTO kvl_commands (command_id, stream_id, first_seq, last_seq, stream_version, digest) "
             "VALUES (?, ?, ?, ?, ?, ?)",
             (command_id, result.stream_id, result.first_seq, result.last_seq, result.stream_version, result.digest),
-        )
-
-
-class _CoreRows:
-    """The same statements in SQLAlchemy Core, for every other database."""
-
-    def __init__(self, conn: sa.Connection) -> None:
-        self.conn = conn
-
-    def head(self) -> int:
-        return int(self.conn.exec_driver_sql(_HEAD_SQL).scalar() or 0)
-
-    def command(self, command_id: str) -> AppendResult | None:
-        done = self.conn.execute(sa.select(t.commands).where(t.commands.c.command_id == command_id)).first()
-        if done is None:
-            return None
-        return AppendResult(
-            stream_id=done.stream_id,
-            first_seq=done.first_seq,
-            last_seq=done.last_seq,
-            stream_version=done.stream_version,
-            duplicate=True,
-            digest=done.digest,
-        )
-
-    def stream_version(self, stream_id: str) -> int | None:
-        value = self.conn.execute(sa.select(t.streams.c.version).where(t.streams.c.stream_id == stream_id)).scalar()
-        return None if value is None else int(value)
-
-    def insert_step(self, step: StepRow, event_ids: list[str]) -> None:
-        self.conn.execute(t.steps.insert().values(dict(zip(t.steps.c.keys(), step, strict=True))))
-        first = step[0]
-        self.conn.execute(
-            t.event_ids.insert(),
-            [{"event_id": event_id, "global_seq": first + index} for index, event_id in enumerate(event_ids)],
-        )
-
-    def set_stream_version(self, stream_id: str, version: int, *, new: bool) -> None:
-        if new:
-            self.conn.execute(t.streams.insert().values(stream_id=stream_id, version=version))
-        else:
-            self.conn.execute(t.streams.update().where(t.streams.c.stream_id == stream_id).values(version=version))
-
-    def insert_command(self, command_id: str, result: AppendResult) -> None:
-        self.conn.execute(
-            t.commands.insert().values(
-                command_id=command_id,
-                stream_id=result.stream_id,
-                first_seq=result.first_seq,
-                last_seq=result.last_seq,
-                stream_version=result.stream_version,
-                digest=result.digest,
-            )
         )
