@@ -1,11 +1,11 @@
 """One append on PostgreSQL in two statements after the lock, whatever the number of batches.
 
-The generic path (`_CoreRows` in events/log/_sql.py) runs a statement per row kind and per batch:
-the head, each command id, each stream's version, each step, its ids, each stream's new version,
-each command, then NOTIFY, about ten round trips for one engine step. Each is a network round
-trip (eleven in all with BEGIN, the lock and COMMIT; five now), and on PostgreSQL they, not the
-work, were the append (ops/bench/sidecar.py --log
-postgresql: a 4-command step took ~5 ms, the log alone ~5 ms an append).
+The generic path this replaces (SQLAlchemy Core, a statement per row kind and per batch) read
+the head, each command id and each stream's version, then wrote each step, its ids, each
+stream's new version and each command, then sent NOTIFY: eleven round trips for one engine step
+with BEGIN, the lock and COMMIT, five now. On PostgreSQL the round trips, not the work, were the
+append (ops/bench/sidecar.py --log postgresql: a 4-command step took ~5 ms, and the log alone
+~5 ms an append).
 
 Here, under the same advisory lock (taken by the caller in a statement of its own, so that the
 next statement's snapshot sees every append committed before it):
