@@ -12,8 +12,9 @@ next statement's snapshot sees every append committed before it):
 
 1. one SELECT reads the head, the versions of the streams the batches name, and the command ids
    the log already holds;
-2. the batches are decided in Python exactly as `_append_rows` decides them (a command already
-   done answers its first result; a wrong expected version or head refuses the whole append);
+2. the batches are decided by the plan every SQL log follows (events/log/_append_plan.py: a
+   command already done answers its first result; a wrong expected version or head refuses the
+   whole append);
 3. one INSERT ... SELECT FROM unnest(...) statement with data-modifying CTEs writes every step,
    event id, stream version and command, and notifies the log's listeners.
 
@@ -29,7 +30,8 @@ import msgspec
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from events.log._contract import AppendBatch, AppendResult, HeadMoved, WrongExpectedVersion
+from events.log._append_plan import PackedStep, plan_append
+from events.log._contract import AppendBatch, AppendResult
 
 _LOOK_UP = sa.text(
     "SELECT (SELECT last_seq FROM kvl_steps ORDER BY first_seq DESC LIMIT 1), "
@@ -68,16 +70,13 @@ async def append_postgresql(
     conn: AsyncConnection,
     batches: Sequence[AppendBatch],
     expected_head: int | None,
-    packed: Sequence[tuple[str, bytes, bytes, list[str], int] | None],
+    packed: Sequence[PackedStep | None],
     channel: str,
 ) -> list[AppendResult]:
-    """The append's look-up, decisions and writes; the caller holds the advisory lock and commits."""
+    """The append's look-up, plan and writes; the caller holds the advisory lock and commits."""
     streams = sorted({batch.stream_id for batch in batches})
     command_ids = sorted({batch.command_id for batch in batches if batch.command_id is not None})
-    head_row, versions_json, commands_json = (await conn.execute(_LOOK_UP, {"streams": streams, "commands": command_ids})).one()
-    head = int(head_row or 0)
-    if expected_head is not None and head != expected_head:
-        raise HeadMoved(expected_head, head)
+    head, versions_json, commands_json = (await conn.execute(_LOOK_UP, {"streams": streams, "commands": command_ids})).one()
     versions: dict[str, int] = msgspec.json.decode(versions_json) if isinstance(versions_json, str) else dict(versions_json)
     held: list[_Done] = msgspec.json.decode(commands_json) if isinstance(commands_json, str) else list(commands_json)
     done = {
@@ -91,47 +90,29 @@ async def append_postgresql(
         )
         for row in held
     }
-    write: dict[str, list[object]] = {name: [] for name in _WRITE_COLUMNS}
-    new_versions: dict[str, int] = {}
-    results: list[AppendResult] = []
-    next_seq = head + 1
-    for batch, contents in zip(batches, packed, strict=True):
-        if batch.command_id is not None and batch.command_id in done:
-            results.append(done[batch.command_id])
-            continue
-        actual = new_versions.get(batch.stream_id, versions.get(batch.stream_id, 0))
-        if actual != batch.expected_version:
-            raise WrongExpectedVersion(batch.stream_id, batch.expected_version, actual)
-        count = len(batch.events)
-        first, last = (next_seq, next_seq + count - 1) if count else (0, 0)
-        if contents is not None:
-            schemas, header, payload, event_ids, codec = contents
-            step, recorded_at = batch.events[0].step, batch.events[0].recorded_at
-            row = (first, last, batch.stream_id, actual + 1, step, recorded_at, schemas, header, payload, codec)
-            for name, value in zip(_STEP_COLUMNS, row, strict=True):
-                write[name].append(value)
-            write["event_ids"].extend(event_ids)
-            write["event_seqs"].extend(range(first, first + count))
-            new_versions[batch.stream_id] = actual + count
-        next_seq += count
-        result = AppendResult(
-            stream_id=batch.stream_id, first_seq=first, last_seq=last, stream_version=actual + count, digest=batch.digest
-        )
-        if batch.command_id is not None:
-            done[batch.command_id] = msgspec.structs.replace(result, duplicate=True)  # a later batch of it: a retry
-            command = (batch.command_id, batch.stream_id, first, last, actual + count, batch.digest)
-            for name, value in zip(_COMMAND_COLUMNS, command, strict=True):
-                write[name].append(value)
-        results.append(result)
-    if not write["first"] and not write["command_ids"]:
-        return results  # every batch a command already done: nothing to write
-    write["version_streams"] = list(new_versions)
-    write["versions"] = list(new_versions.values())
-    notify = any(not result.duplicate and result.last_seq for result in results)
+    plan = plan_append(batches, packed, int(head or 0), expected_head, versions.get, done.get)
+    if not plan.steps and not plan.commands:
+        return plan.results  # every batch a command already done: nothing to write
+    write = _columns(_STEP_COLUMNS, [row for row, _ in plan.steps])
+    write["event_ids"] = [event_id for _, event_ids in plan.steps for event_id in event_ids]
+    write["event_seqs"] = [seq for row, event_ids in plan.steps for seq in range(row[0], row[0] + len(event_ids))]
+    write["version_streams"] = list(plan.versions)
+    write["versions"] = [version for version, _ in plan.versions.values()]
+    commands = [(command_id, r.stream_id, r.first_seq, r.last_seq, r.stream_version, r.digest) for command_id, r in plan.commands]
+    write |= _columns(_COMMAND_COLUMNS, commands)
+    notify = any(not result.duplicate and result.last_seq for result in plan.results)
     await conn.execute(_WRITE, {**write, "channel": channel, "notify": notify})
-    return results
+    return plan.results
 
 
 _STEP_COLUMNS = ("first", "last", "stream", "first_version", "step", "recorded_at", "schemas", "header", "payload", "codec")
 _COMMAND_COLUMNS = ("command_ids", "command_streams", "command_firsts", "command_lasts", "command_versions", "command_digests")
-_WRITE_COLUMNS = (*_STEP_COLUMNS, "event_ids", "event_seqs", "version_streams", "versions", *_COMMAND_COLUMNS)
+
+
+def _columns(names: Sequence[str], rows: Sequence[tuple[object, ...]]) -> dict[str, list[object]]:
+    """Rows as one list per column, by name: unnest's arrays (empty when there is no row)."""
+    columns: dict[str, list[object]] = {name: [] for name in names}
+    for row in rows:
+        for name, value in zip(names, row, strict=True):
+            columns[name].append(value)
+    return columns

@@ -38,17 +38,16 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from events.log import schema as t
+from events.log._append_plan import PackedStep, StepRow, plan_append
 from events.log._command_filter import CommandFilter
 from events.log._contract import (
     AppendBatch,
     AppendRejected,
     AppendResult,
-    HeadMoved,
     LogUnavailable,
     Snapshot,
     StoredEvent,
     StoredStep,
-    WrongExpectedVersion,
     pack_step,
 )
 from events.log._postgres_append import append_postgresql
@@ -696,10 +695,6 @@ def _driver_statement(driver: sqlite3.Connection, statement: str) -> None:
         raise sa.exc.OperationalError(statement, None, error) from error
 
 
-PackedStep = tuple[str, bytes, bytes, list[str], int]
-"""A batch's events as its kvl_steps row holds them (schemas, header, payload), their ids, and the
-row's codec."""
-
 CODEC_RAW = 0
 CODEC_LZ4 = 1
 """kvl_steps.codec: header and payload as they are, or each compressed with LZ4 (block format, its
@@ -760,61 +755,18 @@ def pack_batches(batches: Sequence[AppendBatch]) -> list[PackedStep | None]:
 
 
 def _append_rows(
-    rows: _SqliteRows,
-    batches: Sequence[AppendBatch],
-    expected_head: int | None,
-    packed: Sequence[PackedStep | None] | None = None,
+    rows: _SqliteRows, batches: Sequence[AppendBatch], expected_head: int | None, packed: Sequence[PackedStep | None]
 ) -> list[AppendResult]:
-    if packed is None:
-        packed = pack_batches(batches)
-    results = []
-    head = rows.head()
-    if expected_head is not None and head != expected_head:
-        raise HeadMoved(expected_head, head)
-    next_seq = head + 1
-    for batch, contents in zip(batches, packed, strict=True):
-        if batch.command_id is not None:
-            done = rows.command(batch.command_id)
-            if done is not None:
-                results.append(done)
-                continue
-        current = rows.stream_version(batch.stream_id)
-        actual = current or 0
-        if actual != batch.expected_version:
-            raise WrongExpectedVersion(batch.stream_id, batch.expected_version, actual)
-        count = len(batch.events)
-        first, last = (next_seq, next_seq + count - 1) if count else (0, 0)
-        if contents is not None:
-            schemas, header, payload, event_ids, codec = contents
-            first_event = batch.events[0]
-            rows.insert_step(
-                (
-                    first,
-                    last,
-                    batch.stream_id,
-                    actual + 1,
-                    first_event.step,
-                    first_event.recorded_at,
-                    schemas,
-                    header,
-                    payload,
-                    codec,
-                ),
-                event_ids,
-            )
-            rows.set_stream_version(batch.stream_id, actual + count, new=current is None)
-        next_seq += count
-        result = AppendResult(
-            stream_id=batch.stream_id, first_seq=first, last_seq=last, stream_version=actual + count, digest=batch.digest
-        )
-        if batch.command_id is not None:
-            rows.insert_command(batch.command_id, result)
-        results.append(result)
-    return results
-
-
-StepRow = tuple[int, int, str, int, int, float, str, bytes, bytes, int]
-"""kvl_steps' columns in table order."""
+    """The append's plan (events/log/_append_plan.py), looking streams and command ids up a
+    statement each, then its rows written."""
+    plan = plan_append(batches, packed, rows.head(), expected_head, rows.stream_version, rows.command)
+    for row, event_ids in plan.steps:
+        rows.insert_step(row, event_ids)
+    for stream_id, (version, held) in plan.versions.items():
+        rows.set_stream_version(stream_id, version, new=not held)
+    for command_id, result in plan.commands:
+        rows.insert_command(command_id, result)
+    return plan.results
 
 
 class _SqliteRows:
