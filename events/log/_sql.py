@@ -190,7 +190,6 @@ _INSERT_STEP_SQL = (
     "INSERT INTO kvl_steps (first_seq, last_seq, stream_id, first_version, step, recorded_at, schemas, header, payload, codec) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
-_INSERT_IDS_SQL = "INSERT INTO kvl_event_ids (event_id, global_seq) VALUES (?, ?)"
 _INSERT_IDS_AT_ONCE_SQL = (
     # A step's event ids in one statement, from a JSON array (key: the index in it).
     "INSERT INTO kvl_event_ids (event_id, global_seq) SELECT value, ? + key FROM json_each(?)"
