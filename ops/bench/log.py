@@ -124,15 +124,18 @@ async def bench_append(
     window = anyio.Semaphore(in_flight)
 
     async def one(chunk: list[PendingEvent], version: int, bar_advance: Callable[[int], None]) -> None:
+        before = time.perf_counter()
+        [result] = await log.append(
+            [AppendBatch(stream_id=ENGINE, expected_version=version, events=chunk, command_id=uuid.uuid4().hex)],
+            expected_head=version,  # one stream: the head is its version
+        )
+        latencies.append(time.perf_counter() - before)
+        assert result.stream_version == version + len(chunk) and not result.duplicate, result
+        bar_advance(len(chunk))
+
+    async def in_window(chunk: list[PendingEvent], version: int, bar_advance: Callable[[int], None]) -> None:
         try:
-            before = time.perf_counter()
-            [result] = await log.append(
-                [AppendBatch(stream_id=ENGINE, expected_version=version, events=chunk, command_id=uuid.uuid4().hex)],
-                expected_head=version,  # one stream: the head is its version
-            )
-            latencies.append(time.perf_counter() - before)
-            assert result.stream_version == version + len(chunk) and not result.duplicate, result
-            bar_advance(len(chunk))
+            await one(chunk, version, bar_advance)
         finally:
             window.release()
 
@@ -140,23 +143,19 @@ async def bench_append(
     with progress() as bar:
         task = bar.add_task(f"{name}: appending {step_size} events a step, {in_flight} in flight", total=len(pending))
         start = time.perf_counter()
+        version = 0
         if in_flight == 1:
-            # One call after another, as a sequential writer appends: no task, no semaphore a call
-            # (a task started and joined per append cost ~25 us of a 256-event append's ~280).
-            version = 0
+            # One call after another, as a sequential writer appends (and the peer's loop does): no
+            # task and no semaphore a call (those cost ~25 us of a 256-event append's ~280).
             for chunk in chunks:
-                await window.acquire()
                 await one(chunk, version, lambda n: bar.advance(task, n))
                 version += len(chunk)
-            elapsed = time.perf_counter() - start
-            assert await log.head() == len(pending)
-            return elapsed, latencies
-        async with anyio.create_task_group() as group:
-            version = 0
-            for chunk in chunks:
-                await window.acquire()
-                group.start_soon(one, chunk, version, lambda n: bar.advance(task, n))
-                version += len(chunk)
+        else:
+            async with anyio.create_task_group() as group:
+                for chunk in chunks:
+                    await window.acquire()
+                    group.start_soon(in_window, chunk, version, lambda n: bar.advance(task, n))
+                    version += len(chunk)
         elapsed = time.perf_counter() - start
     assert await log.head() == len(pending)
     return elapsed, latencies
