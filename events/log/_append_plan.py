@@ -11,7 +11,9 @@ whole append. SQLite looks each stream and command id up with a statement when a
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
+from itertools import islice
 
 import msgspec
 
@@ -92,3 +94,10 @@ def plan_append(
             done[command_id] = msgspec.structs.replace(result, duplicate=True)  # a later batch of it: a retry
         plan.results.append(result)
     return plan
+
+
+def ascending(event_ids: Sequence[str]) -> bool:
+    """Whether a step's ids strictly ascend (so none is given twice): the first test of whether
+    it can be kept as one id run (kvl_id_runs), by `<` on str, the order both SQL logs' id
+    columns compare in (events/log/schema.py)."""
+    return bool(event_ids) and all(map(operator.lt, event_ids, islice(event_ids, 1, None)))

@@ -18,28 +18,55 @@ next statement's snapshot sees every append committed before it):
 3. one INSERT ... SELECT FROM unnest(...) statement with data-modifying CTEs writes every step,
    event id, stream version and command, and notifies the log's listeners.
 
+Event ids are kept as SQLite keeps them (migration 0009): a step whose ids ascend, all above
+every id the log holds, is one kvl_id_runs row; any other step's ids are kvl_event_ids rows, and
+an id among them inside a run's bounds is refused when that run's step lists it. The look-up
+also reads the highest run's last id and, for each step whose ids ascend, whether a row lies
+between its first and last id; `keep_ids` then decides step by step, as SQLite's statements do
+one step after another, counting this append's own runs and rows. Only when rows are kept (a
+step out of order, rare) does a third statement look for runs around them. The id columns
+compare byte by byte (collation "C", migration 0010), as the code's `<` does.
+
 Every constraint still holds in the database: a repeated event id (or stream version) fails the
 write statement with its unique violation, and the transaction rolls back whole.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections.abc import Sequence
 
 import msgspec
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from events.log._append_plan import PackedStep, plan_append
-from events.log._contract import AppendBatch, AppendResult
+from events.log._append_plan import PackedStep, StepRow, ascending, plan_append
+from events.log._contract import AppendBatch, AppendRejected, AppendResult
+from events.log._step_rows import STEP_COLUMNS, stored_step
 
 _LOOK_UP = sa.text(
     "SELECT (SELECT last_seq FROM kvl_steps ORDER BY first_seq DESC LIMIT 1), "
     "(SELECT coalesce(json_object_agg(stream_id, version), '{}') FROM kvl_streams "
     " WHERE stream_id = ANY(CAST(:streams AS text[]))), "
     "(SELECT coalesce(json_agg(json_build_array(command_id, stream_id, first_seq, last_seq, stream_version, "
-    "  encode(digest, 'hex'))), '[]') FROM kvl_commands WHERE command_id = ANY(CAST(:commands AS text[])))"
+    "  encode(digest, 'hex'))), '[]') FROM kvl_commands WHERE command_id = ANY(CAST(:commands AS text[]))), "
+    "(SELECT last_id FROM kvl_id_runs ORDER BY first_id DESC LIMIT 1), "
+    # Per step whose ids ascend (its first and last id): whether a kvl_event_ids row lies between.
+    # (The id columns' collation, "C", orders every comparison with them here: migration 0010.)
+    "(SELECT coalesce(array_agg(EXISTS (SELECT 1 FROM kvl_event_ids WHERE event_id BETWEEN c.f AND c.l) "
+    "  ORDER BY c.n), '{}') "
+    " FROM unnest(CAST(:run_firsts AS text[]), CAST(:run_lasts AS text[])) WITH ORDINALITY AS c(f, l, n))"
 )
+
+_WITHIN_RUNS = sa.text(
+    # Each id that lies within a run's bounds, with that run's step: the run starting at or below
+    # it, if it ends at or above it (runs never overlap).
+    "SELECT i.id, r.first_seq FROM unnest(CAST(:ids AS text[])) AS i(id) JOIN LATERAL ("
+    " SELECT last_id, first_seq FROM kvl_id_runs WHERE first_id <= i.id ORDER BY first_id DESC LIMIT 1"
+    ") AS r ON r.last_id >= i.id"
+)
+
+_STEPS_AT = sa.text(f"SELECT {STEP_COLUMNS} FROM kvl_steps WHERE first_seq = ANY(CAST(:seqs AS bigint[]))")
 
 _WRITE = sa.text(
     "WITH steps AS ("
@@ -50,6 +77,9 @@ _WRITE = sa.text(
     "), ids AS ("
     " INSERT INTO kvl_event_ids (event_id, global_seq)"
     " SELECT * FROM unnest(CAST(:event_ids AS text[]), CAST(:event_seqs AS bigint[]))"
+    "), runs AS ("
+    " INSERT INTO kvl_id_runs (first_id, last_id, first_seq)"
+    " SELECT * FROM unnest(CAST(:run_firsts AS text[]), CAST(:run_lasts AS text[]), CAST(:run_seqs AS bigint[]))"
     "), versions AS ("
     " INSERT INTO kvl_streams (stream_id, version)"
     " SELECT * FROM unnest(CAST(:version_streams AS text[]), CAST(:versions AS integer[]))"
@@ -73,10 +103,22 @@ async def append_postgresql(
     packed: Sequence[PackedStep | None],
     channel: str,
 ) -> list[AppendResult]:
-    """The append's look-up, plan and writes; the caller holds the advisory lock and commits."""
+    """The append's look-up, plan and writes; the caller holds the advisory lock and commits.
+    Raises AppendRejected for an event id a run of the log holds."""
     streams = sorted({batch.stream_id for batch in batches})
     command_ids = sorted({batch.command_id for batch in batches if batch.command_id is not None})
-    head, versions_json, commands_json = (await conn.execute(_LOOK_UP, {"streams": streams, "commands": command_ids})).one()
+    candidates = sorted({(ids[0], ids[-1]) for ids in (step[3] for step in packed if step is not None) if ascending(ids)})
+    head, versions_json, commands_json, top, between = (
+        await conn.execute(
+            _LOOK_UP,
+            {
+                "streams": streams,
+                "commands": command_ids,
+                "run_firsts": [first for first, _ in candidates],
+                "run_lasts": [last for _, last in candidates],
+            },
+        )
+    ).one()
     versions: dict[str, int] = msgspec.json.decode(versions_json) if isinstance(versions_json, str) else dict(versions_json)
     held: list[_Done] = msgspec.json.decode(commands_json) if isinstance(commands_json, str) else list(commands_json)
     done = {
@@ -93,9 +135,12 @@ async def append_postgresql(
     plan = plan_append(batches, packed, int(head or 0), expected_head, versions.get, done.get)
     if not plan.steps and not plan.commands:
         return plan.results  # every batch a command already done: nothing to write
+    runs, rows = keep_ids(plan.steps, top, dict(zip(candidates, between, strict=True)))
+    if rows:
+        await _refuse_ids_runs_hold(conn, rows)
     write = _columns(_STEP_COLUMNS, [row for row, _ in plan.steps])
-    write["event_ids"] = [event_id for _, event_ids in plan.steps for event_id in event_ids]
-    write["event_seqs"] = [seq for row, event_ids in plan.steps for seq in range(row[0], row[0] + len(event_ids))]
+    write |= _columns(("event_ids", "event_seqs"), rows)
+    write |= _columns(("run_firsts", "run_lasts", "run_seqs"), runs)
     write["version_streams"] = list(plan.versions)
     write["versions"] = [version for version, _ in plan.versions.values()]
     commands = [(command_id, r.stream_id, r.first_seq, r.last_seq, r.stream_version, r.digest) for command_id, r in plan.commands]
@@ -103,6 +148,61 @@ async def append_postgresql(
     notify = any(not result.duplicate and result.last_seq for result in plan.results)
     await conn.execute(_WRITE, {**write, "channel": channel, "notify": notify})
     return plan.results
+
+
+def keep_ids(
+    steps: Sequence[tuple[StepRow, list[str]]], top: str | None, rows_between: dict[tuple[str, str], bool]
+) -> tuple[list[tuple[str, str, int]], list[tuple[str, int]]]:
+    """How each step's ids are kept, deciding step after step as SQLite does: (runs as (first id,
+    last id, first global sequence), rows as (id, global sequence)). A step is a run when its ids
+    ascend above `top` (the log's highest run's last id, then this append's) and no row lies
+    between its first and last id: none of the log's (`rows_between`, read for each ascending
+    step) and none this append keeps before it. A row id inside a run this append makes is
+    refused when that run holds it (AppendRejected); the log's own rows and runs are checked by
+    the primary key and by `_refuse_ids_runs_hold`."""
+    runs: list[tuple[str, str, int]] = []
+    rows: list[tuple[str, int]] = []
+    ordered: list[str] = []  # this append's row ids so far, sorted
+    held: dict[int, list[str]] = {}  # run index -> its ids, for the rare row id inside its bounds
+    for row, event_ids in steps:
+        first_seq = row[0]
+        first, last = event_ids[0], event_ids[-1]
+        if (
+            ascending(event_ids)
+            and (top is None or first > top)
+            and not rows_between.get((first, last), True)
+            and bisect_left(ordered, first) == len(ordered)  # every row id so far lies below it
+        ):
+            runs.append((first, last, first_seq))
+            held[len(runs) - 1] = event_ids
+            top = last
+            continue
+        for index, event_id in enumerate(event_ids):
+            for number, (run_first, run_last, run_seq) in enumerate(runs):
+                if run_first <= event_id <= run_last and event_id in held[number]:
+                    raise AppendRejected(_taken(event_id, run_seq + held[number].index(event_id)))
+            insort(ordered, event_id)
+            rows.append((event_id, first_seq + index))
+    return runs, rows
+
+
+async def _refuse_ids_runs_hold(conn: AsyncConnection, rows: Sequence[tuple[str, int]]) -> None:
+    """AppendRejected naming the first id among `rows` that a run of the log holds: an id inside
+    a run's bounds is held only when the run's step lists it (its header, read once a step)."""
+    inside = (await conn.execute(_WITHIN_RUNS, {"ids": [event_id for event_id, _ in rows]})).all()
+    if not inside:
+        return
+    seqs = sorted({int(first_seq) for _, first_seq in inside})
+    steps = (await conn.execute(_STEPS_AT, {"seqs": seqs})).all()
+    listed = {step.first_seq: step.event_ids() for step in map(stored_step, steps)}
+    for event_id, first_seq in inside:
+        ids = listed[first_seq]
+        if event_id in ids:
+            raise AppendRejected(_taken(event_id, first_seq + ids.index(event_id)))
+
+
+def _taken(event_id: str, global_seq: int) -> str:
+    return f"UNIQUE constraint failed: event id {event_id!r} is taken (global sequence {global_seq})"
 
 
 _STEP_COLUMNS = ("first", "last", "stream", "first_version", "step", "recorded_at", "schemas", "header", "payload", "codec")

@@ -10,27 +10,24 @@ snapshots and small queries go through aiosqlite's thread.
 
 Storage: one `kvl_steps` row per stream per append, holding the step's events' payloads
 concatenated, with a header naming each event (id, type, schema version, length). Event ids stay
-unique: on SQLite a step whose ids ascend above every id the log holds is one `kvl_id_runs` row
-(its first and last id; the ledger's UUIDv7s nearly always do), and any other step's ids go to
+unique: a step whose ids ascend above every id the log holds is one `kvl_id_runs` row (its first
+and last id; the ledger's UUIDv7s nearly always do), and any other step's ids go to
 `kvl_event_ids`, whose primary key keeps them unique, each checked against the runs (migration
-0009); PostgreSQL keeps every id as a row. A step of 1 KiB or more is stored with its header
+0009 on SQLite, 0010 on PostgreSQL: events/log/_postgres_append.py). A step of 1 KiB or more is stored with its header
 and payload compressed (LZ4, `kvl_steps.codec`; `stored_step` reads either). A reader splits a
 step back into events (`StoredStep.events`), or replay decodes the whole payload in one call.
 """
 
 from __future__ import annotations
 
-import operator
 import os
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from itertools import islice
 from typing import Any
 
 import anyio
-import lz4.block
 import msgspec
 import sqlalchemy as sa
 import structlog
@@ -38,7 +35,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from events.log import schema as t
-from events.log._append_plan import PackedStep, StepRow, plan_append
+from events.log._append_plan import PackedStep, StepRow, ascending, plan_append
 from events.log._command_filter import CommandFilter
 from events.log._contract import (
     AppendBatch,
@@ -48,9 +45,9 @@ from events.log._contract import (
     Snapshot,
     StoredEvent,
     StoredStep,
-    pack_step,
 )
 from events.log._postgres_append import append_postgresql
+from events.log._step_rows import STEP_COLUMNS, pack_batches, stored_step
 from events.log._writer_thread import WriterThread
 
 log = structlog.get_logger("kvledger.log")
@@ -167,11 +164,10 @@ def _configure_sqlite(sync_engine: sa.Engine) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE" if writing else "BEGIN")
 
 
-_STEP_COLUMNS = "first_seq, last_seq, stream_id, first_version, schemas, header, payload, step, recorded_at, codec"
 _READ_STEPS_SQL = (
     # The step holding after + 1 starts at the greatest first_seq <= after + 1; every step that
     # starts up to after + limit holds some of the events asked for. Both bounds use the primary key.
-    f"SELECT {_STEP_COLUMNS} FROM kvl_steps WHERE first_seq >= "
+    f"SELECT {STEP_COLUMNS} FROM kvl_steps WHERE first_seq >= "
     "coalesce((SELECT max(first_seq) FROM kvl_steps WHERE first_seq <= :after + 1), 0) "
     "AND first_seq <= :after + :limit ORDER BY first_seq"
 )
@@ -180,7 +176,7 @@ _READ_STEPS = sa.text(_READ_STEPS_SQL).bindparams(
 )
 _READ_STREAM_STEPS_SQL = (
     # ix_kvl_steps_stream_last: the stream's steps in order from the one ending after `after`.
-    f"SELECT {_STEP_COLUMNS} FROM kvl_steps WHERE stream_id = :stream AND last_seq > :after ORDER BY last_seq LIMIT :limit"
+    f"SELECT {STEP_COLUMNS} FROM kvl_steps WHERE stream_id = :stream AND last_seq > :after ORDER BY last_seq LIMIT :limit"
 )
 _READ_STREAM_STEPS = sa.text(_READ_STREAM_STEPS_SQL).bindparams(
     sa.bindparam("after", type_=sa.BigInteger), sa.bindparam("limit", type_=sa.BigInteger)
@@ -366,6 +362,8 @@ class SqlEventLog:
                 # The lock in a statement of its own: the look-up after it sees every append before.
                 await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADVISORY_LOCK_KEY})
                 results = await append_postgresql(conn, batches, expected_head, pack_batches(batches), NOTIFY_CHANNEL)
+        except AppendRejected as error:  # an event id a run holds (events/log/_postgres_append.py)
+            raise AppendRejected(f"append refused by {self.url}: {error}") from None
         except sa.exc.IntegrityError as error:
             # PostgreSQL's DETAIL names the row (`Key (event_id)=(...) already exists.`).
             detail = getattr(error.orig, "__cause__", None)
@@ -694,65 +692,6 @@ def _driver_statement(driver: sqlite3.Connection, statement: str) -> None:
         raise sa.exc.OperationalError(statement, None, error) from error
 
 
-CODEC_RAW = 0
-CODEC_LZ4 = 1
-"""kvl_steps.codec: header and payload as they are, or each compressed with LZ4 (block format, its
-size in front: lz4.block's default). Migration 0008."""
-COMPRESS_FROM = 1_024
-"""Header and payload of at least this many bytes together are stored compressed. A 256-event step
-of the decider's mix (ops/bench/log.py) packs 51 KB into 17 KB in ~40 us: an append writes a
-third of the pages, a checkpoint copies and syncs a third; a smaller step fits its page as it is."""
-
-
-def stored_step(row: Sequence[Any]) -> StoredStep:
-    """A kvl_steps row read as `_STEP_COLUMNS` lists them, its header and payload as they were packed."""
-    first_seq, last_seq, stream_id, first_version, schemas, header, payload, step, recorded_at, codec = row
-    if codec == CODEC_LZ4:
-        try:
-            header, payload = _decompress(header), _decompress(payload)
-        except lz4.block.LZ4BlockError as error:
-            raise ValueError(
-                f"step at global sequence {first_seq} of stream {stream_id!r}: its LZ4 bytes are corrupt ({error})"
-            ) from None
-    elif codec != CODEC_RAW:
-        raise ValueError(
-            f"step at global sequence {first_seq} of stream {stream_id!r} is stored with codec {codec}, "
-            f"which this kvledger does not know (it reads {CODEC_RAW}: as they are, {CODEC_LZ4}: LZ4)"
-        )
-    return StoredStep(first_seq, last_seq, stream_id, first_version, schemas, header, payload, step, recorded_at)
-
-
-_compress = lz4.block.compress
-_decompress = lz4.block.decompress
-
-
-def pack_batches(batches: Sequence[AppendBatch]) -> list[PackedStep | None]:
-    """Every batch's row contents (None for a batch with no events). Pure Python, no statement:
-    the SQLite log runs it on the event loop's thread before handing the append to a worker
-    thread. The GIL keeps the loop from running beside it either way, and there the events are
-    still warm in the loop's core's caches: 300k events appended 256 a step one after another
-    (ops/bench/peer_eventsourcing.py's append) ran 3-6% faster, three runs alternated, and
-    ops/bench/sidecar.py was unchanged (issue 22).
-
-    The append itself then runs on the log's own thread (events/log/_writer_thread.py). Session 19
-    tried one and saw `ops/bench/sidecar.py --engines 4 --commands 32 --steps 300` lose ~10%; the
-    one kept (session 27: a SimpleQueue, the result handed back with call_soon_threadsafe) ran it
-    as fast as anyio's pool in six pairs alternated (median ~525 steps/s each way), the appends one
-    after another 22% faster and the sidecar's step at an engine's pace 10-20% sooner."""
-    packed: list[PackedStep | None] = []
-    for batch in batches:
-        events = batch.events
-        if not events:
-            packed.append(None)
-            continue
-        schemas, header, payload = pack_step(events)
-        codec = CODEC_RAW
-        if len(header) + len(payload) >= COMPRESS_FROM:
-            header, payload, codec = _compress(header), _compress(payload), CODEC_LZ4
-        packed.append((schemas, header, payload, [event.event_id for event in events], codec))
-    return packed
-
-
 def _append_rows(
     rows: _SqliteRows, batches: Sequence[AppendBatch], expected_head: int | None, packed: Sequence[PackedStep | None]
 ) -> list[AppendResult]:
@@ -816,7 +755,7 @@ class _SqliteRows:
             # Inside a run's bounds: taken only if its step lists it (a header read each step, rare).
             held = steps.get(first_seq)
             if held is None:
-                row = self.driver.execute(f"SELECT {_STEP_COLUMNS} FROM kvl_steps WHERE first_seq = ?", (first_seq,)).fetchone()
+                row = self.driver.execute(f"SELECT {STEP_COLUMNS} FROM kvl_steps WHERE first_seq = ?", (first_seq,)).fetchone()
                 held = steps[first_seq] = stored_step(row).event_ids()
             if event_id in held:
                 raise sqlite3.IntegrityError(
@@ -826,7 +765,7 @@ class _SqliteRows:
     def _a_new_run(self, event_ids: list[str]) -> bool:
         """Whether the ids ascend (so none is given twice) and all lie above every id the log
         holds: the highest run's last id, and any kvl_event_ids row between the first and last."""
-        if not event_ids or not all(map(operator.lt, event_ids, islice(event_ids, 1, None))):
+        if not ascending(event_ids):
             return False
         return bool(self.driver.execute(_ABOVE_EVERY_ID_SQL, (event_ids[0], event_ids[-1])).fetchone()[0])
 

@@ -9,6 +9,12 @@ metadata = sa.MetaData()
 # SQLite only autoincrements an INTEGER PRIMARY KEY (the rowid alias); PostgreSQL gets BIGINT.
 _Seq = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
+# An event id compares byte by byte (as Python compares str, by code point) on both SQL logs: a
+# run's bounds and the range checks against them must agree with `<` in the append's code.
+# SQLite's default collation (BINARY) already does; PostgreSQL's follows the database's locale
+# unless the column says "C" (migration 0010).
+_EventId = sa.String(64).with_variant(sa.String(64, collation="C"), "postgresql")
+
 steps = sa.Table(
     "kvl_steps",
     metadata,
@@ -41,8 +47,8 @@ event_ids = sa.Table(
     "kvl_event_ids",
     metadata,
     # Event ids are unique across the whole log (DESIGN.md, "The log"); the primary key keeps
-    # them unique, and on SQLite a step's ascending ids are a kvl_id_runs row instead (below).
-    sa.Column("event_id", sa.String(64), primary_key=True),
+    # them unique, and a step's ascending ids are a kvl_id_runs row instead (below).
+    sa.Column("event_id", _EventId, primary_key=True),
     sa.Column("global_seq", sa.BigInteger, nullable=False),
     sqlite_with_rowid=False,
 )
@@ -51,9 +57,10 @@ id_runs = sa.Table(
     "kvl_id_runs",
     metadata,
     # A step whose event ids ascend, all above every id before it: its lowest and highest id, in
-    # place of a kvl_event_ids row each. Runs never overlap (migration 0009; events/log/_sql.py).
-    sa.Column("first_id", sa.String(64), primary_key=True),
-    sa.Column("last_id", sa.String(64), nullable=False),
+    # place of a kvl_event_ids row each. Runs never overlap (migrations 0009 and 0010;
+    # events/log/_sql.py for SQLite, events/log/_postgres_append.py for PostgreSQL).
+    sa.Column("first_id", _EventId, primary_key=True),
+    sa.Column("last_id", _EventId, nullable=False),
     sa.Column("first_seq", sa.BigInteger, nullable=False),
     sqlite_with_rowid=False,
 )

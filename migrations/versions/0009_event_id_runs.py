@@ -20,7 +20,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from events.log._sql import stored_step
+from migrations._id_runs import runs_back_to_rows
 
 revision = "0009"
 down_revision = "0008"
@@ -38,28 +38,7 @@ def upgrade() -> None:
     )
 
 
-_STEP_OF_RUN = sa.text(
-    "SELECT r.first_id, s.first_seq, s.last_seq, s.stream_id, s.first_version, s.schemas, s.header, s.payload, s.step, "
-    "s.recorded_at, s.codec FROM kvl_id_runs AS r JOIN kvl_steps AS s ON s.first_seq = r.first_seq "
-    "WHERE :after IS NULL OR r.first_id > :after ORDER BY r.first_id LIMIT 1000"
-).bindparams(sa.bindparam("after", type_=sa.String))
-
-
 def downgrade() -> None:
     # Every run's ids go back to kvl_event_ids, a row each, as an append before 0009 wrote them.
-    bind = op.get_bind()
-    ids = sa.table("kvl_event_ids", sa.column("event_id"), sa.column("global_seq"))
-    after: str | None = None
-    while True:
-        page = bind.execute(_STEP_OF_RUN, {"after": after}).all()
-        if not page:
-            break
-        steps = [stored_step(row[1:]) for row in page]
-        rows = [
-            {"event_id": event_id, "global_seq": step.first_seq + index}
-            for step in steps
-            for index, event_id in enumerate(step.event_ids())
-        ]
-        bind.execute(ids.insert(), rows)
-        after = page[-1][0]
+    runs_back_to_rows(op.get_bind())
     op.drop_table("kvl_id_runs")

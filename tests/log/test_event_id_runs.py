@@ -11,7 +11,6 @@ import random
 import re
 import uuid
 
-import anyio
 import pytest
 import sqlalchemy as sa
 
@@ -98,20 +97,28 @@ async def test_event_ids_stay_unique_against_a_model_of_random_appends(log_url: 
         assert {event.event_id: event.global_seq for event in await all_events(event_log)} == held
     finally:
         await event_log.close()
-    if log_url.startswith("postgresql"):
-        return
     runs, rows = await _counts(log_url)
     assert runs > 30 and rows > 30  # both ways of keeping ids were taken, many times
     event_log = await open_log(log_url)  # and a log opened afresh refuses every held id still
     try:
         for event_id, global_seq in rng.sample(sorted(held.items()), 25):
-            with pytest.raises(AppendRejected, match=rf"event id '{event_id}' is taken \(global sequence {global_seq}\)"):
+            with pytest.raises(AppendRejected) as refusal:
                 await event_log.append([batch("engine/c", 0, [pending("9999-new"), pending(event_id)])])
+            _names(refusal.value, event_id, global_seq)
     finally:
         await event_log.close()
 
 
-@pytest.mark.parametrize("log_url", ["sqlite"], indirect=True)
+def _names(refusal: BaseException, event_id: str, global_seq: int) -> None:
+    """The refusal names `event_id`: with its global sequence wherever kvledger's own check
+    refused it (SQLite, or a run's id on PostgreSQL); by PostgreSQL's unique violation otherwise."""
+    at = _TAKEN_AT.search(str(refusal))
+    if at is not None:
+        assert (at.group(1), int(at.group(2))) == (event_id, global_seq), refusal
+    else:
+        assert f"(event_id)=({event_id}) already exists" in str(refusal), refusal
+
+
 async def test_an_id_inside_a_runs_bounds_is_taken_only_if_the_run_holds_it(log_url: str) -> None:
     event_log = await _open(log_url)
     try:
@@ -126,8 +133,9 @@ async def test_an_id_inside_a_runs_bounds_is_taken_only_if_the_run_holds_it(log_
         await event_log.append([batch("engine/b", 2, [pending("c-6"), pending("c-5")])])  # above every run: rows
         # Ascending above every run, but rows lie between its first and last id: rows too.
         await event_log.append([batch("engine/b", 4, [pending("c-1"), pending("c-9")])])
-        with pytest.raises(AppendRejected, match=r"event id 'c-5' is taken \(global sequence 7\)"):
+        with pytest.raises(AppendRejected) as refusal:
             await event_log.append([batch("engine/c", 0, [pending("c-0"), pending("c-5")])])
+        _names(refusal.value, "c-5", 7)
         [result] = await event_log.append([batch("engine/c", 0, pendings("d", 3))])  # a run again
         assert (result.first_seq, result.last_seq) == (10, 12)
         assert await _counts(log_url) == (2, 6)
@@ -171,36 +179,120 @@ async def test_0009_downgrade_writes_each_runs_ids_back_as_rows(log_url: str) ->
         await event_log.close()
 
 
-@pytest.mark.parametrize("log_url", ["sqlite"], indirect=True)
-async def test_two_writers_on_one_file_keep_ids_unique_as_their_runs_interleave(log_url: str) -> None:
-    # Two logs on one SQLite file (two sidecars, say), their ids from one clock: each append sees
-    # the other's runs and rows (BEGIN IMMEDIATE), so interleaved ranges fall back to rows, and an
-    # id one of them holds is refused to the other.
+async def test_two_writers_on_one_log_keep_ids_unique_as_their_runs_interleave(log_url: str) -> None:
+    # Two logs on one database (two sidecars, say), their ids from one clock: each append sees the
+    # other's runs and rows (BEGIN IMMEDIATE on SQLite, the advisory lock on PostgreSQL). Both
+    # draw their ids, then append in an order drawn at random: when the later ids commit first,
+    # the earlier ones lie below the highest run and fall back to rows; an id either holds is
+    # refused to the other.
+    rng = random.Random(7)
     clock = iter(range(1, 10_000))
-    first, second = await _open(log_url), await _open(log_url)
+    logs = {"a": await _open(log_url), "b": await _open(log_url)}
+    versions = dict.fromkeys(logs, 0)
     taken: dict[str, int] = {}
     try:
-
-        async def write(event_log: SqlEventLog, name: str) -> None:
-            version = 0
-            for _ in range(60):
-                # Ascending ids, a tick of the shared clock each: the two writers' ranges interleave.
-                ids = [f"{next(clock):05d}-{name}" for _ in range(3)]
-                [result] = await event_log.append([batch(f"engine/{name}", version, [pending(i) for i in ids])])
-                taken.update((event_id, result.first_seq + index) for index, event_id in enumerate(ids))
-                version += 3
-                stolen = sorted(taken)[len(taken) // 2]  # a held id, either writer's
-                with pytest.raises(AppendRejected, match=rf"event id '{stolen}' is taken \(global sequence {taken[stolen]}\)"):
-                    await event_log.append([batch(f"engine/{name}", version, [pending(f"{next(clock):05d}-x"), pending(stolen)])])
-                await anyio.sleep(0)
-
-        async with anyio.create_task_group() as group:
-            group.start_soon(write, first, "a")
-            group.start_soon(write, second, "b")
-        assert {event.event_id: event.global_seq for event in await all_events(first)} == taken
+        for _ in range(60):
+            drawn = {name: [f"{next(clock):05d}-{name}" for _ in range(3)] for name in logs}
+            for name in rng.sample(sorted(logs), 2):
+                event_log = logs[name]
+                [result] = await event_log.append([batch(f"engine/{name}", versions[name], [pending(i) for i in drawn[name]])])
+                taken.update((event_id, result.first_seq + index) for index, event_id in enumerate(drawn[name]))
+                versions[name] += 3
+                stolen = sorted(taken)[rng.randrange(len(taken))]  # a held id, either writer's
+                with pytest.raises(AppendRejected) as refusal:
+                    await event_log.append(
+                        [batch(f"engine/{name}", versions[name], [pending(f"{next(clock):05d}-x"), pending(stolen)])]
+                    )
+                named = _NAMED.search(str(refusal.value))
+                assert named is not None and stolen in (named.group(1), named.group(2)), refusal.value
+                at = _TAKEN_AT.search(str(refusal.value))
+                assert at is None or int(at.group(2)) == taken[stolen], refusal.value
+        assert {event.event_id: event.global_seq for event in await all_events(logs["a"])} == taken
         assert len(taken) == 360
         runs, rows = await _counts(log_url)
-        assert runs > 0 and rows > 0 and runs * 3 + rows == 360  # interleaved steps fell back to rows
+        assert runs > 10 and rows > 10 and runs * 3 + rows == 360  # the later ids first: rows
     finally:
-        await first.close()
-        await second.close()
+        for event_log in logs.values():
+            await event_log.close()
+
+
+async def test_one_append_counts_its_own_runs_and_rows_step_by_step(log_url: str) -> None:
+    # Several batches in one append (a committer's group of engines' steps): each step is kept as
+    # if appended alone after the batches before it (PostgreSQL decides them all from one look-up).
+    event_log = await _open(log_url)
+    try:
+        # A run, then rows whose ids lie inside it (not its own): taken; then a run above both.
+        await event_log.append(
+            [
+                batch("engine/a", 0, [pending(i) for i in ("k-10", "k-20", "k-30")]),
+                batch("engine/b", 0, [pending("k-25"), pending("k-15")]),
+                batch("engine/c", 0, [pending(i) for i in ("m-1", "m-2")]),
+            ]
+        )
+        assert await _counts(log_url) == (2, 2)
+        # Rows first, then an ascending step straddling one of them: rows too, not a run.
+        await event_log.append(
+            [batch("engine/a", 3, [pending("p-5"), pending("p-1")]), batch("engine/b", 2, [pending("p-0"), pending("p-9")])]
+        )
+        assert await _counts(log_url) == (2, 6)
+        # A run, then a step of this append reusing its id: refused, naming the run's sequence.
+        head = await event_log.head()
+        with pytest.raises(AppendRejected, match=r"event id 'q-2' is taken \(global sequence 13\)"):
+            await event_log.append(
+                [
+                    batch("engine/a", 5, [pending(i) for i in ("q-1", "q-2", "q-3")]),
+                    batch("engine/b", 4, [pending("q-9"), pending("q-2")]),
+                ]
+            )
+        assert await event_log.head() == head and await _counts(log_url) == (2, 6)  # nothing of it kept
+        # A step below the highest run (even a run of this append) is rows: its ids are checked one by one.
+        with pytest.raises(AppendRejected) as refusal:
+            await event_log.append([batch("engine/c", 2, [pending("r-1")]), batch("engine/a", 5, [pending("k-20")])])
+        _names(refusal.value, "k-20", 2)
+        assert [e.event_id for e in await all_events(event_log)] == [
+            "k-10", "k-20", "k-30", "k-25", "k-15", "m-1", "m-2", "p-5", "p-1", "p-0", "p-9"
+        ]  # fmt: skip
+    finally:
+        await event_log.close()
+
+
+@pytest.mark.parametrize("log_url", ["postgresql"], indirect=True)
+async def test_0010_downgrade_writes_postgresqls_runs_back_as_rows(log_url: str) -> None:
+    uuids = sorted(uuid.uuid4().hex for _ in range(1_300))
+    event_log = await _open(log_url)
+    try:
+        for index in range(1_200):  # 1,200 runs of one id: more than a page of the downgrade's runs
+            await event_log.append([batch("engine/a", index, [pending(uuids[index])])])
+        await event_log.append([batch("engine/b", 0, [pending(uuids[1_250]), pending(uuids[1_200])])])  # rows
+        before = {event.event_id: event.global_seq for event in await all_events(event_log)}
+    finally:
+        await event_log.close()
+    assert await _counts(log_url) == (1_200, 2)
+    stored: dict[str, int] = {}
+    collations: list[str | None] = []
+
+    def down_and_read(conn: sa.Connection) -> None:
+        migrations.downgrade(conn, "0009")
+        stored.update(tuple(row) for row in conn.execute(sa.text("SELECT event_id, global_seq FROM kvl_event_ids")))
+        assert conn.execute(sa.text("SELECT count(*) FROM kvl_id_runs")).scalar_one() == 0
+        collations.extend(
+            conn.execute(
+                sa.text(
+                    "SELECT collation_name FROM information_schema.columns "
+                    "WHERE table_name IN ('kvl_event_ids', 'kvl_id_runs') AND data_type = 'character varying' ORDER BY column_name"
+                )
+            ).scalars()
+        )
+
+    await _on_connection(log_url, down_and_read)
+    assert stored == before
+    assert collations == [None, None, None]  # the database's own again
+    assert await upgrade_log(log_url) == migrations.head()
+    event_log = await open_log(log_url)
+    try:
+        with pytest.raises(AppendRejected, match=rf"\(event_id\)=\({uuids[7]}\) already exists"):
+            await event_log.append([batch("engine/c", 0, [pending(uuids[1_299]), pending(uuids[7])])])
+        await event_log.append([batch("engine/c", 0, [pending(uuids[1_299])])])  # above every id: a run again
+        assert await _counts(log_url) == (1, 1_202)
+    finally:
+        await event_log.close()

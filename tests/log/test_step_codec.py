@@ -15,7 +15,7 @@ from coordinator.ledger.recovery import replay
 from events import EventCodec
 from events.log import AppendBatch, PendingEvent, normalize, open_log, upgrade_log
 from events.log._contract import pack_step
-from events.log._sql import CODEC_LZ4, CODEC_RAW, COMPRESS_FROM
+from events.log._step_rows import CODEC_LZ4, CODEC_RAW, COMPRESS_FROM
 from tests.kit.log_writer import append_steps, pending_event, step_batch
 from tests.log.test_codec import _sample_events
 from tests.log.test_command_filter import _open
@@ -83,7 +83,7 @@ async def test_a_replay_of_compressed_steps_folds_what_it_folds_from_steps_store
             )
             for index, (kind, version, payload) in enumerate(encoded)
         ]
-        monkeypatch.setattr("events.log._sql.COMPRESS_FROM", compress_from)
+        monkeypatch.setattr("events.log._step_rows.COMPRESS_FROM", compress_from)
         event_log = await _open(log_url)
         try:
             stream = f"engine/{compress_from}"
