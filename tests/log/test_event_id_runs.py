@@ -1,9 +1,10 @@
-"""Event ids stay unique across the whole log (DESIGN.md, "The log") when SQLite keeps a step
-whose ids ascend above every id the log holds as one run (kvl_id_runs, migration 0009) instead
-of a kvl_event_ids row each: an append is taken exactly when its ids are distinct and none is
-held, whichever way each earlier step was kept; a refusal names the id (and on SQLite the
-global sequence holding it) and leaves the log as it was; a downgrade writes every run's ids
-back as rows."""
+"""Event ids stay unique across the whole log (DESIGN.md, "The log") when a step whose ids
+ascend above every id the log holds is kept as one run (kvl_id_runs: migration 0009 on SQLite,
+0010 on PostgreSQL) instead of a kvl_event_ids row each: an append is taken exactly when its ids
+are distinct and none is held, whichever way each earlier step (or an earlier batch of the same
+append) was kept; a refusal names the id (with the global sequence holding it wherever
+kvledger's own check refused it) and leaves the log as it was; a downgrade writes every run's
+ids back as rows."""
 
 from __future__ import annotations
 
@@ -146,18 +147,26 @@ async def test_an_id_inside_a_runs_bounds_is_taken_only_if_the_run_holds_it(log_
         await event_log.close()
 
 
-@pytest.mark.parametrize("log_url", ["sqlite"], indirect=True)
-async def test_0009_downgrade_writes_each_runs_ids_back_as_rows(log_url: str) -> None:
-    uuids = sorted(uuid.uuid4().hex for _ in range(1_300))  # more than a page of the downgrade's runs
+async def _runs_and_rows(log_url: str) -> tuple[list[str], dict[str, int]]:
+    """1,200 runs of one id (more than a page of a downgrade's runs) and one step of 2 rows, on
+    a new log: (sorted uuids, the first 1,200 and two more of them held; 100 left), and each
+    held id's global sequence."""
+    uuids = sorted(uuid.uuid4().hex for _ in range(1_300))
     event_log = await _open(log_url)
     try:
-        for index in range(0, 1_200, 1):  # 1,200 runs of one id
+        for index in range(1_200):
             await event_log.append([batch("engine/a", index, [pending(uuids[index])])])
         await event_log.append([batch("engine/b", 0, [pending(uuids[1_250]), pending(uuids[1_200])])])  # rows
-        before = {event.event_id: event.global_seq for event in await all_events(event_log)}
+        held = {event.event_id: event.global_seq for event in await all_events(event_log)}
     finally:
         await event_log.close()
     assert await _counts(log_url) == (1_200, 2)
+    return uuids, held
+
+
+@pytest.mark.parametrize("log_url", ["sqlite"], indirect=True)
+async def test_0009_downgrade_writes_each_runs_ids_back_as_rows(log_url: str) -> None:
+    uuids, before = await _runs_and_rows(log_url)
     stored: dict[str, int] = {}
 
     def down_and_read(conn: sa.Connection) -> None:
@@ -258,16 +267,7 @@ async def test_one_append_counts_its_own_runs_and_rows_step_by_step(log_url: str
 
 @pytest.mark.parametrize("log_url", ["postgresql"], indirect=True)
 async def test_0010_downgrade_writes_postgresqls_runs_back_as_rows(log_url: str) -> None:
-    uuids = sorted(uuid.uuid4().hex for _ in range(1_300))
-    event_log = await _open(log_url)
-    try:
-        for index in range(1_200):  # 1,200 runs of one id: more than a page of the downgrade's runs
-            await event_log.append([batch("engine/a", index, [pending(uuids[index])])])
-        await event_log.append([batch("engine/b", 0, [pending(uuids[1_250]), pending(uuids[1_200])])])  # rows
-        before = {event.event_id: event.global_seq for event in await all_events(event_log)}
-    finally:
-        await event_log.close()
-    assert await _counts(log_url) == (1_200, 2)
+    uuids, before = await _runs_and_rows(log_url)
     stored: dict[str, int] = {}
     collations: list[str | None] = []
 
