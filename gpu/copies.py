@@ -57,7 +57,6 @@ copy of the index metadata.
 
 from __future__ import annotations
 
-import itertools
 import math
 import struct
 import threading
@@ -125,10 +124,11 @@ class _Batch:
 def _ints(*columns: list[int]) -> np.ndarray:
     """Columns of Python ints, end to end, as one int64 array. OverflowError for a value outside
     int64. Packed with struct and read back with np.frombuffer: 2.6x faster than np.array on a
-    list (6.4 against 16.8 us for 1,024 ints), which matters when a 1,024-op batch has five."""
-    count = sum(len(column) for column in columns)
+    list (6.4 against 16.8 us for 1,024 ints), which matters when a 1,024-op batch has five. Each
+    column packed on its own, then joined: unpacking a chain of them into one call took twice as
+    long (14.9 against 7.8 us for two columns of 1,024)."""
     try:
-        packed = struct.pack(f"{count}q", *itertools.chain.from_iterable(columns))
+        packed = b"".join([struct.pack(f"{len(column)}q", *column) for column in columns])
     except struct.error as error:  # a value outside int64 (or not an int: the codec refuses those first)
         raise OverflowError(str(error)) from None
     return np.frombuffer(packed, dtype=np.int64)
