@@ -160,10 +160,9 @@ def keep_ids(
     step) and none this append keeps before it. A row id inside a run this append makes is
     refused when that run holds it (AppendRejected); the log's own rows and runs are checked by
     the primary key and by `_refuse_ids_runs_hold`."""
-    runs: list[tuple[str, str, int]] = []
+    runs: list[tuple[str, str, int, list[str]]] = []
     rows: list[tuple[str, int]] = []
     ordered: list[str] = []  # this append's row ids so far, sorted
-    held: dict[int, list[str]] = {}  # run index -> its ids, for the rare row id inside its bounds
     for row, event_ids in steps:
         first_seq = row[0]
         first, last = event_ids[0], event_ids[-1]
@@ -171,19 +170,24 @@ def keep_ids(
             ascending(event_ids)
             and (top is None or first > top)
             and not rows_between.get((first, last), True)
-            and bisect_left(ordered, first) == len(ordered)  # every row id so far lies below it
+            and not _any_between(ordered, first, last)
         ):
-            runs.append((first, last, first_seq))
-            held[len(runs) - 1] = event_ids
+            runs.append((first, last, first_seq, event_ids))
             top = last
             continue
         for index, event_id in enumerate(event_ids):
-            for number, (run_first, run_last, run_seq) in enumerate(runs):
-                if run_first <= event_id <= run_last and event_id in held[number]:
-                    raise AppendRejected(_taken(event_id, run_seq + held[number].index(event_id)))
+            for run_first, run_last, run_seq, run_ids in runs:
+                if run_first <= event_id <= run_last and event_id in run_ids:
+                    raise AppendRejected(_taken(event_id, run_seq + run_ids.index(event_id)))
             insort(ordered, event_id)
             rows.append((event_id, first_seq + index))
-    return runs, rows
+    return [(first, last, first_seq) for first, last, first_seq, _ in runs], rows
+
+
+def _any_between(ordered: list[str], first: str, last: str) -> bool:
+    """Whether sorted `ordered` holds an id from `first` to `last`."""
+    at = bisect_left(ordered, first)
+    return at < len(ordered) and ordered[at] <= last
 
 
 async def _refuse_ids_runs_hold(conn: AsyncConnection, rows: Sequence[tuple[str, int]]) -> None:

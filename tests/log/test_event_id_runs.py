@@ -258,8 +258,13 @@ async def test_one_append_counts_its_own_runs_and_rows_step_by_step(log_url: str
         with pytest.raises(AppendRejected) as refusal:
             await event_log.append([batch("engine/c", 2, [pending("r-1")]), batch("engine/a", 5, [pending("k-20")])])
         _names(refusal.value, "k-20", 2)
+        # Rows of this append above an ascending step's bounds do not lie between them: still a run.
+        await event_log.append(
+            [batch("engine/c", 2, [pending("z-9"), pending("z-1")]), batch("engine/a", 5, [pending("y-1"), pending("y-2")])]
+        )
+        assert await _counts(log_url) == (3, 8)
         assert [e.event_id for e in await all_events(event_log)] == [
-            "k-10", "k-20", "k-30", "k-25", "k-15", "m-1", "m-2", "p-5", "p-1", "p-0", "p-9"
+            "k-10", "k-20", "k-30", "k-25", "k-15", "m-1", "m-2", "p-5", "p-1", "p-0", "p-9", "z-9", "z-1", "y-1", "y-2"
         ]  # fmt: skip
     finally:
         await event_log.close()
