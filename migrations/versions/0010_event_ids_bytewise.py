@@ -7,7 +7,12 @@ is UTF-8's byte order); PostgreSQL compared the id columns in the database's loc
 every id as a kvl_event_ids row. Here kvl_event_ids.event_id and kvl_id_runs' bounds take
 collation "C" (their primary key indexes are rebuilt in that order); equality, and so
 uniqueness, is unchanged. SQLite's default collation (BINARY) is already byte order: nothing to
-do there. A downgrade writes PostgreSQL's runs back as rows first.
+do there. A downgrade writes PostgreSQL's runs back as rows.
+
+On PostgreSQL the change rewrites kvl_event_ids, which held a row per event until now, under an
+exclusive lock: appends wait for it. Measure it on a copy of a large log first and run
+`kvledger db upgrade` in a maintenance window (ops/runbooks/capacity-and-retention.md gives the
+table's size per event).
 
 Revision ID: 0010
 Revises: 0009
