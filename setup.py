@@ -6,7 +6,7 @@ module that Python imports in place of the .py beside it. Nothing is rewritten f
 the source stays the one truth, and the core still runs as plain Python wherever it is not
 compiled. The Mooncake trace through the core (`ops/bench/trace.py --core-only`) ran 260-276k
 blocks/s compiled against 197-208k as Python (KVLEDGER_PURE_PYTHON=1), in alternated runs
-(README, "Benchmarks"); the projector's fold alone gains nothing measurable.
+(ops/bench/README.md); the projector's fold alone gains nothing measurable.
 
 * Cython reads the annotations as Python's own (`annotation_typing` off): an `x: float` stays a
   Python object, as it is in the source, so an event holds the very value it would as Python.

@@ -7,7 +7,7 @@ from the buffer with no more I/O. anyio's `BufferedByteReceiveStream.receive_exa
 stream for exactly the bytes still missing, and anyio's Unix stream spends a loop iteration (a
 checkpoint) and a `recv` on each ask: three of each for every frame the sidecar read (its first
 byte, the rest of its header, its body). At an engine's pace every loop iteration costs 2-3x
-what it does back to back (README, "Where the rest of vLLM's overhead goes").
+what it does back to back (ops/bench/README.md, "Where the rest of vLLM's overhead goes").
 """
 
 from __future__ import annotations
