@@ -13,9 +13,11 @@ concatenated, with a header naming each event (id, type, schema version, length)
 unique: a step whose ids ascend above every id the log holds is one `kvl_id_runs` row (its first
 and last id; the ledger's UUIDv7s nearly always do), and any other step's ids go to
 `kvl_event_ids`, whose primary key keeps them unique, each checked against the runs (migration
-0009 on SQLite, 0010 on PostgreSQL: events/log/_postgres_append.py). A step of 1 KiB or more is stored with its header
-and payload compressed (LZ4, `kvl_steps.codec`; `stored_step` reads either). A reader splits a
-step back into events (`StoredStep.events`), or replay decodes the whole payload in one call.
+0009 on SQLite, 0010 on PostgreSQL). A step of 1 KiB or more is stored with its header and
+payload compressed (LZ4, `kvl_steps.codec`; events/log/_step_rows.py packs and reads either). A
+reader splits a step back into events (`StoredStep.events`), or replay decodes the whole payload
+in one call. Each backend's append statements are a module of their own:
+events/log/_sqlite_append.py and events/log/_postgres_append.py.
 """
 
 from __future__ import annotations
@@ -28,14 +30,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-import msgspec
 import sqlalchemy as sa
 import structlog
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from events.log import schema as t
-from events.log._append_plan import PackedStep, StepRow, ascending, plan_append
+from events.log._append_plan import PackedStep
 from events.log._command_filter import CommandFilter
 from events.log._contract import (
     AppendBatch,
@@ -47,6 +48,7 @@ from events.log._contract import (
     StoredStep,
 )
 from events.log._postgres_append import append_postgresql
+from events.log._sqlite_append import HEAD_SQL, SqliteRows, append_rows
 from events.log._step_rows import STEP_COLUMNS, pack_batches, stored_step
 from events.log._writer_thread import WriterThread
 
@@ -180,31 +182,6 @@ _READ_STREAM_STEPS_SQL = (
 )
 _READ_STREAM_STEPS = sa.text(_READ_STREAM_STEPS_SQL).bindparams(
     sa.bindparam("after", type_=sa.BigInteger), sa.bindparam("limit", type_=sa.BigInteger)
-)
-_HEAD_SQL = "SELECT last_seq FROM kvl_steps ORDER BY first_seq DESC LIMIT 1"
-_INSERT_STEP_SQL = (
-    "INSERT INTO kvl_steps (first_seq, last_seq, stream_id, first_version, step, recorded_at, schemas, header, payload, codec) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-)
-_INSERT_IDS_AT_ONCE_SQL = (
-    # A step's event ids in one statement, from a JSON array (key: the index in it).
-    "INSERT INTO kvl_event_ids (event_id, global_seq) SELECT value, ? + key FROM json_each(?)"
-)
-
-# Event ids kept as runs (migration 0009): a step whose ids ascend above every id the log holds is
-# one kvl_id_runs row. Runs never overlap, so the highest by first id has the log's highest last id.
-_INSERT_RUN_SQL = "INSERT INTO kvl_id_runs (first_id, last_id, first_seq) VALUES (?, ?, ?)"
-_ABOVE_EVERY_ID_SQL = (
-    # Whether ids from ? to ? lie above every run and no kvl_event_ids row lies among them.
-    "SELECT coalesce((SELECT last_id FROM kvl_id_runs ORDER BY first_id DESC LIMIT 1) < ?1, 1) "
-    "AND NOT EXISTS (SELECT 1 FROM kvl_event_ids WHERE event_id BETWEEN ?1 AND ?2)"
-)
-_IDS_WITHIN_RUNS_SQL = (
-    # Each id of a JSON array that lies within a run's bounds, with that run's step: the run
-    # starting at or below it that starts highest, if it ends at or above it.
-    "SELECT ids.value, runs.first_seq FROM json_each(?) AS ids JOIN kvl_id_runs AS runs "
-    "ON runs.first_id = (SELECT max(first_id) FROM kvl_id_runs WHERE first_id <= ids.value) "
-    "WHERE ids.value <= runs.last_id"
 )
 
 
@@ -405,7 +382,7 @@ class SqlEventLog:
     ) -> list[AppendResult]:
         _driver_statement(driver, "BEGIN IMMEDIATE")  # the write lock up front: appends serialize
         try:
-            results = _append_rows(_SqliteRows(driver), batches, expected_head, packed)
+            results = append_rows(SqliteRows(driver), batches, expected_head, packed)
             _driver_statement(driver, "COMMIT")
         except BaseException as error:
             if driver.in_transaction:
@@ -507,14 +484,14 @@ class SqlEventLog:
             self._commands.saw_head(head)
             return head
         async with self.engine.connect() as conn:
-            value = int((await conn.execute(sa.text(_HEAD_SQL))).scalar() or 0)
+            value = int((await conn.execute(sa.text(HEAD_SQL))).scalar() or 0)
         self._commands.saw_head(value)
         return value
 
     def _head_blocking(self) -> int:
         assert self.blocking_engine is not None
         with self.blocking_engine.connect() as conn:
-            return _SqliteRows(conn.connection.driver_connection).head()
+            return SqliteRows(conn.connection.driver_connection).head()
 
     async def find_commands(self, command_ids: Sequence[str]) -> dict[str, AppendResult]:
         if not command_ids:
@@ -559,7 +536,7 @@ class SqlEventLog:
         async with self.engine.connect() as conn:
             await conn.execution_options(isolation_level="REPEATABLE READ")
             async with conn.begin():
-                head = int((await conn.execute(sa.text(_HEAD_SQL))).scalar() or 0)
+                head = int((await conn.execute(sa.text(HEAD_SQL))).scalar() or 0)
                 expected = int((await conn.execute(sa.text("SELECT count(*) FROM kvl_commands"))).scalar() or 0)
                 fresh = CommandFilter.read([], head, expected)
                 result = await conn.stream(sa.text("SELECT command_id FROM kvl_commands"))
@@ -577,7 +554,7 @@ class SqlEventLog:
         fresh = None
         with self.blocking_engine.connect() as conn:
             driver: Any = conn.connection.driver_connection
-            rows = _SqliteRows(driver)
+            rows = SqliteRows(driver)
             if build:
                 driver.execute("BEGIN")  # one snapshot of the log for the head and the ids
             try:
@@ -690,108 +667,3 @@ def _driver_statement(driver: sqlite3.Connection, statement: str) -> None:
         driver.execute(statement)
     except sqlite3.OperationalError as error:
         raise sa.exc.OperationalError(statement, None, error) from error
-
-
-def _append_rows(
-    rows: _SqliteRows, batches: Sequence[AppendBatch], expected_head: int | None, packed: Sequence[PackedStep | None]
-) -> list[AppendResult]:
-    """The append's plan (events/log/_append_plan.py), looking streams and command ids up a
-    statement each, then its rows written."""
-    plan = plan_append(batches, packed, rows.head(), expected_head, rows.stream_version, rows.command)
-    for row, event_ids in plan.steps:
-        rows.insert_step(row, event_ids)
-    for stream_id, (version, held) in plan.versions.items():
-        rows.set_stream_version(stream_id, version, new=not held)
-    for command_id, result in plan.commands:
-        rows.insert_command(command_id, result)
-    return plan.results
-
-
-class _SqliteRows:
-    """The statements of one SQLite append, on one connection inside its transaction, straight
-    to sqlite3: SQLAlchemy's per-statement work was a quarter of an append (ops/bench/log.py,
-    profiled). PostgreSQL's appends are events/log/_postgres_append.py."""
-
-    def __init__(self, driver: Any) -> None:
-        self.driver = driver
-
-    def head(self) -> int:
-        row = self.driver.execute(_HEAD_SQL).fetchone()
-        return int(row[0]) if row else 0
-
-    def command(self, command_id: str) -> AppendResult | None:
-        row = self.driver.execute(
-            "SELECT stream_id, first_seq, last_seq, stream_version, digest FROM kvl_commands WHERE command_id = ?", (command_id,)
-        ).fetchone()
-        if row is None:
-            return None
-        return AppendResult(
-            stream_id=row[0], first_seq=row[1], last_seq=row[2], stream_version=row[3], duplicate=True, digest=row[4]
-        )
-
-    def stream_version(self, stream_id: str) -> int | None:
-        row = self.driver.execute("SELECT version FROM kvl_streams WHERE stream_id = ?", (stream_id,)).fetchone()
-        return None if row is None else int(row[0])
-
-    def insert_step(self, step: StepRow, event_ids: list[str]) -> None:
-        """The step's row, then its event ids kept unique: as one run when they ascend above every
-        id the log holds (the ledger's UUIDv7s nearly always do), else a kvl_event_ids row each,
-        none of them inside a run's step."""
-        self.driver.execute(_INSERT_STEP_SQL, step)
-        if self._a_new_run(event_ids):
-            self.driver.execute(_INSERT_RUN_SQL, (event_ids[0], event_ids[-1], step[0]))
-            return
-        # One statement, not one per event (executemany): sqlite3 lets go of the GIL around each
-        # row's step, and while the event loop is busy each handover waits up to the switch
-        # interval for it back. A 258-event step of refusals took 10-18 ms to append under
-        # ops/bench/hostile.py's attack, and every engine's step waited behind it.
-        ids = msgspec.json.encode(event_ids)
-        try:
-            self.driver.execute(_INSERT_IDS_AT_ONCE_SQL, (step[0], ids))
-        except sqlite3.IntegrityError as error:
-            raise sqlite3.IntegrityError(f"{error}: {self._taken(event_ids, ids)}") from error
-        steps: dict[int, list[str]] = {}
-        for event_id, first_seq in self.driver.execute(_IDS_WITHIN_RUNS_SQL, (ids,)).fetchall():
-            # Inside a run's bounds: taken only if its step lists it (a header read each step, rare).
-            held = steps.get(first_seq)
-            if held is None:
-                row = self.driver.execute(f"SELECT {STEP_COLUMNS} FROM kvl_steps WHERE first_seq = ?", (first_seq,)).fetchone()
-                held = steps[first_seq] = stored_step(row).event_ids()
-            if event_id in held:
-                raise sqlite3.IntegrityError(
-                    f"UNIQUE constraint failed: event id {event_id!r} is taken (global sequence {first_seq + held.index(event_id)})"
-                )
-
-    def _a_new_run(self, event_ids: list[str]) -> bool:
-        """Whether the ids ascend (so none is given twice) and all lie above every id the log
-        holds: the highest run's last id, and any kvl_event_ids row between the first and last."""
-        if not ascending(event_ids):
-            return False
-        return bool(self.driver.execute(_ABOVE_EVERY_ID_SQL, (event_ids[0], event_ids[-1])).fetchone()[0])
-
-    def _taken(self, event_ids: list[str], ids: bytes) -> str:
-        """Which of a step's event ids broke their uniqueness (the statement failed as a whole)."""
-        seen: set[str] = set()
-        for event_id in event_ids:
-            if event_id in seen:
-                return f"event id {event_id!r} is given twice in the step"
-            seen.add(event_id)
-        row = self.driver.execute(
-            "SELECT event_id, global_seq FROM kvl_event_ids WHERE event_id IN (SELECT value FROM json_each(?)) "
-            "ORDER BY global_seq LIMIT 1",
-            (ids,),
-        ).fetchone()
-        return f"event id {row[0]!r} is taken (global sequence {row[1]})" if row else "an event id is taken"
-
-    def set_stream_version(self, stream_id: str, version: int, *, new: bool) -> None:
-        if new:
-            self.driver.execute("INSERT INTO kvl_streams (stream_id, version) VALUES (?, ?)", (stream_id, version))
-        else:
-            self.driver.execute("UPDATE kvl_streams SET version = ? WHERE stream_id = ?", (version, stream_id))
-
-    def insert_command(self, command_id: str, result: AppendResult) -> None:
-        self.driver.execute(
-            "INSERT INTO kvl_commands (command_id, stream_id, first_seq, last_seq, stream_version, digest) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            (command_id, result.stream_id, result.first_seq, result.last_seq, result.stream_version, result.digest),
-        )

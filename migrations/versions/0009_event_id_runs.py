@@ -7,7 +7,7 @@ was most of a SQLite append: 256 ids inserted in one statement took ~150 us of a
 ops/bench/peer_eventsourcing.py's append ratio went from 6.3-7.5 to 9.3-9.4 with them left out.
 Runs never overlap (each begins above every run before it), so an id is in the log when it is a
 kvl_event_ids row, or inside a run's bounds and listed in that run's step header
-(events/log/_sql.py, `_SqliteRows.insert_step`). Rows before this revision stay in kvl_event_ids;
+(events/log/_sqlite_append.py, `SqliteRows.insert_step`). Rows before this revision stay in kvl_event_ids;
 a downgrade writes every run's ids back there.
 
 Revision ID: 0009
