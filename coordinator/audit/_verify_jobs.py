@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from coordinator.audit._verify_base import At, Checks, hexes, ref_text
 from coordinator.core.state import JobState
+from coordinator.core.tier_slots import lease_live
 from events import (
     NULL_BLOCK_ID,
     ExternalItem,
@@ -368,13 +369,12 @@ class JobChecks(Checks):
         entry = tier.entry(event.pool_id, event.key) if tier is not None else None
         if entry is None:
             return False  # the projector says it cannot fold this
-        engine = self.state.engines.get(event.engine_id)
-        if engine is not None and entry.leases and entry.leased_at(engine.clock):
-            live = sorted(job_id for job_id, expiry in entry.leases.items() if expiry > engine.clock)
+        live = sorted(job_id for job_id, expiry in (entry.leases or {}).items() if lease_live(self.state, job_id, expiry))
+        if live:  # each lease read on the clock of the engine whose load holds it (lease_live)
             self._flag(
                 "I12",
                 at,
-                f"evicts key {event.key.hex()} at engine clock {engine.clock:g} while load(s) {live} hold a live lease on it",
+                f"evicts key {event.key.hex()} while load(s) {live} hold a lease live on their engine's clock",
                 self._job_evidence(live),
             )
         self._evicted_in_append[(event.tier, event.pool_id, event.key)] = (at.seq, entry.checksums)

@@ -23,6 +23,12 @@ the engine (issue 17). The first step of an incarnation may be any number in 0..
 MAX_FIRST_STEP = 1 << 53
 """The largest first step of an incarnation: a microsecond wall clock (vLLM's step numbers, ~1.8e15
 now) fits until the year 2255."""
+MAX_STREAM_NAME = 248
+"""Characters of an engine id or a tier name: each names a stream of the log ("engine/<id>",
+"tier/<name>"), a 255-character column (kvl_steps.stream_id). PostgreSQL refused a longer one at
+the append, failing the whole group and rebuilding the ledger from the log, once for every
+declaration an attacker sent (an adversarial review, session 31; the sidecar's Hello bounds the
+engine id the same way, coordinator/sidecar/protocol.py MAX_ENGINE_ID)."""
 MAX_CLOCK_JUMP = float(1 << 28)
 """How far one step's clock (seconds) may leap past the engine's last (~8.5 years). The first
 step of an incarnation may set any finite clock; every later one moves from it."""

@@ -127,6 +127,8 @@ def _declare_tier(state: State, command: DeclareTier) -> list[Event]:
     spec = command.spec
     if not spec.name:
         raise Refusal(Reason.INVALID_ARGUMENT, "tier name is empty")
+    if len(spec.name) > check.MAX_STREAM_NAME:
+        raise Refusal(Reason.INVALID_ARGUMENT, f"tier name is {len(spec.name):,} characters, at most {check.MAX_STREAM_NAME}")
     check.count(spec.num_slots, check.MAX_BLOCKS_PER_POOL, f"tier {spec.name!r} num_slots")
     check.count(spec.bytes_per_slot, 1 << 40, f"tier {spec.name!r} bytes_per_slot")
     known = state.tiers.get(spec.name)
@@ -141,6 +143,8 @@ def _declare_engine(state: State, command: DeclareEngine) -> list[Event]:
     name = command.engine_id
     if not name:
         raise Refusal(Reason.INVALID_ARGUMENT, "engine_id is empty")
+    if len(name) > check.MAX_STREAM_NAME:
+        raise Refusal(Reason.INVALID_ARGUMENT, f"engine_id is {len(name):,} characters, at most {check.MAX_STREAM_NAME}")
     problems = namespace_problems(command.namespace)
     if problems:
         raise Refusal(Reason.INVALID_ARGUMENT, f"namespace: {'; '.join(problems)}")

@@ -275,7 +275,7 @@ def _store_external(state: State, command: StoreExternal) -> list[Event]:
     pool_ids, engine_keys = _columns(eng, command.keys)
     keys = tier_keys(eng.namespace_id, pool_ids, engine_keys)
     to_store, skipped, kept = _admitted(state, tier, pool_ids, engine_keys, keys)
-    slots, evictions = reserve_tier_slots(tier, eng, len(to_store), kept)
+    slots, evictions = reserve_tier_slots(state, tier, eng, len(to_store), kept)
     job_id = state.next_job_id
     generations = tier.generations
     items = [

@@ -16,7 +16,7 @@ from coordinator.core.copy_plan import PlannedMove, overlapping_destinations, pl
 from coordinator.core.keys import chain_keys, iter_chain_keys, reuse_unit
 from coordinator.core.protections import Protection, is_off
 from coordinator.core.state import EngineState, JobState, PoolState, SlotStatus, State, unpack_checksums
-from coordinator.core.tier_slots import reserve_tier_slots
+from coordinator.core.tier_slots import blocks_in_flight, reserve_tier_slots
 from events import (
     NULL_BLOCK_ID,
     BlockRef,
@@ -197,6 +197,7 @@ def _start_store(state: State, command: StartStore) -> list[Event]:
     skipped: list[bytes] = []
     kept: set[int] = set()  # the slots of the published keys it skips (reserve_tier_slots keeps them)
     seen: set[tuple[int, bytes]] = set()
+    writing: set[BlockRef] | None = None  # the engine's blocks in flight to the tier, read once if needed
     naive_nulls = is_off(Protection.NULL_STATES)
     for ref in command.blocks:
         pool = check.block(eng, ref, allow_null=naive_nulls)
@@ -208,14 +209,19 @@ def _start_store(state: State, command: StartStore) -> list[Event]:
             # I17: content that is still being computed or loaded is not stored.
             raise Refusal(Reason.NOT_COMPUTED, f"block {ref.pool_id}/{ref.block_id} is not computed and held")
         published = tier.slot_of(ref.pool_id, key)
-        if published is not None or (ref.pool_id, key) in seen:
-            skipped.append(key)  # I10: already there (or twice in this job): an idempotent skip
+        if pool.pins[ref.block_id] and writing is None:
+            # Only a pinned block can be a store's source in flight (a store pins its sources; with
+            # pins off, the simulator's naive scenario, none is): the jobs are read for a command
+            # naming one, not for every store.
+            writing = blocks_in_flight(state, tier, eng.engine_id)
+        if published is not None or (ref.pool_id, key) in seen or (writing is not None and ref in writing):
+            skipped.append(key)  # I10: already there (or twice in this job, or this block on its way in): an idempotent skip
             if published is not None:
                 kept.add(published)
             continue
         seen.add((ref.pool_id, key))
         to_store.append((ref, key))
-    slots, evictions = reserve_tier_slots(tier, eng, len(to_store), kept)
+    slots, evictions = reserve_tier_slots(state, tier, eng, len(to_store), kept)
     job_id = state.next_job_id
     items = [StoreItem(ref, key, slot, tier.generations[slot] + 1) for (ref, key), slot in zip(to_store, slots, strict=True)]
     events: list[Event] = [*evictions]

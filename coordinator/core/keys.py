@@ -35,6 +35,11 @@ _PREFIX_KINDS: frozenset[str] = frozenset({"attention", "sliding_window", "state
 PARALLEL_LAYOUT = frozenset({"tensor_parallel_size", "pipeline_parallel_size", "kv_rank_layout"})
 """The fields of a namespace that say how its blocks are split across ranks: in its id unless it
 is `parallelism_agnostic` (its flag is in the id then, so it never meets a layout-bound one)."""
+MAX_WORLD_SIZE = 1 << 12
+"""The most ranks one engine may have (tensor x pipeline parallel size): far beyond any model
+served today (8-64 devices). Unbounded, a declaration of 2**40 ranks made the decider list every
+rank of a job it fenced, on the event loop (the sidecar stopped answering anyone), and a rank past
+2**63 stopped the audit index's every catch-up (an adversarial review, session 31)."""
 
 
 def canonical_namespace(spec: NamespaceSpec) -> bytes:
@@ -64,6 +69,11 @@ def namespace_problems(spec: NamespaceSpec) -> list[str]:
         problems.append("block_sizes must be positive")
     if spec.tensor_parallel_size <= 0 or spec.pipeline_parallel_size <= 0:
         problems.append("parallel sizes must be positive")
+    elif spec.tensor_parallel_size * spec.pipeline_parallel_size > MAX_WORLD_SIZE:
+        problems.append(
+            f"tensor x pipeline parallel size is {spec.tensor_parallel_size * spec.pipeline_parallel_size:,}, "
+            f"at most {MAX_WORLD_SIZE:,} ranks"
+        )
     if spec.adapter_revision and not spec.adapter_id:
         problems.append("adapter_revision without adapter_id")
     return problems

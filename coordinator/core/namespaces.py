@@ -32,6 +32,7 @@ from typing import Any, cast, get_args
 from coordinator.core.checks import Refusal
 from coordinator.core.commands import Command, DecideNamespace, ReleaseNamespace
 from coordinator.core.state import KeyEntry, State
+from coordinator.core.tier_slots import lease_live
 from events import Event, KeyEvicted, KeyQuarantined, NamespaceDecided, NamespaceOutcome, NamespaceReleased, Reason
 
 Handler = Callable[[State, Any], list[Event]]
@@ -137,15 +138,7 @@ def _published(state: State, namespace: bytes) -> list[tuple[str, int, bytes, Ke
 def _live_leases(state: State, entry: KeyEntry) -> list[int]:
     """The load jobs whose lease on the key is still live on their engine's clock (I12: a lease
     is live while clock < expiry). A lease whose job or engine is unknown counts as live."""
-    live = []
-    for job_id, expiry in (entry.leases or {}).items():
-        job = state.jobs.get(job_id)
-        if job is None and job_id in state.fenced:
-            job = state.fenced[job_id].job
-        engine = state.engines.get(job.decision.engine_id) if job is not None else None
-        if engine is None or engine.clock < expiry:
-            live.append(job_id)
-    return live
+    return [job_id for job_id, expiry in (entry.leases or {}).items() if lease_live(state, job_id, expiry)]
 
 
 def ended_by_reset(state: State, engine_id: str, namespace: bytes, tiers: list[str]) -> list[Event]:

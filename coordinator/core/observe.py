@@ -63,6 +63,11 @@ MAX_HASH_BYTES = 128
 """vLLM's hashes are 32 bytes (sha256) or 8 (an int); anything much longer is not a block hash."""
 MAX_EVENTS_PER_BATCH = 1 << 16
 
+MAX_SOURCE_SEQ = (1 << 63) - 2
+"""The largest batch sequence number recorded: the next one expected (one more) must fit the
+state's and the log's signed 64-bit integers (msgpack, kvl_audit_observed.source_seq). One of
+2**64-1 left the state unable to be encoded: every snapshot failed, and with it the group it rode
+on, and the audit index stopped (an adversarial review, session 31)."""
 MAX_DP_RANK = (1 << 31) - 1
 """Data-parallel ranks are 32-bit in the audit index (kvl_audit_observed.dp_rank)."""
 
@@ -104,8 +109,11 @@ def _observe_gap(state: State, command: ObserveGap) -> list[Event]:
     """The gap recorded starts at the first batch not yet recorded, whatever `first_seq` says:
     those before it are recorded, those between are missing too."""
     eng = observed(state, command.engine_id)
-    if command.first_seq < 0 or command.last_seq < command.first_seq:
-        raise Refusal(Reason.INVALID_ARGUMENT, f"gap {command.first_seq}..{command.last_seq} is not a range of sequence numbers")
+    if command.first_seq < 0 or command.last_seq < command.first_seq or command.last_seq > MAX_SOURCE_SEQ:
+        raise Refusal(
+            Reason.INVALID_ARGUMENT,
+            f"gap {command.first_seq}..{command.last_seq} is not a range of sequence numbers in 0..{MAX_SOURCE_SEQ}",
+        )
     if command.last_seq < eng.next_seq:
         raise Refusal(
             Reason.DUPLICATE_BATCH,
@@ -135,8 +143,8 @@ def _observe_malformed(state: State, command: ObserveMalformed) -> list[Event]:
 
 def _observe_kv_events(state: State, command: ObserveKvEvents) -> list[Event]:
     eng = observed(state, command.engine_id)
-    if command.seq < 0:
-        raise Refusal(Reason.INVALID_ARGUMENT, f"batch sequence number {command.seq} < 0")
+    if not 0 <= command.seq <= MAX_SOURCE_SEQ:
+        raise Refusal(Reason.INVALID_ARGUMENT, f"batch sequence number {command.seq} is outside 0..{MAX_SOURCE_SEQ}")
     if command.seq < eng.next_seq:
         raise Refusal(
             Reason.DUPLICATE_BATCH,

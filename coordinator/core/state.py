@@ -153,9 +153,6 @@ class KeyEntry(msgspec.Struct, kw_only=True, gc=False):
         """One per rank (a new list each time)."""
         return _checksums_decoder.decode(self.packed_checksums)
 
-    def leased_at(self, now: float) -> bool:
-        return bool(self.leases) and any(expiry > now for expiry in self.leases.values())  # type: ignore[union-attr]
-
 
 class TierState(msgspec.Struct, kw_only=True, dict=True):
     """A tier's slots (always managed by kvledger) and the keys published in them, stored as

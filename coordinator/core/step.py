@@ -16,6 +16,13 @@ from events import Event
 
 NAMESPACE_STREAM = "namespaces"
 """The stream of namespace decisions (they name no engine)."""
+MAX_STREAM_ID = 255
+"""Characters of a stream id: the log's column (kvl_steps.stream_id) holds no more."""
+LONG_NAMES_STREAM = "long-names"
+"""Where the events of an engine or a tier whose stream id would be longer than MAX_STREAM_ID go:
+each such engine or tier is refused (checks.MAX_STREAM_NAME), and its refusals are recorded here.
+Written to a stream named by the name itself, PostgreSQL refused each of them at the append,
+failing its whole group (an adversarial review, session 31)."""
 
 
 class StepEvents(NamedTuple):
@@ -53,14 +60,18 @@ def run_step(
 
 def engine_stream(engine_id: str) -> str:
     """The stream an engine's steps, and every decision for its workers, are committed to."""
-    return f"engine/{engine_id}"
+    return _bounded(f"engine/{engine_id}")
+
+
+def _bounded(stream: str) -> str:
+    return stream if len(stream) <= MAX_STREAM_ID else LONG_NAMES_STREAM
 
 
 def stream_for(state: State, command: AnyCommand) -> str:
     """Each engine writes its own stream; tiers have theirs; a report joins its job's engine;
     namespace decisions go to one stream of their own."""
     if isinstance(command, DeclareTier):
-        return f"tier/{command.spec.name}"
+        return _bounded(f"tier/{command.spec.name}")
     if isinstance(command, (DecideNamespace, ReleaseNamespace)):
         return NAMESPACE_STREAM
     if isinstance(command, ReportRank):

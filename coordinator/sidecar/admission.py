@@ -132,7 +132,7 @@ def foreign_commands(state: State, engine_id: str, commands: Sequence[AnyCommand
     return foreign(engine_id, commands) or next((problem for problem in reports if problem is not None), None)
 
 
-def foreign_report(state: State, engine_id: str, report: ReportRank) -> p.Error | None:
+def foreign_report(state: State, engine_id: str, report: ReportRank, rank: int | None = None) -> p.Error | None:
     """A report on another engine's job, refused at the door: another engine's worker completed
     this engine's store job, publishing its keys with checksums of bytes it never wrote (I9, I13).
     A report naming another engine than the connection's is refused too. A job that ended is left
@@ -140,7 +140,15 @@ def foreign_report(state: State, engine_id: str, report: ReportRank) -> p.Error 
     is refused: it may be made by another engine's step in the very group this report would be
     decided in, after this check (a hostile engine guessing the next id), and a worker reports
     only jobs it was sent, committed. The decider checks the job's engine again when it decides
-    (the report is `attributed`), against the state then."""
+    (the report is `attributed`), against the state then. A worker's connection (`rank`: the rank
+    its Hello named) reports for its own rank only: a rank-0 worker that reported rank 1 too
+    completed a two-rank store alone, publishing a checksum for a shard no rank-1 worker wrote
+    (I5; an adversarial review, session 31)."""
+    if rank is not None and report.rank != rank:
+        return p.Error(
+            code=p.ErrorCode.INVALID_MESSAGE,
+            message=f"the report is of rank {report.rank}; this connection is worker rank {rank} of engine {engine_id!r}",
+        )
     if report.engine_id and report.engine_id != engine_id:
         return p.Error(
             code=p.ErrorCode.INVALID_MESSAGE,

@@ -22,7 +22,7 @@ from typing import Annotated, Literal, TypeVar, Union, cast
 import msgspec
 from msgspec import Meta
 
-from coordinator.core.checks import MAX_EXTRA_KEYS, MAX_ITEMS_PER_COMMAND, MAX_LOOKUP_TOKENS
+from coordinator.core.checks import MAX_EXTRA_KEYS, MAX_ITEMS_PER_COMMAND, MAX_LOOKUP_TOKENS, MAX_STREAM_NAME
 from coordinator.core.commands import AnyCommand, DeclareEngine, ExternalKey, ReportRank
 from coordinator.core.routing import Decision
 from events import (
@@ -61,9 +61,9 @@ LOOKUP_PREFIX = b"\xa3msg\xa6lookup"
 MAX_STEP = 2**63 - 1
 """The log keeps a step's number in a signed 64-bit column (events/log/schema.py, kvl_steps.step):
 a larger one failed the append of its whole group and made the ledger rebuild from the log."""
-MAX_ENGINE_ID = 248
+MAX_ENGINE_ID = MAX_STREAM_NAME
 """Characters: the engine's stream id, "engine/<id>", is a 255-character column (kvl_steps.stream_id;
-PostgreSQL refused a longer one at the append)."""
+PostgreSQL refused a longer one at the append). The core refuses a longer one too."""
 MAX_LISTED_TOKENS = 1 << 16
 """Token ids a Lookup may list (`Lookup.token_ids`); a longer Lookup packs them (`token_bytes`)."""
 TOKEN_BYTES = 4

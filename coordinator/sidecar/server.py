@@ -788,7 +788,7 @@ class Sidecar:
                 return _wrong_role(session, message)
             (report,) = admission.attributed(session.engine_id, [message.report])
             assert isinstance(report, ReportRank)
-            problem = admission.foreign_report(self.ledger.state, session.engine_id, report)
+            problem = admission.foreign_report(self.ledger.state, session.engine_id, report, _worker_rank(session))
             if problem is not None:
                 return problem
             return await self._commit_single(session, "report", report, message.command_id or _report_id(message))
@@ -961,7 +961,7 @@ class Sidecar:
         reports = admission.attributed(session.engine_id, [sent.report for sent in message.reports])
         for sent, report in zip(message.reports, reports, strict=True):
             assert isinstance(report, ReportRank)
-            problem = admission.foreign_report(self.ledger.state, session.engine_id, report)
+            problem = admission.foreign_report(self.ledger.state, session.engine_id, report, _worker_rank(session))
             if problem is not None:
                 return problem
             ids.append(sent.command_id or _report_id(sent))
@@ -1088,6 +1088,12 @@ def _commit_of(result: StepCommit | Commit) -> Commit:
 def _report_id(message: p.Report) -> str:
     # Reports are idempotent in the decider (I4); a generated id only keeps retries cheap.
     return f"report/{message.report.job_id}/{message.report.rank}/{uuid_utils.uuid7().hex}"
+
+
+def _worker_rank(session: Session) -> int | None:
+    """The rank a worker's connection reports for (its Hello's); None for an engine's, which
+    reports for any rank of its own jobs."""
+    return session.rank if session.role == "worker" else None
 
 
 def _wrong_role(session: Session, message: p.Message) -> p.Error:

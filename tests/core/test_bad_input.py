@@ -20,7 +20,7 @@ import msgspec
 import pytest
 
 from coordinator.core import CoordinatorCore
-from coordinator.core.checks import MAX_CLOCK_JUMP, MAX_STEP_JUMP
+from coordinator.core.checks import MAX_CLOCK_JUMP, MAX_STEP_JUMP, MAX_STREAM_NAME
 from coordinator.core.commands import (
     NOTICES,
     AllocateBlocks,
@@ -28,6 +28,7 @@ from coordinator.core.commands import (
     AnyCommand,
     BeginStep,
     DeclareEngine,
+    DeclareTier,
     EndStep,
     FinishOwner,
     FreeBlocks,
@@ -45,6 +46,7 @@ from coordinator.core.commands import (
     StartStore,
     command_tag,
 )
+from coordinator.core.keys import MAX_WORLD_SIZE
 from events import (
     BlockRef,
     BlocksAllocated,
@@ -54,6 +56,7 @@ from events import (
     PoolSpec,
     Reason,
     Refused,
+    TierSpec,
 )
 from tests.kit.builders import (
     ENGINE,
@@ -565,3 +568,34 @@ def test_a_pool_id_the_log_cannot_hold_is_refused_by_the_core_itself() -> None:
         DeclareEngine(engine_id="e", namespace=b.namespace(), pools=[b.attention_pool(pool_id=MAX_POOL_ID)], world_size=2)
     )
     assert not isinstance(declared, Refused)
+
+
+# --- sizes an adversarial review found unbounded (session 31) --------------------------------------
+
+
+@pytest.mark.parametrize("tp, pp", [(1 << 40, 1), (1 << 13, 1), (64, 128), (2**64 - 1, 1)])
+def test_declare_engine_with_more_ranks_than_any_engine_has(world: World, tp: int, pp: int) -> None:
+    """2**40 ranks made fencing a job list every rank on the event loop (the sidecar stopped
+    answering), and a rank past 2**63 stopped the audit index: at most MAX_WORLD_SIZE ranks."""
+    command = declare(tp=tp, pipeline_parallel_size=pp)
+    command = msgspec.structs.replace(command, world_size=tp * pp)
+    assert_rejected(world.core, command, Reason.INVALID_ARGUMENT, f"{tp * pp:,}", f"{MAX_WORLD_SIZE:,} ranks")
+    keeps_serving(world.core, declare(tp=2))
+
+
+def test_a_world_of_max_world_size_ranks_is_declared(world: World) -> None:
+    command = msgspec.structs.replace(declare(tp=MAX_WORLD_SIZE // 2, pipeline_parallel_size=2), world_size=MAX_WORLD_SIZE)
+    assert any(isinstance(e, EngineDeclared) for e in keeps_serving(world.core, command))
+
+
+def test_declare_engine_with_an_id_longer_than_a_stream_name(world: World) -> None:
+    """The engine's stream, "engine/<id>", is a 255-character column: PostgreSQL refused a longer
+    one at the append, failing the group and rebuilding the ledger from the log each time."""
+    assert_rejected(world.core, declare("e" * (MAX_STREAM_NAME + 1)), Reason.INVALID_ARGUMENT, "engine_id", "249")
+    keeps_serving(world.core, declare("e" * MAX_STREAM_NAME))
+
+
+def test_declare_tier_with_a_name_longer_than_a_stream_name(world: World) -> None:
+    long = TierSpec(name="t" * (MAX_STREAM_NAME + 1), num_slots=4, bytes_per_slot=64)
+    assert_rejected(world.core, DeclareTier(spec=long), Reason.INVALID_ARGUMENT, "tier name", "249")
+    keeps_serving(world.core, DeclareTier(spec=TierSpec(name="t" * MAX_STREAM_NAME, num_slots=4, bytes_per_slot=64)))

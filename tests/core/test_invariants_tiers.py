@@ -483,6 +483,62 @@ def test_I12_a_load_completing_after_its_lease_fails_loudly() -> None:
     assert replay_matches(core)
 
 
+def test_I12_a_lease_is_read_on_the_clock_of_the_engine_whose_load_holds_it() -> None:
+    """Engines' clocks have bases of their own. Another tenant's engine on the same tier, its
+    clock far ahead, evicted every key a load of this engine still read (an adversarial review,
+    session 31); and a lease that expired on its own engine's clock is not kept alive by an engine
+    whose clock is behind."""
+    core = new_core(tier_slots=2)
+    new_core(core=core, engine_id="engine-b", tenant="tenant-b")
+    begin(core, clock=0.0)
+    [leased, unleased] = publish(core, TOKENS[:8])
+    dest = allocate(core, owner(core, "reader"), 1)[0]
+    job = load(core, [(leased, dest)], lease_seconds=30.0)
+    end(core)
+    begin(core, clock=1e17, engine_id="engine-b")  # a first step may set any finite clock
+    own = owner(core, "writer", engine_id="engine-b")
+    [first, second] = allocate(core, own, 2, engine_id="engine-b")
+    compute(core, own, [first, second], [7] * 8, engine_id="engine-b")
+    events = ok(core.execute(StartStore(engine_id="engine-b", tier=TIER, blocks=[first])))
+    assert [e.key for e in of_type(events, KeyEvicted)] == [unleased]  # not the leased key
+    rejected(core, StartStore(engine_id="engine-b", tier=TIER, blocks=[second]), Refused, Reason.TIER_FULL)
+    end(core, engine_id="engine-b")
+    begin(core, clock=31.0)  # the lease has expired on its own engine's clock
+    end(core)
+    begin(core, clock=1e17 + 1, engine_id="engine-b")
+    events = ok(core.execute(StartStore(engine_id="engine-b", tier=TIER, blocks=[second])))
+    assert [e.key for e in of_type(events, KeyEvicted)] == [leased]
+    late = report_all(core, job.job_id, [leased])  # too late: the load fails (I12), it never counts
+    assert isinstance(late[-1], JobFailed), late
+    assert replay_matches(core)
+
+
+def test_I10_a_block_stored_again_while_its_store_is_in_flight_takes_no_second_slot() -> None:
+    """One computed block in 64 StartStore commands of one step took 64 slots of a shared tier
+    until its engine reported (an adversarial review, session 31): a key on its way in is skipped,
+    as a published one is."""
+    core = new_core(tier_slots=16)
+    new_core(core=core, engine_id="engine-b", tenant="tenant-b")
+    begin(core)
+    blocks, [key] = computed_blocks(core, TOKENS[:4])
+    first = start_store(core, blocks)
+    free = len(core.state.tiers[TIER].free)
+    for _ in range(8):
+        again = start_store(core, blocks)
+        assert (again.items, again.already_published) == ([], [key])
+    assert len(core.state.tiers[TIER].free) == free
+    # Another engine's block of the same pool, id and generation is another block: it is stored.
+    begin(core, engine_id="engine-b")
+    own = owner(core, "b", engine_id="engine-b")
+    theirs = allocate(core, own, 1, engine_id="engine-b")
+    assert theirs == blocks
+    compute(core, own, theirs, TOKENS[:4], engine_id="engine-b")
+    assert len(start_store(core, theirs, engine_id="engine-b").items) == 1
+    report_all(core, first.job_id, [key])
+    assert core.state.tiers[TIER].entry(0, key) is not None
+    assert replay_matches(core)
+
+
 # --- I13 checksums always on -----------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from coordinator.core import CoordinatorCore
 from coordinator.core.commands import ObservedKvEvent, ObserveEngine, ObserveGap, ObserveKvEvents, ObserveMalformed
+from coordinator.core.observe import MAX_SOURCE_SEQ
 from coordinator.core.projector import project
 from coordinator.core.state import State, decode_state, encode_state, state_digest
 from events import (
@@ -304,3 +305,20 @@ def test_a_data_parallel_rank_the_audit_index_cannot_hold_is_refused(core: Coord
     assert not refusals(
         core.execute(ObserveKvEvents(engine_id=ENGINE, seq=0, ts=1.0, dp_rank=MAX_DP_RANK, events=[stored(b"\x01" * 8)]))
     )
+
+
+@pytest.mark.parametrize("seq", [MAX_SOURCE_SEQ + 1, 2**64 - 1])
+def test_a_batch_sequence_number_past_64_bits_is_refused_and_the_state_stays_encodable(core: CoordinatorCore, seq: int) -> None:
+    """2**64-1 left the next expected batch unencodable: every snapshot, and the group it rode
+    on, failed, and the audit index stopped (an adversarial review, session 31)."""
+    before = encode_state(core.state)
+    [refusal] = batch(core, seq, stored(A))
+    assert isinstance(refusal, Refused) and refusal.reason == Reason.INVALID_ARGUMENT
+    assert str(seq) in refusal.detail and str(MAX_SOURCE_SEQ) in refusal.detail
+    assert unchanged(core, before)
+    [refusal] = core.execute(ObserveGap(engine_id=ENGINE, first_seq=0, last_seq=seq, reason="lost"))
+    assert isinstance(refusal, Refused) and refusal.reason == Reason.INVALID_ARGUMENT
+    assert unchanged(core, before)
+    events = batch(core, MAX_SOURCE_SEQ, stored(A))  # the largest taken: the next one still encodes
+    assert not refusals(events)
+    assert decode_state(encode_state(core.state)).observed[ENGINE].next_seq == MAX_SOURCE_SEQ + 1

@@ -22,6 +22,7 @@ from coordinator.core.keys import chain_keys
 from coordinator.core.state import (
     SlotStatus,
 )
+from coordinator.core.tier_slots import lease_live
 from events import (
     EngineDeclared,
     EngineReset,
@@ -70,7 +71,11 @@ class JobRules(MachineBase):
             return
         chosen = data.draw(st.lists(st.sampled_from(candidates), min_size=1, max_size=3, unique=True))
         tier = self.core.state.tiers[TIER]
-        leased = [(pool_id, key) for pool_id, key, entry in tier.entries() if entry.leased_at(self.engine.clock)]
+        leased = [
+            (pool_id, key)
+            for pool_id, key, entry in tier.entries()
+            if any(lease_live(self.core.state, job_id, expiry) for job_id, expiry in (entry.leases or {}).items())
+        ]
         events = self.execute(StartStore(engine_id=ENGINE, tier=TIER, blocks=chosen))
         if isinstance(events[0], Refused):
             self.rejected(events, Reason.TIER_FULL)

@@ -20,6 +20,7 @@ from coordinator.core.commands import (
     StartStore,
 )
 from coordinator.core.state import encode_state
+from coordinator.core.step import LONG_NAMES_STREAM
 from coordinator.ledger.ledger import Ledger, Step, StepCommit
 from coordinator.ledger.recovery import make_snapshot, recover, replay
 from events import BlocksAllocated, EventCodec, OwnerStarted, Reason, Refused, StoreJobStarted, TierSpec
@@ -169,6 +170,29 @@ async def test_refusals_are_committed_to_the_log(event_log: EventLog) -> None:
     assert refused and refused[0].reason is Reason.UNKNOWN_OWNER
     stored = await event_log.read(commit.first_seq - 1, commit.last_seq - commit.first_seq + 1)
     assert "refused" in [s.event_type for s in stored]
+
+
+async def test_a_tier_or_engine_named_longer_than_a_stream_is_refused_and_the_refusal_committed(event_log: EventLog) -> None:
+    """A stream id is at most 255 characters (kvl_steps.stream_id). A DeclareTier of a 300-character
+    name went to the stream "tier/<name>": PostgreSQL refused the append, the group failed and the
+    ledger was rebuilt from the log, once for every declaration an attacker sent (an adversarial
+    review, session 31). Now the name is refused and the refusal committed to LONG_NAMES_STREAM;
+    the log serves on."""
+    ledger = await Ledger.open(event_log)
+    await _declare(ledger)
+    head = await event_log.head()
+    tier = await ledger.execute(DeclareTier(spec=TierSpec(name="t" * 300, num_slots=8, bytes_per_slot=64)))
+    engine = await ledger.execute(
+        DeclareEngine(
+            engine_id="e" * 300, namespace=b.namespace(block_sizes=(b.BLOCK,)), pools=[b.attention_pool()], world_size=2
+        )
+    )
+    for commit, what in ((tier, "tier name"), (engine, "engine_id")):
+        [refused] = commit.events
+        assert isinstance(refused, Refused) and refused.reason is Reason.INVALID_ARGUMENT and what in refused.detail
+    stored = await event_log.read(head, 10)
+    assert [(s.stream_id, s.event_type) for s in stored] == [(LONG_NAMES_STREAM, "refused")] * 2
+    await _serve_request(ledger, 0, 1.0)  # and the ledger goes on
 
 
 async def test_sqlite_work_never_runs_on_the_event_loop(tmp_path: pytest.TempPathFactory) -> None:

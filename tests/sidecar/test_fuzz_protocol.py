@@ -57,7 +57,7 @@ from structlog.testing import capture_logs
 
 from coordinator import unix_streams
 from coordinator.audit.store import sync_index
-from coordinator.client import Address, EngineClient, SidecarError, WorkerClient
+from coordinator.client import Address, EngineClient, SidecarError, SyncWorkerClient, WorkerClient
 from coordinator.core.commands import AllocateBlocks, EndStep, ReportRank, StartOwner
 from coordinator.core.state import state_digest
 from coordinator.sidecar import admission
@@ -771,6 +771,37 @@ async def test_a_report_that_names_another_engine_than_its_connections_is_refuse
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("batched", [False, True], ids=["report", "reports"])
+async def test_a_workers_connection_reports_for_its_own_rank_only(event_log: EventLog, tmp_path: Path, batched: bool) -> None:
+    """A worker's Hello names its rank. A rank-0 worker that also reported rank 1 completed a
+    two-rank store alone, publishing a checksum for a shard no rank-1 worker wrote (I5; an
+    adversarial review, session 31). Now the report of another rank is an invalid message, alone
+    or in a batch, and nothing is committed; the rank-1 worker then completes the job."""
+    sock = tmp_path / "s.sock"
+    address = Address(socket_path=str(sock))
+    async with sidecar_on(event_log, sock) as sidecar, _client(sock, "pod-a") as a:
+        job = await Engine(a).request(0)
+        honest = [
+            ReportRank(job_id=job.job_id, rank=rank, ok=True, checksums=[b.checksum(i.key, rank) for i in job.items])
+            for rank in (0, 1)
+        ]
+        before = await _mark(sidecar, event_log)
+        with pytest.raises(SidecarError) as refused:
+            if batched:
+                worker = SyncWorkerClient(address, "pod-a", 0, retry_for=5)
+                await anyio.to_thread.run_sync(worker.report_all, [(honest[0], "r0"), (honest[1], "r1")])
+                worker.close()
+            else:
+                await WorkerClient(address, "pod-a", 0).report(honest[1])
+        assert refused.value.code == p.ErrorCode.INVALID_MESSAGE
+        assert "rank 1" in str(refused.value) and "worker rank 0" in str(refused.value)
+        assert await _mark(sidecar, event_log) == before
+        await WorkerClient(address, "pod-a", 0).report(honest[0])
+        committed = await WorkerClient(address, "pod-a", 1).report(honest[1])
+        assert [type(e).__name__ for e in committed.events][-1] == "JobSucceeded"
+
+
+@pytest.mark.anyio
 async def test_a_report_the_door_let_in_counts_for_no_other_engines_job(
     event_log: EventLog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -783,7 +814,7 @@ async def test_a_report_the_door_let_in_counts_for_no_other_engines_job(
     address = Address(socket_path=str(sock))
     async with sidecar_on(event_log, sock) as sidecar, _client(sock, "pod-a") as a, _client(sock, "pod-b"):
         job = await Engine(a).request(0)
-        monkeypatch.setattr(admission, "foreign_report", lambda state, engine_id, report: None)
+        monkeypatch.setattr(admission, "foreign_report", lambda *args: None)
         committed = await WorkerClient(address, "pod-b", 0).report(
             ReportRank(job_id=job.job_id, rank=0, ok=True, checksums=[b"\x00" * 16 for _ in job.items])
         )
