@@ -202,10 +202,26 @@ bench's sample of published keys scans the (key, kind, seq) index)."""
 
 def _insert(conn: sa.Connection, tables: dict[str, list[tuple[Any, ...]]]) -> None:
     """Plain tuples through the driver's executemany: one call per table, no per-row dicts."""
+    postgresql = conn.dialect.name == "postgresql"
     for name, found in tables.items():
         if found:
+            if postgresql:
+                found = _without_nul(found)
             order = _INSERT_ORDER.get(name)
             conn.exec_driver_sql(_insert_sql(name, conn.dialect.paramstyle), found if order is None else sorted(found, key=order))
+
+
+def _without_nul(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """The rows with each NUL of their strings written as U+FFFD: PostgreSQL's text holds no NUL,
+    and one request id "a\\x00b" (the core takes any string there) failed every catch-up of the
+    index, so every tenant's audit answered 503 (an adversarial review, session 31). The log keeps
+    the string as it was sent; the index shows the replacement character where the NUL was."""
+    return [
+        tuple(value.replace("\x00", "\ufffd") if type(value) is str and "\x00" in value else value for value in row)
+        if any(type(value) is str and "\x00" in value for value in row)
+        else row
+        for row in rows
+    ]
 
 
 def _insert_sql(name: str, paramstyle: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 from coordinator.core.state import EngineState, OwnerState, PoolState, State, TierState
 from events import NULL_BLOCK_ID, BlockRef, Reason
@@ -29,9 +30,33 @@ MAX_STREAM_NAME = 248
 the append, failing the whole group and rebuilding the ledger from the log, once for every
 declaration an attacker sent (an adversarial review, session 31; the sidecar's Hello bounds the
 engine id the same way, coordinator/sidecar/protocol.py MAX_ENGINE_ID)."""
+MAX_ENCODER_CACHE_TOKENS = 1 << 24
+MAX_ENCODER_ENTRIES = 1 << 12
+MAX_ENCODER_ENTRY_ID = 256
+"""An engine's encoder cache: at most 16M tokens and 4,096 entries (vLLM's holds a multimodal
+item's embeddings, hundreds to thousands of tokens each: tens of entries), entry ids of at most
+256 characters. Unbounded (a cache of 2**62 tokens, one-token entries never freed), an engine grew
+the state by ~1 MiB a step, and each allocation summed every entry on the event loop: 158-264 ms a
+256-allocation step while other engines waited (an adversarial review, session 31)."""
 MAX_CLOCK_JUMP = float(1 << 28)
 """How far one step's clock (seconds) may leap past the engine's last (~8.5 years). The first
 step of an incarnation may set any finite clock; every later one moves from it."""
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def stream_name(value: str, what: str) -> None:
+    """An engine id or a tier name: it names a stream of the log, so it is 1..MAX_STREAM_NAME
+    characters and holds no control character (PostgreSQL's text holds no NUL: an engine id
+    "N\\x00" failed every append of its group; an adversarial review, session 31)."""
+    if not value:
+        raise Refusal(Reason.INVALID_ARGUMENT, f"{what} is empty")
+    if len(value) > MAX_STREAM_NAME:
+        raise Refusal(Reason.INVALID_ARGUMENT, f"{what} is {len(value):,} characters, at most {MAX_STREAM_NAME}")
+    found = _CONTROL.search(value)
+    if found is not None:
+        raise Refusal(Reason.INVALID_ARGUMENT, f"{what} holds the control character {found.group()!r}")
 
 
 class Refusal(Exception):

@@ -125,10 +125,7 @@ def _refusal_event(state: State, command: Command, refusal: Refusal) -> Event:
 
 def _declare_tier(state: State, command: DeclareTier) -> list[Event]:
     spec = command.spec
-    if not spec.name:
-        raise Refusal(Reason.INVALID_ARGUMENT, "tier name is empty")
-    if len(spec.name) > check.MAX_STREAM_NAME:
-        raise Refusal(Reason.INVALID_ARGUMENT, f"tier name is {len(spec.name):,} characters, at most {check.MAX_STREAM_NAME}")
+    check.stream_name(spec.name, "tier name")
     check.count(spec.num_slots, check.MAX_BLOCKS_PER_POOL, f"tier {spec.name!r} num_slots")
     check.count(spec.bytes_per_slot, 1 << 40, f"tier {spec.name!r} bytes_per_slot")
     known = state.tiers.get(spec.name)
@@ -141,10 +138,7 @@ def _declare_tier(state: State, command: DeclareTier) -> list[Event]:
 
 def _declare_engine(state: State, command: DeclareEngine) -> list[Event]:
     name = command.engine_id
-    if not name:
-        raise Refusal(Reason.INVALID_ARGUMENT, "engine_id is empty")
-    if len(name) > check.MAX_STREAM_NAME:
-        raise Refusal(Reason.INVALID_ARGUMENT, f"engine_id is {len(name):,} characters, at most {check.MAX_STREAM_NAME}")
+    check.stream_name(name, "engine_id")
     problems = namespace_problems(command.namespace)
     if problems:
         raise Refusal(Reason.INVALID_ARGUMENT, f"namespace: {'; '.join(problems)}")
@@ -185,8 +179,11 @@ def _declare_engine(state: State, command: DeclareEngine) -> list[Event]:
     for tier_name in command.tiers:
         if tier_name not in state.tiers:
             raise Refusal(Reason.UNKNOWN_TIER, f"tier {tier_name!r} was never declared")
-    if command.encoder_cache_tokens < 0:
-        raise Refusal(Reason.INVALID_COUNT, "encoder_cache_tokens < 0")
+    if not 0 <= command.encoder_cache_tokens <= check.MAX_ENCODER_CACHE_TOKENS:
+        raise Refusal(
+            Reason.INVALID_COUNT,
+            f"encoder_cache_tokens {command.encoder_cache_tokens:,} is outside 0..{check.MAX_ENCODER_CACHE_TOKENS:,}",
+        )
 
     events: list[Event] = []
     ns_id = namespace_id(_weakened(ns))
@@ -472,11 +469,17 @@ def _mark_computed(state: State, command: MarkComputed) -> list[Event]:
 
 def _allocate_encoder_entry(state: State, command: AllocateEncoderEntry) -> list[Event]:
     eng = check.engine_in_step(state, command.engine_id)
-    if not command.entry_id:
-        raise Refusal(Reason.INVALID_ARGUMENT, "entry_id is empty")
+    if not 0 < len(command.entry_id) <= check.MAX_ENCODER_ENTRY_ID:
+        raise Refusal(
+            Reason.INVALID_ARGUMENT, f"entry_id has {len(command.entry_id):,} characters, not 1..{check.MAX_ENCODER_ENTRY_ID}"
+        )
     check.count(command.num_tokens, max(eng.encoder_cache_tokens, 1), "encoder entry tokens")
     if command.entry_id in eng.encoder_entries:
         raise Refusal(Reason.ALREADY_HELD, f"encoder entry {command.entry_id!r} is cached")
+    if len(eng.encoder_entries) >= check.MAX_ENCODER_ENTRIES:
+        raise Refusal(
+            Reason.ENCODER_CACHE_FULL, f"{len(eng.encoder_entries):,} entries cached, at most {check.MAX_ENCODER_ENTRIES:,}"
+        )
     used = eng.encoder_used
     if used + command.num_tokens > eng.encoder_cache_tokens:
         raise Refusal(

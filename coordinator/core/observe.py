@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from coordinator.core.checks import Refusal
+from coordinator.core.checks import Refusal, stream_name
 from coordinator.core.commands import (
     Command,
     ObservedKvEvent,
@@ -80,8 +80,7 @@ def observed(state: State, engine_id: str) -> ObservedEngine:
 
 
 def _observe_engine(state: State, command: ObserveEngine) -> list[Event]:
-    if not command.engine_id:
-        raise Refusal(Reason.INVALID_ARGUMENT, "engine_id is empty")
+    stream_name(command.engine_id, "engine_id")
     problems = namespace_problems(command.namespace)
     if problems:
         raise Refusal(Reason.INVALID_ARGUMENT, f"namespace: {'; '.join(problems)}")

@@ -18,11 +18,12 @@ NAMESPACE_STREAM = "namespaces"
 """The stream of namespace decisions (they name no engine)."""
 MAX_STREAM_ID = 255
 """Characters of a stream id: the log's column (kvl_steps.stream_id) holds no more."""
-LONG_NAMES_STREAM = "long-names"
-"""Where the events of an engine or a tier whose stream id would be longer than MAX_STREAM_ID go:
-each such engine or tier is refused (checks.MAX_STREAM_NAME), and its refusals are recorded here.
-Written to a stream named by the name itself, PostgreSQL refused each of them at the append,
-failing its whole group (an adversarial review, session 31)."""
+REFUSED_NAMES_STREAM = "refused-names"
+"""Where the events of an engine or a tier whose name cannot be in a stream id go: longer than
+MAX_STREAM_ID, or holding a NUL (PostgreSQL's text holds none). Each such engine or tier is
+refused (checks.stream_name), and its refusals are recorded here. Written to a stream named by
+the name itself, PostgreSQL refused each of them at the append, failing its whole group (an
+adversarial review, session 31)."""
 
 
 class StepEvents(NamedTuple):
@@ -64,7 +65,7 @@ def engine_stream(engine_id: str) -> str:
 
 
 def _bounded(stream: str) -> str:
-    return stream if len(stream) <= MAX_STREAM_ID else LONG_NAMES_STREAM
+    return stream if len(stream) <= MAX_STREAM_ID and "\x00" not in stream else REFUSED_NAMES_STREAM
 
 
 def stream_for(state: State, command: AnyCommand) -> str:

@@ -74,9 +74,10 @@ def scoped(engine_id: str, kind: str, command_id: str) -> str:
     engine id's length is spelled out, so no engine id (they may hold "/") can forge another's
     scope: engine "team" with id "a/s1" and engine "team/a" with id "s1" used to be one id. The
     log keeps them in a 128-character column: a longer one is kept as its digest, the same for
-    every retry (PostgreSQL refused it at the append, failing the whole group)."""
+    every retry (PostgreSQL refused it at the append, failing the whole group), and so is one
+    holding a NUL, which PostgreSQL's text cannot hold (session 31)."""
     scoped_id = f"{kind}:{len(engine_id)}:{engine_id}/{command_id}"
-    if len(scoped_id) <= MAX_LOGGED_COMMAND_ID:
+    if len(scoped_id) <= MAX_LOGGED_COMMAND_ID and "\x00" not in scoped_id:
         return scoped_id
     return "sha256:" + hashlib.sha256(scoped_id.encode()).hexdigest()
 

@@ -138,6 +138,25 @@ async def test_I9_audit_reads_follow_the_declaration_in_force_when_an_engine_cha
         await k.log.close()
 
 
+async def test_a_request_id_holding_a_nul_is_indexed_and_the_index_keeps_up(log_url: str) -> None:
+    """PostgreSQL's text holds no NUL. One StartOwner with req_id "a\\x00b" (the core takes any
+    string there) failed every catch-up of the index on PostgreSQL, and every tenant's audit
+    answered 503 (an adversarial review, session 31). The index writes U+FFFD for the NUL there;
+    SQLite keeps the string as it is. The log keeps it as sent on both."""
+    k = await kit(log_url)
+    try:
+        await k.ledger.execute(declare("pod-x", "tenant-a"))
+        odd = await k.owner("pod-x", "a\x00b")
+        plain = await k.owner("pod-x", "plain")
+        await sync_index(k.log)
+        assert await k.log.checkpoint("audit") == await k.log.head()
+        indexed = "a\ufffdb" if log_url.startswith("postgresql") else "a\x00b"
+        assert (await Audit(k.log).request(indexed)).owners[0].owner_id == odd
+        assert (await Audit(k.log).request("plain")).owners[0].owner_id == plain
+    finally:
+        await k.log.close()
+
+
 async def test_a_cached_free_block_taken_again_by_a_reuse_is_held_by_the_reuser(log_url: str) -> None:
     k = await kit(log_url)
     try:

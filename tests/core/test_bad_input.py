@@ -20,7 +20,14 @@ import msgspec
 import pytest
 
 from coordinator.core import CoordinatorCore
-from coordinator.core.checks import MAX_CLOCK_JUMP, MAX_STEP_JUMP, MAX_STREAM_NAME
+from coordinator.core.checks import (
+    MAX_CLOCK_JUMP,
+    MAX_ENCODER_CACHE_TOKENS,
+    MAX_ENCODER_ENTRIES,
+    MAX_ENCODER_ENTRY_ID,
+    MAX_STEP_JUMP,
+    MAX_STREAM_NAME,
+)
 from coordinator.core.commands import (
     NOTICES,
     AllocateBlocks,
@@ -599,3 +606,34 @@ def test_declare_tier_with_a_name_longer_than_a_stream_name(world: World) -> Non
     long = TierSpec(name="t" * (MAX_STREAM_NAME + 1), num_slots=4, bytes_per_slot=64)
     assert_rejected(world.core, DeclareTier(spec=long), Reason.INVALID_ARGUMENT, "tier name", "249")
     keeps_serving(world.core, DeclareTier(spec=TierSpec(name="t" * MAX_STREAM_NAME, num_slots=4, bytes_per_slot=64)))
+
+
+@pytest.mark.parametrize("bad", ["a\x00b", "tab\there", "\x7f"], ids=["nul", "tab", "del"])
+def test_an_engine_id_or_tier_name_holding_a_control_character_is_refused(world: World, bad: str) -> None:
+    """Each names a stream of the log, and PostgreSQL's text holds no NUL: an engine id "N\\x00"
+    failed every append of its group (an adversarial review, session 31)."""
+    assert_rejected(world.core, declare(bad), Reason.INVALID_ARGUMENT, "engine_id", "control character")
+    tier = DeclareTier(spec=TierSpec(name=bad, num_slots=4, bytes_per_slot=64))
+    assert_rejected(world.core, tier, Reason.INVALID_ARGUMENT, "tier name", "control character")
+    keeps_serving(world.core, declare("engine-b"))
+
+
+@pytest.mark.parametrize("tokens", [MAX_ENCODER_CACHE_TOKENS + 1, 2**62])
+def test_declare_engine_with_an_encoder_cache_beyond_any_engines(world: World, tokens: int) -> None:
+    bad = msgspec.structs.replace(declare(), encoder_cache_tokens=tokens)
+    assert_rejected(world.core, bad, Reason.INVALID_COUNT, "encoder_cache_tokens", f"{tokens:,}")
+    keeps_serving(world.core, msgspec.structs.replace(declare(), encoder_cache_tokens=MAX_ENCODER_CACHE_TOKENS))
+
+
+def test_encoder_entries_are_bounded_in_number_and_id_length(world: World) -> None:
+    """One-token entries never freed, in a cache of 2**62 tokens, grew the state without end and
+    made every allocation sum every entry (an adversarial review, session 31)."""
+    long_id = AllocateEncoderEntry(engine_id=ENGINE, entry_id="x" * (MAX_ENCODER_ENTRY_ID + 1), num_tokens=1)
+    assert_rejected(world.core, long_id, Reason.INVALID_ARGUMENT, "entry_id", f"{MAX_ENCODER_ENTRY_ID + 1}")
+    core = new_core(pools(), encoder_cache_tokens=MAX_ENCODER_ENTRIES + 8)  # room in tokens: the count fills
+    begin(core, clock=CLOCK)
+    for index in range(MAX_ENCODER_ENTRIES):
+        ok(core.execute(AllocateEncoderEntry(engine_id=ENGINE, entry_id=f"e{index}", num_tokens=1)))
+    one_more = AllocateEncoderEntry(engine_id=ENGINE, entry_id="one-more", num_tokens=1)
+    assert_rejected(core, one_more, Reason.ENCODER_CACHE_FULL, f"{MAX_ENCODER_ENTRIES:,} entries")
+    keeps_serving(core, FreeEncoderEntry(engine_id=ENGINE, entry_id="e0"))

@@ -20,7 +20,7 @@ from coordinator.core.commands import (
     StartStore,
 )
 from coordinator.core.state import encode_state
-from coordinator.core.step import LONG_NAMES_STREAM
+from coordinator.core.step import REFUSED_NAMES_STREAM
 from coordinator.ledger.ledger import Ledger, Step, StepCommit
 from coordinator.ledger.recovery import make_snapshot, recover, replay
 from events import BlocksAllocated, EventCodec, OwnerStarted, Reason, Refused, StoreJobStarted, TierSpec
@@ -176,7 +176,7 @@ async def test_a_tier_or_engine_named_longer_than_a_stream_is_refused_and_the_re
     """A stream id is at most 255 characters (kvl_steps.stream_id). A DeclareTier of a 300-character
     name went to the stream "tier/<name>": PostgreSQL refused the append, the group failed and the
     ledger was rebuilt from the log, once for every declaration an attacker sent (an adversarial
-    review, session 31). Now the name is refused and the refusal committed to LONG_NAMES_STREAM;
+    review, session 31). Now the name is refused and the refusal committed to REFUSED_NAMES_STREAM;
     the log serves on."""
     ledger = await Ledger.open(event_log)
     await _declare(ledger)
@@ -191,7 +191,7 @@ async def test_a_tier_or_engine_named_longer_than_a_stream_is_refused_and_the_re
         [refused] = commit.events
         assert isinstance(refused, Refused) and refused.reason is Reason.INVALID_ARGUMENT and what in refused.detail
     stored = await event_log.read(head, 10)
-    assert [(s.stream_id, s.event_type) for s in stored] == [(LONG_NAMES_STREAM, "refused")] * 2
+    assert [(s.stream_id, s.event_type) for s in stored] == [(REFUSED_NAMES_STREAM, "refused")] * 2
     await _serve_request(ledger, 0, 1.0)  # and the ledger goes on
 
 

@@ -109,6 +109,21 @@ async def test_a_report_id_reused_for_another_job_or_rank_is_refused(event_log: 
         await worker.aclose()
 
 
+async def test_a_command_id_holding_a_nul_is_committed_once_and_a_retry_answered_from_the_log(
+    event_log: EventLog, tmp_path: Path
+) -> None:
+    """PostgreSQL's text holds no NUL: a client's command id "s\\x00" failed its group's append
+    every time (an adversarial review, session 31). The log keeps such an id as its digest, as it
+    keeps one too long, the same for every retry."""
+    sock = tmp_path / "s.sock"
+    async with sidecar_on(event_log, sock), _client(sock, "pod-a") as client:
+        commands = [StartOwner(engine_id="pod-a", req_id="nul-id")]
+        first = await client.step(1, 1.0, commands, command_id="s\x00")
+        again = await client.step(1, 1.0, commands, command_id="s\x00")
+        assert (again.first_seq, again.last_seq, again.duplicate) == (first.first_seq, first.last_seq, True)
+        assert not first.duplicate
+
+
 @pytest.mark.parametrize("control", [BeginStep(engine_id="pod-a", step=7, clock=7.0), EndStep(engine_id="pod-a")])
 async def test_a_step_or_an_execute_carrying_step_control_commands_is_refused_whole(
     event_log: EventLog, tmp_path: Path, control: BeginStep | EndStep
