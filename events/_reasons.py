@@ -52,6 +52,7 @@ class Reason(enum.StrEnum):
     TIER_FULL = "tier_full"  # I12
     POOL_EXHAUSTED = "pool_exhausted"
     ENCODER_CACHE_FULL = "encoder_cache_full"
+    TOO_MANY_JOBS = "too_many_jobs"  # an engine's jobs in flight, fenced ones too, are at their bound
     OUT_OF_BOUNDS = "out_of_bounds"  # I15
     OVERLAPPING_DESTINATIONS = "overlapping_destinations"  # I15
     REALLOCATED_IN_STEP = "reallocated_in_step"  # I14

@@ -378,7 +378,7 @@ class Indexer:
                 seq,
                 "store",
                 None,
-                f"tier {tier}: {len(items)} keys, {len(skipped)} already published{'' if pinned else ', NOT pinned'}",
+                f"tier {tier}: {len(items)} keys, {len(skipped)} already published or on their way in{'' if pinned else ', NOT pinned'}",
             )
         )
         touches, key_blocks = rows.slot_touches(engine, seq), rows.key_blocks
@@ -429,7 +429,7 @@ class Indexer:
                 seq,
                 "store",
                 None,
-                f"tier {tier}: {len(ext_items)} external keys, {len(skipped)} already published",
+                f"tier {tier}: {len(ext_items)} external keys, {len(skipped)} already published or on their way in",
             )
         )
         for ext in ext_items:

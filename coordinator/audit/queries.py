@@ -115,12 +115,19 @@ class Audit:
         return self.tenant is None or self._tenant_at(declarations, engine, seq) == self.tenant
 
     def _spans(self, declarations: dict[str, tuple[list[int], list[str]]]) -> list[tuple[str, int, int | None]]:
-        """(engine, from_seq, to_seq or None) of every declaration under the caller's tenant."""
-        spans = []
+        """(engine, from_seq, to_seq or None) of the caller's tenant's declarations, each run of
+        declarations one after another under it merged into one span (an engine restarted 1,100
+        times was 1,100 spans, and their query too deep for SQLite: the tenant's audit answered
+        500; an adversarial review, session 31)."""
+        spans: list[tuple[str, int, int | None]] = []
         for engine, (seqs, tenants) in declarations.items():
             for index, (seq, tenant) in enumerate(zip(seqs, tenants, strict=True)):
                 if self.tenant is None or tenant == self.tenant:
-                    spans.append((engine, seq, seqs[index + 1] if index + 1 < len(seqs) else None))
+                    end = seqs[index + 1] if index + 1 < len(seqs) else None
+                    if spans and spans[-1][0] == engine and spans[-1][2] == seq:
+                        spans[-1] = (engine, spans[-1][1], end)
+                    else:
+                        spans.append((engine, seq, end))
         return spans
 
     def _span_filter(
@@ -136,9 +143,10 @@ class Audit:
         spans = self._spans(self._declarations(conn) if declarations is None else declarations)
         if not spans:
             return sa.false()
-        return sa.or_(
-            *(sa.and_(engine == name, seq >= start, *(() if end is None else (seq < end,))) for name, start, end in spans)
-        )
+        ranges: dict[str, list[tuple[int, int | None]]] = {}
+        for name, start, end in spans:
+            ranges.setdefault(name, []).append((start, end))
+        return _in_spans(engine, seq, sorted(ranges.items()))
 
     def _check(self, tenant: str | None, what: str) -> None:
         if self.tenant is not None and tenant != self.tenant:
@@ -849,3 +857,36 @@ def parse_time(text: str) -> float:
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=dt.UTC)
     return moment.timestamp()
+
+
+_FLAT = 8
+"""Terms an OR of the span filter holds before it splits (`_in_spans`)."""
+
+
+def _in_spans(
+    engine: sa.ColumnElement[Any], seq: sa.ColumnElement[Any], ranges: list[tuple[str, list[tuple[int, int | None]]]]
+) -> sa.ColumnElement[bool]:
+    """Rows of these engines within these sequence ranges (each engine's sorted, apart), as a
+    search tree: split on the middle engine, then on the middle range's start. SQLite parses a
+    flat OR of n terms n deep and refuses one deeper than 1,000 ("Expression tree is too large"):
+    an engine declared in turn under two tenants 2,100 times was 1,050 spans of one tenant, whose
+    audit then answered 500 (an adversarial review, session 31). Split, n spans are ~2 log2(n)
+    deep; the AND of each side keeps its OR in parentheses."""
+    if len(ranges) > _FLAT:
+        middle = len(ranges) // 2
+        split = ranges[middle][0]
+        return sa.or_(
+            sa.and_(engine < split, _in_spans(engine, seq, ranges[:middle])),
+            sa.and_(engine >= split, _in_spans(engine, seq, ranges[middle:])),
+        )
+    return sa.or_(*(sa.and_(engine == name, _in_ranges(seq, of_engine)) for name, of_engine in ranges))
+
+
+def _in_ranges(seq: sa.ColumnElement[Any], ranges: list[tuple[int, int | None]]) -> sa.ColumnElement[bool]:
+    if len(ranges) > _FLAT:
+        middle = len(ranges) // 2
+        split = ranges[middle][0]
+        return sa.or_(
+            sa.and_(seq < split, _in_ranges(seq, ranges[:middle])), sa.and_(seq >= split, _in_ranges(seq, ranges[middle:]))
+        )
+    return sa.or_(*(sa.and_(seq >= start, *(() if end is None else (seq < end,))) for start, end in ranges))

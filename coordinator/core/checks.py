@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from coordinator.core.state import EngineState, OwnerState, PoolState, State, TierState
+from coordinator.core.state import EngineState, OwnerState, PoolState, State, TierState, jobs_in_flight
 from events import NULL_BLOCK_ID, BlockRef, Reason
 
 MAX_BLOCKS_PER_POOL = 1 << 24
@@ -38,6 +38,15 @@ item's embeddings, hundreds to thousands of tokens each: tens of entries), entry
 256 characters. Unbounded (a cache of 2**62 tokens, one-token entries never freed), an engine grew
 the state by ~1 MiB a step, and each allocation summed every entry on the event loop: 158-264 ms a
 256-allocation step while other engines waited (an adversarial review, session 31)."""
+MAX_JOBS_PER_ENGINE = 1 << 14
+"""Jobs an engine may have in flight, fenced ones waiting for their ranks included. Jobs that were
+never reported held state without end: 150 steps each loading one key 20,000 times kept 464 MiB,
+and 204,800 one-key loads made every StoreExternal of any engine 20x slower and one ResetCache
+fence them all in 1.4 s on the event loop (an adversarial review, session 31). vLLM has a few
+jobs in flight a step, each ended within a step or two."""
+MAX_ITEMS_PER_ENGINE = 1 << 20
+"""Blocks or keys an engine's jobs in flight may move together (a job's items; ~150 B each in the
+state): a job of one key named 20,000 times is 20,000 items."""
 MAX_CLOCK_JUMP = float(1 << 28)
 """How far one step's clock (seconds) may leap past the engine's last (~8.5 years). The first
 step of an incarnation may set any finite clock; every later one moves from it."""
@@ -57,6 +66,19 @@ def stream_name(value: str, what: str) -> None:
     found = _CONTROL.search(value)
     if found is not None:
         raise Refusal(Reason.INVALID_ARGUMENT, f"{what} holds the control character {found.group()!r}")
+
+
+def room_for_a_job(state: State, eng: EngineState, items: int) -> None:
+    """Refuses a new job of `items` blocks or keys of an engine that has MAX_JOBS_PER_ENGINE jobs
+    in flight (fenced ones too), or would have more than MAX_ITEMS_PER_ENGINE items in them."""
+    jobs, held = jobs_in_flight(state, eng.engine_id)
+    if jobs >= MAX_JOBS_PER_ENGINE or held + items > MAX_ITEMS_PER_ENGINE:
+        raise Refusal(
+            Reason.TOO_MANY_JOBS,
+            f"engine {eng.engine_id!r} has {jobs:,} jobs of {held:,} items in flight, at most {MAX_JOBS_PER_ENGINE:,} "
+            f"of {MAX_ITEMS_PER_ENGINE:,} items (this one has {items:,}): they end as their ranks report (or fenced "
+            "ranks are released)",
+        )
 
 
 class Refusal(Exception):

@@ -71,7 +71,7 @@ def describe(event: Event) -> str:
         case PrefixLookedUp(num_tokens=n, boundary=boundary, reuse_unit=unit):
             return f"lookup of {n} tokens: hit {boundary} (unit {unit})"
         case StoreJobStarted(job_id=job_id, items=items, already_published=skipped):
-            extra = f", {len(skipped)} already published" if skipped else ""
+            extra = f", {len(skipped)} already published or on their way in" if skipped else ""
             return f"store job {job_id}: {_blocks([i.source for i in items])}{extra}"
         case LoadJobStarted(job_id=job_id, items=items, lease_expires_at=expiry):
             return f"load job {job_id}: into {_blocks([i.dest for i in items])}, lease to t={expiry:g}"

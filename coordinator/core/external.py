@@ -271,6 +271,7 @@ def _admitted(
 
 def _store_external(state: State, command: StoreExternal) -> list[Event]:
     eng = check.engine_in_step(state, command.engine_id)
+    check.room_for_a_job(state, eng, len(command.keys))
     tier = check.tier(state, eng, command.tier)
     pool_ids, engine_keys = _columns(eng, command.keys)
     keys = tier_keys(eng.namespace_id, pool_ids, engine_keys)
@@ -304,6 +305,7 @@ def _store_external(state: State, command: StoreExternal) -> list[Event]:
 
 def _load_external(state: State, command: LoadExternal) -> list[Event]:
     eng = check.engine_in_step(state, command.engine_id)
+    check.room_for_a_job(state, eng, len(command.keys))
     tier = check.tier(state, eng, command.tier)
     pool_ids, engine_keys = _columns(eng, command.keys)
     check.finite(command.lease_seconds, "lease_seconds", high=check.MAX_LEASE_SECONDS)

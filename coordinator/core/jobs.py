@@ -191,6 +191,7 @@ def prefix_hit(
 
 def _start_store(state: State, command: StartStore) -> list[Event]:
     eng = check.engine_in_step(state, command.engine_id)
+    check.room_for_a_job(state, eng, len(command.blocks))
     tier = check.tier(state, eng, command.tier)
     check.unique_refs(command.blocks, "blocks to store")
     to_store: list[tuple[BlockRef, bytes]] = []
@@ -262,6 +263,7 @@ def _start_store(state: State, command: StartStore) -> list[Event]:
 
 def _start_load(state: State, command: StartLoad) -> list[Event]:
     eng = check.engine_in_step(state, command.engine_id)
+    check.room_for_a_job(state, eng, len(command.items))
     tier = check.tier(state, eng, command.tier)
     check.count(len(command.items), check.MAX_ITEMS_PER_COMMAND, "number of load items")
     check.finite(command.lease_seconds, "lease_seconds", high=check.MAX_LEASE_SECONDS)
@@ -311,6 +313,7 @@ def _start_load(state: State, command: StartLoad) -> list[Event]:
 
 def _plan_state_copy(state: State, command: PlanStateCopy) -> list[Event]:
     eng = check.engine_in_step(state, command.engine_id)
+    check.room_for_a_job(state, eng, 0)
     pool = check.pool(eng, command.pool_id)
     if pool.spec.kind == "encoder":
         raise Refusal(Reason.INVALID_ARGUMENT, f"pool {pool.spec.pool_id} is an encoder pool")

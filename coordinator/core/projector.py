@@ -21,6 +21,7 @@ from coordinator.core.state import (
     PoolState,
     State,
     TierState,
+    count_job,
     observed_place,
     pack_checksums,
     removed,
@@ -347,6 +348,7 @@ def _blocks_computed(state: State, event: BlocksComputed) -> None:
 
 def _store_job_started(state: State, event: StoreJobStarted) -> None:
     state.jobs[event.job_id] = JobState(decision=event)
+    count_job(state, event, 1)
     state.next_job_id = event.job_id + 1
     items = event.items
     if event.pinned:
@@ -371,6 +373,7 @@ def _reserve(tier: TierState, items: list[StoreItem] | list[ExternalItem]) -> No
 def _load_job_started(state: State, event: LoadJobStarted) -> None:
     job_id = event.job_id
     state.jobs[job_id] = JobState(decision=event)
+    count_job(state, event, 1)
     state.next_job_id = job_id + 1
     items = event.items
     if event.pinned:
@@ -391,6 +394,7 @@ def _load_job_started(state: State, event: LoadJobStarted) -> None:
 
 def _state_copy_planned(state: State, event: StateCopyPlanned) -> None:
     state.jobs[event.job_id] = JobState(decision=event)
+    count_job(state, event, 1)
     state.next_job_id = event.job_id + 1
     pool = state.engines[event.engine_id].pools[event.pool_id]
     for ref in event.blocks:
@@ -403,6 +407,7 @@ def _external_store_started(state: State, event: ExternalStoreStarted) -> None:
     """Tier slots are reserved for the new keys; the engine's blocks are its own (no pins here:
     vLLM keeps them until the job completes)."""
     state.jobs[event.job_id] = JobState(decision=event)
+    count_job(state, event, 1)
     state.next_job_id = event.job_id + 1
     _reserve(state.tiers[event.tier], event.items)
 
@@ -410,6 +415,7 @@ def _external_store_started(state: State, event: ExternalStoreStarted) -> None:
 def _external_load_started(state: State, event: ExternalLoadStarted) -> None:
     job_id = event.job_id
     state.jobs[job_id] = JobState(decision=event)
+    count_job(state, event, 1)
     state.next_job_id = job_id + 1
     tier, expires = state.tiers[event.tier], event.lease_expires_at
     published, leases = tier.published, tier.leases
@@ -523,11 +529,13 @@ def _end_job(state: State, job: JobState, succeeded: bool, kept: int = 0) -> Non
     destinations count as computed when it succeeded, or up to `kept` when it failed from there.
     External jobs (an engine's own blocks) pin nothing and count nothing as computed."""
     decision = job.decision
+    count_job(state, decision, -1)
     _ENDS[type(decision)](state, decision, succeeded, kept)
 
 
 def _job_succeeded(state: State, event: JobSucceeded) -> None:
     decision = state.jobs.pop(event.job_id).decision
+    count_job(state, decision, -1)
     _ENDS[type(decision)](state, decision, True, 0)
 
 

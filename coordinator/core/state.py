@@ -307,9 +307,11 @@ def observed_place(medium: str, group: int) -> str:
     return f"{medium}/{group}"
 
 
-class State(msgspec.Struct, kw_only=True):
+class State(msgspec.Struct, kw_only=True, dict=True):
     """Everything the coordinator knows. Finished jobs leave `jobs`; ids below `next_job_id`
-    that are not in flight are stale (finished or fenced)."""
+    that are not in flight are stale (finished or fenced). Its __dict__ (msgspec `dict=True`,
+    never encoded) keeps what is derived from the rest: each engine's jobs in flight
+    (`jobs_in_flight`)."""
 
     namespaces: dict[bytes, NamespaceSpec] = msgspec.field(default_factory=dict)
     tiers: dict[str, TierState] = msgspec.field(default_factory=dict)
@@ -324,6 +326,44 @@ class State(msgspec.Struct, kw_only=True):
     next_job_id: int = 1
     last_event: int = 0
     """How many events have been folded in."""
+
+
+_IN_FLIGHT = "in_flight"
+"""The key in State.__dict__ of engine id -> [jobs, items] in flight (fenced jobs included)."""
+
+
+def _items_of(decision: JobDecision) -> int:
+    items = getattr(decision, "items", None)
+    return 0 if items is None else len(items)
+
+
+def jobs_in_flight(state: State, engine_id: str) -> tuple[int, int]:
+    """The engine's jobs in flight, fenced ones waiting for their ranks included, and their items
+    (blocks or keys to move). Kept by the projector as jobs begin and end (`count_job`), counted
+    afresh here from `jobs` and `fenced` when the state has no count yet (a state decoded from a
+    snapshot): O(1) a question, not a walk of every job (checks.room_for_a_job asks at each)."""
+    counts: dict[str, list[int]] | None = state.__dict__.get(_IN_FLIGHT)
+    if counts is None:
+        counts = {}
+        for job in [*state.jobs.values(), *(fenced.job for fenced in state.fenced.values())]:
+            counted = counts.setdefault(job.decision.engine_id, [0, 0])
+            counted[0] += 1
+            counted[1] += _items_of(job.decision)
+        state.__dict__[_IN_FLIGHT] = counts
+    held = counts.get(engine_id)
+    return (0, 0) if held is None else (held[0], held[1])
+
+
+def count_job(state: State, decision: JobDecision, sign: int) -> None:
+    """A job began (`sign` 1) or ended (-1): its engine's count in flight follows, once counted."""
+    counts: dict[str, list[int]] | None = state.__dict__.get(_IN_FLIGHT)
+    if counts is None:
+        return  # counted afresh when first asked (jobs_in_flight)
+    held = counts.get(decision.engine_id)
+    if held is None:
+        held = counts[decision.engine_id] = [0, 0]
+    held[0] += sign
+    held[1] += sign * _items_of(decision)
 
 
 SNAPSHOT_SCHEMA_VERSION = 7

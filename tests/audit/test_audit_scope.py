@@ -157,6 +157,30 @@ async def test_a_request_id_holding_a_nul_is_indexed_and_the_index_keeps_up(log_
         await k.log.close()
 
 
+async def test_a_tenants_audit_answers_through_thousands_of_declarations_of_its_engines(log_url: str) -> None:
+    """An engine restarted 1,100 times was 1,100 spans of its tenant, each a term of one OR, and
+    SQLite refused the query as too deep: the tenant's refusals and requests answered 500 (an
+    adversarial review, session 31). Declarations one after another under the tenant are one span
+    now, and spans apart (an engine declared in turn under two tenants) are ORed as a balanced tree."""
+    k = await kit(log_url)
+    try:
+        for _ in range(1_100):  # a crash loop: one span
+            await k.ledger.execute(declare("pod-x", "tenant-a"))
+        for index in range(2_100):  # in turn under two tenants: 1,050 spans of tenant-a
+            await k.ledger.execute(declare("pod-y", "tenant-a" if index % 2 == 0 else "tenant-b"))
+        await k.ledger.execute(declare("pod-y", "tenant-a"))
+        mine = await k.owner("pod-y", "mine")
+        await k.step("pod-x", [AllocateBlocks(engine_id="pod-x", owner_id=424242, pool_id=0, count=1)])  # refused
+        await sync_index(k.log)
+        tenant_a = Audit(k.log, tenant="tenant-a")
+        assert len(tenant_a._spans(await tenant_a._read(tenant_a._declarations))) == 1 + 1_051
+        assert (await tenant_a.request("mine")).owners[0].owner_id == mine
+        assert [r.reason for r in await tenant_a.refusals()] == ["unknown_owner"]
+        assert await Audit(k.log, tenant="tenant-b").refusals() == []
+    finally:
+        await k.log.close()
+
+
 async def test_a_cached_free_block_taken_again_by_a_reuse_is_held_by_the_reuser(log_url: str) -> None:
     k = await kit(log_url)
     try:

@@ -445,6 +445,37 @@ def test_I12_an_eviction_of_a_leased_key_is_flagged(protection_on: bool) -> None
     assert ("Refused:tier_full" in recorded(core)) == protection_on
 
 
+@pytest.mark.parametrize("expired", [True, False], ids=["expired on its engine", "live on its engine"])
+def test_I12_a_lease_is_read_on_the_clock_of_the_engine_whose_load_holds_it(expired: bool) -> None:
+    """Engines' clocks have bases of their own (an adversarial review, session 31). Another
+    engine's eviction of the key is flagged I12 exactly when the lease is live on the loading
+    engine's clock, whatever the evicting engine's clock says; the decider evicts exactly then
+    (coordinator/core/tier_slots.py lease_live). A log of kvledger before session 31, which read
+    leases on the evicting engine's clock, can be flagged here where it was not."""
+    core = new_core(tier_slots=1)
+    new_core(core=core, engine_id="engine-b", tenant="tenant-b")
+    begin(core, clock=1e6)
+    [leased] = publish(core, TOKENS[:4])
+    load(core, [leased], allocate(core, owner(core, "reader"), 1))
+    end(core)
+    begin(core, clock=1e6 + (31.0 if expired else 1.0))
+    end(core)
+    begin(core, clock=1e9 if not expired else 1.0, engine_id="engine-b")  # far ahead, or far behind
+    own = owner(core, "writer", engine_id="engine-b")
+    blocks = allocate(core, own, 1, engine_id="engine-b")
+    compute(core, own, blocks, [7] * 4, engine_id="engine-b")
+    events = core.execute(StartStore(engine_id="engine-b", tier=TIER, blocks=blocks))
+    evicted = [e.key for e in events if isinstance(e, KeyEvicted)]
+    assert evicted == ([leased] if expired else []), events
+    assert found(core.events) == []  # the decider's eviction is never flagged
+    if not expired:  # the same eviction forced into the log: live on the loader's clock, flagged
+        [refused] = events
+        slot = core.state.tiers[TIER].published[0][leased]
+        forced = KeyEvicted(tier=TIER, pool_id=0, key=leased, tier_slot=slot, engine_id="engine-b")
+        at = core.events.index(refused) + 1
+        assert found(replaced(core.events, at, forced)) == [("I12", at)]
+
+
 @pytest.mark.parametrize("protection_on", [True, False])
 def test_I13_a_load_whose_reads_differ_from_the_published_checksums_is_flagged(protection_on: bool) -> None:
     core = core_with(*off_unless(protection_on, Protection.CHECKSUMS))

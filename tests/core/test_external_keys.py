@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from coordinator.core.checks import MAX_ITEMS_PER_COMMAND, MAX_ITEMS_PER_ENGINE, MAX_JOBS_PER_ENGINE
 from coordinator.core.commands import (
     DeclareEngine,
     ExternalKey,
@@ -22,6 +23,7 @@ from coordinator.core.completion import complete
 from coordinator.core.external import RECENT_EXTERNAL_KEYS, external_key, tier_keys
 from coordinator.core.keys import namespace_id
 from coordinator.core.protections import Protection, switched_off
+from coordinator.core.state import decode_state, encode_state, jobs_in_flight
 from events import (
     Event,
     ExternalLoadStarted,
@@ -401,3 +403,39 @@ def test_a_reset_that_reaches_the_tier_ends_the_namespaces_keys() -> None:
     begin(core, engine_id=other)
     assert loadable(core, 7, engine_id=other) == [True]
     assert replay_matches(core)
+
+
+def test_an_engines_jobs_in_flight_are_bounded_in_number() -> None:
+    """Jobs never reported held state without end (150 loads of one key named 20,000 times kept
+    464 MiB), slowed every engine's stores and made one ResetCache fence them all at once (an
+    adversarial review, session 31). An engine has at most MAX_JOBS_PER_ENGINE jobs in flight; as
+    they end it starts more, and another engine is counted on its own."""
+    core = core_with()
+    publish(core, 1)
+    started = [load(core, 1) for _ in range(MAX_JOBS_PER_ENGINE)]
+    assert jobs_in_flight(core.state, ENGINE) == (MAX_JOBS_PER_ENGINE, MAX_JOBS_PER_ENGINE)
+    one_more = LoadExternal(engine_id=ENGINE, tier=TIER, keys=refs(1), lease_seconds=30.0)
+    refused = rejected(core, one_more, Refused, Reason.TOO_MANY_JOBS)
+    assert f"{MAX_JOBS_PER_ENGINE:,} jobs" in str(refused) and repr(ENGINE) in str(refused)
+    other = core_with(engine_id="engine-b", core=core)
+    assert jobs_in_flight(other.state, "engine-b") == (0, 0)
+    publish(other, 2, engine_id="engine-b")  # not held back by engine-a's count
+    for job in started[:2]:  # two loads end: two more may start
+        for rank in range(WORLD):
+            report(core, job, rank, checksums=[item.checksums[rank] for item in job.items])
+    assert jobs_in_flight(core.state, ENGINE) == (MAX_JOBS_PER_ENGINE - 2, MAX_JOBS_PER_ENGINE - 2)
+    ok(core.execute(one_more))
+    assert jobs_in_flight(core.state, ENGINE) == jobs_in_flight(decode_state(encode_state(core.state)), ENGINE)
+    assert replay_matches(core)
+
+
+def test_an_engines_items_in_flight_are_bounded() -> None:
+    """A job of one key named 65,536 times is 65,536 items: at most MAX_ITEMS_PER_ENGINE in flight."""
+    core = core_with()
+    publish(core, 1)
+    wide = LoadExternal(engine_id=ENGINE, tier=TIER, keys=refs(1) * MAX_ITEMS_PER_COMMAND, lease_seconds=30.0)
+    for _ in range(MAX_ITEMS_PER_ENGINE // MAX_ITEMS_PER_COMMAND):
+        ok(core.execute(wide))
+    assert jobs_in_flight(core.state, ENGINE)[1] == MAX_ITEMS_PER_ENGINE
+    refused = rejected(core, msgspec.structs.replace(wide, keys=refs(1)), Refused, Reason.TOO_MANY_JOBS)
+    assert f"{MAX_ITEMS_PER_ENGINE:,} items" in str(refused)

@@ -6,7 +6,9 @@ from hypothesis.stateful import invariant
 
 from coordinator.core.projector import project
 from coordinator.core.state import (
+    decode_state,
     encode_state,
+    jobs_in_flight,
 )
 from events import (
     KeyPublished,
@@ -85,6 +87,10 @@ class Invariants(MachineBase):
         assert sorted(self.core.state.jobs) == self.open_job_ids()
         draining = sorted(i for i, job in self.jobs.items() if job.status == "fenced" and job.holds_slots())
         assert sorted(self.core.state.fenced) == draining
+        # The projector's count of them (checks.room_for_a_job reads it) is a fresh count's.
+        kept = jobs_in_flight(self.core.state, self.engine.engine_id)
+        fresh = decode_state(encode_state(self.core.state))  # no count kept: counted afresh
+        assert kept == jobs_in_flight(fresh, self.engine.engine_id), (kept, len(self.core.state.jobs))
 
     @invariant()
     def published_keys_come_from_successful_stores(self) -> None:

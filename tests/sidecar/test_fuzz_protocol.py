@@ -789,8 +789,10 @@ async def test_a_workers_connection_reports_for_its_own_rank_only(event_log: Eve
         with pytest.raises(SidecarError) as refused:
             if batched:
                 worker = SyncWorkerClient(address, "pod-a", 0, retry_for=5)
-                await anyio.to_thread.run_sync(worker.report_all, [(honest[0], "r0"), (honest[1], "r1")])
-                worker.close()
+                try:
+                    await anyio.to_thread.run_sync(worker.report_all, [(honest[0], "r0"), (honest[1], "r1")])
+                finally:
+                    worker.close()
             else:
                 await WorkerClient(address, "pod-a", 0).report(honest[1])
         assert refused.value.code == p.ErrorCode.INVALID_MESSAGE
