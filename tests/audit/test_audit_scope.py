@@ -169,12 +169,16 @@ async def test_a_tenants_audit_answers_through_thousands_of_declarations_of_its_
         for index in range(2_100):  # in turn under two tenants: 1,050 spans of tenant-a
             await k.ledger.execute(declare("pod-y", "tenant-a" if index % 2 == 0 else "tenant-b"))
         await k.ledger.execute(declare("pod-y", "tenant-a"))
+        for index in range(20):  # more engines than one OR holds, names in no particular order
+            await k.ledger.execute(declare(f"{'Zz_-'[index % 4]}pod-{index}", "tenant-a"))
         mine = await k.owner("pod-y", "mine")
+        theirs = await k.owner("_pod-18", "theirs")
         await k.step("pod-x", [AllocateBlocks(engine_id="pod-x", owner_id=424242, pool_id=0, count=1)])  # refused
         await sync_index(k.log)
         tenant_a = Audit(k.log, tenant="tenant-a")
-        assert len(tenant_a._spans(await tenant_a._read(tenant_a._declarations))) == 1 + 1_051
+        assert len(tenant_a._spans(await tenant_a._read(tenant_a._declarations))) == 1 + 1_051 + 20
         assert (await tenant_a.request("mine")).owners[0].owner_id == mine
+        assert (await tenant_a.request("theirs")).owners[0].owner_id == theirs
         assert [r.reason for r in await tenant_a.refusals()] == ["unknown_owner"]
         assert await Audit(k.log, tenant="tenant-b").refusals() == []
     finally:
