@@ -146,7 +146,10 @@ class Audit:
         ranges: dict[str, list[tuple[int, int | None]]] = {}
         for name, start, end in spans:
             ranges.setdefault(name, []).append((start, end))
-        return _in_spans(engine, seq, list(ranges.items()))
+        # Split on names in code-point order, as Python sorts them: PostgreSQL's text compares in
+        # the database's locale unless told "C" (byte order, which is code-point order in UTF-8).
+        ordered = engine.collate("C") if conn.dialect.name == "postgresql" else engine
+        return _in_spans(engine, ordered, seq, sorted(ranges.items()))
 
     def _check(self, tenant: str | None, what: str) -> None:
         if self.tenant is not None and tenant != self.tenant:
@@ -864,22 +867,24 @@ _FLAT = 8
 
 
 def _in_spans(
-    engine: sa.ColumnElement[Any], seq: sa.ColumnElement[Any], ranges: list[tuple[str, list[tuple[int, int | None]]]]
+    engine: sa.ColumnElement[Any],
+    ordered: sa.ColumnElement[Any],
+    seq: sa.ColumnElement[Any],
+    ranges: list[tuple[str, list[tuple[int, int | None]]]],
 ) -> sa.ColumnElement[bool]:
-    """Rows of these engines within these sequence ranges (each engine's sorted, apart), as a
-    search tree: the engines split in two halves (`engine IN` each half's names: no order on
-    names, whose collation may differ between the database and Python), then each engine's
-    ranges on the middle range's start. SQLite parses a flat OR of n terms n deep and refuses one
-    deeper than 1,000 ("Expression tree is too large"): an engine declared in turn under two
-    tenants 2,100 times was 1,050 spans of one tenant, whose audit then answered 500 (an
-    adversarial review, session 31). Split, n spans are ~2 log2(n) deep; the AND of each side
-    keeps its OR in parentheses."""
+    """Rows of these engines (`ranges` sorted by name in code-point order; `ordered`, the engine
+    column compared in that order) within these sequence ranges (each engine's sorted, apart), as
+    a search tree: split on the middle engine's name, then on the middle range's start. SQLite
+    parses a flat OR of n terms n deep and refuses one deeper than 1,000 ("Expression tree is too
+    large"): an engine declared in turn under two tenants 2,100 times was 1,050 spans of one
+    tenant, whose audit then answered 500 (an adversarial review, session 31). Split, n spans are
+    ~2 log2(n) deep and take ~3 parameters each; the AND of each side keeps its OR in parentheses."""
     if len(ranges) > _FLAT:
         middle = len(ranges) // 2
-        left, right = ranges[:middle], ranges[middle:]
+        split = ranges[middle][0]
         return sa.or_(
-            sa.and_(engine.in_([name for name, _ in left]), _in_spans(engine, seq, left)),
-            sa.and_(engine.in_([name for name, _ in right]), _in_spans(engine, seq, right)),
+            sa.and_(ordered < split, _in_spans(engine, ordered, seq, ranges[:middle])),
+            sa.and_(ordered >= split, _in_spans(engine, ordered, seq, ranges[middle:])),
         )
     return sa.or_(*(sa.and_(engine == name, _in_ranges(seq, of_engine)) for name, of_engine in ranges))
 

@@ -6,8 +6,11 @@ state or with what the log recorded."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Literal
 
+import anyio
+import asyncpg
 import pytest
 
 from coordinator.audit import queries
@@ -34,6 +37,7 @@ from coordinator.ledger.ledger import Ledger
 from coordinator.ledger.recovery import replay
 from events import BlockRef, BlocksAllocated, EventCodec, OwnerStarted, StoreJobStarted, TierSpec
 from events.log import SqlEventLog, open_log, upgrade_log
+from tests.conftest import PG_URL, _admin_dsn, require_postgres
 from tests.kit import builders as b
 
 pytestmark = pytest.mark.anyio
@@ -183,6 +187,47 @@ async def test_a_tenants_audit_answers_through_thousands_of_declarations_of_its_
         assert await Audit(k.log, tenant="tenant-b").refusals() == []
     finally:
         await k.log.close()
+
+
+def test_the_span_filter_finds_every_engine_whatever_order_the_database_sorts_names_in() -> None:
+    """The filter splits engines on their names in Python's (code-point) order. PostgreSQL compares
+    text in the database's collation: under ICU's English one "_pod" sorts before "-pod", "apod"
+    and "Zpod", where Python puts it after all but "apod", and a split on that order sent rows down
+    the wrong branch, so a tenant's own request was not found (a review, session 31). A database
+    of that collation here; the filter compares names byte-wise ("C")."""
+    require_postgres()
+    anyio.run(_engines_found_in_an_icu_database)
+
+
+async def _engines_found_in_an_icu_database() -> None:
+    name = f"kvl_test_icu_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(_admin_dsn())
+    try:
+        await admin.execute(f"CREATE DATABASE \"{name}\" LOCALE_PROVIDER icu ICU_LOCALE 'en' LOCALE 'C.UTF-8' TEMPLATE template0")
+    except asyncpg.PostgresError as error:
+        pytest.skip(f"PostgreSQL cannot make an ICU database here: {error}")
+    finally:
+        await admin.close()
+    try:
+        k = await kit(f"{PG_URL.rsplit('/', 1)[0]}/{name}")
+        try:
+            engines = [f"{prefix}pod-{index}" for index in range(6) for prefix in ("_", "-", "a", "Z")]
+            owners = {}
+            for engine in engines:
+                await k.ledger.execute(declare(engine, "tenant-a"))
+                owners[engine] = await k.owner(engine, f"req-{engine}")
+            await sync_index(k.log)
+            tenant_a = Audit(k.log, tenant="tenant-a")
+            for engine in engines:
+                assert (await tenant_a.request(f"req-{engine}")).owners[0].owner_id == owners[engine], engine
+        finally:
+            await k.log.close()
+    finally:
+        admin = await asyncpg.connect(_admin_dsn())
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await admin.close()
 
 
 async def test_a_cached_free_block_taken_again_by_a_reuse_is_held_by_the_reuser(log_url: str) -> None:
