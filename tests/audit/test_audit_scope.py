@@ -37,7 +37,7 @@ from coordinator.ledger.ledger import Ledger
 from coordinator.ledger.recovery import replay
 from events import BlockRef, BlocksAllocated, EventCodec, OwnerStarted, StoreJobStarted, TierSpec
 from events.log import SqlEventLog, open_log, upgrade_log
-from tests.conftest import PG_URL, _admin_dsn, require_postgres
+from tests.conftest import PG_URL, _admin_dsn, _drop_pg_database, require_postgres
 from tests.kit import builders as b
 
 pytestmark = pytest.mark.anyio
@@ -196,11 +196,14 @@ def test_the_span_filter_finds_every_engine_whatever_order_the_database_sorts_na
     the wrong branch, so a tenant's own request was not found (a review, session 31). A database
     of that collation here; the filter compares names byte-wise ("C")."""
     require_postgres()
-    anyio.run(_engines_found_in_an_icu_database)
-
-
-async def _engines_found_in_an_icu_database() -> None:
     name = f"kvl_test_icu_{uuid.uuid4().hex[:12]}"
+    try:
+        anyio.run(_engines_found_in_an_icu_database, name)
+    finally:
+        _drop_pg_database(name)
+
+
+async def _engines_found_in_an_icu_database(name: str) -> None:
     admin = await asyncpg.connect(_admin_dsn())
     try:
         await admin.execute(f"CREATE DATABASE \"{name}\" LOCALE_PROVIDER icu ICU_LOCALE 'en' LOCALE 'C.UTF-8' TEMPLATE template0")
@@ -208,26 +211,19 @@ async def _engines_found_in_an_icu_database() -> None:
         pytest.skip(f"PostgreSQL cannot make an ICU database here: {error}")
     finally:
         await admin.close()
+    k = await kit(f"{PG_URL.rsplit('/', 1)[0]}/{name}")
     try:
-        k = await kit(f"{PG_URL.rsplit('/', 1)[0]}/{name}")
-        try:
-            engines = [f"{prefix}pod-{index}" for index in range(6) for prefix in ("_", "-", "a", "Z")]
-            owners = {}
-            for engine in engines:
-                await k.ledger.execute(declare(engine, "tenant-a"))
-                owners[engine] = await k.owner(engine, f"req-{engine}")
-            await sync_index(k.log)
-            tenant_a = Audit(k.log, tenant="tenant-a")
-            for engine in engines:
-                assert (await tenant_a.request(f"req-{engine}")).owners[0].owner_id == owners[engine], engine
-        finally:
-            await k.log.close()
+        engines = [f"{prefix}pod-{index}" for index in range(6) for prefix in ("_", "-", "a", "Z")]
+        owners = {}
+        for engine in engines:
+            await k.ledger.execute(declare(engine, "tenant-a"))
+            owners[engine] = await k.owner(engine, f"req-{engine}")
+        await sync_index(k.log)
+        tenant_a = Audit(k.log, tenant="tenant-a")
+        for engine in engines:
+            assert (await tenant_a.request(f"req-{engine}")).owners[0].owner_id == owners[engine], engine
     finally:
-        admin = await asyncpg.connect(_admin_dsn())
-        try:
-            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await admin.close()
+        await k.log.close()
 
 
 async def test_a_cached_free_block_taken_again_by_a_reuse_is_held_by_the_reuser(log_url: str) -> None:
